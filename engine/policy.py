@@ -1,0 +1,76 @@
+"""The scheduling-policy seam.
+
+The scheduler owns mechanism (budgets, blocks, preemption); a `SchedulingPolicy` owns order.
+Each step the scheduler asks the policy for every running and waiting request's `priority`
+(smaller runs sooner), serves running requests in that order, then admits waiting ones, and
+picks preemption victims from the worst priority. A `preemptive` policy additionally lets a
+waiting request displace a running one of worse priority when there is no room for it.
+
+The engine ships `FCFS`; program-aware policies (PLAS, ATLAS, MLFQ) live in `agentrt` and
+register themselves with `register_policy`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from engine.request import Request
+
+
+class SchedulingPolicy(ABC):
+    name: ClassVar[str]
+    preemptive: ClassVar[bool] = False  # may a better waiting request displace a running one
+
+    def on_arrival(self, req: Request, now: float) -> None:
+        """A request entered the waiting queue for the first time."""
+
+    def before_schedule(self, waiting: Sequence[Request], running: Sequence[Request], now: float) -> None:
+        """Called at the start of every step (promotions, aging)."""
+
+    @abstractmethod
+    def priority(self, req: Request) -> Any:
+        """Sort key: smaller is served first. Must be total and stable (end with arrival, id)."""
+
+    def on_step(self, reqs: Sequence[Request], service_s: Sequence[float], num_tokens: Sequence[int], now: float) -> None:
+        """After a model step: the requests it served, the executor time attributed to each, tokens each."""
+
+    def on_preempt(self, req: Request, now: float) -> None:
+        """`req` lost its blocks and went back to waiting."""
+
+    def on_finish(self, req: Request, now: float) -> None:
+        """`req` finished (any reason), including aborts and errors."""
+
+    def pick_victim(self, candidates: Sequence[Request]) -> Request:
+        """Which running request to preempt when blocks run out: the worst priority by default."""
+        return max(candidates, key=self.priority)
+
+
+class FCFS(SchedulingPolicy):
+    """First come, first served (vLLM's default): order by arrival; preempt the latest arrival."""
+
+    name = "fcfs"
+
+    def priority(self, req: Request) -> tuple[float, str]:
+        return (req.arrival_time, req.request_id)
+
+
+_REGISTRY: dict[str, Callable[..., SchedulingPolicy]] = {"fcfs": FCFS}
+
+
+def register_policy(name: str, factory: Callable[..., SchedulingPolicy]) -> None:
+    _REGISTRY[name] = factory
+
+
+def make_policy(policy: str | SchedulingPolicy | None, **kwargs: Any) -> SchedulingPolicy:
+    """A policy instance from a name, or the instance itself."""
+    if policy is None:
+        return FCFS()
+    if isinstance(policy, SchedulingPolicy):
+        return policy
+    try:
+        factory = _REGISTRY[policy]
+    except KeyError:
+        raise ValueError(f"unknown scheduling policy {policy!r}; known: {sorted(_REGISTRY)}") from None
+    return factory(**kwargs)

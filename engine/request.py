@@ -1,0 +1,98 @@
+"""A request: one LLM call as the engine sees it.
+
+No prefill/decode phase: the scheduler grants `min(num_tokens - num_computed_tokens, budget)`
+tokens per step, so chunked prefill, prefix hits and decode are one case.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no blocks (new or preempted)
+    RUNNING = "running"  # holds blocks, scheduled each step while budget allows
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or model context reached
+    FINISHED_ABORTED = "abort"  # aborted by the client
+    FINISHED_ERROR = "error"  # can never run (e.g. does not fit the KV cache)
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    program_id: str | None = None  # owning program (agentrt); None = a call of its own
+    thread_id: str | None = None  # parallel branch within the program
+    cache_salt: str | None = None  # tenant key mixed into the first block's hash
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: frozenset[int] = frozenset()  # from the model; ignored with sampling.ignore_eos
+    max_model_len: int = 1 << 30  # context limit: finish with "length" when reached
+
+    all_token_ids: list[int] = field(init=False)  # prompt + output
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)  # block table, one id per block_size tokens
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (prefix cache)
+    num_cached_blocks: int = 0  # leading blocks already registered in the hash index
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    error: str | None = None  # why it failed, for FINISHED_ERROR
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_recomputed_tokens: int = 0  # tokens computed again after a preemption
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    service_s: float = 0.0  # model-executor time attributed to this request
+    generator: torch.Generator | None = None  # per-request RNG when sampling.seed is set
+    parent: Request | None = None  # for n > 1: the request this one was forked from
+    fork_index: int = 0  # which of the parent's n completions
+    children: list[Request] = field(default_factory=list)  # n > 1: forked off after the first sample
+    policy_state: dict[str, Any] = field(default_factory=dict)  # scratch owned by the scheduling policy
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed + self.fork_index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, program={self.program_id!r})"
+        )

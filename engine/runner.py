@@ -1,0 +1,104 @@
+"""Model runner: one flat batch per step (token ids, positions, slot mapping, block tables,
+query/context lengths), one forward, one sampling call."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kernels
+from engine.request import Request
+from engine.sampling import sample
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    sampled_reqs: list[Request]  # requests that produced a token this step
+    token_ids: list[list[int]]  # per sampled request: one token, or n for a request about to fork
+    logprobs: list[list[float]] | None  # same shape, when any request asked for them
+    step_time_s: float  # wall time of input prep + forward + sampling
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: str):
+        a = model.args
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        # kv_cache: [layers, K/V, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype, device=self.device
+        )
+
+    @staticmethod
+    def bytes_per_block(args, block_size: int, dtype: torch.dtype) -> int:
+        return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+
+    def _prepare(self, out: SchedulerOutput):
+        bs = self.block_size
+        ids, positions, slots, qsl, seq_lens, tables, sample_rows, sample_reqs = [], [], [], [0], [], [], [], []
+        for req, n in zip(out.reqs, out.num_tokens):
+            start = req.num_computed_tokens
+            ids.extend(req.all_token_ids[start : start + n])
+            pos = np.arange(start, start + n)
+            positions.append(pos)
+            table = np.asarray(req.block_ids, dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            if start + n == req.num_tokens:
+                sample_rows.append(qsl[-1] - 1)
+                sample_reqs.append(req)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        dev = self.device
+        meta = kernels.build_attention_metadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            max_query_len=max(out.num_tokens),
+            max_seq_len=max(seq_lens),
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.from_numpy(np.concatenate(positions)).to(dev),
+            torch.from_numpy(np.concatenate(slots)).to(dev),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sample_reqs,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        t0 = time.perf_counter()
+        if out.block_copies:
+            kernels.copy_blocks(self.kv_cache, torch.tensor(out.block_copies, dtype=torch.long, device=self.device))
+        if not out.reqs:
+            return ModelOutput([], [], None, time.perf_counter() - t0)
+        input_ids, positions, slot_mapping, meta, sample_rows, sample_reqs = self._prepare(out)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, slot_mapping)
+        tokens, logprobs = [], None
+        if sample_reqs:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            # a request with n > 1 samples its first token once per completion, from the same logits
+            group = [r if not (r.children and r.num_output_tokens == 0) else [r, *r.children] for r in sample_reqs]
+            group = [g if isinstance(g, list) else [g] for g in group]
+            sizes = [len(g) for g in group]
+            flat = [r for g in group for r in g]
+            if len(flat) > len(sample_reqs):
+                logits = logits.repeat_interleave(torch.tensor(sizes, device=logits.device), dim=0)
+            params = [r.sampling for r in flat]
+            t, lp = sample(logits, params, [r.generator for r in flat], any(p.logprobs for p in params))
+            t = t.tolist()
+            lp = lp.tolist() if lp is not None else None
+            offsets = np.cumsum([0, *sizes])
+            tokens = [t[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+            logprobs = [lp[a:b] for a, b in zip(offsets[:-1], offsets[1:])] if lp is not None else None
+        return ModelOutput(sample_reqs, tokens, logprobs, time.perf_counter() - t0)

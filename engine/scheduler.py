@@ -1,0 +1,186 @@
+"""Continuous batching by token counts.
+
+Each step: running requests in policy order get `min(remaining, budget)` tokens (chunked prefill
+falls out of this); then waiting requests are admitted in policy order with their cached prefix.
+When blocks run out, the policy's victim among the not-yet-served running requests is preempted
+(recompute: its full blocks stay in the prefix cache). A request that could never fit fails alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.policy import SchedulingPolicy
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    reqs: list[Request]  # requests in this step's batch, in batch order
+    num_tokens: list[int]  # tokens scheduled for each (same order)
+    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write copies to do before the forward
+    preempted: list[Request] = field(default_factory=list)  # requests preempted while scheduling
+    failed: list[Request] = field(default_factory=list)  # requests that can never run
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        policy: SchedulingPolicy,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        self.clock = clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        self.policy.on_arrival(req, self.clock())
+
+    def add_forked(self, parent: Request, child: Request) -> None:
+        """`child` joins the running batch sharing all of `parent`'s blocks."""
+        self.kv.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        child.first_scheduled_time = parent.first_scheduled_time
+        self.running.append(child)
+        self.policy.on_arrival(child, self.clock())
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, status: RequestStatus, reason: str | None = None) -> None:
+        """End a request (any reason) and give back its blocks."""
+        if req.finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.finish_reason = reason or status.value
+        req.finish_time = self.clock()
+        self.policy.on_finish(req, req.finish_time)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(req)
+        out.preempted.append(req)
+        self.policy.on_preempt(req, self.clock())
+
+    # ---- the step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        self.policy.before_schedule(self.waiting, self.running, now)
+        key = self.policy.priority
+        self.running.sort(key=key)
+        self.waiting.sort(key=key)
+        out = SchedulerOutput(reqs=[], num_tokens=[], block_copies=[])
+        if self.policy.preemptive:
+            self._displace_for_better_waiting(out)
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        short_of_blocks = False  # after a preemption for blocks, admit nobody this step
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:  # nothing to compute this step; keep its blocks and its place
+                scheduled.add(id(req))
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victims = [r for r in self.running if id(r) not in scheduled and r is not req]
+                victim = self.policy.pick_victim(victims) if victims else req
+                self._preempt(victim, out)
+                short_of_blocks = True
+                if victim is req:
+                    break
+            else:
+                scheduled.add(id(req))
+                out.reqs.append(req)
+                out.num_tokens.append(n)
+                budget -= n
+                i += 1
+
+        while not short_of_blocks and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if self.kv.blocks_for(req.num_tokens) > self.kv.num_blocks:
+                self.waiting.pop(0)
+                out.failed.append(req)
+                req.error = (
+                    f"request {req.request_id!r} needs {self.kv.blocks_for(req.num_tokens)} KV blocks "
+                    f"for {req.num_tokens} tokens but the cache has only {self.kv.num_blocks}"
+                )
+                self.finish(req, RequestStatus.FINISHED_ERROR, "error")
+                continue
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
+            self.waiting.pop(0)
+            if req.num_preemptions:
+                req.num_recomputed_tokens += n
+            elif req.first_scheduled_time is None:
+                req.num_prefix_hit_tokens = num_hit
+                self.kv.stats.queries_tokens += req.num_prompt_tokens
+                self.kv.stats.hit_tokens += num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.running.append(req)
+            out.reqs.append(req)
+            out.num_tokens.append(n)
+            budget -= n
+        out.block_copies = self.kv.take_pending_copies()
+        return out
+
+    def _displace_for_better_waiting(self, out: SchedulerOutput) -> None:
+        """Preemptive policies: a waiting request that ranks above the worst running one takes its
+        place when there is no seat or no blocks for it."""
+        key = self.policy.priority
+        for w in list(self.waiting):
+            if not self.running:
+                return
+            need = self.kv.blocks_for(min(w.num_tokens, self.config.max_num_batched_tokens))
+            while self.running and (
+                len(self.running) >= self.config.max_num_seqs or need > self.kv.num_free_blocks
+            ):
+                worst = self.policy.pick_victim(self.running)
+                if not key(w) < key(worst):
+                    return
+                self._preempt(worst, out)
+        self.waiting.sort(key=key)
+
+    def update_from_output(self, out: SchedulerOutput, step_time_s: float) -> None:
+        """Advance computed counts, register full blocks, attribute executor time."""
+        total = out.total_tokens or 1
+        service = [step_time_s * n / total for n in out.num_tokens]
+        for req, n, s in zip(out.reqs, out.num_tokens, service):
+            req.num_computed_tokens += n
+            req.service_s += s
+            self.kv.cache_blocks(req)
+        self.policy.on_step(out.reqs, service, out.num_tokens, self.clock())
