@@ -1,0 +1,64 @@
+"""agentrt: run agent programs on an engine that knows which program every LLM call belongs to.
+
+    @agentrt.program
+    async def react(question: str) -> str:
+        reply = await agentrt.chat([{"role": "user", "content": question}], max_tokens=64)
+        ...
+
+    agentrt.run(react, "why is the sky blue?", policy="plas")
+"""
+
+from agentrt.errors import (
+    AgentrtError,
+    CallAbortedError,
+    CallError,
+    CallFailedError,
+    ConfigError,
+    InvalidCallError,
+    NoRuntimeError,
+    ProgramNotFoundError,
+    UsageError,
+)
+from agentrt.policies import ATLAS, MLFQ, PLAS
+from agentrt.process_table import ProcessTable, ProgramInfo
+from agentrt.program import current_program_id, gather, program
+from agentrt.runtime import (
+    Runtime,
+    chat,
+    chat_stream,
+    current_runtime,
+    generate,
+    generate_stream,
+    process_table,
+    run,
+)
+from agentrt.tool import tool
+
+__all__ = [
+    "ATLAS",
+    "AgentrtError",
+    "CallAbortedError",
+    "CallError",
+    "CallFailedError",
+    "ConfigError",
+    "InvalidCallError",
+    "MLFQ",
+    "NoRuntimeError",
+    "PLAS",
+    "ProcessTable",
+    "ProgramInfo",
+    "ProgramNotFoundError",
+    "Runtime",
+    "UsageError",
+    "chat",
+    "chat_stream",
+    "current_program_id",
+    "current_runtime",
+    "gather",
+    "generate",
+    "generate_stream",
+    "process_table",
+    "program",
+    "run",
+    "tool",
+]

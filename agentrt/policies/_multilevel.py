@@ -1,0 +1,201 @@
+"""Discretized multi-level queues: the mechanism PLAS, ATLAS and MLFQ share.
+
+K queues; queue i holds calls of priority level i (0 = served first). Within a queue calls are
+FCFS by the time they entered it. A call that receives its queue's time quantum of service drops
+one level (and goes to the back of that queue); a starving call is promoted to queue 0. Subclasses
+decide the entry level of a new call, what counts as starving, and what a finished call teaches
+them. The sort key the engine sees is `(level, entered_at, arrival_time, request_id)`.
+
+Service is measured in one of two units (`service=`):
+
+- ``"time"`` — model-executor seconds the engine attributes to the call: a step's wall time split
+  across the requests it served in proportion to the tokens each computed in that step (a 500-token
+  prefill chunk and three decodes in one 0.2 s step get 0.2 * 500/503 s and 0.2 * 1/503 s each).
+  No queueing time, no tool time.
+- ``"tokens"`` — `token_cost` units per token computed. Deterministic, for tests and simulation.
+
+Thread safety: the engine calls every hook from its step thread. The only method meant for other
+threads is `end_program`, which queues the id; the step thread drops the state on its next step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from agentrt.errors import ConfigError
+from engine.policy import SchedulingPolicy
+from engine.request import Request
+
+ServiceUnit = Literal["time", "tokens"]
+_STATE_KEY = "agentrt"
+
+
+@dataclass(slots=True)
+class CallState:
+    """Per-call scheduling state, kept in `req.policy_state["agentrt"]`."""
+
+    level: int  # current queue, 0 = highest priority
+    entered_at: float  # when it entered its current queue: FCFS within a queue
+    quantum_used: float = 0.0  # service received since it entered the current queue
+    wait: float = 0.0  # W_call: time spent waiting since arrival or the last promotion
+    service: float = 0.0  # T_call: service since arrival or the last promotion
+    total_service: float = 0.0  # all service received by the call, never reset
+    start_priority: float = 0.0  # the program's priority when the call arrived (ATLAS)
+    last_seen: float = 0.0  # `now` of the latest hook that looked at the call (wait accounting)
+    promotions: int = 0  # times anti-starvation moved it to the top
+
+
+@dataclass(slots=True)
+class ProgramState:
+    """Per-program scheduling state (a request without a program is its own program)."""
+
+    attained: float = 0.0  # PLAS: Σ service of the program's completed calls
+    critical: float = 0.0  # ATLAS: longest critical path of service seen so far
+    wait: float = 0.0  # W_program: waiting time of its calls, folded in at completion / promotion
+    active: int = 0  # calls of the program currently in the engine
+    ended: bool = False  # the runtime said the program is over: drop once `active` reaches 0
+
+
+def doubling(first: float, count: int) -> list[float]:
+    """`[first, 2*first, 4*first, ...]`, `count` values."""
+    return [first * (1 << i) for i in range(count)]
+
+
+class MultiLevelPolicy(SchedulingPolicy):
+    """Base of the discretized-queue policies; see the module docstring."""
+
+    preemptive: ClassVar[bool] = True
+
+    def __init__(self, *, num_queues: int, quantum: float, service: ServiceUnit, token_cost: float) -> None:
+        if not isinstance(num_queues, int) or num_queues < 1:
+            raise ConfigError(f"{self.name}: num_queues must be an integer >= 1, got {num_queues!r}")
+        if not quantum > 0:
+            raise ConfigError(f"{self.name}: quantum must be > 0, got {quantum!r}")
+        if service not in ("time", "tokens"):
+            raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
+        if not token_cost > 0:
+            raise ConfigError(f"{self.name}: token_cost must be > 0, got {token_cost!r}")
+        self.num_queues = num_queues
+        self.quanta = doubling(quantum, num_queues - 1) + [float("inf")]  # the last queue never demotes
+        self.service_unit: ServiceUnit = service
+        self.token_cost = token_cost
+        self.programs: dict[str, ProgramState] = {}
+        self._ended: collections.deque[str] = collections.deque()
+
+    # --- subclass hooks ---------------------------------------------------------------------
+    def entry_level(self, req: Request, prog: ProgramState, st: CallState) -> int:
+        raise NotImplementedError
+
+    def starving(self, prog: ProgramState, st: CallState) -> bool:
+        return False
+
+    def on_call_done(self, prog: ProgramState, st: CallState) -> None:
+        """Fold a finished call into its program's state."""
+
+    # --- queries ------------------------------------------------------------------------------
+    @staticmethod
+    def program_key(req: Request) -> str:
+        return req.program_id if req.program_id is not None else f"request:{req.request_id}"
+
+    def state(self, req: Request) -> CallState:
+        """The call's state; created on first sight if the engine skipped `on_arrival`."""
+        st = req.policy_state.get(_STATE_KEY)
+        if st is None:
+            self.on_arrival(req, req.arrival_time)
+            st = req.policy_state[_STATE_KEY]
+        return st
+
+    def level(self, req: Request) -> int:
+        return self.state(req).level
+
+    def priority(self, req: Request) -> tuple[Any, ...]:
+        st = self.state(req)
+        return (st.level, st.entered_at, req.arrival_time, req.request_id)
+
+    def pick_victim(self, candidates: Sequence[Request]) -> Request:
+        """From the lowest queue, the call that entered it last."""
+        return max(candidates, key=self.priority)
+
+    # --- engine hooks ------------------------------------------------------------------------
+    def on_arrival(self, req: Request, now: float) -> None:
+        prog = self.programs.get(self.program_key(req))
+        if prog is None:
+            prog = self.programs[self.program_key(req)] = ProgramState()
+        prog.active += 1
+        st = CallState(level=0, entered_at=now, last_seen=now)
+        st.level = min(max(self.entry_level(req, prog, st), 0), self.num_queues - 1)
+        req.policy_state[_STATE_KEY] = st
+
+    def before_schedule(self, waiting: Sequence[Request], running: Sequence[Request], now: float) -> None:
+        while self._ended:
+            key = self._ended.popleft()
+            prog = self.programs.get(key)
+            if prog is not None:
+                prog.ended = True
+                if prog.active <= 0:
+                    del self.programs[key]
+        for req in running:
+            self.state(req).last_seen = now
+        for req in waiting:
+            st = self.state(req)
+            st.wait += max(0.0, now - st.last_seen)
+            st.last_seen = now
+            if st.level > 0 and self.starving(self._program(req), st):
+                self.promote(req, now)
+
+    def promote(self, req: Request, now: float) -> None:
+        """Anti-starvation: move the call to the top queue; reset only the call's own W and T."""
+        st = self.state(req)
+        self._program(req).wait += st.wait
+        st.level, st.entered_at, st.quantum_used = 0, now, 0.0
+        st.wait = st.service = 0.0
+        st.promotions += 1
+
+    def on_step(self, reqs: Sequence[Request], service_s: Sequence[float], num_tokens: Sequence[int], now: float) -> None:
+        tokens_mode = self.service_unit == "tokens"
+        for req, secs, ntok in zip(reqs, service_s, num_tokens):
+            st = self.state(req)
+            cost = ntok * self.token_cost if tokens_mode else secs
+            st.quantum_used += cost
+            st.service += cost
+            st.total_service += cost
+            st.last_seen = now
+            if st.quantum_used >= self.quanta[st.level]:
+                st.level += 1
+                st.entered_at, st.quantum_used = now, 0.0
+
+    def on_preempt(self, req: Request, now: float) -> None:
+        self.state(req).last_seen = now
+
+    def on_finish(self, req: Request, now: float) -> None:
+        st = req.policy_state.get(_STATE_KEY)
+        key = self.program_key(req)
+        prog = self.programs.get(key)
+        if st is None or prog is None:
+            return
+        prog.wait += st.wait
+        self.on_call_done(prog, st)
+        prog.active -= 1
+        if prog.active <= 0 and (prog.ended or req.program_id is None):
+            del self.programs[key]
+
+    # --- runtime side ---------------------------------------------------------------------
+    def end_program(self, program_id: str) -> None:
+        """The program is over: forget its state once its last call leaves. Any thread."""
+        self._ended.append(program_id)
+
+    def _program(self, req: Request) -> ProgramState:
+        key = self.program_key(req)
+        prog = self.programs.get(key)
+        if prog is None:
+            prog = self.programs[key] = ProgramState(active=1)
+        return prog
+
+
+def queue_of(boundaries: Sequence[float], value: float) -> int:
+    """Index of the queue `[lo_i, hi_i)` holding `value`, given the finite upper bounds `hi_i`."""
+    return bisect.bisect_right(boundaries, value)

@@ -1,0 +1,148 @@
+"""The process table: one record per program, as the runtime sees it.
+
+Times are `time.monotonic()` seconds, like the engine's request timestamps. Service numbers are
+the engine's executor time attributed to each call (a step's wall time split across its requests
+by their share of the step's tokens), so they add up to model time, not latency.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from agentrt.errors import ProgramNotFoundError
+
+ProgramStatus = Literal["running", "finished", "failed", "cancelled"]
+
+
+@dataclass(slots=True)
+class ProgramInfo:
+    """One program's record. Live while it runs; kept (up to a cap) after it ends."""
+
+    program_id: str
+    name: str
+    parent_id: str | None  # the program that called this one, if any
+    start_time: float
+    state: ProgramStatus = "running"
+    end_time: float | None = None
+    error: str | None = None  # repr of the exception that ended it, when failed
+    calls_waiting: int = 0  # submitted, no token yet
+    calls_running: int = 0  # producing tokens
+    calls_done: int = 0  # finished (any reason)
+    service_s: float = 0.0  # attained service: Σ executor time of its completed calls
+    critical_path_s: float = 0.0  # longest chain of executor time (parallel threads overlap)
+    wait_s: float = 0.0  # Σ over completed calls of queueing time, arrival -> first scheduled
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    last_call_arrival: float | None = None
+    last_call_completion: float | None = None
+    gaps_s: list[float] = field(default_factory=list)  # idle time between a call's end and the next call
+    tool_durations: dict[str, list[float]] = field(default_factory=dict)  # seconds per call, by tool name
+    num_threads: int = 1  # threads (parallel branches) that made calls, the main one included
+    children: list[str] = field(default_factory=list)  # ids of programs it called
+
+    @property
+    def calls_active(self) -> int:
+        return self.calls_waiting + self.calls_running
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.end_time is None else self.end_time - self.start_time
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """Runtime-side bookkeeping of one in-flight call."""
+
+    request_id: str
+    thread_id: str
+    arrival: float
+    start_critical_path_s: float  # the program's critical path when the call was made
+    running: bool = False
+
+
+class ProcessTable:
+    """Programs by id. `table[pid]` raises `ProgramNotFoundError`; iteration yields every record."""
+
+    def __init__(self, max_finished: int = 10_000) -> None:
+        self._programs: dict[str, ProgramInfo] = {}
+        self._finished: collections.deque[str] = collections.deque()
+        self.max_finished = max_finished  # ended programs kept for inspection, oldest dropped first
+        self.tool_durations: dict[str, list[float]] = {}  # all programs, by tool name
+
+    # --- queries ------------------------------------------------------------------------------
+    def __getitem__(self, program_id: str) -> ProgramInfo:
+        try:
+            return self._programs[program_id]
+        except KeyError:
+            raise ProgramNotFoundError("no such program in the process table", program_id=program_id) from None
+
+    def get(self, program_id: str) -> ProgramInfo | None:
+        return self._programs.get(program_id)
+
+    def __contains__(self, program_id: object) -> bool:
+        return program_id in self._programs
+
+    def __iter__(self) -> Iterator[ProgramInfo]:
+        return iter(list(self._programs.values()))
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def running(self) -> list[ProgramInfo]:
+        return [p for p in self._programs.values() if p.state == "running"]
+
+    # --- updates (the runtime's) -----------------------------------------------------------
+    def start(self, info: ProgramInfo) -> None:
+        self._programs[info.program_id] = info
+        if info.parent_id is not None and (parent := self._programs.get(info.parent_id)) is not None:
+            parent.children.append(info.program_id)
+
+    def end(self, info: ProgramInfo, state: ProgramStatus, error: str | None = None) -> None:
+        info.state, info.end_time, info.error = state, time.monotonic(), error
+        self._finished.append(info.program_id)
+        while len(self._finished) > self.max_finished:
+            self._programs.pop(self._finished.popleft(), None)
+
+    def call_started(self, info: ProgramInfo, request_id: str, thread_id: str, num_prompt_tokens: int) -> CallRecord:
+        now = time.monotonic()
+        if info.calls_active == 0 and info.last_call_completion is not None:
+            info.gaps_s.append(now - info.last_call_completion)
+        info.calls_waiting += 1
+        info.last_call_arrival = now
+        info.num_prompt_tokens += num_prompt_tokens
+        return CallRecord(request_id, thread_id, now, info.critical_path_s)
+
+    def call_running(self, info: ProgramInfo, call: CallRecord) -> None:
+        if not call.running:
+            call.running = True
+            info.calls_waiting -= 1
+            info.calls_running += 1
+
+    def call_done(
+        self,
+        info: ProgramInfo,
+        call: CallRecord,
+        *,
+        service_s: float,
+        wait_s: float,
+        num_output_tokens: int,
+    ) -> None:
+        if call.running:
+            info.calls_running -= 1
+        else:
+            info.calls_waiting -= 1
+        info.calls_done += 1
+        info.service_s += service_s
+        info.critical_path_s = max(info.critical_path_s, call.start_critical_path_s + service_s)
+        info.wait_s += wait_s
+        info.num_output_tokens += num_output_tokens
+        info.last_call_completion = time.monotonic()
+
+    def record_tool(self, info: ProgramInfo | None, tool: str, duration_s: float) -> None:
+        self.tool_durations.setdefault(tool, []).append(duration_s)
+        if info is not None:
+            info.tool_durations.setdefault(tool, []).append(duration_s)

@@ -1,0 +1,172 @@
+"""Program identity: `@program`, threads, `gather`.
+
+Every invocation of a `@program` function is a program: it gets an id, a name, its caller's
+program as parent, a record in the current runtime's process table, and ends (finished, failed or
+cancelled) when the function returns or raises, releasing what it holds.
+
+Identity travels in context variables, so `agentrt.chat` inside the function (or anything it
+awaits) knows whose call it is. Threads are tasks: the task that entered the program is thread 0;
+any other task that makes a call for it (an anyio task-group child, a `gather` branch, an
+`asyncio.gather` / `create_task` child) gets the next thread id the first time it calls.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import itertools
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+
+import anyio
+
+from agentrt.process_table import ProgramInfo
+
+if TYPE_CHECKING:
+    from agentrt.runtime import Runtime
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_session = uuid.uuid4().hex[:6]  # keeps ids unique across processes sharing a server or a database
+_program_ids = itertools.count(1)
+
+
+@dataclass(slots=True, eq=False)
+class ProgramHandle:
+    """What the context variable holds for a running program."""
+
+    info: ProgramInfo
+    runtime: Runtime | None  # the runtime it registered with (None: ran outside any runtime)
+    _threads: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def program_id(self) -> str:
+        return self.info.program_id
+
+    def new_thread_id(self) -> str:
+        n = next(self._threads)
+        self.info.num_threads = max(self.info.num_threads, n + 1)
+        return f"{self.info.program_id}.t{n}"
+
+
+# (program, thread id, id of the task the thread id belongs to)
+_current: contextvars.ContextVar[tuple[ProgramHandle, str, int] | None] = contextvars.ContextVar(
+    "agentrt_program", default=None
+)
+
+
+def new_program_id() -> str:
+    return f"prog-{_session}-{next(_program_ids)}"
+
+
+def current() -> tuple[ProgramHandle, str] | None:
+    """The running program and this task's thread id in it, or None outside any program."""
+    cur = _current.get()
+    if cur is None:
+        return None
+    handle, thread_id, task_id = cur
+    here = anyio.get_current_task().id
+    if here != task_id:  # first call from a child task: it is a new thread of the same program
+        thread_id = handle.new_thread_id()
+        _current.set((handle, thread_id, here))  # the child's own context copy; the parent is untouched
+    return handle, thread_id
+
+
+def current_program_id() -> str | None:
+    """Id of the program this code runs in, or None."""
+    cur = _current.get()
+    return None if cur is None else cur[0].program_id
+
+
+def enter_program(name: str, make_current: bool = True) -> tuple[ProgramHandle, contextvars.Token | None]:
+    """Register a new program (child of the current one, if any) and make it current."""
+    from agentrt.runtime import current_runtime
+
+    parent = _current.get()
+    runtime = current_runtime(required=False)
+    info = ProgramInfo(
+        program_id=new_program_id(),
+        name=name,
+        parent_id=parent[0].program_id if parent is not None else None,
+        start_time=time.monotonic(),
+    )
+    handle = ProgramHandle(info, runtime)
+    if runtime is not None:
+        runtime.programs.start(info)
+    if not make_current:
+        return handle, None
+    return handle, _current.set((handle, f"{info.program_id}.t0", anyio.get_current_task().id))
+
+
+def exit_program(handle: ProgramHandle, token: contextvars.Token | None, exc: BaseException | None) -> None:
+    if token is not None:
+        _current.reset(token)
+    if exc is None:
+        state, error = "finished", None
+    elif isinstance(exc, anyio.get_cancelled_exc_class()):
+        state, error = "cancelled", None
+    else:
+        state, error = "failed", repr(exc)
+    if handle.runtime is not None:
+        handle.runtime._end_program(handle, state, error)
+    else:
+        handle.info.state, handle.info.end_time, handle.info.error = state, time.monotonic(), error
+
+
+@overload
+def program(fn: Callable[P, Awaitable[T]], /) -> Callable[P, Coroutine[Any, Any, T]]: ...
+@overload
+def program(*, name: str | None = None) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Coroutine[Any, Any, T]]]: ...
+
+
+def program(fn: Callable[P, Awaitable[T]] | None = None, /, *, name: str | None = None) -> Any:
+    """Make an async function a program: `@agentrt.program` or `@agentrt.program(name="react")`.
+
+    Each call runs as a new program (a child of the calling program, if any). Its LLM calls carry
+    its id; when it returns, raises or is cancelled it ends, and the runtime aborts whatever calls
+    of it are still in flight and releases what the engine holds for it.
+    """
+
+    def decorate(f: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+        prog_name = name if name is not None else getattr(f, "__qualname__", repr(f))
+
+        @functools.wraps(f)
+        async def run_program(*args: P.args, **kwargs: P.kwargs) -> T:
+            handle, token = enter_program(prog_name)
+            try:
+                result = await f(*args, **kwargs)
+            except BaseException as exc:
+                exit_program(handle, token, exc)
+                raise
+            exit_program(handle, token, None)
+            return result
+
+        return run_program
+
+    if fn is not None:
+        return decorate(fn)
+    return decorate
+
+
+async def gather(*aws: Awaitable[T]) -> list[T]:
+    """Await all concurrently, each in its own task (its own thread of the current program); results
+    in order. If one raises, the others are cancelled and its exception propagates (a group of
+    several when more than one failed)."""
+    results: list[Any] = [None] * len(aws)
+
+    async def branch(i: int, aw: Awaitable[T]) -> None:
+        results[i] = await aw
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i, aw in enumerate(aws):
+                tg.start_soon(branch, i, aw)
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    return results

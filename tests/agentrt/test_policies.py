@@ -1,0 +1,255 @@
+"""The policies on constructed states: exact queue levels after each hook, fixed `now` values."""
+
+from __future__ import annotations
+
+import pytest
+
+import agentrt
+from agentrt.policies import ATLAS, MLFQ, PLAS
+from engine.policy import make_policy
+from engine.request import Request
+from engine.sampling import SamplingParams
+
+
+def call(rid: str, program: str | None = "p", *, prompt: int = 4, arrival: float = 0.0, thread: str | None = None) -> Request:
+    return Request(rid, [1] * prompt, SamplingParams(), program_id=program, thread_id=thread, arrival_time=arrival)
+
+
+def plas(**kw) -> PLAS:
+    # queues [0,10) [10,20) [20,40) [40,inf); quanta 5, 10, 20, inf
+    kw = {"num_queues": 4, "first_boundary": 10, "quantum": 5, "service": "tokens", **kw}
+    return PLAS(**kw)
+
+
+def run_call(pol, req: Request, tokens: int, now: float) -> None:
+    """Arrive, receive `tokens` units of service in one step, finish."""
+    pol.on_arrival(req, now)
+    pol.on_step([req], [0.0], [tokens], now)
+    pol.on_finish(req, now)
+
+
+def test_registered_by_name():
+    assert isinstance(make_policy("plas"), PLAS)
+    assert isinstance(make_policy("atlas", service="tokens"), ATLAS)
+    assert isinstance(make_policy("mlfq"), MLFQ)
+    assert PLAS.preemptive and ATLAS.preemptive and MLFQ.preemptive
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"num_queues": 0}, "num_queues"),
+        ({"quantum": -1}, "quantum"),
+        ({"first_boundary": 0}, "first_boundary"),
+        ({"beta": 0}, "beta"),
+        ({"service": "joules"}, "'joules'"),
+    ],
+)
+def test_bad_config_names_the_value(kwargs, needle):
+    with pytest.raises(agentrt.ConfigError, match=needle):
+        PLAS(**kwargs)
+
+
+def test_new_call_enters_queue_of_program_service():
+    pol = plas()
+    run_call(pol, call("a0"), 3, now=1.0)
+    assert pol.programs["p"].attained == 3
+    b = call("b", arrival=2.0)
+    pol.on_arrival(b, 2.0)
+    assert pol.level(b) == 0
+    run_call(pol, call("a1"), 12, now=3.0)  # attained 15 -> queue [10, 20)
+    c = call("c", arrival=4.0)
+    pol.on_arrival(c, 4.0)
+    assert pol.level(c) == 1
+    run_call(pol, call("a2"), 40, now=5.0)  # attained 55 -> last queue
+    d = call("d", arrival=6.0)
+    pol.on_arrival(d, 6.0)
+    assert pol.level(d) == 3
+    other = call("o", program="q", arrival=7.0)  # a fresh program starts at the top
+    pol.on_arrival(other, 7.0)
+    assert pol.level(other) == 0
+    assert sorted([d, other, c], key=pol.priority) == [other, c, d]
+
+
+def test_quantum_exhaustion_demotes_one_level_to_the_back():
+    pol = plas()
+    a, b = call("a", arrival=0.0), call("b", program="q", arrival=1.0)
+    pol.on_arrival(a, 0.0)
+    pol.on_arrival(b, 1.0)
+    assert sorted([b, a], key=pol.priority) == [a, b]
+    pol.on_step([a], [0.0], [4], now=2.0)
+    assert (pol.level(a), pol.state(a).quantum_used) == (0, 4)
+    pol.on_step([a], [0.0], [1], now=3.0)  # 5 >= quantum 5 of queue 0
+    assert (pol.level(a), pol.state(a).quantum_used, pol.state(a).entered_at) == (1, 0, 3.0)
+    assert sorted([a, b], key=pol.priority) == [b, a]
+    pol.on_step([a], [0.0], [9], now=4.0)
+    assert pol.level(a) == 1
+    pol.on_step([a], [0.0], [1], now=5.0)  # 10 >= quantum 10 of queue 1
+    assert pol.level(a) == 2
+    pol.on_step([a], [0.0], [1000], now=6.0)
+    pol.on_step([a], [0.0], [1000], now=7.0)
+    assert pol.level(a) == 3  # the last queue never demotes further
+
+
+def test_fcfs_within_a_queue_by_entry_time():
+    pol = plas()
+    a, b = call("a", program="pa", arrival=0.0), call("b", program="pb", arrival=1.0)
+    pol.on_arrival(a, 0.0)
+    pol.on_arrival(b, 1.0)
+    pol.on_step([a, b], [0.0, 0.0], [5, 5], now=2.0)  # both demoted in the same step
+    assert sorted([b, a], key=pol.priority) == [a, b]  # ties on entry time fall back to arrival
+    c = call("c", program="pc", arrival=0.5)
+    pol.on_arrival(c, 3.0)
+    pol.on_step([c], [0.0], [5], now=3.0)
+    assert sorted([c, b, a], key=pol.priority) == [a, b, c]
+
+
+def test_time_service_counts_executor_seconds_not_tokens():
+    pol = PLAS(num_queues=3, first_boundary=0.5, quantum=0.2)
+    a = call("a")
+    pol.on_arrival(a, 0.0)
+    pol.on_step([a], [0.15], [500], now=1.0)
+    assert pol.level(a) == 0 and pol.state(a).total_service == pytest.approx(0.15)
+    pol.on_step([a], [0.06], [1], now=2.0)
+    assert pol.level(a) == 1
+    pol.on_finish(a, 2.0)
+    assert pol.programs["p"].attained == pytest.approx(0.21)
+
+
+def test_starving_call_is_promoted_and_only_its_own_counters_reset():
+    pol = plas(beta=2.0)
+    run_call(pol, call("a0"), 10, now=0.0)  # attained 10
+    a = call("a1", arrival=0.0)
+    pol.on_arrival(a, 0.0)
+    assert pol.level(a) == 1
+    pol.before_schedule([a], [], now=19.0)  # W = 19 < beta * T = 20
+    assert pol.level(a) == 1 and pol.state(a).wait == 19.0
+    pol.before_schedule([a], [], now=20.0)  # W = 20 >= 20: promote
+    st = pol.state(a)
+    assert (st.level, st.entered_at, st.wait, st.service, st.promotions) == (0, 20.0, 0.0, 0.0, 1)
+    assert pol.programs["p"].wait == 20.0 and pol.programs["p"].attained == 10
+    # a running call is never promoted and accrues no wait
+    b = call("b1", arrival=21.0)
+    pol.on_arrival(b, 21.0)
+    pol.before_schedule([], [b], now=100.0)
+    assert pol.level(b) == 1 and pol.state(b).wait == 0.0
+
+
+def test_program_wait_counts_toward_starvation():
+    pol = plas(beta=2.0)
+    run_call(pol, call("a0"), 10, now=0.0)
+    a = call("a1")
+    pol.on_arrival(a, 0.0)
+    pol.before_schedule([a], [], now=20.0)  # promoted; program W = 20
+    pol.on_step([a], [0.0], [5], now=21.0)  # demoted again: T_call = 5
+    pol.on_finish(a, 21.0)
+    assert pol.programs["p"].attained == 15 and pol.programs["p"].wait == 20.0
+    b = call("a2", arrival=22.0)
+    pol.on_arrival(b, 22.0)
+    assert pol.level(b) == 1
+    pol.before_schedule([b], [], now=31.0)  # (20 + 9) / 15 < 2
+    assert pol.level(b) == 1
+    pol.before_schedule([b], [], now=32.0)  # (20 + 10) / 15 >= 2
+    assert pol.level(b) == 0
+
+
+def test_no_promotion_with_infinite_beta():
+    pol = plas(beta=float("inf"))
+    run_call(pol, call("a0"), 10, now=0.0)
+    a = call("a1")
+    pol.on_arrival(a, 0.0)
+    pol.before_schedule([a], [], now=1e9)
+    assert pol.level(a) == 1
+
+
+def test_atlas_critical_path_is_max_over_parallel_threads():
+    pol = ATLAS(num_queues=4, first_boundary=10, quantum=100, service="tokens")
+    t1, t2 = call("t1", thread="1"), call("t2", thread="2")
+    pol.on_arrival(t1, 0.0)
+    pol.on_arrival(t2, 0.0)
+    assert pol.state(t1).start_priority == pol.state(t2).start_priority == 0
+    pol.on_step([t1, t2], [0.0, 0.0], [10, 30], now=1.0)
+    pol.on_finish(t1, 1.0)
+    pol.on_finish(t2, 1.0)
+    prog = pol.programs["p"]
+    assert (prog.critical, prog.attained) == (30, 40)  # max(0 + 10, 0 + 30), not the sum
+    nxt = call("n", arrival=2.0)
+    pol.on_arrival(nxt, 2.0)
+    assert pol.state(nxt).start_priority == 30 and pol.level(nxt) == 2  # [20, 40)
+    pol.on_step([nxt], [0.0], [5], now=3.0)
+    pol.on_finish(nxt, 3.0)
+    assert prog.critical == 35
+    # PLAS on the same history puts the next call in the last queue (attained 45)
+    p = PLAS(num_queues=4, first_boundary=10, quantum=100, service="tokens")
+    for r, n in ((call("t1"), 10), (call("t2"), 30), (call("n"), 5)):
+        run_call(p, r, n, now=0.0)
+    nxt = call("m")
+    p.on_arrival(nxt, 4.0)
+    assert p.level(nxt) == 3
+
+
+def test_atlas_stale_critical_path_does_not_shrink():
+    pol = ATLAS(num_queues=4, first_boundary=10, quantum=100, service="tokens")
+    run_call(pol, call("a"), 25, now=0.0)
+    late = call("b")
+    pol.on_arrival(late, 1.0)
+    assert pol.state(late).start_priority == 25
+    pol.on_step([late], [0.0], [2], now=2.0)
+    pol.on_finish(late, 2.0)
+    assert pol.programs["p"].critical == 27
+
+
+def test_victim_is_the_last_entrant_of_the_lowest_queue():
+    pol = plas()
+    run_call(pol, call("x0", program="long"), 50, now=0.0)
+    long1, long2 = call("l1", program="long", arrival=1.0), call("l2", program="long", arrival=2.0)
+    short = call("s", program="short", arrival=3.0)
+    for r, t in ((long1, 1.0), (long2, 2.0), (short, 3.0)):
+        pol.on_arrival(r, t)
+    assert pol.pick_victim([short, long1, long2]) is long2
+    assert pol.pick_victim([short, long1]) is long1
+    assert pol.pick_victim([short]) is short
+
+
+def test_program_state_dropped_after_end_and_last_call():
+    pol = plas()
+    a = call("a")
+    pol.on_arrival(a, 0.0)
+    pol.end_program("p")
+    pol.before_schedule([], [a], now=1.0)
+    assert "p" in pol.programs  # a call is still in the engine
+    pol.on_finish(a, 2.0)
+    assert "p" not in pol.programs
+    lone = call("lone", program=None)
+    run_call(pol, lone, 3, now=3.0)  # a call without a program is its own one-call program
+    assert pol.programs == {}
+
+
+def test_mlfq_skip_join_by_predicted_prefill():
+    pol = MLFQ(num_queues=4, quantum=5, service="tokens")  # quanta 5, 10, 20, inf
+    levels = []
+    for n in (3, 5, 7, 20, 21, 500):
+        r = call(f"r{n}", program=None, prompt=n)
+        pol.on_arrival(r, 0.0)
+        levels.append(pol.level(r))
+    assert levels == [0, 0, 1, 2, 3, 3]
+
+
+def test_mlfq_demotes_and_promotes_after_alpha_wait():
+    pol = MLFQ(num_queues=4, quantum=5, alpha=3.0, service="tokens")
+    a = call("a", program=None, prompt=2)
+    pol.on_arrival(a, 0.0)
+    pol.on_step([a], [0.0], [6], now=1.0)
+    assert pol.level(a) == 1
+    pol.before_schedule([a], [], now=3.5)  # waited 2.5 since last served
+    assert pol.level(a) == 1
+    pol.on_step([a], [0.0], [1], now=4.0)  # served: the wait restarts
+    pol.before_schedule([a], [], now=6.5)
+    assert pol.level(a) == 1
+    pol.before_schedule([a], [], now=7.0)
+    assert pol.level(a) == 0 and pol.state(a).promotions == 1
+    # programs do not matter: a call of a program with a long history still enters at the top
+    run_call(pol, call("h", program="p", prompt=1), 1000, now=8.0)
+    fresh = call("f", program="p", prompt=1)
+    pol.on_arrival(fresh, 9.0)
+    assert pol.level(fresh) == 0
