@@ -85,8 +85,12 @@ class BlockPool:
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes) -> bytes:
     """Chained content hash of one full block; `extra` (model, cache salt) enters via the chain root."""
+    if parent is None:
+        # the root is a digest of `extra`, not `extra` itself: raw bytes of variable length followed by
+        # token digits would be ambiguous (salt "x" + [12, ...] vs salt "x1" + [2, ...])
+        parent = hashlib.blake2b(b"root|" + extra, digest_size=16).digest()
     m = hashlib.blake2b(digest_size=16)
-    m.update(parent if parent is not None else extra)
+    m.update(parent)
     m.update(b",".join(str(t).encode() for t in token_ids))
     return m.digest()
 

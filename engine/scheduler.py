@@ -127,12 +127,14 @@ class Scheduler:
 
         while not short_of_blocks and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if self.kv.blocks_for(req.num_tokens) > self.kv.num_blocks:
+            max_tokens = min(req.num_prompt_tokens + req.sampling.max_tokens, req.max_model_len)
+            if self.kv.blocks_for(max_tokens) > self.kv.num_blocks:  # would preempt itself forever
                 self.waiting.pop(0)
                 out.failed.append(req)
                 req.error = (
-                    f"request {req.request_id!r} needs {self.kv.blocks_for(req.num_tokens)} KV blocks "
-                    f"for {req.num_tokens} tokens but the cache has only {self.kv.num_blocks}"
+                    f"request {req.request_id!r} needs {self.kv.blocks_for(max_tokens)} KV blocks for "
+                    f"{req.num_prompt_tokens} prompt + {req.sampling.max_tokens} output tokens but the cache "
+                    f"has only {self.kv.num_blocks} blocks of {self.kv.block_size} tokens"
                 )
                 self.finish(req, RequestStatus.FINISHED_ERROR, "error")
                 continue
