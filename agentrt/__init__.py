@@ -1,6 +1,6 @@
 """agentrt: run agent programs on an engine that knows which program every LLM call belongs to.
 
-    @agentrt.program
+    @agentrt._program
     async def react(question: str) -> str:
         reply = await agentrt.chat([{"role": "user", "content": question}], max_tokens=64)
         ...
@@ -8,7 +8,7 @@
     agentrt.run(react, "why is the sky blue?", policy="plas")
 """
 
-from agentrt.errors import (
+from agentrt._errors import (
     AgentrtError,
     CallAbortedError,
     CallError,
@@ -20,9 +20,9 @@ from agentrt.errors import (
     UsageError,
 )
 from agentrt.policies import ATLAS, MLFQ, PLAS
-from agentrt.process_table import ProcessTable, ProgramInfo
-from agentrt.program import current_program_id, gather, program
-from agentrt.runtime import (
+from agentrt._process_table import ProcessTable, ProgramInfo
+from agentrt._program import current_program_id, gather, program
+from agentrt._runtime import (
     Runtime,
     chat,
     chat_stream,
@@ -32,7 +32,7 @@ from agentrt.runtime import (
     process_table,
     run,
 )
-from agentrt.tool import tool
+from agentrt._tool import tool
 
 __all__ = [
     "ATLAS",

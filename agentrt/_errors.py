@@ -42,7 +42,7 @@ class ProgramNotFoundError(AgentrtError, LookupError):
 
 
 class UsageError(AgentrtError, TypeError):
-    """The agentrt API was used wrongly, e.g. `@agentrt.tool` on a function that is not async."""
+    """The agentrt API was used wrongly, e.g. `@agentrt._tool` on a function that is not async."""
 
 
 class CallError(AgentrtError):

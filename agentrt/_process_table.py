@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from agentrt.errors import ProgramNotFoundError
+from agentrt._errors import ProgramNotFoundError
 
 ProgramStatus = Literal["running", "finished", "failed", "cancelled"]
 

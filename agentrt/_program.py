@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import anyio
 
-from agentrt.process_table import ProgramInfo
+from agentrt._process_table import ProgramInfo
 
 if TYPE_CHECKING:
-    from agentrt.runtime import Runtime
+    from agentrt._runtime import Runtime
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -84,7 +84,7 @@ def current_program_id() -> str | None:
 
 def enter_program(name: str, make_current: bool = True) -> tuple[ProgramHandle, contextvars.Token | None]:
     """Register a new program (child of the current one, if any) and make it current."""
-    from agentrt.runtime import current_runtime
+    from agentrt._runtime import current_runtime
 
     parent = _current.get()
     runtime = current_runtime(required=False)
@@ -124,7 +124,7 @@ def program(*, name: str | None = None) -> Callable[[Callable[P, Awaitable[T]]],
 
 
 def program(fn: Callable[P, Awaitable[T]] | None = None, /, *, name: str | None = None) -> Any:
-    """Make an async function a program: `@agentrt.program` or `@agentrt.program(name="react")`.
+    """Make an async function a program: `@agentrt._program` or `@agentrt._program(name="react")`.
 
     Each call runs as a new program (a child of the calling program, if any). Its LLM calls carry
     its id; when it returns, raises or is cancelled it ends, and the runtime aborts whatever calls
@@ -132,7 +132,7 @@ def program(fn: Callable[P, Awaitable[T]] | None = None, /, *, name: str | None 
     """
 
     def decorate(f: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
-        prog_name = name if name is not None else getattr(f, "__qualname__", repr(f))
+        prog_name = name if name is not None else getattr(f, "__name__", repr(f))
 
         @functools.wraps(f)
         async def run_program(*args: P.args, **kwargs: P.kwargs) -> T:

@@ -18,10 +18,11 @@ from typing import Any, ParamSpec, TypeVar
 import anyio
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
-from agentrt.errors import CallAbortedError, CallFailedError, ConfigError, InvalidCallError, NoRuntimeError
-from agentrt.process_table import ProcessTable, ProgramStatus
-from agentrt.program import ProgramHandle, current, enter_program, exit_program
+from agentrt._errors import CallAbortedError, CallFailedError, ConfigError, InvalidCallError, NoRuntimeError
+from agentrt._process_table import ProcessTable, ProgramStatus
+from agentrt._program import ProgramHandle, current, enter_program, exit_program
 from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
+from engine.async_engine import EngineError
 from engine.outputs import RequestOutput
 
 P = ParamSpec("P")
@@ -165,18 +166,23 @@ class Runtime:
             self._inflight.setdefault(pid, set()).add(rid)
             call = self.programs.call_started(prog.info, rid, thread_id, len(prompt))
             result: RequestOutput | None = None
+            generated = 0
             try:
                 async for delta in stream:
                     if delta.new_token_ids:
+                        generated += len(delta.new_token_ids)
                         self.programs.call_running(prog.info, call)
                     if delta.new_text:
                         yield delta.new_text
-                try:
-                    result = await stream.result()
-                except ValueError as e:
-                    raise CallFailedError(str(e), program_id=pid, request_id=rid) from None
+                result = await stream.result()
+            except (ValueError, EngineError) as e:  # the engine rejected or failed the request
+                raise CallFailedError(str(e), program_id=pid, request_id=rid) from None
             finally:
-                self._inflight.get(pid, set()).discard(rid)
+                inflight = self._inflight.get(pid)
+                if inflight is not None:
+                    inflight.discard(rid)
+                    if not inflight:
+                        del self._inflight[pid]
                 if result is None:  # cancelled, closed early or failed: free its engine state now
                     engine.abort(rid)
                 m = result.metrics if result is not None else None
@@ -185,7 +191,7 @@ class Runtime:
                     call,
                     service_s=m.service_s if m is not None else 0.0,
                     wait_s=_queue_wait(m),
-                    num_output_tokens=result.num_output_tokens if result is not None else 0,
+                    num_output_tokens=generated,
                 )
             if result.finish_reason == "abort":
                 raise CallAbortedError("the call was aborted", program_id=pid, request_id=rid)

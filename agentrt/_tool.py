@@ -1,4 +1,4 @@
-"""`@agentrt.tool`: time each call of a tool and record it in the process table (per tool name,
+"""`@agentrt._tool`: time each call of a tool and record it in the process table (per tool name,
 per program), so the runtime learns how long programs sit in tools between LLM calls."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar, overload
 
-from agentrt.errors import UsageError
-from agentrt.program import _current
+from agentrt._errors import UsageError
+from agentrt._program import _current
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
 
 def _record(tool_name: str, start: float) -> None:
-    from agentrt.runtime import current_runtime
+    from agentrt._runtime import current_runtime
 
     duration = time.monotonic() - start
     cur = _current.get()
@@ -33,7 +33,7 @@ def tool(*, name: str | None = None) -> Callable[[Callable[P, Awaitable[T]]], Ca
 
 
 def tool(fn: Callable[P, Awaitable[T]] | None = None, /, *, name: str | None = None) -> Any:
-    """Mark an async function as a tool: `@agentrt.tool` or `@agentrt.tool(name="search")`.
+    """Mark an async function as a tool: `@agentrt._tool` or `@agentrt._tool(name="search")`.
 
     Its duration (including failed or cancelled calls) goes to the process table under its name.
     Outside a runtime it just runs.
@@ -41,7 +41,7 @@ def tool(fn: Callable[P, Awaitable[T]] | None = None, /, *, name: str | None = N
 
     def decorate(f: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
         if not inspect.iscoroutinefunction(f):
-            raise UsageError(f"@agentrt.tool needs an async function, got {f!r}")
+            raise UsageError(f"@agentrt._tool needs an async function, got {f!r}")
         tool_name = name if name is not None else f.__name__
 
         @functools.wraps(f)

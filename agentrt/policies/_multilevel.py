@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from agentrt.errors import ConfigError
+from agentrt._errors import ConfigError
 from engine.policy import SchedulingPolicy
 from engine.request import Request
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from agentrt.errors import ConfigError
+from agentrt._errors import ConfigError
 from agentrt.policies._multilevel import (
     CallState,
     MultiLevelPolicy,

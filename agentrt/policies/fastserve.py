@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from agentrt.errors import ConfigError
+from agentrt._errors import ConfigError
 from agentrt.policies._multilevel import CallState, MultiLevelPolicy, ProgramState, ServiceUnit
 from engine.request import Request
 
