@@ -1,0 +1,40 @@
+"""agentrt kernels: Triton kernels with pure-torch references, behind one dispatching API.
+
+Ops (each module holds the kernel, its launcher `*_triton` and its reference `*_ref`):
+`store_kv`, `paged_attention`, `copy_blocks`. The dispatching functions exported here pick Triton
+for CUDA tensors and the torch reference on CPU; see `kernels._dispatch` for the backend switch.
+
+Note: the names `store_kv`, `paged_attention` and `copy_blocks` here are the dispatching functions,
+which shadow the submodules of the same name; reach a submodule with `from kernels.<module> import ...`.
+
+Depends on torch and triton only.
+"""
+
+from kernels._dispatch import copy_blocks, get_backend, paged_attention, set_backend, store_kv, use_backend
+from kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
+from kernels.paged_attention import (
+    AttentionMetadata,
+    build_attention_metadata,
+    dense_causal_attention_ref,
+    paged_attention_ref,
+    paged_attention_triton,
+)
+from kernels.store_kv import store_kv_ref, store_kv_triton
+
+__all__ = [
+    "AttentionMetadata",
+    "build_attention_metadata",
+    "copy_blocks",
+    "copy_blocks_ref",
+    "copy_blocks_triton",
+    "dense_causal_attention_ref",
+    "get_backend",
+    "paged_attention",
+    "paged_attention_ref",
+    "paged_attention_triton",
+    "set_backend",
+    "store_kv",
+    "store_kv_ref",
+    "store_kv_triton",
+    "use_backend",
+]

@@ -1,0 +1,447 @@
+"""paged_attention: causal attention of a mixed batch (prefill chunks + decode tokens) over a paged KV cache.
+
+Batch layout (`AttentionMetadata`): the query rows of sequence b are `q[qsl[b]:qsl[b+1]]`; row i of
+them sits at absolute position `seq_lens[b] - q_len_b + i` and attends to KV positions `0..pos`.
+The KV of sequence b lives in the cache blocks `block_tables[b, :ceil(seq_len/block_size)]`; the
+new tokens' K/V were already written by `store_kv`. GQA: query head h reads kv head `h // (H // KVH)`.
+
+Triton algorithm: grid (query tile [x split], sequence, kv head). A tile packs `BLOCK_M` rows of
+(query token, head of the GQA group) pairs, so all query heads sharing a kv head read each K/V page
+once. The program walks the KV positions `0..max position of the tile` in `BLOCK_N` steps, reading
+block ids from the block table, with an online (exp2) softmax accumulated in fp32; KV tiles past
+the tile's last position are never visited. Split-K (flash-decoding): with `num_splits > 1` each
+program handles one slice of the KV range and writes a normalized partial output plus its
+log-sum-exp; `_merge_splits_kernel` combines the slices. The launcher picks it for decode-only
+batches whose sequences x kv heads cannot fill the GPU and whose contexts are long.
+
+Memory traffic: each K/V element of a sequence is read once per (query tile, kv head) that reaches
+it: once for decode, ceil(q_len * GROUP / BLOCK_M) times for a prefill chunk. Split-K adds
+2 * num_splits * T * H * (D + 1) fp32 of partial results.
+
+Limits: head_dim <= 256 (any, padded to a power of two); q/out unit stride along head_dim; cache
+unit stride along head_dim; `query_start_loc[-1] == q.shape[0]` (rows outside any sequence are left
+unwritten); the grid covers `max_query_len` rows for every sequence, so a mixed batch launches idle
+programs for its decode sequences (they exit at once).
+
+`paged_attention_ref` is the production CPU path: per call it does one gather of whole KV blocks
+and one `scaled_dot_product_attention` for all decode rows, and one of each for all prefill rows
+(padded to `[B, max_q]` with a causal mask); the index tensors and masks are built once per step
+and cached in the metadata, so every layer reuses them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels._common import launchable
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(slots=True)
+class _Part:
+    """Precomputed indices of the torch path for one kind of rows (decode or prefill)."""
+
+    rows: torch.Tensor  # [R] int64, rows of q (and out) this part produces
+    blocks: torch.Tensor  # [S, nblk] int64, cache blocks to gather (table padding -> a valid block)
+    pad_slots: torch.Tensor  # [P] int64, flat gathered positions past seq_len, zeroed after gathering
+    mask: torch.Tensor  # decode [S, 1, 1, L] / prefill [S, 1, max_q, L] bool, True = attend
+    q_index: torch.Tensor | None  # prefill: [S * max_q] rows of q to gather (padding repeats the last)
+    out_index: torch.Tensor | None  # prefill: [R] positions of `rows` in the padded [S * max_q] output
+    max_q: int  # query rows per sequence after padding
+
+
+@dataclass(slots=True)
+class _TorchPlan:
+    block_size: int  # cache block size the plan was built for
+    decode: _Part | None  # sequences with exactly one query row
+    prefill: _Part | None  # sequences with more than one query row
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each sequence's queries and KV blocks are; built once per step, shared by all layers."""
+
+    query_start_loc: torch.Tensor  # [B+1] int32, cumulative query lengths; seq b owns q[qsl[b]:qsl[b+1]]
+    seq_lens: torch.Tensor  # [B] int32, total KV length of seq b including its new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32; entries past ceil(seq_len/block_size) are padding
+    max_query_len: int  # max over b of qsl[b+1] - qsl[b] (python int: no device sync)
+    max_seq_len: int  # max over b of seq_lens[b]
+    _torch_plan: _TorchPlan | None = field(default=None, repr=False, compare=False)  # lazily built
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def build_attention_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                             max_query_len: int, max_seq_len: int) -> AttentionMetadata:
+    """Check shapes and build an `AttentionMetadata` (index tensors are converted to int32)."""
+    num_seqs = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [B+1] and seq_lens [B]; got {tuple(query_start_loc.shape)} "
+                         f"and {tuple(seq_lens.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [B={num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
+    if max_query_len < 0 or max_seq_len < max_query_len:
+        raise ValueError(f"need 0 <= max_query_len <= max_seq_len, got {max_query_len} and {max_seq_len}")
+    return AttentionMetadata(
+        query_start_loc=query_start_loc.to(torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
+        block_tables=block_tables.to(torch.int32).contiguous(),
+        max_query_len=int(max_query_len),
+        max_seq_len=int(max_seq_len),
+    )
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    assert q.dim() == 3, f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        f"k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got "
+        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape[3] == head_dim, f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}"
+    assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (
+        f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    for name in ("query_start_loc", "seq_lens", "block_tables"):
+        t = getattr(meta, name)
+        assert t.dtype == torch.int32 and t.device == q.device, f"{name} must be int32 on {q.device}, got {t.dtype} on {t.device}"
+    assert meta.query_start_loc.shape == (meta.num_seqs + 1,) and meta.block_tables.shape[0] == meta.num_seqs
+
+
+# ---------------------------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    num_splits,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_os, stride_ot, stride_oh,  # out [T, H, D], or partial out [S, T, H, D] when SPLIT_K
+    stride_ls, stride_lt,  # lse [S, T, H] (SPLIT_K only)
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per kv head
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,  # cache block size
+    BLOCK_M: tl.constexpr,  # packed (token, group head) rows per tile
+    BLOCK_N: tl.constexpr,  # KV positions per step
+    SPLIT_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # matmul operand dtype: the input dtype, except bf16 in the interpreter
+    DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    tl.static_assert(HEAD_DIM_P2 >= HEAD_DIM)
+    tile = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+    row0 = tile * BLOCK_M
+    if row0 >= q_len * GROUP:
+        return
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    token = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = token < q_len
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_mask = dims < HEAD_DIM
+    q_rows = (q_start + token).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q_pos = context_len + token
+
+    # Keys past the tile's last query position are masked for every row: never visit them.
+    kv_end = tl.minimum(seq_len, context_len + (row0 + BLOCK_M - 1) // GROUP + 1)
+    kv_lo = 0
+    kv_hi = kv_end
+    if SPLIT_K:
+        per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = split * per_split
+        kv_hi = tl.minimum(kv_end, kv_lo + per_split)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_mask = pos < kv_hi
+        block = tl.load(table + pos // PAGE_SIZE, mask=pos_mask, other=0).to(tl.int64)
+        slot = pos % PAGE_SIZE
+        kv_mask = pos_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_head + block[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        qk = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        attend = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        qk = tl.where(attend, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + block[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        p = p.to(v.dtype).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    out_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if SPLIT_K:
+        tl.store(out_ptr + split * stride_os + out_off, out, mask=out_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_mask)
+    else:
+        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr,
+    num_splits,
+    stride_ps, stride_pt, stride_ph,
+    stride_ls, stride_lt,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_mask = dims < HEAD_DIM
+    lse = tl.load(lse_ptr + splits * stride_ls + token * stride_lt + head, mask=split_mask, other=float("-inf"))
+    # Split 0 always sees position 0, so the max is finite and empty splits get weight exp2(-inf) = 0.
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + splits[:, None] * stride_ps + token * stride_pt + head * stride_ph + dims[None, :],
+                   mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_SPLIT_MIN_CONTEXT = 1024  # shorter decode contexts are not worth a second kernel
+_SPLIT_MIN_TOKENS = 256  # KV positions per split at least
+_MAX_SPLITS = 64
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _auto_num_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+    if meta.max_query_len != 1 or meta.max_seq_len < _SPLIT_MIN_CONTEXT:
+        return 1
+    programs = meta.num_seqs * num_kv_heads
+    sms = _num_sms(device)
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), meta.max_seq_len // _SPLIT_MIN_TOKENS, _MAX_SPLITS))
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+    """Triton launcher. q: [T, H, D] -> out [T, H, D]. `num_splits`: None = auto, 1 = off, n = force n."""
+    _check(q, k_cache, v_cache, meta)
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be unit-stride"
+    assert meta.block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert head_dim <= 256, f"head_dim {head_dim} > 256 is not supported"
+    assert q.dtype in _TL_DTYPES, f"unsupported dtype {q.dtype}"
+    group = num_heads // num_kv_heads
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or meta.num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = _auto_num_splits(meta, num_kv_heads, q.device)
+    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+
+    rows = meta.max_query_len * group
+    block_m = 16 if rows <= 16 else 64
+    block_n = 64
+    head_dim_p2 = triton.next_power_of_2(head_dim)
+    wide = q.element_size() == 4 or head_dim_p2 > 128
+    split_k = num_splits > 1
+    dot_dtype = _TL_DTYPES[q.dtype]
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        dot_dtype = tl.float32  # the interpreter multiplies bf16 as raw uint16 bits
+    if split_k:
+        target = torch.empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    else:
+        target, lse = out, out  # lse is unused without split-K
+    grid = (triton.cdiv(rows, block_m) * num_splits, meta.num_seqs, num_kv_heads)
+    launchable(_paged_attention_kernel, q.device)[grid](
+        q, k_cache, v_cache, target, lse,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        target.stride(0) if split_k else 0, target.stride(-3), target.stride(-2),
+        lse.stride(0) if split_k else 0, lse.stride(1) if split_k else 0,
+        meta.block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2,
+        PAGE_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        SPLIT_K=split_k,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        num_warps=4,
+        num_stages=1 if wide else 2,
+    )
+    if split_k:
+        launchable(_merge_splits_kernel, q.device)[(num_tokens, num_heads)](
+            target, lse, out,
+            num_splits,
+            target.stride(0), target.stride(1), target.stride(2),
+            lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=head_dim_p2,
+            SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=1 if head_dim_p2 <= 64 else 2,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- torch
+
+
+def _build_part(meta: AttentionMetadata, seqs: torch.Tensor, block_size: int, decode: bool) -> _Part:
+    device = meta.seq_lens.device
+    qsl = meta.query_start_loc.long()
+    q_start = qsl[seqs]
+    q_lens = qsl[seqs + 1] - q_start
+    seq_lens = meta.seq_lens.long()[seqs]
+    num_blocks = triton.cdiv(int(seq_lens.max()), block_size)
+    assert num_blocks <= meta.block_tables.shape[1], (
+        f"seq_len {int(seq_lens.max())} needs {num_blocks} blocks, block_tables has {meta.block_tables.shape[1]}")
+    blocks = meta.block_tables[seqs, :num_blocks].long()
+    used = torch.arange(num_blocks, device=device)[None, :] < triton.cdiv(seq_lens, block_size)[:, None]
+    blocks = torch.where(used, blocks, blocks[:, :1])
+    kv_pos = torch.arange(num_blocks * block_size, device=device)
+    valid = kv_pos[None, :] < seq_lens[:, None]  # [S, L]
+    pad_slots = (~valid).flatten().nonzero().squeeze(1)
+    if decode:
+        return _Part(rows=q_start, blocks=blocks, pad_slots=pad_slots, mask=valid[:, None, None, :],
+                     q_index=None, out_index=None, max_q=1)
+    max_q = int(q_lens.max())
+    i = torch.arange(max_q, device=device)[None, :]
+    real = i < q_lens[:, None]  # [S, max_q]
+    row_i = torch.minimum(i, q_lens[:, None] - 1)  # padding rows repeat the last real row
+    q_pos = (seq_lens - q_lens)[:, None] + row_i
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [S, max_q, L]; implies kv_pos < seq_len
+    return _Part(
+        rows=(q_start[:, None] + i)[real],
+        blocks=blocks,
+        pad_slots=pad_slots,
+        mask=mask[:, None],
+        q_index=(q_start[:, None] + row_i).flatten(),
+        out_index=real.flatten().nonzero().squeeze(1),
+        max_q=max_q,
+    )
+
+
+def _torch_plan(meta: AttentionMetadata, block_size: int) -> _TorchPlan:
+    plan = meta._torch_plan
+    if plan is None:
+        qsl = meta.query_start_loc.long()
+        q_lens = qsl[1:] - qsl[:-1]
+        decode_seqs = (q_lens == 1).nonzero().squeeze(1)
+        prefill_seqs = (q_lens > 1).nonzero().squeeze(1)
+        plan = _TorchPlan(
+            block_size=block_size,
+            decode=_build_part(meta, decode_seqs, block_size, True) if decode_seqs.numel() else None,
+            prefill=_build_part(meta, prefill_seqs, block_size, False) if prefill_seqs.numel() else None,
+        )
+        meta._torch_plan = plan
+    assert plan.block_size == block_size, f"metadata planned for block size {plan.block_size}, cache has {block_size}"
+    return plan
+
+
+def _gather(cache: torch.Tensor, part: _Part) -> torch.Tensor:
+    """[S, KVH, L, D]: the KV positions of each sequence, zeros past its length."""
+    num_seqs, num_blocks = part.blocks.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    x = cache.index_select(0, part.blocks.flatten()).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    if part.pad_slots.numel():
+        # Never let stale (possibly non-finite) slots reach the matmuls: 0 * nan would poison the row.
+        x.view(-1, num_kv_heads, head_dim).index_fill_(0, part.pad_slots, 0)
+    return x.transpose(1, 2)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Pure-torch paged attention (the production CPU path). q: [T, H, D] -> out [T, H, D]."""
+    _check(q, k_cache, v_cache, meta)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or meta.num_seqs == 0:
+        return out
+    plan = _torch_plan(meta, k_cache.shape[1])
+    if (part := plan.decode) is not None:
+        num_seqs = part.rows.shape[0]
+        # The GQA group's heads become the query length: one [group, L] score matrix per kv head.
+        q_dec = q.index_select(0, part.rows).view(num_seqs, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(q_dec, _gather(k_cache, part), _gather(v_cache, part),
+                                           attn_mask=part.mask, scale=scale)
+        out.index_copy_(0, part.rows, o.reshape(num_seqs, num_heads, head_dim))
+    if (part := plan.prefill) is not None:
+        num_seqs = part.blocks.shape[0]
+        q_pre = q.index_select(0, part.q_index).view(num_seqs, part.max_q, num_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q_pre, _gather(k_cache, part), _gather(v_cache, part),
+                                           attn_mask=part.mask, scale=scale, enable_gqa=group > 1)
+        o = o.transpose(1, 2).reshape(num_seqs * part.max_q, num_heads, head_dim)
+        out.index_copy_(0, part.rows, o.index_select(0, part.out_index))
+    return out
+
+
+def dense_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence, softmax materialized in fp32.
+
+    q: [Lq, H, D] are the last Lq positions of k, v: [Lk, KVH, D]. Returns [Lq, H, D] in q's dtype.
+    """
+    q_len, num_heads, _ = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+    visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

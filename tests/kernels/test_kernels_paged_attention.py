@@ -1,0 +1,128 @@
+"""paged_attention: Triton kernel (interpreted) and torch path against dense causal attention in fp32."""
+
+import pytest
+import torch
+
+from kernels import paged_attention_ref, paged_attention_triton
+from kernels.paged_attention import _auto_num_splits
+
+# (query lengths, sequence lengths): decode rows, prefill chunks over cached context, fresh prefill;
+# lengths deliberately not multiples of the block size.
+MIXED = ([1, 5, 1, 20], [33, 17, 70, 40])
+PREFILL = ([37, 23], [37, 61])
+DECODE = ([1, 1, 1], [1, 45, 64])
+SCENARIOS = {"mixed": MIXED, "prefill": PREFILL, "decode": DECODE}
+GQA = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): ratios 1, 3, 8
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def check_rule(out: torch.Tensor, batch, scale: float) -> None:
+    """flash-attention's rule: err(kernel) <= 2 * err(torch, same dtype) + atol, errors against fp32."""
+    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
+    assert not out.isnan().any()
+    gold = batch.dense(scale)
+    same_dtype = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    err = (out.float() - gold).abs().max().item()
+    err_torch = (same_dtype.float() - gold).abs().max().item()
+    assert err <= 2 * err_torch + ATOL[batch.q.dtype], f"err {err:.3g} vs torch {err_torch:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", GQA)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_torch_path_matches_dense(paged_batch, scenario, heads, block_size, dtype):
+    batch = paged_batch(*SCENARIOS[scenario], *heads, 64, block_size, dtype)
+    scale = 64 ** -0.5
+    out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    assert not out.isnan().any()
+    gold = batch.dense(scale)
+    same_dtype_dense = batch.dense(scale, dtype)  # fp32 math, output rounded to dtype
+    err = (out.float() - gold).abs().max().item()
+    err_rounding = (same_dtype_dense.float() - gold).abs().max().item()
+    assert err <= 4 * err_rounding + ATOL[dtype], f"err {err:.3g} vs rounding {err_rounding:.3g}"
+
+
+def test_torch_path_caches_its_plan(paged_batch):
+    batch = paged_batch(*MIXED, 9, 3, 64, 16, torch.float32)
+    first = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    plan = batch.meta._torch_plan
+    assert plan is not None and plan.decode is not None and plan.prefill is not None
+    second = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    assert batch.meta._torch_plan is plan
+    assert torch.equal(first, second)
+
+
+def test_torch_path_empty_batch(paged_batch):
+    batch = paged_batch(*DECODE, 4, 4, 64, 16, torch.float32)
+    q = batch.q[:0]
+    meta = type(batch.meta)(batch.meta.query_start_loc[:1], batch.meta.seq_lens[:0], batch.meta.block_tables[:0], 0, 0)
+    assert paged_attention_ref(q, batch.k_cache, batch.v_cache, meta, 0.125).shape == (0, 4, 64)
+    assert paged_attention_triton(q, batch.k_cache, batch.v_cache, meta, 0.125).shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", GQA)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_triton_matches_dense(paged_batch, scenario, heads, block_size, dtype):
+    batch = paged_batch(*SCENARIOS[scenario], *heads, 64, block_size, dtype)
+    scale = 64 ** -0.5
+    out = paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, num_splits=1)
+    check_rule(out, batch, scale)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "heads"), [
+    (torch.bfloat16, 64, (9, 3)),
+    (torch.float16, 128, (8, 2)),
+])
+def test_triton_other_dtypes_and_head_dims(paged_batch, dtype, head_dim, heads):
+    batch = paged_batch(*MIXED, *heads, head_dim, 16, dtype, seed=1)
+    scale = head_dim ** -0.5
+    out = paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, num_splits=1)
+    check_rule(out, batch, scale)
+
+
+def test_triton_strided_query(paged_batch):
+    """q as a view of a fused qkv output (row stride larger than H * D)."""
+    batch = paged_batch(*MIXED, 9, 3, 64, 16, torch.float32, seed=2)
+    fused = torch.cat([batch.q.flatten(1), torch.randn(batch.q.shape[0], 2 * 3 * 64)], dim=1)
+    q = fused[:, :9 * 64].view(-1, 9, 64)
+    assert not q.is_contiguous()
+    out = paged_attention_triton(q, batch.k_cache, batch.v_cache, batch.meta, 0.125, num_splits=1)
+    check_rule(out, batch, 0.125)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_split_k_decode(paged_batch, heads, num_splits, dtype):
+    batch = paged_batch(*DECODE, *heads, 64, 16, dtype, seed=3)
+    scale = 64 ** -0.5
+    out = paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, num_splits=num_splits)
+    check_rule(out, batch, scale)
+
+
+def test_triton_split_k_mixed_batch(paged_batch):
+    """Forced split-K on prefill rows: some slices see no key of some rows and must weigh zero."""
+    batch = paged_batch(*MIXED, 9, 3, 64, 16, torch.float32, seed=4)
+    out = paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, num_splits=3)
+    check_rule(out, batch, 0.125)
+
+
+def test_auto_split_k_long_decode(paged_batch):
+    batch = paged_batch([1, 1], [1100, 700], 8, 1, 64, 32, torch.float32, seed=5)
+    assert _auto_num_splits(batch.meta, 1, batch.q.device) > 1
+    out = paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    check_rule(out, batch, 0.125)
+
+
+def test_auto_split_k_choice(paged_batch):
+    cpu = torch.device("cpu")
+    prefill = paged_batch([1, 30], [1100, 40], 4, 4, 64, 32, torch.float32)
+    assert _auto_num_splits(prefill.meta, 4, cpu) == 1  # not decode-only
+    short = paged_batch([1, 1], [100, 40], 4, 4, 64, 32, torch.float32)
+    assert _auto_num_splits(short.meta, 4, cpu) == 1  # contexts too short
+    long = paged_batch([1], [2048], 4, 4, 64, 32, torch.float32)
+    assert _auto_num_splits(long.meta, 64, cpu) == 1  # enough programs without splitting
+    assert 1 < _auto_num_splits(long.meta, 1, cpu) <= 2048 // 256
