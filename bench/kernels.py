@@ -1,0 +1,248 @@
+"""Kernel benchmark: how close paged attention gets to the GPU's memory bandwidth, and what paging costs.
+
+Run as `agentrt bench kernels [--json] [--out docs/kernels.md]` (or `python -m bench.kernels`).
+Needs a CUDA GPU; without one it says so and exits 0.
+
+Measured in one run, on the Llama-3.1-8B attention shape (H=32, KVH=8, D=128, bf16, block 16):
+- copy bandwidth: a device-to-device `torch` copy of a large buffer, (read + write bytes) / time;
+- decode: achieved K/V read bandwidth of `paged_attention_triton` (split-K chosen automatically)
+  for batch x context, as a fraction of the copy bandwidth;
+- paging cost: the same decode with a shuffled block table, an identity table over contiguous
+  blocks, and torch SDPA on a contiguous `[B, KVH, L, D]` cache;
+- prefill: causal attention TFLOP/s, against torch SDPA (flash) on the same shapes.
+Timing: `triton.testing.do_bench` (warm-up excluded, L2 flushed between calls, median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SKIP_MESSAGE = "no CUDA GPU: kernel benchmark skipped"
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+
+BATCHES = [1, 8, 32, 64, 128, 256]
+CONTEXTS = [512, 1024, 4096, 8192, 16384, 32768]
+PAGING_BATCHES = [1, 8, 32, 128]
+PAGING_CONTEXTS = [1024, 4096, 16384]
+PREFILL_CASES = [(1024, 0), (4096, 0), (16384, 0), (512, 7680)]  # (new tokens, cached context)
+MEMORY_FRACTION = 0.7  # of free GPU memory a case may allocate
+
+
+def _time_ms(fn) -> float:
+    import triton.testing
+
+    fn()  # compile / autotune outside the measurement
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _copy_bandwidth(device: torch.device) -> dict:
+    numel = 1 << 29  # 1 GiB of bf16
+    src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src))
+    bytes_moved = 2 * src.numel() * src.element_size()
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bytes": bytes_moved, "time_ms": ms, "gb_per_s": bytes_moved / ms / 1e6}
+
+
+def _fits(num_bytes: int) -> bool:
+    free, _ = torch.cuda.mem_get_info()
+    return num_bytes <= MEMORY_FRACTION * free
+
+
+def _paged_cache(shape: Shape, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    k_cache = torch.empty(dims, dtype=shape.dtype, device=device).normal_()
+    v_cache = torch.empty(dims, dtype=shape.dtype, device=device).normal_()
+    return k_cache, v_cache
+
+
+def _decode_meta(batch: int, context: int, table: torch.Tensor):
+    from kernels import build_attention_metadata
+
+    device = table.device
+    return build_attention_metadata(
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        block_tables=table,
+        max_query_len=1,
+        max_seq_len=context,
+    )
+
+
+def _decode(shape: Shape, copy_gbps: float, device: torch.device, batches: list[int], contexts: list[int],
+            paging_batches: list[int], paging_contexts: list[int]) -> tuple[list[dict], list[dict]]:
+    import torch.nn.functional as F
+
+    from kernels import paged_attention_triton
+    from kernels.paged_attention import _auto_num_splits
+
+    scale = shape.head_dim ** -0.5
+    elem = torch.empty((), dtype=shape.dtype).element_size()
+    decode, paging = [], []
+    for context in contexts:
+        for batch in batches:
+            blocks_per_seq = -(-context // shape.block_size)
+            num_blocks = batch * blocks_per_seq
+            kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * elem
+            cache_bytes = 2 * num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim * elem
+            measure_paging = batch in paging_batches and context in paging_contexts
+            needed = cache_bytes * (2 if measure_paging else 1)
+            row = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
+            if not _fits(needed):
+                decode.append({**row, "skipped": "does not fit in GPU memory"})
+                continue
+            k_cache, v_cache = _paged_cache(shape, num_blocks, device)
+            shuffled = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+            meta = _decode_meta(batch, context, shuffled)
+            q = torch.randn(batch, shape.num_heads, shape.head_dim, dtype=shape.dtype, device=device)
+            ms = _time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, scale))
+            gbps = kv_bytes / ms / 1e6
+            decode.append({**row, "num_splits": _auto_num_splits(meta, shape.num_kv_heads, device), "time_ms": ms,
+                           "gb_per_s": gbps, "fraction_of_copy": gbps / copy_gbps})
+            if measure_paging:
+                identity = torch.arange(num_blocks, dtype=torch.int32, device=device).view(batch, blocks_per_seq)
+                meta_contiguous = _decode_meta(batch, context, identity)
+                ms_contiguous = _time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta_contiguous, scale))
+                # The same keys as the identity table, as one contiguous [B, KVH, L, D] tensor per K and V.
+                k = k_cache.view(batch, -1, shape.num_kv_heads, shape.head_dim)[:, :context].transpose(1, 2).contiguous()
+                v = v_cache.view(batch, -1, shape.num_kv_heads, shape.head_dim)[:, :context].transpose(1, 2).contiguous()
+                q4 = q.unsqueeze(2)  # [B, H, 1, D]
+                ms_sdpa = _time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
+                paging.append({
+                    "batch": batch, "context": context, "shuffled_ms": ms, "contiguous_ms": ms_contiguous,
+                    "sdpa_contiguous_ms": ms_sdpa,
+                    "paging_overhead_pct": 100 * (ms / ms_contiguous - 1),
+                    "vs_sdpa_pct": 100 * (ms / ms_sdpa - 1),
+                })
+                del k, v
+            del k_cache, v_cache, q, meta
+            torch.cuda.empty_cache()
+    return decode, paging
+
+
+def _prefill(shape: Shape, device: torch.device, cases: list[tuple[int, int]]) -> list[dict]:
+    import torch.nn.functional as F
+
+    from kernels import build_attention_metadata, paged_attention_triton
+
+    scale = shape.head_dim ** -0.5
+    rows = []
+    for q_len, context in cases:
+        seq_len = q_len + context
+        blocks = -(-seq_len // shape.block_size)
+        k_cache, v_cache = _paged_cache(shape, blocks, device)
+        table = torch.randperm(blocks, device=device).to(torch.int32).view(1, blocks)
+        meta = build_attention_metadata(
+            torch.tensor([0, q_len], dtype=torch.int32, device=device),
+            torch.tensor([seq_len], dtype=torch.int32, device=device), table, q_len, seq_len)
+        q = torch.randn(q_len, shape.num_heads, shape.head_dim, dtype=shape.dtype, device=device)
+        ms = _time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, scale))
+        # Row i sees context + i + 1 keys; QK^T and PV cost 2 * D flops per (row, key, head) each.
+        visible_pairs = q_len * context + q_len * (q_len + 1) // 2
+        flops = 4 * visible_pairs * shape.num_heads * shape.head_dim
+        row = {"q_len": q_len, "context": context, "time_ms": ms, "tflop_per_s": flops / ms / 1e9}
+        if context == 0:  # SDPA's is_causal aligns the diagonal top-left, which is only right without context
+            # K/V expanded to all query heads, so SDPA's flash kernel runs without GQA support.
+            kv = torch.randn(2, 1, shape.num_heads, q_len, shape.head_dim, dtype=shape.dtype, device=device)
+            q4 = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+            ms_sdpa = _time_ms(lambda: F.scaled_dot_product_attention(q4, kv[0], kv[1], is_causal=True, scale=scale))
+            row.update(sdpa_time_ms=ms_sdpa, sdpa_tflop_per_s=flops / ms_sdpa / 1e9, ratio_to_sdpa=ms_sdpa / ms)
+            del kv
+        rows.append(row)
+        del k_cache, v_cache, q, meta
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _markdown(result: dict) -> str:
+    def table(header: list[str], rows: list[list[object]]) -> list[str]:
+        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+        return out + [""]
+
+    copy = result["copy"]
+    lines = [f"# Kernel benchmark — {result['device']}", "",
+             f"Shape: {result['shape']}. torch {result['torch']}, triton {result['triton']}.", "",
+             f"Copy bandwidth (read + write): **{copy['gb_per_s']:.0f} GB/s**", "", "## Decode", ""]
+    lines += table(["batch", "context", "splits", "time (µs)", "K/V GB/s", "% of copy BW"], [
+        [r["batch"], r["context"], "-", "-", "-", r["skipped"]] if "skipped" in r else
+        [r["batch"], r["context"], r["num_splits"], f"{r['time_ms'] * 1e3:.1f}", f"{r['gb_per_s']:.0f}",
+         f"{100 * r['fraction_of_copy']:.1f}"]
+        for r in result["decode"]])
+    lines += ["## Paging cost (decode)", ""]
+    lines += table(["batch", "context", "shuffled (µs)", "contiguous blocks (µs)", "SDPA contiguous (µs)",
+                    "paging overhead %", "vs SDPA %"], [
+        [r["batch"], r["context"], f"{r['shuffled_ms'] * 1e3:.1f}", f"{r['contiguous_ms'] * 1e3:.1f}",
+         f"{r['sdpa_contiguous_ms'] * 1e3:.1f}", f"{r['paging_overhead_pct']:+.1f}", f"{r['vs_sdpa_pct']:+.1f}"]
+        for r in result["paging"]])
+    lines += ["## Prefill (one sequence, causal)", ""]
+    lines += table(["new tokens", "context", "time (ms)", "TFLOP/s", "SDPA TFLOP/s", "SDPA time / ours"], [
+        [r["q_len"], r["context"], f"{r['time_ms']:.3f}", f"{r['tflop_per_s']:.1f}",
+         f"{r['sdpa_tflop_per_s']:.1f}" if "sdpa_tflop_per_s" in r else "-",
+         f"{r['ratio_to_sdpa']:.2f}" if "ratio_to_sdpa" in r else "-"]
+        for r in result["prefill"]])
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentrt bench kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the markdown tables")
+    parser.add_argument("--out", type=Path, help="also write the result here (.json: JSON, else markdown)")
+    parser.add_argument("--batches", type=_ints, default=BATCHES, help="decode batch sizes, comma-separated")
+    parser.add_argument("--contexts", type=_ints, default=CONTEXTS, help="decode context lengths, comma-separated")
+    parser.add_argument("--no-prefill", action="store_true", help="skip the prefill measurements")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print(json.dumps({"skipped": SKIP_MESSAGE}) if args.json else SKIP_MESSAGE)
+        return 0
+
+    import triton
+
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    shape = Shape()
+    result: dict = {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "shape": f"H={shape.num_heads} KVH={shape.num_kv_heads} D={shape.head_dim} "
+                 f"{str(shape.dtype).removeprefix('torch.')} block={shape.block_size}",
+    }
+    result["copy"] = _copy_bandwidth(device)
+    result["decode"], result["paging"] = _decode(shape, result["copy"]["gb_per_s"], device, args.batches,
+                                                 args.contexts, PAGING_BATCHES, PAGING_CONTEXTS)
+    result["prefill"] = [] if args.no_prefill else _prefill(shape, device, PREFILL_CASES)
+
+    text = json.dumps(result, indent=2) if args.json else _markdown(result)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) if args.out.suffix == ".json" else _markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

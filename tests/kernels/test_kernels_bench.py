@@ -1,0 +1,32 @@
+"""bench/kernels.py: the no-GPU exit, and its measuring code run on CPU with a tiny shape and a fake clock."""
+
+import json
+
+import torch
+
+from bench import kernels as bench
+
+
+def test_without_cuda_it_skips_cleanly(capsys):
+    if torch.cuda.is_available():
+        return
+    assert bench.main([]) == 0
+    assert capsys.readouterr().out.strip() == bench.SKIP_MESSAGE
+    assert bench.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"skipped": bench.SKIP_MESSAGE}
+
+
+def test_measuring_code_runs_on_a_tiny_shape(monkeypatch):
+    monkeypatch.setattr(bench, "_time_ms", lambda fn: (fn(), 0.5)[1])
+    monkeypatch.setattr(bench, "_fits", lambda num_bytes: num_bytes < 10_000_000)
+    shape = bench.Shape(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    decode, paging = bench._decode(shape, 100.0, cpu, [1, 2], [40, 100_000], [2], [40])
+    assert [("skipped" in r) for r in decode] == [False, False, True, True]
+    assert decode[0]["kv_bytes"] == 2 * 1 * 40 * 2 * 64 * 4
+    assert len(paging) == 1 and paging[0]["paging_overhead_pct"] == 0.0
+    prefill = bench._prefill(shape, cpu, [(20, 0), (8, 30)])
+    assert "ratio_to_sdpa" in prefill[0] and "ratio_to_sdpa" not in prefill[1]
+    text = bench._markdown({"device": "cpu", "torch": "-", "triton": "-", "shape": "tiny", "copy": {"gb_per_s": 100.0},
+                            "decode": decode, "paging": paging, "prefill": prefill})
+    assert text.count("\n| ") >= 8 and "does not fit" in text
