@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print measurements (`agentrt bench NAME`), never timed tests."""

@@ -1,0 +1,47 @@
+"""Shared bits of the benchmark scripts: machine description and docs/benchmarks.md sections."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def machine() -> str:
+    import torch
+
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    cpu = platform.processor() or platform.machine()
+    return f"{platform.system()} {cpu}, {os.cpu_count()} CPU cores, {dev}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def command() -> str:
+    return "agentrt bench " + " ".join(sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "bench" else sys.argv[1:])
+
+
+def write_section(title: str, body: str, path: Path = DOCS) -> None:
+    """Replace (or append) the `## title` section of docs/benchmarks.md, leaving the others intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section is written by its benchmark script.\n"
+    stamp = f"Machine: {machine()}  \nCommand: `{command()}`  \nDate: {_dt.date.today().isoformat()}\n\n"
+    section = f"## {title}\n\n{stamp}{body.rstrip()}\n"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text)
+    else:
+        text = text.rstrip() + "\n\n" + section
+    path.write_text(text.rstrip() + "\n")
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        return f"{v:,.2f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)

