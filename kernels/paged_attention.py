@@ -145,7 +145,7 @@ def _paged_attention_kernel(
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     tl.static_assert(HEAD_DIM_P2 >= HEAD_DIM)
     tile = tl.program_id(0) // num_splits
-    split = tl.program_id(0) % num_splits
+    split = (tl.program_id(0) % num_splits).to(tl.int64)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
 
