@@ -1,16 +1,25 @@
 """agentrt kernels: Triton kernels with pure-torch references, behind one dispatching API.
 
 Ops (each module holds the kernel, its launcher `*_triton` and its reference `*_ref`):
-`store_kv`, `paged_attention`, `copy_blocks`. The dispatching functions exported here pick Triton
+`store_kv`, `paged_attention`, `copy_blocks`, `rms_norm`, `silu_and_mul`. The dispatching functions exported here pick Triton
 for CUDA tensors and the torch reference on CPU; see `kernels._dispatch` for the backend switch.
 
-Note: the names `store_kv`, `paged_attention` and `copy_blocks` here are the dispatching functions,
+Note: the names `store_kv`, `paged_attention`, `copy_blocks`, `rms_norm` and `silu_and_mul` here are the dispatching functions,
 which shadow the submodules of the same name; reach a submodule with `from kernels.<module> import ...`.
 
 Depends on torch and triton only.
 """
 
-from kernels._dispatch import copy_blocks, get_backend, paged_attention, set_backend, store_kv, use_backend
+from kernels._dispatch import (
+    copy_blocks,
+    get_backend,
+    paged_attention,
+    rms_norm,
+    set_backend,
+    silu_and_mul,
+    store_kv,
+    use_backend,
+)
 from kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
 from kernels.paged_attention import (
     AttentionMetadata,
@@ -19,6 +28,8 @@ from kernels.paged_attention import (
     paged_attention_ref,
     paged_attention_triton,
 )
+from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = [
@@ -32,7 +43,13 @@ __all__ = [
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_triton",
+    "rms_norm",
+    "rms_norm_ref",
+    "rms_norm_triton",
     "set_backend",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "silu_and_mul_triton",
     "store_kv",
     "store_kv_ref",
     "store_kv_triton",

@@ -19,6 +19,8 @@ import torch
 
 from kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
 from kernels.paged_attention import AttentionMetadata, paged_attention_ref, paged_attention_triton
+from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
 
 BACKENDS = ("auto", "triton", "torch")
@@ -86,3 +88,15 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy blocks `block_mapping[:, 0]` to `block_mapping[:, 1]` in every layer, K and V."""
     impl = copy_blocks_triton if _use_triton(kv_cache) else copy_blocks_ref
     impl(kv_cache, block_mapping)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [T, hidden]; with `residual`, normalizes x + residual and returns (y, x + residual)."""
+    impl = rms_norm_triton if _use_triton(x) else rms_norm_ref
+    return impl(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :I]) * x[:, I:] for x [T, 2I]."""
+    return silu_and_mul_triton(x) if _use_triton(x) else silu_and_mul_ref(x)

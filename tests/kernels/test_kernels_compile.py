@@ -39,6 +39,8 @@ def compile_all() -> None:
 
     from kernels.copy_blocks import _copy_blocks_kernel
     from kernels.paged_attention import _merge_splits_kernel, _paged_attention_kernel
+    from kernels.rms_norm import _rms_norm_kernel
+    from kernels.silu_and_mul import _silu_and_mul_kernel
     from kernels.store_kv import _store_kv_kernel
 
     for dtype, head_dim, block_m, split_k in PAGED_ATTENTION_VARIANTS:
@@ -57,6 +59,11 @@ def compile_all() -> None:
                  dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK_SIZE=16, HEADS_P2=4, HEAD_DIM_P2=64), num_warps=1)
     compile_sm90(_copy_blocks_kernel, dict(cache_ptr="*bf16", mapping_ptr="*i64"),
                  dict(BLOCK_NUMEL=16384, CHUNK=2048), num_warps=4)
+    compile_sm90(_rms_norm_kernel, dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16",
+                                        residual_out_ptr="*bf16", eps="fp32"),
+                 dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True), num_warps=16)
+    compile_sm90(_silu_and_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(INTER=14336, BLOCK=1024),
+                 num_warps=4)
 
 
 def test_kernels_compile_for_sm90():
@@ -72,7 +79,7 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("compiled ") == len(PAGED_ATTENTION_VARIANTS) + 3
+    assert result.stdout.count("compiled ") == len(PAGED_ATTENTION_VARIANTS) + 5
 
 
 if __name__ == "__main__":
