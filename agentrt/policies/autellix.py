@@ -30,18 +30,20 @@ from agentrt.policies._multilevel import (
 )
 from engine.request import Request
 
-# Defaults, per service unit; chosen with `bench/programs.py` on a 2-core CPU (see docs/benchmarks.md).
-#   K = 8 queues: enough range (first boundary x 64) to separate one-call chats from tree searches;
+# Defaults, per service unit; chosen with `bench/programs.py` on a 2-core CPU (docs/benchmarks.md),
+# where one decode step of the default model takes 0.1-0.5 s and a short call receives ~0.5-2 s of
+# executor time (the reimplementation's 0.02 s boundaries assume ~20 ms GPU steps: scaled ~50x).
+#   K = 8 queues: range enough (first boundary x 64) to separate one-call chats from tree searches;
 #     more levels only split long programs further, which buys nothing but preemptions.
-#   first boundary: about one short call's worth of service, so a program leaves the top queue
-#     after its first real call and a fresh program always overtakes it.
-#   quantum = half the first boundary: a single call cannot hog a queue for long, but is not
-#     demoted on its first decode steps either (each demotion may cost a recompute preemption).
-#   beta: programs that waited `beta` times their service are promoted; large enough that the
-#     long program in a short-program stream is not promoted every step, small enough that it
-#     is never starved.
+#   first boundary 1 s: about one short call, so a program leaves the top queue after its first
+#     real call and a fresh program overtakes it.
+#   quantum 1 s (= the first boundary, not half): a demotion in the middle of a call lets newer
+#     calls displace it, and every displacement is a recompute preemption (~14 ms per prompt token
+#     here); fewer demotions, fewer recomputes. Not yet tuned to the benchmark target (see docs).
+#   beta 8 (the reimplementation's): a program that has waited 8x the service it received is
+#     promoted, so a long program in a stream of short ones keeps moving.
 DEFAULTS: dict[str, dict[str, float]] = {
-    "time": {"first_boundary": 0.5, "quantum": 0.25, "beta": 8.0},
+    "time": {"first_boundary": 1.0, "quantum": 1.0, "beta": 8.0},
     "tokens": {"first_boundary": 128.0, "quantum": 64.0, "beta": 8.0},
 }
 DEFAULT_NUM_QUEUES = 8

@@ -1,0 +1,276 @@
+"""Program-scheduling benchmark: one program mix, Poisson arrivals, every policy in one run.
+
+    agentrt bench programs [--json] [--programs N] [--rate R] [--policies fcfs,mlfq,plas,atlas]
+    python -m bench.programs ...
+
+The mix follows Autellix's evaluation (DESIGN.md §6), scaled down for a 2-core CPU:
+
+- chat: one call (ShareGPT-like: longer decode);
+- react: sequential calls whose prompt grows with each reply and observation, a tool gap
+  (`anyio.sleep`) between calls;
+- tree: a root call, `depth` rounds of `width` parallel branch calls, a final call (LATS/MCTS-like).
+
+Prompts are token ids drawn from a seeded RNG, with a system prefix shared by each kind (so the
+prefix cache behaves as with real agents); outputs ignore EOS so every policy does the same
+work. Program latency runs from its planned arrival to its end; FCFS is the peer, measured in the
+same run, and every other policy is reported as a ratio to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+import agentrt
+
+# program kinds: calls, prompt tokens, output tokens per call (scaled from Autellix's 6.7 / 10.8 / 160 calls)
+CHAT = {"prompt": 32, "max_tokens": 16}
+REACT = {"calls": 3, "prompt": 64, "max_tokens": 8, "observation": 16, "tool_s": (0.2, 0.6)}
+TREE = {"width": 4, "depth": 2, "prompt": 32, "max_tokens": 8}
+MIX = {"chat": 0.6, "react": 0.25, "tree": 0.15}
+VOCAB = (1000, 40000)  # token ids drawn from here: ordinary BPE pieces of the default tokenizer
+
+ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}  # few seats: the policies must choose
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramSpec:
+    index: int
+    kind: str
+    arrival_s: float  # offset from the start of the run
+    seed: int
+
+
+@dataclass(slots=True)
+class ProgramResult:
+    kind: str
+    latency_s: float
+    output_tokens: int
+    calls: int
+
+
+def make_workload(n: int, rate: float, seed: int) -> list[ProgramSpec]:
+    """`n` programs of the mix, Poisson arrivals at `rate` programs/s."""
+    rng = random.Random(seed)
+    kinds, weights = zip(*MIX.items())
+    t, specs = 0.0, []
+    for i in range(n):
+        specs.append(ProgramSpec(i, rng.choices(kinds, weights)[0], t, rng.randrange(1 << 30)))
+        t += rng.expovariate(rate)
+    return specs
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+_PREFIX = {kind: _tokens(random.Random(k), 32) for k, kind in enumerate(MIX)}  # shared system prompt per kind
+
+
+async def _call(prompt: list[int], max_tokens: int) -> list[int]:
+    rt = agentrt.current_runtime()
+    text = await agentrt.generate(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    return rt.tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
+
+
+@agentrt.program(name="chat")
+async def chat_program(spec: ProgramSpec) -> str | None:
+    rng = random.Random(spec.seed)
+    await _call(_PREFIX["chat"] + _tokens(rng, CHAT["prompt"]), CHAT["max_tokens"])
+    return agentrt.current_program_id()
+
+
+@agentrt.tool(name="search")
+async def _search(rng: random.Random) -> list[int]:
+    await anyio.sleep(rng.uniform(*REACT["tool_s"]))
+    return _tokens(rng, REACT["observation"])
+
+
+@agentrt.program(name="react")
+async def react_program(spec: ProgramSpec) -> str | None:
+    rng = random.Random(spec.seed)
+    history = _PREFIX["react"] + _tokens(rng, REACT["prompt"])
+    for i in range(REACT["calls"]):
+        history += await _call(history, REACT["max_tokens"])
+        if i + 1 < REACT["calls"]:
+            history += await _search(rng)
+    return agentrt.current_program_id()
+
+
+@agentrt.program(name="tree")
+async def tree_program(spec: ProgramSpec) -> str | None:
+    rng = random.Random(spec.seed)
+    root = _PREFIX["tree"] + _tokens(rng, TREE["prompt"])
+    path = root + await _call(root, TREE["max_tokens"])
+    for _ in range(TREE["depth"]):  # expand: one parallel call per child, follow the longest reply
+        children = await agentrt.gather(
+            *(_call(path + _tokens(rng, 8), TREE["max_tokens"]) for _ in range(TREE["width"]))
+        )
+        path += max(children, key=len)
+    await _call(path, TREE["max_tokens"])
+    return agentrt.current_program_id()
+
+
+PROGRAMS = {"chat": chat_program, "react": react_program, "tree": tree_program}
+
+
+async def run_policy(
+    policy: str, workload: list[ProgramSpec], model: str | None, engine: dict[str, Any], policy_kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """Serve the workload under one policy; per-program results plus engine counters."""
+    results: list[ProgramResult | None] = [None] * len(workload)
+    async with agentrt.Runtime(model, policy=policy, policy_kwargs=policy_kwargs or None, **engine) as rt:
+        await agentrt.generate(_tokens(random.Random(0), 64), max_tokens=4)  # warm-up, not measured
+        start = time.monotonic()
+
+        async def launch(spec: ProgramSpec) -> None:
+            await anyio.sleep(max(0.0, start + spec.arrival_s - time.monotonic()))
+            pid = await PROGRAMS[spec.kind](spec)
+            info = rt.programs[pid]
+            latency = time.monotonic() - (start + spec.arrival_s)
+            results[spec.index] = ProgramResult(spec.kind, latency, info.num_output_tokens, info.calls_done)
+
+        async with anyio.create_task_group() as tg:
+            for spec in workload:
+                tg.start_soon(launch, spec)
+        makespan = time.monotonic() - start
+        kv = rt.kv_stats()
+    done = [r for r in results if r is not None]
+    return {
+        "policy": policy,
+        "makespan_s": makespan,
+        "preemptions": kv.num_preemptions,
+        "prefix_hit_rate": kv.prefix_hit_tokens / max(1, kv.prefix_queries_tokens),
+        "latency_s": _summary([r.latency_s for r in done]),
+        "latency_per_token_s": _summary([r.latency_s / max(1, r.output_tokens) for r in done]),
+        "by_kind": {k: _summary([r.latency_s for r in done if r.kind == k]) for k in PROGRAMS},
+        "programs": [asdict(r) for r in done],
+    }
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    s = sorted(xs)
+
+    def pct(q: float) -> float:
+        return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+    return {"mean": statistics.fmean(s), "p50": pct(0.5), "p95": pct(0.95), "p99": pct(0.99), "n": len(s)}
+
+
+def _ratios(report: dict[str, Any]) -> None:
+    base = report["results"].get("fcfs")
+    if base is None:
+        return
+    for res in report["results"].values():
+        res["vs_fcfs"] = {
+            f"{metric}.{stat}": res[metric][stat] / base[metric][stat]
+            for metric in ("latency_s", "latency_per_token_s")
+            for stat in ("mean", "p50", "p95", "p99")
+        }
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [
+        "| policy | mean s | p50 s | p95 s | p99 s | mean s/token | mean vs fcfs | p99 vs fcfs | s/token vs fcfs | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in report["results"].items():
+        lat, tok, vs = r["latency_s"], r["latency_per_token_s"], r.get("vs_fcfs", {})
+        lines.append(
+            f"| {name} | {lat['mean']:.2f} | {lat['p50']:.2f} | {lat['p95']:.2f} | {lat['p99']:.2f} | {tok['mean']:.3f} "
+            f"| {vs.get('latency_s.mean', float('nan')):.2f}x | {vs.get('latency_s.p99', float('nan')):.2f}x "
+            f"| {vs.get('latency_per_token_s.mean', float('nan')):.2f}x | {r['preemptions']} |"
+        )
+    return "\n".join(lines)
+
+
+def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
+    """Replace (or append) the `## Program scheduling` section of docs/benchmarks.md."""
+    cfg = report["config"]
+    kinds = ", ".join(f"{k} {v:.0%}" for k, v in MIX.items())
+    section = "\n".join(
+        [
+            "## Program scheduling",
+            "",
+            f"- Date: {report['date']}; machine: {report['machine']}",
+            f"- Command: `{command}`",
+            f"- Workload: {cfg['programs']} programs ({kinds}), Poisson arrivals at {cfg['rate']} programs/s, "
+            f"seed {cfg['seed']}; chat = 1 call ({CHAT['prompt'] + 32} prompt / {CHAT['max_tokens']} output tokens), "
+            f"react = {REACT['calls']} sequential calls with {REACT['tool_s'][0]}-{REACT['tool_s'][1]} s tool gaps, "
+            f"tree = root + {TREE['depth']} rounds of {TREE['width']} parallel calls + final call; engine {cfg['engine']}, default policy settings.",
+            "- Program latency = planned arrival to program end; per token = latency / tokens the program generated.",
+            "",
+            table(report),
+            "",
+        ]
+    )
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find("## Program scheduling")
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="agentrt bench programs", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--programs", type=int, default=16, help="programs per policy")
+    ap.add_argument("--rate", type=float, default=0.2, help="program arrivals per second (Poisson)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policies", default="fcfs,mlfq,plas,atlas")
+    ap.add_argument("--model", default=None, help="model path; default: the default model")
+    ap.add_argument("--max-num-seqs", type=int, default=ENGINE["max_num_seqs"])
+    ap.add_argument("--max-num-batched-tokens", type=int, default=ENGINE["max_num_batched_tokens"])
+    ap.add_argument("--first-boundary", type=float, default=None, help="plas/atlas: override the default (s)")
+    ap.add_argument("--quantum", type=float, default=None, help="plas/atlas/mlfq: override the default (s)")
+    ap.add_argument("--beta", type=float, default=None, help="plas/atlas: override the default")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--docs", type=Path, default=None, help="write the table to this markdown file (docs/benchmarks.md)")
+    args = ap.parse_args(argv)
+
+    engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    workload = make_workload(args.programs, args.rate, args.seed)
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} {platform.python_version()}",
+        "config": {"first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta, "programs": args.programs, "rate": args.rate, "seed": args.seed, "engine": engine, "model": args.model},
+        "results": {},
+    }
+    for policy in args.policies.split(","):
+        t0 = time.monotonic()
+        overrides = {"first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta}
+        allowed = {"plas": overrides, "atlas": overrides, "mlfq": {"quantum": args.quantum}}.get(policy, {})
+        kwargs = {k: v for k, v in allowed.items() if v is not None}
+        report["results"][policy] = anyio.run(run_policy, policy, workload, args.model, engine, kwargs)
+        print(f"{policy}: done in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    _ratios(report)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(table(report))
+    if args.docs is not None:
+        cmd = "agentrt bench programs " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_docs(report, cmd.strip(), args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,28 @@
+"""The program benchmark runs end to end (tiny model, a handful of programs) and edits only its section."""
+
+from __future__ import annotations
+
+import json
+
+from bench import programs as bench
+
+
+def test_bench_programs_smoke(tiny_model_path, tmp_path, capsys):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n\n## Program scheduling\n\nold\n\n## Later\n\nkeep too\n")
+    argv = ["--model", str(tiny_model_path), "--programs", "4", "--rate", "20", "--policies", "fcfs,plas"]
+    assert bench.main([*argv, "--json", "--docs", str(docs)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["results"]) == ["fcfs", "plas"]
+    plas = report["results"]["plas"]
+    assert plas["latency_s"]["n"] == 4 and plas["vs_fcfs"]["latency_s.mean"] > 0
+    assert all(p["output_tokens"] > 0 and p["calls"] >= 1 for p in plas["programs"])
+    text = docs.read_text()
+    assert "keep me" in text and "keep too" in text and "old" not in text
+    assert text.count("## Program scheduling") == 1 and "| plas |" in text
+
+
+def test_workload_is_seeded():
+    a, b = bench.make_workload(20, 0.5, seed=3), bench.make_workload(20, 0.5, seed=3)
+    assert a == b and {s.kind for s in a} <= set(bench.PROGRAMS)
+    assert all(x.arrival_s < y.arrival_s for x, y in zip(a, a[1:]))
