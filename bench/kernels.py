@@ -1,7 +1,8 @@
 """Kernel benchmark: how close paged attention gets to the GPU's memory bandwidth, and what paging costs.
 
-Run as `agentrt bench kernels [--json] [--out docs/kernels.md]` (or `python -m bench.kernels`).
-Needs a CUDA GPU; without one it says so and exits 0.
+Run as `agentrt bench kernels [--json] [--out docs/kernels.md]` (or `python -m bench.kernels`); it
+also writes the "Kernels" section of docs/benchmarks.md unless `--no-docs`. Needs a CUDA GPU;
+without one it says so, writes nothing and exits 0.
 
 Measured in one run, on the Llama-3.1-8B attention shape (H=32, KVH=8, D=128, bf16, block 16):
 - copy bandwidth: a device-to-device `torch` copy of a large buffer, (read + write bytes) / time;
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 SKIP_MESSAGE = "no CUDA GPU: kernel benchmark skipped"
+DOCS_SECTION = "Kernels"
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,9 @@ def _decode(shape: Shape, copy_gbps: float, device: torch.device, batches: list[
                 meta_contiguous = _decode_meta(batch, context, identity)
                 ms_contiguous = _time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta_contiguous, scale))
                 # The same keys as the identity table, as one contiguous [B, KVH, L, D] tensor per K and V.
-                k = k_cache.view(batch, -1, shape.num_kv_heads, shape.head_dim)[:, :context].transpose(1, 2).contiguous()
-                v = v_cache.view(batch, -1, shape.num_kv_heads, shape.head_dim)[:, :context].transpose(1, 2).contiguous()
+                per_seq = (batch, -1, shape.num_kv_heads, shape.head_dim)
+                k = k_cache.view(per_seq)[:, :context].transpose(1, 2).contiguous()
+                v = v_cache.view(per_seq)[:, :context].transpose(1, 2).contiguous()
                 q4 = q.unsqueeze(2)  # [B, H, 1, D]
                 ms_sdpa = _time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
                 paging.append({
@@ -172,28 +175,27 @@ def _prefill(shape: Shape, device: torch.device, cases: list[tuple[int, int]]) -
     return rows
 
 
-def _markdown(result: dict) -> str:
+def _markdown(result: dict, heading: str = "##") -> str:
     def table(header: list[str], rows: list[list[object]]) -> list[str]:
         out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
         return out + [""]
 
     copy = result["copy"]
-    lines = [f"# Kernel benchmark — {result['device']}", "",
-             f"Shape: {result['shape']}. torch {result['torch']}, triton {result['triton']}.", "",
-             f"Copy bandwidth (read + write): **{copy['gb_per_s']:.0f} GB/s**", "", "## Decode", ""]
+    lines = [f"{result['device']}; shape {result['shape']}; torch {result['torch']}, triton {result['triton']}.", "",
+             f"Copy bandwidth (read + write): **{copy['gb_per_s']:.0f} GB/s**", "", f"{heading} Decode", ""]
     lines += table(["batch", "context", "splits", "time (µs)", "K/V GB/s", "% of copy BW"], [
         [r["batch"], r["context"], "-", "-", "-", r["skipped"]] if "skipped" in r else
         [r["batch"], r["context"], r["num_splits"], f"{r['time_ms'] * 1e3:.1f}", f"{r['gb_per_s']:.0f}",
          f"{100 * r['fraction_of_copy']:.1f}"]
         for r in result["decode"]])
-    lines += ["## Paging cost (decode)", ""]
+    lines += [f"{heading} Paging cost (decode)", ""]
     lines += table(["batch", "context", "shuffled (µs)", "contiguous blocks (µs)", "SDPA contiguous (µs)",
                     "paging overhead %", "vs SDPA %"], [
         [r["batch"], r["context"], f"{r['shuffled_ms'] * 1e3:.1f}", f"{r['contiguous_ms'] * 1e3:.1f}",
          f"{r['sdpa_contiguous_ms'] * 1e3:.1f}", f"{r['paging_overhead_pct']:+.1f}", f"{r['vs_sdpa_pct']:+.1f}"]
         for r in result["paging"]])
-    lines += ["## Prefill (one sequence, causal)", ""]
+    lines += [f"{heading} Prefill (one sequence, causal)", ""]
     lines += table(["new tokens", "context", "time (ms)", "TFLOP/s", "SDPA TFLOP/s", "SDPA time / ours"], [
         [r["q_len"], r["context"], f"{r['time_ms']:.3f}", f"{r['tflop_per_s']:.1f}",
          f"{r['sdpa_tflop_per_s']:.1f}" if "sdpa_tflop_per_s" in r else "-",
@@ -213,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=_ints, default=BATCHES, help="decode batch sizes, comma-separated")
     parser.add_argument("--contexts", type=_ints, default=CONTEXTS, help="decode context lengths, comma-separated")
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill measurements")
+    parser.add_argument("--no-docs", action="store_true", help=f"do not write the {DOCS_SECTION!r} section of "
+                        "docs/benchmarks.md")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -236,11 +240,15 @@ def main(argv: list[str] | None = None) -> int:
                                                  args.contexts, PAGING_BATCHES, PAGING_CONTEXTS)
     result["prefill"] = [] if args.no_prefill else _prefill(shape, device, PREFILL_CASES)
 
-    text = json.dumps(result, indent=2) if args.json else _markdown(result)
-    print(text)
+    markdown = f"# Kernel benchmark\n\n{_markdown(result)}\n"
+    print(json.dumps(result, indent=2) if args.json else markdown)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) if args.out.suffix == ".json" else _markdown(result))
+        args.out.write_text(json.dumps(result, indent=2) if args.out.suffix == ".json" else markdown)
+    if not args.no_docs:
+        from bench._common import write_section
+
+        write_section(DOCS_SECTION, _markdown(result, heading="###"))
     return 0
 
 

@@ -1,11 +1,12 @@
 """agentrt kernels: Triton kernels with pure-torch references, behind one dispatching API.
 
 Ops (each module holds the kernel, its launcher `*_triton` and its reference `*_ref`):
-`store_kv`, `paged_attention`, `copy_blocks`, `rms_norm`, `silu_and_mul`. The dispatching functions exported here pick Triton
-for CUDA tensors and the torch reference on CPU; see `kernels._dispatch` for the backend switch.
+`store_kv`, `paged_attention`, `copy_blocks`, `rms_norm`, `silu_and_mul`. The dispatching functions
+exported here pick Triton for CUDA tensors and the torch reference on CPU; see `kernels._dispatch`
+for the backend switch.
 
-Note: the names `store_kv`, `paged_attention`, `copy_blocks`, `rms_norm` and `silu_and_mul` here are the dispatching functions,
-which shadow the submodules of the same name; reach a submodule with `from kernels.<module> import ...`.
+Note: the op names here are the dispatching functions, which shadow the submodules of the same
+name: reach a submodule with `from kernels.<module> import ...`, not `import kernels.<module> as m`.
 
 Depends on torch and triton only.
 """

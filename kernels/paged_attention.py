@@ -113,7 +113,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     for name in ("query_start_loc", "seq_lens", "block_tables"):
         t = getattr(meta, name)
-        assert t.dtype == torch.int32 and t.device == q.device, f"{name} must be int32 on {q.device}, got {t.dtype} on {t.device}"
+        assert t.dtype == torch.int32 and t.device == q.device, (
+            f"{name} must be int32 on {q.device}, got {t.dtype} on {t.device}")
     assert meta.query_start_loc.shape == (meta.num_seqs + 1,) and meta.block_tables.shape[0] == meta.num_seqs
 
 

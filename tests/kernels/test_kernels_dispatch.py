@@ -3,6 +3,7 @@
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,5 +113,6 @@ def test_build_attention_metadata_validates():
 def test_kernels_import_only_torch_and_triton():
     code = ("import sys, kernels; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('engine', 'agentrt', 'programs', 'bench')); print(bad); sys.exit(1 if bad else 0)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=kernels.__path__[0] + "/..")
+    repo = Path(kernels.__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -47,9 +47,11 @@ def test_store_kv_all_skipped_and_empty():
 def test_store_kv_rejects_bad_input():
     k_cache = torch.zeros(2, 16, 2, 64)
     with pytest.raises(AssertionError, match="slot_mapping"):
-        store_kv_ref(torch.ones(3, 2, 64), torch.ones(3, 2, 64), k_cache, k_cache.clone(), torch.zeros(3, dtype=torch.int32))
+        store_kv_ref(torch.ones(3, 2, 64), torch.ones(3, 2, 64), k_cache, k_cache.clone(),
+                     torch.zeros(3, dtype=torch.int32))
     with pytest.raises(AssertionError, match="heads/dim"):
-        store_kv_triton(torch.ones(3, 4, 64), torch.ones(3, 4, 64), k_cache, k_cache.clone(), torch.zeros(3, dtype=torch.int64))
+        store_kv_triton(torch.ones(3, 4, 64), torch.ones(3, 4, 64), k_cache, k_cache.clone(),
+                        torch.zeros(3, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
