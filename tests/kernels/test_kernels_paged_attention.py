@@ -2,9 +2,13 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernels import paged_attention_ref, paged_attention_triton
 from kernels.paged_attention import _auto_num_splits
+
+from .conftest import make_paged_batch
 
 # (query lengths, sequence lengths): decode rows, prefill chunks over cached context, fresh prefill;
 # lengths deliberately not multiples of the block size.
@@ -126,3 +130,30 @@ def test_auto_split_k_choice(paged_batch):
     long = paged_batch([1], [2048], 4, 4, 64, 32, torch.float32)
     assert _auto_num_splits(long.meta, 64, cpu) == 1  # enough programs without splitting
     assert 1 < _auto_num_splits(long.meta, 1, cpu) <= 2048 // 256
+
+
+@st.composite
+def batches(draw):
+    num_seqs = draw(st.integers(1, 5))
+    seq_lens = draw(st.lists(st.integers(1, 80), min_size=num_seqs, max_size=num_seqs))
+    q_lens = [draw(st.integers(0, s)) for s in seq_lens]
+    heads = draw(st.sampled_from(GQA))
+    block_size = draw(st.sampled_from([4, 16, 32]))
+    return q_lens, seq_lens, heads, block_size, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches())
+def test_torch_path_property(case):
+    """Any batch (including sequences with no new rows) matches dense attention on the torch path."""
+    q_lens, seq_lens, heads, block_size, seed = case
+    batch = make_paged_batch(q_lens, seq_lens, *heads, 64, block_size, torch.float32, seed=seed)
+    out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    torch.testing.assert_close(out, batch.dense(0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_triton_sequence_without_new_rows(paged_batch):
+    batch = paged_batch([3, 0, 1], [20, 9, 40], 9, 3, 64, 16, torch.float32, seed=6)
+    for num_splits in (1, 2):
+        out = paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, num_splits=num_splits)
+        check_rule(out, batch, 0.125)
