@@ -5,14 +5,18 @@ them sits at absolute position `seq_lens[b] - q_len_b + i` and attends to KV pos
 The KV of sequence b lives in the cache blocks `block_tables[b, :ceil(seq_len/block_size)]`; the
 new tokens' K/V were already written by `store_kv`. GQA: query head h reads kv head `h // (H // KVH)`.
 
-Triton algorithm: grid (query tile [x split], sequence, kv head). A tile packs `BLOCK_M` rows of
-(query token, head of the GQA group) pairs, so all query heads sharing a kv head read each K/V page
-once. The program walks the KV positions `0..max position of the tile` in `BLOCK_N` steps, reading
-block ids from the block table, with an online (exp2) softmax accumulated in fp32; KV tiles past
-the tile's last position are never visited. Split-K (flash-decoding): with `num_splits > 1` each
-program handles one slice of the KV range and writes a normalized partial output plus its
-log-sum-exp; `_merge_splits_kernel` combines the slices. The launcher picks it for decode-only
-batches whose sequences x kv heads cannot fill the GPU and whose contexts are long.
+Triton algorithm: grid (query tile [x split], kv head). A tile packs `BLOCK_M` rows of (query
+token, head of the GQA group) pairs of one sequence, so all query heads sharing a kv head read each
+K/V page once. Tiles are numbered across the batch (`tile_start_loc`, a prefix sum of each
+sequence's tile count, built once per step); a program finds its sequence by counting the
+sequences that end before its tile, so a mixed batch launches about `T * GROUP / BLOCK_M + B`
+programs per kv head, not `B * max_query_len * GROUP / BLOCK_M`. The program walks the KV
+positions `0..max position of the tile` in `BLOCK_N` steps, reading block ids from the block
+table, with an online (exp2) softmax accumulated in fp32; KV tiles past the tile's last position
+are never visited. Split-K (flash-decoding): with `num_splits > 1` each program handles one slice
+of the KV range and writes a normalized partial output plus its log-sum-exp; `_merge_splits_kernel`
+combines the slices. The launcher picks it for decode-only batches whose sequences x kv heads
+cannot fill the GPU and whose contexts are long.
 
 Memory traffic: each K/V element of a sequence is read once per (query tile, kv head) that reaches
 it: once for decode, ceil(q_len * GROUP / BLOCK_M) times for a prefill chunk. Split-K adds
@@ -20,8 +24,7 @@ it: once for decode, ceil(q_len * GROUP / BLOCK_M) times for a prefill chunk. Sp
 
 Limits: head_dim <= 256 (any, padded to a power of two); q/out unit stride along head_dim; cache
 unit stride along head_dim; `query_start_loc[-1] == q.shape[0]` (rows outside any sequence are left
-unwritten); the grid covers `max_query_len` rows for every sequence, so a mixed batch launches idle
-programs for its decode sequences (they exit at once).
+unwritten); up to ~B programs per kv head find no tile and exit at once.
 
 `paged_attention_ref` is the production CPU path: per call it does one gather of whole KV blocks
 and one `scaled_dot_product_attention` for all decode rows, and one of each for all prefill rows
@@ -74,6 +77,8 @@ class AttentionMetadata:
     max_query_len: int  # max over b of qsl[b+1] - qsl[b] (python int: no device sync)
     max_seq_len: int  # max over b of seq_lens[b]
     _torch_plan: _TorchPlan | None = field(default=None, repr=False, compare=False)  # lazily built
+    _tile_start_loc: dict[tuple[int, int], torch.Tensor] = field(  # Triton: per (GROUP, BLOCK_M), lazily built
+        default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -125,7 +130,9 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    tile_start_loc_ptr,  # [B+1] int32, prefix sum of cdiv(q_len * GROUP, BLOCK_M)
     qk_scale,  # softmax scale * log2(e)
+    num_seqs,
     num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -139,6 +146,7 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,  # cache block size
     BLOCK_M: tl.constexpr,  # packed (token, group head) rows per tile
     BLOCK_N: tl.constexpr,  # KV positions per step
+    SEQS_P2: tl.constexpr,  # next power of two >= num_seqs
     SPLIT_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # matmul operand dtype: the input dtype, except bf16 in the interpreter
     DOT_PRECISION: tl.constexpr,
@@ -147,8 +155,13 @@ def _paged_attention_kernel(
     tl.static_assert(HEAD_DIM_P2 >= HEAD_DIM)
     tile = tl.program_id(0) // num_splits
     split = (tl.program_id(0) % num_splits).to(tl.int64)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(1)
+    seq_ids = tl.arange(0, SEQS_P2)
+    tile_ends = tl.load(tile_start_loc_ptr + 1 + seq_ids, mask=seq_ids < num_seqs, other=2**31 - 1)
+    seq = tl.sum((tile_ends <= tile).to(tl.int32), 0)  # sequences whose tiles all come before this one
+    if seq >= num_seqs:
+        return
+    tile -= tl.load(tile_start_loc_ptr + seq)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -267,6 +280,16 @@ def _auto_num_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.d
     return max(1, min(triton.cdiv(2 * sms, programs), meta.max_seq_len // _SPLIT_MIN_TOKENS, _MAX_SPLITS))
 
 
+def _tile_start_loc(meta: AttentionMetadata, group: int, block_m: int) -> torch.Tensor:
+    """[B+1] int32 prefix sum of the query tiles of each sequence; built on device, once per step."""
+    key = (group, block_m)
+    if key not in meta._tile_start_loc:
+        q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        tiles = torch.div(q_lens * group + block_m - 1, block_m, rounding_mode="floor")
+        meta._tile_start_loc[key] = F.pad(torch.cumsum(tiles, 0, dtype=torch.int32), (1, 0))
+    return meta._tile_start_loc[key]
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, *, num_splits: int | None = None) -> torch.Tensor:
     """Triton launcher. q: [T, H, D] -> out [T, H, D]. `num_splits`: None = auto, 1 = off, n = force n."""
@@ -287,6 +310,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     rows = meta.max_query_len * group
     block_m = 16 if rows <= 16 else 64
+    tile_start_loc = _tile_start_loc(meta, group, block_m)
+    num_tiles = min(triton.cdiv(num_tokens * group, block_m) + meta.num_seqs,
+                    meta.num_seqs * triton.cdiv(rows, block_m))
     block_n = 64
     head_dim_p2 = triton.next_power_of_2(head_dim)
     wide = q.element_size() == 4 or head_dim_p2 > 128
@@ -299,11 +325,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
     else:
         target, lse = out, out  # lse is unused without split-K
-    grid = (triton.cdiv(rows, block_m) * num_splits, meta.num_seqs, num_kv_heads)
+    grid = (num_tiles * num_splits, num_kv_heads)
     launchable(_paged_attention_kernel, q.device)[grid](
         q, k_cache, v_cache, target, lse,
-        meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale * _LOG2E, num_splits,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables, tile_start_loc,
+        scale * _LOG2E, meta.num_seqs, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -316,6 +342,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        SEQS_P2=triton.next_power_of_2(meta.num_seqs),
         SPLIT_K=split_k,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",

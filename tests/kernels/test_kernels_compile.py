@@ -47,9 +47,10 @@ def compile_all() -> None:
         pointer = f"*{dtype}"
         types = dict(q_ptr=pointer, k_cache_ptr=pointer, v_cache_ptr=pointer, out_ptr="*fp32" if split_k else pointer,
                      lse_ptr="*fp32", query_start_loc_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32",
+                     tile_start_loc_ptr="*i32",
                      qk_scale="fp32")
         compile_sm90(_paged_attention_kernel, types, dict(
-            GROUP=4, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=64,
+            GROUP=4, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=64, SEQS_P2=64,
             SPLIT_K=split_k, DOT_DTYPE=tl.bfloat16 if dtype == "bf16" else tl.float16, DOT_PRECISION="tf32",
         ), num_warps=4, num_stages=2)
     compile_sm90(_merge_splits_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),
