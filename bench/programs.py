@@ -256,10 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     for policy in args.policies.split(","):
         t0 = time.monotonic()
+        name, _, variant = policy.partition(":")  # "plas:np" = plas without preemption
         overrides = {"first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta}
-        allowed = {"plas": overrides, "atlas": overrides, "mlfq": {"quantum": args.quantum}}.get(policy, {})
+        allowed = {"plas": overrides, "atlas": overrides, "mlfq": {"quantum": args.quantum}}.get(name, {})
         kwargs = {k: v for k, v in allowed.items() if v is not None}
-        report["results"][policy] = anyio.run(run_policy, policy, workload, args.model, engine, kwargs)
+        if variant == "np":
+            kwargs["preempt"] = False
+        elif variant:
+            raise SystemExit(f"unknown policy variant {policy!r}: use NAME or NAME:np")
+        report["results"][policy] = anyio.run(run_policy, name, workload, args.model, engine, kwargs)
         print(f"{policy}: done in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     _ratios(report)
     if args.json:

@@ -42,6 +42,11 @@ class SchedulingPolicy(ABC):
     def on_finish(self, req: Request, now: float) -> None:
         """`req` finished (any reason), including aborts and errors."""
 
+    def displaces(self, waiting: Request, running: Request) -> bool:
+        """Preemptive policies: may `waiting` take `running`'s place? Recompute preemption is not
+        free, so a policy with coarse classes (queues) should answer by class, not by full key."""
+        return self.priority(waiting) < self.priority(running)
+
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         """Which running request to preempt when blocks run out: the worst priority by default."""
         return max(candidates, key=self.priority)

@@ -172,7 +172,7 @@ class Scheduler:
                 len(self.running) >= self.config.max_num_seqs or need > self.kv.num_free_blocks
             ):
                 worst = self.policy.pick_victim(self.running)
-                if not key(w) < key(worst):
+                if not self.policy.displaces(w, worst):
                     return
                 self._preempt(worst, out)
         self.waiting.sort(key=key)

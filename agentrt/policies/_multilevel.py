@@ -70,7 +70,8 @@ class MultiLevelPolicy(SchedulingPolicy):
 
     preemptive: ClassVar[bool] = True
 
-    def __init__(self, *, num_queues: int, quantum: float, service: ServiceUnit, token_cost: float) -> None:
+    def __init__(self, *, num_queues: int, quantum: float, service: ServiceUnit, token_cost: float,
+                 preempt: bool = True) -> None:
         if not isinstance(num_queues, int) or num_queues < 1:
             raise ConfigError(f"{self.name}: num_queues must be an integer >= 1, got {num_queues!r}")
         if not quantum > 0:
@@ -79,6 +80,7 @@ class MultiLevelPolicy(SchedulingPolicy):
             raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
         if not token_cost > 0:
             raise ConfigError(f"{self.name}: token_cost must be > 0, got {token_cost!r}")
+        self.preemptive = preempt  # False: order waiting calls only, never displace running ones
         self.num_queues = num_queues
         self.quanta = doubling(quantum, num_queues - 1) + [float("inf")]  # the last queue never demotes
         self.service_unit: ServiceUnit = service
@@ -115,6 +117,11 @@ class MultiLevelPolicy(SchedulingPolicy):
     def priority(self, req: Request) -> tuple[Any, ...]:
         st = self.state(req)
         return (st.level, st.entered_at, req.arrival_time, req.request_id)
+
+    def displaces(self, waiting: Request, running: Request) -> bool:
+        """Only a call of a strictly higher queue displaces a running one: within a queue the order
+        is FCFS, and preempting for a tie would only trade one recompute for another."""
+        return self.level(waiting) < self.level(running)
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         """From the lowest queue, the call that entered it last."""

@@ -58,6 +58,7 @@ class PLAS(MultiLevelPolicy):
         quantum: service a call may receive in queue 0 before dropping a level; doubles per level.
         beta: anti-starvation threshold on wait/service; `float("inf")` disables promotion.
         service: "time" (executor seconds) or "tokens" (`token_cost` per computed token).
+        preempt: let a call of a higher queue displace a running call of a lower one (recompute).
     """
 
     name: ClassVar[str] = "plas"
@@ -71,6 +72,7 @@ class PLAS(MultiLevelPolicy):
         beta: float | None = None,
         service: ServiceUnit = "time",
         token_cost: float = 1.0,
+        preempt: bool = True,
     ) -> None:
         if service not in DEFAULTS:
             raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
@@ -82,6 +84,7 @@ class PLAS(MultiLevelPolicy):
             quantum=d["quantum"] if quantum is None else quantum,
             service=service,
             token_cost=token_cost,
+            preempt=preempt,
         )
         if not first_boundary > 0:
             raise ConfigError(f"{self.name}: first_boundary must be > 0, got {first_boundary!r}")
