@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads thrash on shared cores
 
 import importlib.util  # noqa: E402
 
