@@ -38,8 +38,8 @@ import agentrt
 
 # program kinds: calls, prompt tokens, output tokens per call (scaled from Autellix's 6.7 / 10.8 / 160 calls)
 CHAT = {"prompt": 32, "max_tokens": 16}
-REACT = {"calls": 3, "prompt": 64, "max_tokens": 8, "observation": 16, "tool_s": (0.2, 0.6)}
-TREE = {"width": 4, "depth": 2, "prompt": 32, "max_tokens": 8}
+REACT = {"calls": 4, "prompt": 64, "max_tokens": 8, "observation": 16, "tool_s": (0.2, 0.6)}
+TREE = {"width": 4, "depth": 4, "prompt": 32, "max_tokens": 8}
 MIX = {"chat": 0.6, "react": 0.25, "tree": 0.15}
 VOCAB = (1000, 40000)  # token ids drawn from here: ordinary BPE pieces of the default tokenizer
 

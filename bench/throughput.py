@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 
 import torch
@@ -108,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {"num_requests": a.num_requests, "output_tokens": useful, "dtype": str(dtype)}
     t_engine = run_engine(llm, reqs)
+    print(f"engine: {t_engine:.1f} s", file=sys.stderr)
     results["engine_tok_s"] = useful / t_engine
     results["engine_s"] = t_engine
     hf_rows = {}
     for bsz in [int(x) for x in a.hf_batch_sizes.split(",") if x]:
         t = run_hf_batched(hf, reqs, bsz, pad_id)
+        print(f"HF batch {bsz}: {t:.1f} s", file=sys.stderr)
         hf_rows[bsz] = {"s": t, "tok_s": useful / t}
     best_bsz = max(hf_rows, key=lambda b: hf_rows[b]["tok_s"])
     results["hf_batched"] = hf_rows

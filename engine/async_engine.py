@@ -19,7 +19,7 @@ from anyio.abc import TaskGroup
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats
 from engine.outputs import RequestOutput, StreamDelta
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.sampling import SamplingParams
 
 logger = logging.getLogger("agentrt.engine")
@@ -165,8 +165,9 @@ class AsyncEngine:
             self._roots[r.request_id] = request_id
 
     def _abort_now(self, request_id: str) -> None:
-        if request_id in self.core.requests:
-            self._dispatch(self.core.abort(request_id))
+        deltas = self.core.abort(request_id)
+        if deltas:
+            self._dispatch(deltas)
         elif request_id in self._streams and request_id not in self._roots:  # queued, never added
             self._fail(request_id, None, aborted=True)
 

@@ -66,6 +66,7 @@ class EngineCore:
         self.policy = make_policy(config.policy, **(config.policy_kwargs or {}))
         self.scheduler = Scheduler(config, self.kv, self.policy)
         self.requests: dict[str, Request] = {}  # unfinished, by id (forked children included)
+        self._families: dict[str, Request] = {}  # root requests by id, until their output is taken
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -130,25 +131,25 @@ class EngineCore:
             )
             req.children.append(child)
         self.requests[request_id] = req
+        self._families[request_id] = req
         self._detok[request_id] = Detokenizer(self.tokenizer, list(params.stop))
         self.scheduler.add_request(req)
         return req
 
     def abort(self, request_id: str) -> list[StreamDelta]:
-        """Abort a request and its forks; the final delta of each completion it ended (none if the
-        request is unknown or already finished)."""
-        req = self.requests.get(request_id)
-        if req is None:
+        """Abort a request and all its forks; the final delta of each completion it ended (none if
+        the request is unknown or already finished)."""
+        root = self._families.get(request_id)
+        if root is None:
             return []
         deltas = []
-        for r in [req, *req.children]:
-            if r.request_id in self.requests:
+        for r in [root, *root.children]:
+            if r.request_id in self.requests:  # waiting or running
                 self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED, "abort")
                 deltas.append(self._delta(r, []))
-        self._close_unforked(req)
-        deltas += [StreamDelta(c.request_id, c.fork_index, [], "", True, c.finish_reason) for c in req.children
-                   if c.request_id not in self.requests and not c.output_token_ids and c.finished and not c.block_ids
-                   and c.status is RequestStatus.FINISHED_ABORTED and all(d.request_id != c.request_id for d in deltas)]
+            elif not r.finished:  # a fork that never started
+                r.status, r.finish_reason = RequestStatus.FINISHED_ABORTED, "abort"
+                deltas.append(StreamDelta(r.request_id, r.fork_index, [], "", True, "abort"))
         return deltas
 
     @staticmethod
@@ -209,6 +210,7 @@ class EngineCore:
 
     def finished_output(self, req: Request) -> RequestOutput:
         """The full output of a finished request (with its forks)."""
+        self._families.pop(req.request_id, None)
         comps = []
         for r in [req, *req.children]:
             detok = self._detok.pop(r.request_id, None)

@@ -4,7 +4,7 @@ import anyio
 import pytest
 import torch
 
-from engine import LLM, AsyncEngine, SamplingParams
+from engine import LLM, AsyncEngine, EngineCore, RequestStatus, SamplingParams
 from tests.conftest import assert_all_blocks_free
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -154,3 +154,17 @@ def test_async_engine_streams_and_aborts(tiny_model_path):
             assert_all_blocks_free(eng.core)
 
     anyio.run(main)
+
+
+def test_abort_reaches_every_fork(tiny_model_path):
+    core = EngineCore(model=str(tiny_model_path), num_blocks=64, block_size=4)
+    req = core.add_request([5, 6, 7, 8, 9], SamplingParams(n=3, max_tokens=50, temperature=1.0, seed=0, ignore_eos=True))
+    core.step()  # prefill and first sample: the forks join the batch
+    assert all(c.request_id in core.requests for c in req.children)
+    core.scheduler.finish(req, RequestStatus.FINISHED_LENGTH, "length")  # the parent ends first ...
+    deltas = core.abort(req.request_id)  # ... and aborting it by id still ends its forks
+    assert sorted(d.request_id for d in deltas) == [c.request_id for c in req.children]
+    assert all(d.finished and d.finish_reason == "abort" for d in deltas)
+    assert core.finished_output(req).outputs[1].finish_reason == "abort"
+    assert_all_blocks_free(core)
+
