@@ -121,11 +121,7 @@ class AsyncEngine:
         if self._closed or self._tg is None:
             raise EngineError("AsyncEngine is not running: use `async with AsyncEngine(...) as engine`")
         params = params or SamplingParams()
-        ids = self.core.tokenize(prompt)
-        if len(ids) >= self.core.max_model_len:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens does not fit the model's context of {self.core.max_model_len} tokens"
-            )
+        ids = self.core.validate_prompt(prompt)
         if request_id is None:
             request_id = f"req-{next(self.core._ids)}"
         if request_id in self._streams or request_id in self.core.requests:

@@ -98,6 +98,16 @@ class EngineCore:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         return ids
 
+    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt that can run; ValueError naming what is wrong otherwise."""
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens "
+                "(at least one token must remain for the output)"
+            )
+        return ids
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -110,12 +120,7 @@ class EngineCore:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self.tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens "
-                "(at least one token must remain for the output)"
-            )
+        ids = self.validate_prompt(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -144,7 +149,7 @@ class EngineCore:
             return []
         deltas = []
         for r in [root, *root.children]:
-            if r.request_id in self.requests:  # waiting or running
+            if r.request_id in self.requests and not r.finished:  # waiting or running
                 self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED, "abort")
                 deltas.append(self._delta(r, []))
             elif not r.finished:  # a fork that never started

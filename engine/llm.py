@@ -43,10 +43,7 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        for p in prompts:  # validate everything before queueing anything
-            ids = self.core.tokenize(p)
-            if len(ids) >= self.core.max_model_len:
-                raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context of {self.core.max_model_len}")
+        prompts = [self.core.validate_prompt(p) for p in prompts]  # all checked before any is queued
         reqs: list[Request] = [self.core.add_request(p, sp) for p, sp in zip(prompts, params)]
         try:
             while self.core.has_work():
