@@ -20,6 +20,8 @@ threads is `end_program`, which queues the id; the step thread drops the state o
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import bisect
 import collections
 from collections.abc import Sequence
@@ -89,8 +91,9 @@ class MultiLevelPolicy(SchedulingPolicy):
         self._ended: collections.deque[str] = collections.deque()
 
     # --- subclass hooks ---------------------------------------------------------------------
+    @abstractmethod
     def entry_level(self, req: Request, prog: ProgramState, st: CallState) -> int:
-        raise NotImplementedError
+        """The queue a new call enters."""
 
     def starving(self, prog: ProgramState, st: CallState) -> bool:
         return False
