@@ -253,3 +253,18 @@ def test_mlfq_demotes_and_promotes_after_alpha_wait():
     fresh = call("f", program="p", prompt=1)
     pol.on_arrival(fresh, 9.0)
     assert pol.level(fresh) == 0
+
+
+def test_displacement_only_across_queues_and_can_be_switched_off():
+    pol = plas()
+    run_call(pol, call("long0", program="long"), 12, now=1.0)  # program "long" now in queue 1
+    running_same = call("r0", program="other", arrival=2.0)
+    running_low = call("r1", program="long", arrival=2.0)
+    waiting = call("w", program="new", arrival=1.5)
+    for r, t in ((running_same, 2.0), (running_low, 2.0), (waiting, 1.5)):
+        pol.on_arrival(r, t)
+    assert (pol.level(running_same), pol.level(running_low), pol.level(waiting)) == (0, 1, 0)
+    assert pol.priority(waiting) < pol.priority(running_same)  # same queue, entered earlier ...
+    assert not pol.displaces(waiting, running_same)  # ... still no preemption for a tie
+    assert pol.displaces(waiting, running_low)
+    assert pol.preemptive and not plas(preempt=False).preemptive
