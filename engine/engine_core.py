@@ -11,7 +11,6 @@ Not thread-safe: one thread drives it (LLM directly, AsyncEngine between its wor
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import dataclass
 
@@ -26,8 +25,6 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
-
-logger = logging.getLogger("agentrt.engine")
 
 _CPU_KV_BYTES = 1 << 30
 
@@ -152,17 +149,17 @@ class EngineCore:
             if r.request_id in self.requests and not r.finished:  # waiting or running
                 self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED, "abort")
                 deltas.append(self._delta(r, []))
-            elif not r.finished:  # a fork that never started
-                r.status, r.finish_reason = RequestStatus.FINISHED_ABORTED, "abort"
-                deltas.append(StreamDelta(r.request_id, r.fork_index, [], "", True, "abort"))
-        return deltas
+        return deltas + self._end_unstarted_forks(root)
 
     @staticmethod
-    def _close_unforked(req: Request) -> None:
+    def _end_unstarted_forks(root: Request) -> list[StreamDelta]:
         """A parent that ended before its first token takes its never-started forks with it."""
-        for c in req.children:
-            if not c.finished and c.num_computed_tokens == 0 and not c.block_ids and not c.output_token_ids:
-                c.status, c.finish_reason, c.error = req.status, req.finish_reason, req.error
+        deltas = []
+        for c in root.children:
+            if not c.finished and not c.block_ids and not c.output_token_ids:
+                c.status, c.finish_reason, c.error = root.status, root.finish_reason, root.error
+                deltas.append(StreamDelta(c.request_id, c.fork_index, [], "", True, c.finish_reason, c.error))
+        return deltas
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -175,22 +172,22 @@ class EngineCore:
         self.num_steps += 1
         deltas: list[StreamDelta] = []
         for req in out.failed:
-            self._close_unforked(req)
             deltas.append(self._delta(req, []))
-            deltas += [StreamDelta(c.request_id, c.fork_index, [], "", True, c.finish_reason, c.error) for c in req.children]
+            deltas += self._end_unstarted_forks(req)
         now = time.monotonic()
         for i, req in enumerate(result.sampled_reqs):
             if req.finished:
                 continue
             tokens = result.token_ids[i]
-            lps = result.logprobs[i] if result.logprobs is not None else None
+            want_lp = result.logprobs is not None and req.sampling.logprobs
+            lps = result.logprobs[i] if want_lp else [None] * len(tokens)
             if req.children and req.num_output_tokens == 0:
-                for child, tok, lp in zip(req.children, tokens[1:], (lps or [None] * len(tokens))[1:]):
+                for child, tok, lp in zip(req.children, tokens[1:], lps[1:]):
                     self.requests[child.request_id] = child
                     self._detok[child.request_id] = Detokenizer(self.tokenizer, list(child.sampling.stop))
                     self.scheduler.add_forked(req, child)
-                    deltas.append(self._append(child, tok, lp if req.sampling.logprobs else None, now))
-            deltas.append(self._append(req, tokens[0], lps[0] if lps is not None and req.sampling.logprobs else None, now))
+                    deltas.append(self._append(child, tok, lp, now))
+            deltas.append(self._append(req, tokens[0], lps[0], now))
         return deltas
 
     def _append(self, req: Request, token: int, logprob: float | None, now: float) -> StreamDelta:

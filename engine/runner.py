@@ -88,8 +88,7 @@ class ModelRunner:
         if sample_reqs:
             logits = self.model.compute_logits(hidden[sample_rows])
             # a request with n > 1 samples its first token once per completion, from the same logits
-            group = [r if not (r.children and r.num_output_tokens == 0) else [r, *r.children] for r in sample_reqs]
-            group = [g if isinstance(g, list) else [g] for g in group]
+            group = [[r, *r.children] if r.children and r.num_output_tokens == 0 else [r] for r in sample_reqs]
             sizes = [len(g) for g in group]
             flat = [r for g in group for r in g]
             if len(flat) > len(sample_reqs):
