@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.linear import Linear, linear
 
 
 @dataclass(slots=True)
@@ -68,15 +69,33 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, same math as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos/sin: [T, 1, D/2]  (rotate-half layout, as HF Llama)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+def interleave_rope_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder the output rows of a q or k projection (weight [heads*D, K] or bias [heads*D]) from
+    HF's rotate-half pairing (i, i + D/2) to adjacent pairs (2i, 2i + 1).
+
+    Attention only sees q.k dot products, which do not change when q and k share one permutation of
+    the head dim, so the model may keep q and k in this layout (the KV cache then holds K in it too);
+    rotary embedding becomes one complex multiply per adjacent pair (`apply_rope`).
+    """
+    half = head_dim // 2
+    order = torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()  # 0, D/2, 1, D/2+1, ...
+    return w.view(num_heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
+
+
+def apply_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] in the adjacent-pair layout (any row stride); cis: [T, 1, D/2] complex64
+    (cos + i sin). Pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as HF's rotate-half, in fp32."""
+    T, heads, D = x.shape
+    x32 = x.float() if x.stride(-1) == 1 else x.float().contiguous()
+    xc = torch.view_as_complex(x32.view(T, heads, D // 2, 2))
+    return torch.view_as_real(xc * cis).view(T, heads, D).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -84,17 +103,18 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
+        self.o_proj = Linear(self.q_size, a.hidden_size, bias=False)
         self.scale = a.head_dim**-0.5
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, slot_mapping):
+    def forward(self, x, cis, k_cache, v_cache, meta, slot_mapping):
         # x: [T, hidden]
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        qk = apply_rope(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cis)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
         kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
         o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
@@ -104,8 +124,8 @@ class MLP(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.inter = a.intermediate_size
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up_proj = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -120,8 +140,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, slot_mapping):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, slot_mapping)
+    def forward(self, x, cis, k_cache, v_cache, meta, slot_mapping):
+        x = x + self.self_attn(self.input_layernorm(x), cis, k_cache, v_cache, meta, slot_mapping)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -132,31 +152,31 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
-        self.register_buffer("rope_cos", torch.empty(a.max_position, a.head_dim // 2), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(a.max_position, a.head_dim // 2), persistent=False)
+        self.lm_head = None if a.tie_word_embeddings else Linear(a.hidden_size, a.vocab_size, bias=False)
+        # rotary table cos + i sin, complex64 whatever the model dtype: [max_position, head_dim / 2].
+        # A plain attribute, not a buffer, so that `model.to(dtype)` leaves it complex; set by init_rope.
+        self.rope_cis: torch.Tensor | None = None
 
     @torch.no_grad()
     def init_rope(self, inv_freq: torch.Tensor, scaling: float) -> None:
-        """Fill the rotary tables (fp32 whatever the model dtype): [max_position, head_dim / 2]."""
+        """Fill the rotary table from the inverse frequencies and attention scaling (after the model
+        is on its device)."""
         freqs = torch.outer(torch.arange(self.args.max_position, dtype=torch.float32), inv_freq.float())
-        self.rope_cos = (freqs.cos() * scaling).to(self.rope_cos.device)
-        self.rope_sin = (freqs.sin() * scaling).to(self.rope_sin.device)
+        self.rope_cis = torch.complex(freqs.cos() * scaling, freqs.sin() * scaling).to(self.embed_tokens.weight.device)
 
     def forward(self, input_ids, positions, kv_cache, meta, slot_mapping) -> torch.Tensor:
         # input_ids, positions, slot_mapping: [T]; kv_cache: [L, 2, num_blocks, block_size, kv_heads, D]
         x = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        cis = self.rope_cis[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta, slot_mapping)
+            x = layer(x, cis, kv_cache[i, 0], kv_cache[i, 1], meta, slot_mapping)
         return x  # [T, hidden], before the final norm
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] rows to sample from -> [N, vocab]
         h = self.norm(hidden)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return h @ w.t()
+        return linear(h, w)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -177,9 +197,11 @@ class LlamaForCausalLM(nn.Module):
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
             att = layer.self_attn
-            att.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-            if att.qkv_proj.bias is not None:
-                att.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            heads = {"q": att.num_heads, "k": att.num_kv_heads}
+            for kind in ("weight", "bias") if att.qkv_proj.bias is not None else ("weight",):
+                parts = [take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"]
+                parts[:2] = [interleave_rope_rows(t, heads[n], att.head_dim) for n, t in zip("qk", parts)]
+                getattr(att.qkv_proj, kind).copy_(torch.cat(parts))
             att.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
             layer.mlp.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
             layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))

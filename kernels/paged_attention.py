@@ -58,6 +58,8 @@ class _Part:
     q_index: torch.Tensor | None  # prefill: [S * max_q] rows of q to gather (padding repeats the last)
     out_index: torch.Tensor | None  # prefill: [R] positions of `rows` in the padded [S * max_q] output
     max_q: int  # query rows per sequence after padding
+    equal_len: int | None = None  # decode: the common seq_len when all are equal (no mask, no padding)
+    in_order: bool = False  # decode: rows are 0..S-1, i.e. the whole batch is decode rows in order
 
 
 @dataclass(slots=True)
@@ -383,8 +385,11 @@ def _build_part(meta: AttentionMetadata, seqs: torch.Tensor, block_size: int, de
     valid = kv_pos[None, :] < seq_lens[:, None]  # [S, L]
     pad_slots = (~valid).flatten().nonzero().squeeze(1)
     if decode:
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        num_rows = int(qsl[-1])
         return _Part(rows=q_start, blocks=blocks, pad_slots=pad_slots, mask=valid[:, None, None, :],
-                     q_index=None, out_index=None, max_q=1)
+                     q_index=None, out_index=None, max_q=1, equal_len=hi if lo == hi else None,
+                     in_order=num_rows == seqs.shape[0] and bool((q_start == torch.arange(num_rows, device=device)).all()))
     max_q = int(q_lens.max())
     i = torch.arange(max_q, device=device)[None, :]
     real = i < q_lens[:, None]  # [S, max_q]
@@ -420,10 +425,13 @@ def _torch_plan(meta: AttentionMetadata, block_size: int) -> _TorchPlan:
 
 
 def _gather(cache: torch.Tensor, part: _Part) -> torch.Tensor:
-    """[S, KVH, L, D]: the KV positions of each sequence, zeros past its length."""
+    """[S, KVH, L, D]: the KV positions of each sequence, zeros past its length (or, when all
+    sequences have the same length, exactly L = that length: no padding at all)."""
     num_seqs, num_blocks = part.blocks.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
     x = cache.index_select(0, part.blocks.flatten()).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    if part.equal_len is not None:
+        return x[:, : part.equal_len].transpose(1, 2)
     if part.pad_slots.numel():
         # Never let stale (possibly non-finite) slots reach the matmuls: 0 * nan would poison the row.
         x.view(-1, num_kv_heads, head_dim).index_fill_(0, part.pad_slots, 0)
@@ -444,9 +452,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if (part := plan.decode) is not None:
         num_seqs = part.rows.shape[0]
         # The GQA group's heads become the query length: one [group, L] score matrix per kv head.
-        q_dec = q.index_select(0, part.rows).view(num_seqs, num_kv_heads, group, head_dim)
+        q_dec = (q if part.in_order else q.index_select(0, part.rows)).view(num_seqs, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(q_dec, _gather(k_cache, part), _gather(v_cache, part),
-                                           attn_mask=part.mask, scale=scale)
+                                           attn_mask=None if part.equal_len is not None else part.mask, scale=scale)
+        if part.in_order:  # a decode-only batch: the output is o itself
+            return o.reshape(num_seqs, num_heads, head_dim)
         out.index_copy_(0, part.rows, o.reshape(num_seqs, num_heads, head_dim))
     if (part := plan.prefill) is not None:
         num_seqs = part.blocks.shape[0]

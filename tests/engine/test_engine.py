@@ -168,3 +168,29 @@ def test_abort_reaches_every_fork(tiny_model_path):
     assert core.finished_output(req).outputs[1].finish_reason == "abort"
     assert_all_blocks_free(core)
 
+
+
+def test_rope_pair_layout_preserves_attention_scores():
+    """The model keeps q and k in an adjacent-pair layout; q.k after RoPE must equal HF's layout."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from engine.model import apply_rope, interleave_rope_rows
+
+    torch.manual_seed(0)
+    T, H, D = 7, 3, 16
+    q, k = torch.randn(T, H, D), torch.randn(T, H, D)
+    pos = torch.arange(T, dtype=torch.float32) * 5
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    freqs = torch.outer(pos, inv)
+    cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    scores_hf = q_hf[0] @ k_hf[0].transpose(-1, -2)  # [H, T, T]
+    cis = torch.complex(freqs.cos(), freqs.sin())[:, None]
+    # the same rows permuted as load_hf_state_dict permutes q/k projection rows
+    qp = interleave_rope_rows(q.reshape(T, H * D).t(), H, D).t().reshape(T, H, D)
+    kp = interleave_rope_rows(k.reshape(T, H * D).t(), H, D).t().reshape(T, H, D)
+    qr, kr = apply_rope(qp, cis), apply_rope(kp, cis)
+    scores = qr.transpose(0, 1) @ kr.transpose(0, 1).transpose(-1, -2)
+    torch.testing.assert_close(scores, scores_hf, rtol=1e-5, atol=1e-5)
+    # and the pair layout is a real permutation: position 1 holds HF's dim D/2
+    assert torch.equal(qp[:, :, 1], q[:, :, D // 2])

@@ -15,7 +15,10 @@ from .conftest import make_paged_batch
 MIXED = ([1, 5, 1, 20], [33, 17, 70, 40])
 PREFILL = ([37, 23], [37, 61])
 DECODE = ([1, 1, 1], [1, 45, 64])
-SCENARIOS = {"mixed": MIXED, "prefill": PREFILL, "decode": DECODE}
+DECODE_EQUAL = ([1, 1, 1], [45, 45, 45])  # torch path: no mask, no padding (slots past 45 are NaN)
+DECODE_ONE = ([1], [37])
+SCENARIOS = {"mixed": MIXED, "prefill": PREFILL, "decode": DECODE, "decode_equal": DECODE_EQUAL,
+             "decode_one": DECODE_ONE}
 GQA = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): ratios 1, 3, 8
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -55,6 +58,16 @@ def test_torch_path_caches_its_plan(paged_batch):
     second = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
     assert batch.meta._torch_plan is plan
     assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize(("scenario", "equal_len", "in_order"), [
+    ("mixed", None, False), ("decode", None, True), ("decode_equal", 45, True), ("decode_one", 37, True)])
+def test_torch_path_decode_plan(paged_batch, scenario, equal_len, in_order):
+    """Decode-only batches skip the row gather/scatter; equal lengths skip the mask and padding."""
+    batch = paged_batch(*SCENARIOS[scenario], 9, 3, 64, 16, torch.float32)
+    paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    part = batch.meta._torch_plan.decode
+    assert (part.equal_len, part.in_order) == (equal_len, in_order)
 
 
 def test_torch_path_empty_batch(paged_batch):
