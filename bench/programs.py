@@ -242,16 +242,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-boundary", type=float, default=None, help="plas/atlas: override the default (s)")
     ap.add_argument("--quantum", type=float, default=None, help="plas/atlas/mlfq: override the default (s)")
     ap.add_argument("--beta", type=float, default=None, help="plas/atlas: override the default")
+    ap.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
+                    help=f"tree programs: parallel calls per round x rounds (default {TREE['width']}x{TREE['depth']})")
+    ap.add_argument("--react-calls", type=int, default=None, help=f"calls per ReAct program (default {REACT['calls']})")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--docs", type=Path, default=None, help="write the table to this markdown file (docs/benchmarks.md)")
     args = ap.parse_args(argv)
 
+    if args.tree is not None:
+        try:
+            TREE["width"], TREE["depth"] = (int(x) for x in args.tree.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--tree must be WIDTHxDEPTH such as 4x4, got {args.tree!r}") from None
+    if args.react_calls is not None:
+        REACT["calls"] = args.react_calls
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     workload = make_workload(args.programs, args.rate, args.seed)
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} {platform.python_version()}",
-        "config": {"first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta, "programs": args.programs, "rate": args.rate, "seed": args.seed, "engine": engine, "model": args.model},
+        "config": {"tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": REACT["calls"], "first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta, "programs": args.programs, "rate": args.rate, "seed": args.seed, "engine": engine, "model": args.model},
         "results": {},
     }
     for policy in args.policies.split(","):

@@ -23,6 +23,11 @@ class EngineConfig:
     policy: Any = "fcfs"  # scheduling policy name or engine.policy.SchedulingPolicy instance
     policy_kwargs: dict | None = None  # arguments for a policy given by name
     seed: int = 0  # seed for requests without their own
+    num_speculative_tokens: int = 0  # n-gram (prompt lookup) drafts per step for greedy requests; 0 = off
+    prompt_lookup_max: int = 3  # longest suffix n-gram to look up
+    prompt_lookup_min: int = 1  # shortest suffix n-gram to look up
+    speculative_disable_by_batch_size: int | None = 8  # no drafts while more requests run (drafts cost
+    # compute, and a big batch has no idle bandwidth for them); None = always draft
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -35,6 +40,11 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min!r} "
+                             f"and {self.prompt_lookup_max!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device is None:

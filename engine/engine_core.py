@@ -25,6 +25,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import propose
 
 _CPU_KV_BYTES = 1 << 30
 
@@ -67,6 +68,8 @@ class EngineCore:
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_draft_tokens = 0  # speculative drafts scheduled
+        self.num_rejected_tokens = 0  # of which rejected
 
     def _blocks_from_budget(self) -> int:
         c = self.config
@@ -166,9 +169,17 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
+        cfg = self.config
+        limit = cfg.speculative_disable_by_batch_size
+        if cfg.num_speculative_tokens and (limit is None or len(self.scheduler.running) <= limit):
+            for req in self.scheduler.running:
+                propose(req, cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
         out = self.scheduler.schedule()
+        self.num_draft_tokens += sum(len(r.spec_token_ids) for r in out.reqs)
         result = self.runner.execute(out)
-        self.scheduler.update_from_output(out, result.step_time_s)
+        self.scheduler.update_from_output(out, result.step_time_s, result.num_rejected)
+        if result.num_rejected is not None:
+            self.num_rejected_tokens += sum(result.num_rejected)
         self.num_steps += 1
         deltas: list[StreamDelta] = []
         for req in out.failed:
@@ -187,7 +198,12 @@ class EngineCore:
                     self._detok[child.request_id] = Detokenizer(self.tokenizer, list(child.sampling.stop))
                     self.scheduler.add_forked(req, child)
                     deltas.append(self._append(child, tok, lp, now))
-            deltas.append(self._append(req, tokens[0], lps[0], now))
+                deltas.append(self._append(req, tokens[0], lps[0], now))
+            else:
+                for tok, lp in zip(tokens, lps):  # several when drafts were accepted
+                    deltas.append(self._append(req, tok, lp, now))
+                    if req.finished:
+                        break
         return deltas
 
     def _append(self, req: Request, token: int, logprob: float | None, now: float) -> StreamDelta:

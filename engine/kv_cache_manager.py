@@ -177,7 +177,8 @@ class KVCacheManager:
         """Register the request's newly full, computed blocks; merge duplicates into cached ones."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        # accepted draft tokens are computed before they are appended: hash only known tokens
+        num_full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(req.block_ids))
         if num_full <= req.num_cached_blocks:
             return
         hashes = self.block_hashes(req, num_full)

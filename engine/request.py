@@ -63,6 +63,7 @@ class Request:
     fork_index: int = 0  # which of the parent's n completions
     children: list[Request] = field(default_factory=list)  # n > 1: forked off after the first sample
     policy_state: dict[str, Any] = field(default_factory=dict)  # scratch owned by the scheduling policy
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens for this step (spec_decode)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -12,15 +12,18 @@ import torch
 import kernels
 from engine.request import Request
 from engine.sampling import sample
+from engine.spec_decode import verify
 from engine.scheduler import SchedulerOutput
 
 
 @dataclass(slots=True)
 class ModelOutput:
     sampled_reqs: list[Request]  # requests that produced a token this step
-    token_ids: list[list[int]]  # per sampled request: one token, or n for a request about to fork
+    token_ids: list[list[int]]  # per sampled request: one token, n for a request about to fork,
+    # or the accepted drafts plus one for a request that speculated
     logprobs: list[list[float]] | None  # same shape, when any request asked for them
     step_time_s: float  # wall time of input prep + forward + sampling
+    num_rejected: list[int] | None = None  # per scheduled request (SchedulerOutput order): rejected drafts
 
 
 class ModelRunner:
@@ -43,7 +46,9 @@ class ModelRunner:
         ids, positions, slots, qsl, seq_lens, tables, sample_rows, sample_reqs = [], [], [], [0], [], [], [], []
         for req, n in zip(out.reqs, out.num_tokens):
             start = req.num_computed_tokens
-            ids.extend(req.all_token_ids[start : start + n])
+            base = min(n, req.num_tokens - start)  # known tokens; the rest are draft tokens
+            ids.extend(req.all_token_ids[start : start + base])
+            ids.extend(req.spec_token_ids[: n - base])
             pos = np.arange(start, start + n)
             positions.append(pos)
             table = np.asarray(req.block_ids, dtype=np.int64)
@@ -51,8 +56,8 @@ class ModelRunner:
             tables.append(table)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-            if start + n == req.num_tokens:
-                sample_rows.append(qsl[-1] - 1)
+            if start + base == req.num_tokens:  # reaches the end: sample at the last row and each draft's row
+                sample_rows.extend(range(qsl[-1] - 1 - (n - base), qsl[-1]))
                 sample_reqs.append(req)
         max_blocks = max(len(t) for t in tables)
         block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
@@ -84,20 +89,34 @@ class ModelRunner:
             return ModelOutput([], [], None, time.perf_counter() - t0)
         input_ids, positions, slot_mapping, meta, sample_rows, sample_reqs = self._prepare(out)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, slot_mapping)
-        tokens, logprobs = [], None
+        tokens, logprobs, rejected = [], None, None
         if sample_reqs:
             logits = self.model.compute_logits(hidden[sample_rows])
-            # a request with n > 1 samples its first token once per completion, from the same logits
-            group = [[r, *r.children] if r.children and r.num_output_tokens == 0 else [r] for r in sample_reqs]
-            sizes = [len(g) for g in group]
-            flat = [r for g in group for r in g]
-            if len(flat) > len(sample_reqs):
-                logits = logits.repeat_interleave(torch.tensor(sizes, device=logits.device), dim=0)
+            # Per logits row, the requests sampling from it: a request with n > 1 samples its first
+            # token once per completion from the same row; a speculating request has one row per draft + 1.
+            row_reqs: list[list[Request]] = []
+            for r in sample_reqs:
+                if r.children and r.num_output_tokens == 0:
+                    row_reqs.append([r, *r.children])
+                else:
+                    row_reqs.extend([r] for _ in range(1 + len(r.spec_token_ids)))
+            flat = [r for g in row_reqs for r in g]
+            if len(flat) > logits.shape[0]:
+                logits = logits.repeat_interleave(torch.tensor([len(g) for g in row_reqs], device=logits.device), dim=0)
             params = [r.sampling for r in flat]
             t, lp = sample(logits, params, [r.generator for r in flat], any(p.logprobs for p in params))
             t = t.tolist()
             lp = lp.tolist() if lp is not None else None
+            sizes = [1 + len(r.children) if r.children and r.num_output_tokens == 0 else 1 + len(r.spec_token_ids)
+                     for r in sample_reqs]
             offsets = np.cumsum([0, *sizes])
             tokens = [t[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
             logprobs = [lp[a:b] for a, b in zip(offsets[:-1], offsets[1:])] if lp is not None else None
-        return ModelOutput(sample_reqs, tokens, logprobs, time.perf_counter() - t0)
+            if any(r.spec_token_ids for r in sample_reqs):
+                num_rejected = {}
+                for i, r in enumerate(sample_reqs):
+                    if r.spec_token_ids:
+                        tokens[i] = verify(r.spec_token_ids, tokens[i])
+                        num_rejected[id(r)] = len(r.spec_token_ids) + 1 - len(tokens[i])
+                rejected = [num_rejected.get(id(r), 0) for r in out.reqs]
+        return ModelOutput(sample_reqs, tokens, logprobs, time.perf_counter() - t0, rejected)

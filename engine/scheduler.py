@@ -82,6 +82,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -106,7 +107,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            base = req.num_tokens - req.num_computed_tokens
+            n = min(base + len(req.spec_token_ids), budget)
+            del req.spec_token_ids[max(0, n - base) :]  # drafts that do not fit the budget
             if n <= 0:  # nothing to compute this step; keep its blocks and its place
                 scheduled.add(id(req))
                 i += 1
@@ -177,12 +180,15 @@ class Scheduler:
                 self._preempt(worst, out)
         self.waiting.sort(key=key)
 
-    def update_from_output(self, out: SchedulerOutput, step_time_s: float) -> None:
-        """Advance computed counts, register full blocks, attribute executor time."""
+    def update_from_output(self, out: SchedulerOutput, step_time_s: float, num_rejected: list[int] | None = None) -> None:
+        """Advance computed counts (less rejected draft tokens), register full blocks, attribute
+        executor time (rejected drafts included: they were computed)."""
         total = out.total_tokens or 1
         service = [step_time_s * n / total for n in out.num_tokens]
-        for req, n, s in zip(out.reqs, out.num_tokens, service):
-            req.num_computed_tokens += n
+        rejected = num_rejected or [0] * len(out.reqs)
+        for req, n, s, r in zip(out.reqs, out.num_tokens, service, rejected):
+            req.num_computed_tokens += n - r
+            req.spec_token_ids = []
             req.service_s += s
             self.kv.cache_blocks(req)
         self.policy.on_step(out.reqs, service, out.num_tokens, self.clock())

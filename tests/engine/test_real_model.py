@@ -61,3 +61,13 @@ def test_greedy_matches_hf_under_preemption(default_model_path, prompts, hf_outp
     assert llm.kv_stats().num_preemptions > 0
     _check(outs, hf_outputs, llm.tokenizer.eos_token_id)
     assert_all_blocks_free(llm.core)
+
+
+def test_greedy_matches_hf_with_ngram_speculation(default_model_path, prompts, hf_outputs):
+    # the prompts repeat TEXT, so prompt lookup finds real drafts; outputs must not change
+    llm = LLM(str(default_model_path), num_speculative_tokens=4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0))
+    _check(outs, hf_outputs, llm.tokenizer.eos_token_id)
+    core = llm.core
+    assert core.num_draft_tokens > 0 and core.num_rejected_tokens < core.num_draft_tokens
+    assert_all_blocks_free(core)
