@@ -7,6 +7,10 @@ Workload: N requests (default 64), prompt lengths uniform in [16, 512], output l
   its longest request is done, so only each request's own output tokens count as useful;
 - single request, one at a time, on a subset: decode tokens/s of HF and of the engine, as
   (out - 1) / (t(out tokens) - t(1 token)), i.e. prefill excluded.
+- with `--speculative K` (default 3; 0 = skip), the engine again with n-gram speculative decoding
+  (K drafts per step, exact for greedy), reported in separate rows: plain decoding stays the
+  headline comparison. Prompts of random token ids make a small model loop, which prompt lookup
+  exploits, so these rows show what speculation does on repetitive output, not on natural text.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--speculative", type=int, default=3, help="n-gram drafts per step for the extra rows (0 = skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine import LLM
 
     llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+    spec = LLM(a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+               num_speculative_tokens=a.speculative) if a.speculative else None
     dtype = llm.core.config.torch_dtype
     hf = AutoModelForCausalLM.from_pretrained(str(llm.core.model_path), dtype=dtype).to(llm.core.config.device).eval()
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
     warm = workload(2, a.seed + 1)
     run_engine(llm, [(p[:32], 4) for p, _ in warm])
+    if spec is not None:
+        run_engine(spec, [(p[:32], 4) for p, _ in warm])
     run_hf_batched(hf, [(p[:32], 4) for p, _ in warm], 2, pad_id)
 
     results: dict = {"num_requests": a.num_requests, "output_tokens": useful, "dtype": str(dtype)}
@@ -112,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine: {t_engine:.1f} s", file=sys.stderr)
     results["engine_tok_s"] = useful / t_engine
     results["engine_s"] = t_engine
+    if spec is not None:
+        t_spec = run_engine(spec, reqs)
+        print(f"engine + speculation: {t_spec:.1f} s", file=sys.stderr)
+        results["spec_tok_s"], results["spec_s"] = useful / t_spec, t_spec
     hf_rows = {}
     for bsz in [int(x) for x in a.hf_batch_sizes.split(",") if x]:
         t = run_hf_batched(hf, reqs, bsz, pad_id)
@@ -123,29 +136,46 @@ def main(argv: list[str] | None = None) -> int:
     results["ratio_vs_hf_batched"] = results["engine_tok_s"] / hf_rows[best_bsz]["tok_s"]
 
     singles = reqs[: a.single_requests]
-    hf_dec = eng_dec = 0.0
+    hf_dec = eng_dec = spec_dec = 0.0
     dec_tokens = 0
-    for p, o in singles:
+    for p, o in singles:  # the three systems interleaved, so drift hits them alike
         hf_dec += hf_single(hf, p, o, pad_id) - hf_single(hf, p, 1, pad_id)
         eng_dec += engine_single(llm, p, o) - engine_single(llm, p, 1)
+        if spec is not None:
+            spec_dec += engine_single(spec, p, o) - engine_single(spec, p, 1)
         dec_tokens += o - 1
     results["hf_single_decode_tok_s"] = dec_tokens / hf_dec
     results["engine_single_decode_tok_s"] = dec_tokens / eng_dec
     results["ratio_single_decode"] = hf_dec / eng_dec
+    if spec is not None:
+        results["spec_single_decode_tok_s"] = dec_tokens / spec_dec
+        results["ratio_single_decode_spec"] = hf_dec / spec_dec
+        results["spec_draft_tokens"] = spec.core.num_draft_tokens
+        results["spec_acceptance"] = 1 - spec.core.num_rejected_tokens / max(1, spec.core.num_draft_tokens)
 
     rows = [["agentrt engine (continuous batching)", f"{results['engine_s']:.1f}", results["engine_tok_s"], 1.0]]
+    if spec is not None:
+        rows.append([f"agentrt engine + n-gram speculation (k={a.speculative})", f"{results['spec_s']:.1f}",
+                     results["spec_tok_s"], results["spec_tok_s"] / results["engine_tok_s"]])
     for b, r in hf_rows.items():
         rows.append([f"HF generate, batch {b}", f"{r['s']:.1f}", r["tok_s"], r["tok_s"] / results["engine_tok_s"]])
     table = markdown_table(["system", "wall s", "output tok/s", "vs engine"], rows)
-    single = markdown_table(
-        ["single request (decode only)", "tok/s"],
-        [["agentrt engine", results["engine_single_decode_tok_s"]], ["HF generate", results["hf_single_decode_tok_s"]]],
+    single_rows = [["agentrt engine", results["engine_single_decode_tok_s"], results["ratio_single_decode"]]]
+    if spec is not None:
+        single_rows.append([f"agentrt engine + n-gram speculation (k={a.speculative})",
+                            results["spec_single_decode_tok_s"], results["ratio_single_decode_spec"]])
+    single_rows.append(["HF generate", results["hf_single_decode_tok_s"], 1.0])
+    single = markdown_table(["single request (decode only)", "tok/s", "vs HF"], single_rows)
+    spec_note = (
+        f"Speculation: {results['spec_draft_tokens']} drafts over all engine + speculation runs, "
+        f"{results['spec_acceptance']:.0%} accepted (drafts are off while more than 8 requests run).\n"
+        if spec is not None else ""
     )
     summary = (
         f"{a.num_requests} requests, prompts 16-512, outputs 16-256 ({useful} output tokens), ignore_eos, greedy, "
         f"{dtype}.\n\n{table}\n\nEngine / best HF batched (batch {best_bsz}): **{results['ratio_vs_hf_batched']:.2f}x** "
         f"(target >= 3x)\n\n{single}\n\nSingle-request decode, engine / HF: **{results['ratio_single_decode']:.2f}x** "
-        f"(target >= 1.5x; {len(singles)} requests, prefill excluded)\n"
+        f"(target >= 1.5x; {len(singles)} requests, prefill excluded)\n\n{spec_note}"
     )
     if a.json:
         print(json.dumps(results, indent=2))
