@@ -1,7 +1,8 @@
 """agentrt kernels: Triton kernels with pure-torch references, behind one dispatching API.
 
 Ops (each module holds the kernel, its launcher `*_triton` and its reference `*_ref`):
-`store_kv`, `paged_attention`, `copy_blocks`, `rms_norm`, `silu_and_mul`. The dispatching functions
+`store_kv`, `paged_attention`, `copy_blocks`, `rms_norm`, `silu_and_mul`; plus `linear` (library GEMMs
+picked per device, no Triton kernel). The dispatching functions
 exported here pick Triton for CUDA tensors and the torch reference on CPU; see `kernels._dispatch`
 for the backend switch.
 
@@ -22,6 +23,7 @@ from kernels._dispatch import (
     use_backend,
 )
 from kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
+from kernels.linear import Linear, linear, linear_ref
 from kernels.paged_attention import (
     AttentionMetadata,
     build_attention_metadata,
@@ -35,12 +37,15 @@ from kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = [
     "AttentionMetadata",
+    "Linear",
     "build_attention_metadata",
     "copy_blocks",
     "copy_blocks_ref",
     "copy_blocks_triton",
     "dense_causal_attention_ref",
     "get_backend",
+    "linear",
+    "linear_ref",
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_triton",

@@ -27,9 +27,14 @@ unit stride along head_dim; `query_start_loc[-1] == q.shape[0]` (rows outside an
 unwritten); up to ~B programs per kv head find no tile and exit at once.
 
 `paged_attention_ref` is the production CPU path: per call it does one gather of whole KV blocks
-and one `scaled_dot_product_attention` for all decode rows, and one of each for all prefill rows
-(padded to `[B, max_q]` with a causal mask); the index tensors and masks are built once per step
-and cached in the metadata, so every layer reuses them.
+and one attention per group of decode rows of similar length, and one of each for all prefill rows (padded to `[B, max_q]`
+with a causal mask); the index tensors and masks are built once per step and cached in the
+metadata, so every layer reuses them. Decode rows in fp32 with few kv heads (<= 4) skip SDPA, whose
+CPU kernel runs a 3-row query at ~5 GFLOP/s: each sequence's gathered K/V stay `[L, KVH * D]` rows
+and a query head is zero outside its kv head's slice of width D, so two plain batched GEMMs
+(`q @ K.T`, `p @ V`) cover all heads at once and the wanted `[H, D]` blocks are read off the
+result. It does KVH times the needed FLOPs but reads K/V once, contiguously: ~1.6x faster than
+SDPA for 32 sequences of ~400 tokens (9 / 3 heads, D 64) on 2 cores.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ class _Part:
 @dataclass(slots=True)
 class _TorchPlan:
     block_size: int  # cache block size the plan was built for
-    decode: _Part | None  # sequences with exactly one query row
+    decode: list[_Part]  # sequences with exactly one query row, in groups of similar length
     prefill: _Part | None  # sequences with more than one query row
 
 
@@ -407,6 +412,28 @@ def _build_part(meta: AttentionMetadata, seqs: torch.Tensor, block_size: int, de
     )
 
 
+# A decode group pads every sequence to its longest one; a new group costs a dozen more ops per
+# layer (~0.2 ms on 2 cores), about what gathering and multiplying 256 padded positions costs.
+_DECODE_GROUP_SLACK = 256
+
+
+def _decode_groups(meta: AttentionMetadata, seqs: torch.Tensor, block_size: int) -> list[_Part]:
+    """Split decode sequences into groups whose lengths differ by at most `_DECODE_GROUP_SLACK`,
+    so padding stays small when short and long contexts decode together (one group, in batch
+    order, when they are all alike)."""
+    lens = meta.seq_lens.long()[seqs]
+    if int(lens.max()) - int(lens.min()) <= _DECODE_GROUP_SLACK:
+        return [_build_part(meta, seqs, block_size, True)]
+    order = torch.argsort(lens, descending=True, stable=True)
+    sorted_lens = lens[order].tolist()
+    groups, start = [], 0
+    for i in range(1, len(sorted_lens) + 1):
+        if i == len(sorted_lens) or sorted_lens[start] - sorted_lens[i] > _DECODE_GROUP_SLACK:
+            groups.append(_build_part(meta, seqs[order[start:i]], block_size, True))
+            start = i
+    return groups
+
+
 def _torch_plan(meta: AttentionMetadata, block_size: int) -> _TorchPlan:
     plan = meta._torch_plan
     if plan is None:
@@ -416,7 +443,7 @@ def _torch_plan(meta: AttentionMetadata, block_size: int) -> _TorchPlan:
         prefill_seqs = (q_lens > 1).nonzero().squeeze(1)
         plan = _TorchPlan(
             block_size=block_size,
-            decode=_build_part(meta, decode_seqs, block_size, True) if decode_seqs.numel() else None,
+            decode=_decode_groups(meta, decode_seqs, block_size) if decode_seqs.numel() else [],
             prefill=_build_part(meta, prefill_seqs, block_size, False) if prefill_seqs.numel() else None,
         )
         meta._torch_plan = plan
@@ -424,18 +451,45 @@ def _torch_plan(meta: AttentionMetadata, block_size: int) -> _TorchPlan:
     return plan
 
 
-def _gather(cache: torch.Tensor, part: _Part) -> torch.Tensor:
-    """[S, KVH, L, D]: the KV positions of each sequence, zeros past its length (or, when all
-    sequences have the same length, exactly L = that length: no padding at all)."""
+def _gather(cache: torch.Tensor, part: _Part, flat: bool = False) -> torch.Tensor:
+    """[S, KVH, L, D] (`flat`: [S, L, KVH * D]): the KV positions of each sequence, zeros past its
+    length (or, when all sequences have the same length, exactly L = that length: no padding)."""
     num_seqs, num_blocks = part.blocks.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
     x = cache.index_select(0, part.blocks.flatten()).view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
     if part.equal_len is not None:
-        return x[:, : part.equal_len].transpose(1, 2)
-    if part.pad_slots.numel():
+        x = x[:, : part.equal_len]
+    elif part.pad_slots.numel():
         # Never let stale (possibly non-finite) slots reach the matmuls: 0 * nan would poison the row.
         x.view(-1, num_kv_heads, head_dim).index_fill_(0, part.pad_slots, 0)
-    return x.transpose(1, 2)
+    return x.flatten(2) if flat else x.transpose(1, 2)
+
+
+_BLOCK_DIAG_MAX_KV_HEADS = 4  # more kv heads: the KVH-fold FLOPs outweigh SDPA's overhead
+
+
+@functools.lru_cache(maxsize=16)
+def _head_mask(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """[H, KVH * D] fp32: 1 where query head h's kv head owns the column, else 0."""
+    group = num_heads // num_kv_heads
+    owner = torch.arange(num_kv_heads * head_dim, device=device) // head_dim
+    return (owner[None, :] == (torch.arange(num_heads, device=device) // group)[:, None]).float()
+
+
+def _decode_block_diag(q_dec: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: _Part,
+                       scale: float) -> torch.Tensor:
+    """fp32 decode attention with two batched GEMMs over `[S, L, KVH * D]` K/V. q_dec: [S, H, D] -> [S, H, D]."""
+    num_seqs, num_heads, head_dim = q_dec.shape
+    num_kv_heads = k_cache.shape[2]
+    k = _gather(k_cache, part, flat=True)  # [S, L, KVH * D]
+    v = _gather(v_cache, part, flat=True)
+    qe = q_dec.repeat(1, 1, num_kv_heads).mul_(_head_mask(num_heads, num_kv_heads, head_dim, q_dec.device))
+    scores = torch.bmm(qe.mul_(scale), k.transpose(1, 2))  # [S, H, L]
+    if part.equal_len is None:
+        scores.masked_fill_(part.mask.view(num_seqs, 1, -1).logical_not(), float("-inf"))
+    out = torch.bmm(scores.softmax(-1), v).view(num_seqs, num_heads, num_kv_heads, head_dim)
+    own = (torch.arange(num_heads, device=q_dec.device) // (num_heads // num_kv_heads)).view(1, num_heads, 1, 1)
+    return out.gather(2, own.expand(num_seqs, num_heads, 1, head_dim)).view(num_seqs, num_heads, head_dim)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -449,13 +503,17 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
     plan = _torch_plan(meta, k_cache.shape[1])
-    if (part := plan.decode) is not None:
+    for part in plan.decode:
         num_seqs = part.rows.shape[0]
-        # The GQA group's heads become the query length: one [group, L] score matrix per kv head.
-        q_dec = (q if part.in_order else q.index_select(0, part.rows)).view(num_seqs, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(q_dec, _gather(k_cache, part), _gather(v_cache, part),
-                                           attn_mask=None if part.equal_len is not None else part.mask, scale=scale)
-        if part.in_order:  # a decode-only batch: the output is o itself
+        q_dec = q if part.in_order else q.index_select(0, part.rows)
+        if q.dtype == torch.float32 and num_kv_heads <= _BLOCK_DIAG_MAX_KV_HEADS:
+            o = _decode_block_diag(q_dec, k_cache, v_cache, part, scale)
+        else:
+            # The GQA group's heads become the query length: one [group, L] score matrix per kv head.
+            o = F.scaled_dot_product_attention(
+                q_dec.reshape(num_seqs, num_kv_heads, group, head_dim), _gather(k_cache, part),
+                _gather(v_cache, part), attn_mask=None if part.equal_len is not None else part.mask, scale=scale)
+        if part.in_order:  # the whole batch is this one decode group: the output is o itself
             return o.reshape(num_seqs, num_heads, head_dim)
         out.index_copy_(0, part.rows, o.reshape(num_seqs, num_heads, head_dim))
     if (part := plan.prefill) is not None:

@@ -17,8 +17,9 @@ PREFILL = ([37, 23], [37, 61])
 DECODE = ([1, 1, 1], [1, 45, 64])
 DECODE_EQUAL = ([1, 1, 1], [45, 45, 45])  # torch path: no mask, no padding (slots past 45 are NaN)
 DECODE_ONE = ([1], [37])
+DECODE_SPREAD = ([1, 1, 1, 1, 1, 2], [3, 300, 40, 620, 290, 45])  # torch path: 3 decode groups + prefill
 SCENARIOS = {"mixed": MIXED, "prefill": PREFILL, "decode": DECODE, "decode_equal": DECODE_EQUAL,
-             "decode_one": DECODE_ONE}
+             "decode_one": DECODE_ONE, "decode_spread": DECODE_SPREAD}
 GQA = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): ratios 1, 3, 8
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -54,7 +55,7 @@ def test_torch_path_caches_its_plan(paged_batch):
     batch = paged_batch(*MIXED, 9, 3, 64, 16, torch.float32)
     first = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
     plan = batch.meta._torch_plan
-    assert plan is not None and plan.decode is not None and plan.prefill is not None
+    assert plan is not None and plan.decode and plan.prefill is not None
     second = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
     assert batch.meta._torch_plan is plan
     assert torch.equal(first, second)
@@ -66,8 +67,18 @@ def test_torch_path_decode_plan(paged_batch, scenario, equal_len, in_order):
     """Decode-only batches skip the row gather/scatter; equal lengths skip the mask and padding."""
     batch = paged_batch(*SCENARIOS[scenario], 9, 3, 64, 16, torch.float32)
     paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
-    part = batch.meta._torch_plan.decode
+    (part,) = batch.meta._torch_plan.decode
     assert (part.equal_len, part.in_order) == (equal_len, in_order)
+
+
+def test_torch_path_groups_decode_rows_by_length(paged_batch):
+    batch = paged_batch(*DECODE_SPREAD, 9, 3, 64, 16, torch.float32)
+    paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    groups = batch.meta._torch_plan.decode
+    lens = DECODE_SPREAD[1]
+    got = sorted(sorted(lens[int(r)] for r in g.rows) for g in groups)  # rows == sequence index here
+    assert got == [[3, 40], [290, 300], [620]]
+    assert not any(g.in_order for g in groups)
 
 
 def test_torch_path_empty_batch(paged_batch):
