@@ -134,6 +134,8 @@ async def run_policy(
     results: list[ProgramResult | None] = [None] * len(workload)
     async with agentrt.Runtime(model, policy=policy, policy_kwargs=policy_kwargs or None, **engine) as rt:
         await agentrt.generate(_tokens(random.Random(0), 64), max_tokens=4)  # warm-up, not measured
+        core = rt.engine.core
+        busy0 = core.busy_s
         start = time.monotonic()
 
         async def launch(spec: ProgramSpec) -> None:
@@ -147,11 +149,13 @@ async def run_policy(
             for spec in workload:
                 tg.start_soon(launch, spec)
         makespan = time.monotonic() - start
+        busy = core.busy_s - busy0
         kv = rt.kv_stats()
     done = [r for r in results if r is not None]
     return {
         "policy": policy,
         "makespan_s": makespan,
+        "utilization": busy / makespan,  # fraction of the run the engine was executing steps
         "preemptions": kv.num_preemptions,
         "prefix_hit_rate": kv.prefix_hit_tokens / max(1, kv.prefix_queries_tokens),
         "latency_s": _summary([r.latency_s for r in done]),
@@ -186,15 +190,18 @@ def _ratios(report: dict[str, Any]) -> None:
 
 def table(report: dict[str, Any]) -> str:
     lines = [
-        "| policy | mean s | p50 s | p95 s | p99 s | mean s/token | mean vs fcfs | p99 vs fcfs | s/token vs fcfs | preemptions |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| policy | mean s | p50 s | p95 s | p99 s | mean s/token | mean vs fcfs | p99 vs fcfs | s/token vs fcfs "
+        "| mean s by kind | makespan s | busy | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report["results"].items():
         lat, tok, vs = r["latency_s"], r["latency_per_token_s"], r.get("vs_fcfs", {})
+        kinds = " / ".join(f"{k} {v['mean']:.1f}" for k, v in r["by_kind"].items() if v)
         lines.append(
             f"| {name} | {lat['mean']:.2f} | {lat['p50']:.2f} | {lat['p95']:.2f} | {lat['p99']:.2f} | {tok['mean']:.3f} "
             f"| {vs.get('latency_s.mean', float('nan')):.2f}x | {vs.get('latency_s.p99', float('nan')):.2f}x "
-            f"| {vs.get('latency_per_token_s.mean', float('nan')):.2f}x | {r['preemptions']} |"
+            f"| {vs.get('latency_per_token_s.mean', float('nan')):.2f}x | {kinds} | {r['makespan_s']:.0f} "
+            f"| {r['utilization']:.0%} | {r['preemptions']} |"
         )
     return "\n".join(lines)
 

@@ -68,6 +68,7 @@ class EngineCore:
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.busy_s = 0.0  # executor wall time summed over steps (input prep + forward + sampling)
         self.num_draft_tokens = 0  # speculative drafts scheduled
         self.num_rejected_tokens = 0  # of which rejected
 
@@ -170,13 +171,18 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
         cfg = self.config
-        limit = cfg.speculative_disable_by_batch_size
-        if cfg.num_speculative_tokens and (limit is None or len(self.scheduler.running) <= limit):
+        if cfg.num_speculative_tokens:
+            limit = cfg.speculative_disable_by_batch_size
+            draft = limit is None or len(self.scheduler.running) <= limit
             for req in self.scheduler.running:
-                propose(req, cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+                if draft:
+                    propose(req, cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+                else:  # drafts left from a step that did not schedule the request
+                    req.spec_token_ids = []
         out = self.scheduler.schedule()
         self.num_draft_tokens += sum(len(r.spec_token_ids) for r in out.reqs)
         result = self.runner.execute(out)
+        self.busy_s += result.step_time_s
         self.scheduler.update_from_output(out, result.step_time_s, result.num_rejected)
         if result.num_rejected is not None:
             self.num_rejected_tokens += sum(result.num_rejected)

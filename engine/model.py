@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, SmolLM, Qwen2 layouts) over a paged KV cache.
 
 RMSNorm, RoPE (any HF rope type), GQA, SwiGLU, optional QKV bias (Qwen2), tied embeddings.
-Q/K/V and gate/up projections are fused into one matmul each. Attention goes through
+Q/K/V and gate/up projections are fused into one matmul each; q/k projection rows are reordered
+at load time to adjacent (x1, x2) pairs, so RoPE on q and k together is one complex multiply (the
+KV cache holds K in that order; q.k is unchanged). Attention goes through
 `kernels` (Triton on CUDA, vectorized torch on CPU), so the GPU path is this same code.
 """
 

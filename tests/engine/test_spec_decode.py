@@ -166,3 +166,30 @@ def test_no_drafts_above_the_batch_size_limit(tiny_model_path, oracle):
     assert spec.core.num_draft_tokens == 0  # three requests run together, above the limit of 2
     assert spec.generate(prompts[:2], params)[0].token_ids == want[0].token_ids
     assert spec.core.num_draft_tokens > 0
+
+
+def test_async_stream_with_speculation(tiny_model_path, oracle):
+    import anyio
+
+    from engine import AsyncEngine
+
+    prompt = prompts_of([11], seed=5)[0]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    want = LLM(str(tiny_model_path), num_blocks=64, block_size=4).generate([prompt], params)[0]
+    oracle({tuple(prompt): want.token_ids}, wrong=0.25)
+
+    async def main():
+        async with AsyncEngine(model=str(tiny_model_path), num_blocks=64, block_size=4,
+                               num_speculative_tokens=3) as eng:
+            stream = eng.add_request(prompt, params)
+            streamed, text = [], ""
+            async for d in stream:
+                streamed.extend(d.new_token_ids)
+                text += d.new_text
+            out = await stream.result()
+            assert streamed == out.token_ids == want.token_ids and text == want.text
+            assert eng.core.num_draft_tokens > eng.core.num_rejected_tokens
+            assert eng.core.num_steps < 20  # fewer steps than tokens
+            assert_all_blocks_free(eng.core)
+
+    anyio.run(main)
