@@ -21,7 +21,11 @@ def machine() -> str:
 
 
 def command() -> str:
-    return "agentrt bench " + " ".join(sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "bench" else sys.argv[1:])
+    """The command line that reproduces this run, as `agentrt bench NAME ARGS`."""
+    argv = sys.argv
+    if len(argv) > 1 and argv[1] == "bench":  # agentrt bench NAME ...
+        return " ".join(["agentrt", *argv[1:]])
+    return " ".join(["agentrt bench", Path(argv[0]).stem, *argv[1:]])  # python -m bench.NAME ...
 
 
 def write_section(title: str, body: str, path: Path = DOCS) -> None:

@@ -135,7 +135,7 @@ async def run_policy(
     async with agentrt.Runtime(model, policy=policy, policy_kwargs=policy_kwargs or None, **engine) as rt:
         await agentrt.generate(_tokens(random.Random(0), 64), max_tokens=4)  # warm-up, not measured
         core = rt.engine.core
-        busy0 = core.busy_s
+        busy0, steps0, tokens0 = core.busy_s, core.num_steps, core.num_computed_tokens
         start = time.monotonic()
 
         async def launch(spec: ProgramSpec) -> None:
@@ -150,12 +150,15 @@ async def run_policy(
                 tg.start_soon(launch, spec)
         makespan = time.monotonic() - start
         busy = core.busy_s - busy0
+        steps, computed = core.num_steps - steps0, core.num_computed_tokens - tokens0
         kv = rt.kv_stats()
     done = [r for r in results if r is not None]
     return {
         "policy": policy,
         "makespan_s": makespan,
         "utilization": busy / makespan,  # fraction of the run the engine was executing steps
+        "steps": steps,
+        "computed_tokens": computed,  # prompt (not cached) + output + recomputed tokens
         "preemptions": kv.num_preemptions,
         "prefix_hit_rate": kv.prefix_hit_tokens / max(1, kv.prefix_queries_tokens),
         "latency_s": _summary([r.latency_s for r in done]),
@@ -230,7 +233,7 @@ def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
     start = text.find("## Program scheduling")
     if start >= 0:
         end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+        text = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,7 @@ class EngineCore:
         self._ids = itertools.count()
         self.num_steps = 0
         self.busy_s = 0.0  # executor wall time summed over steps (input prep + forward + sampling)
+        self.num_computed_tokens = 0  # tokens run through the model, drafts and recomputation included
         self.num_draft_tokens = 0  # speculative drafts scheduled
         self.num_rejected_tokens = 0  # of which rejected
 
@@ -183,6 +184,7 @@ class EngineCore:
         self.num_draft_tokens += sum(len(r.spec_token_ids) for r in out.reqs)
         result = self.runner.execute(out)
         self.busy_s += result.step_time_s
+        self.num_computed_tokens += out.total_tokens
         self.scheduler.update_from_output(out, result.step_time_s, result.num_rejected)
         if result.num_rejected is not None:
             self.num_rejected_tokens += sum(result.num_rejected)
