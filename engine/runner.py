@@ -95,11 +95,14 @@ class ModelRunner:
             # Per logits row, the requests sampling from it: a request with n > 1 samples its first
             # token once per completion from the same row; a speculating request has one row per draft + 1.
             row_reqs: list[list[Request]] = []
+            sizes: list[int] = []  # samples per sampled request
             for r in sample_reqs:
                 if r.children and r.num_output_tokens == 0:
                     row_reqs.append([r, *r.children])
+                    sizes.append(1 + len(r.children))
                 else:
                     row_reqs.extend([r] for _ in range(1 + len(r.spec_token_ids)))
+                    sizes.append(1 + len(r.spec_token_ids))
             flat = [r for g in row_reqs for r in g]
             if len(flat) > logits.shape[0]:
                 logits = logits.repeat_interleave(torch.tensor([len(g) for g in row_reqs], device=logits.device), dim=0)
@@ -107,8 +110,6 @@ class ModelRunner:
             t, lp = sample(logits, params, [r.generator for r in flat], any(p.logprobs for p in params))
             t = t.tolist()
             lp = lp.tolist() if lp is not None else None
-            sizes = [1 + len(r.children) if r.children and r.num_output_tokens == 0 else 1 + len(r.spec_token_ids)
-                     for r in sample_reqs]
             offsets = np.cumsum([0, *sizes])
             tokens = [t[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
             logprobs = [lp[a:b] for a, b in zip(offsets[:-1], offsets[1:])] if lp is not None else None

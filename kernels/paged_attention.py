@@ -27,9 +27,9 @@ unit stride along head_dim; `query_start_loc[-1] == q.shape[0]` (rows outside an
 unwritten); up to ~B programs per kv head find no tile and exit at once.
 
 `paged_attention_ref` is the production CPU path: per call it does one gather of whole KV blocks
-and one attention per group of decode rows of similar length, and one of each for all prefill rows (padded to `[B, max_q]`
-with a causal mask); the index tensors and masks are built once per step and cached in the
-metadata, so every layer reuses them. Decode rows in fp32 with few kv heads (<= 4) skip SDPA, whose
+and one attention per group of decode rows of similar length, and one of each for all prefill
+rows (padded to `[B, max_q]` with a causal mask); the index tensors and masks are built once per
+step and cached in the metadata, so every layer reuses them. Decode rows in fp32 with few kv heads (<= 4) skip SDPA, whose
 CPU kernel runs a 3-row query at ~5 GFLOP/s: each sequence's gathered K/V stay `[L, KVH * D]` rows
 and a query head is zero outside its kv head's slice of width D, so two plain batched GEMMs
 (`q @ K.T`, `p @ V`) cover all heads at once and the wanted `[H, D]` blocks are read off the
@@ -469,11 +469,11 @@ _BLOCK_DIAG_MAX_KV_HEADS = 4  # more kv heads: the KVH-fold FLOPs outweigh SDPA'
 
 
 @functools.lru_cache(maxsize=16)
-def _head_mask(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
-    """[H, KVH * D] fp32: 1 where query head h's kv head owns the column, else 0."""
-    group = num_heads // num_kv_heads
+def _head_layout(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+    """([H, KVH * D] fp32 mask: 1 where query head h's kv head owns the column; [1, H, 1, 1] kv head of h)."""
+    kv_of_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
     owner = torch.arange(num_kv_heads * head_dim, device=device) // head_dim
-    return (owner[None, :] == (torch.arange(num_heads, device=device) // group)[:, None]).float()
+    return (owner[None, :] == kv_of_head[:, None]).float(), kv_of_head.view(1, num_heads, 1, 1)
 
 
 def _decode_block_diag(q_dec: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: _Part,
@@ -483,13 +483,13 @@ def _decode_block_diag(q_dec: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_kv_heads = k_cache.shape[2]
     k = _gather(k_cache, part, flat=True)  # [S, L, KVH * D]
     v = _gather(v_cache, part, flat=True)
-    qe = q_dec.repeat(1, 1, num_kv_heads).mul_(_head_mask(num_heads, num_kv_heads, head_dim, q_dec.device))
+    mask, kv_of_head = _head_layout(num_heads, num_kv_heads, head_dim, q_dec.device)
+    qe = q_dec.repeat(1, 1, num_kv_heads).mul_(mask)  # [S, H, KVH * D], zero outside each head's kv slice
     scores = torch.bmm(qe.mul_(scale), k.transpose(1, 2))  # [S, H, L]
     if part.equal_len is None:
         scores.masked_fill_(part.mask.view(num_seqs, 1, -1).logical_not(), float("-inf"))
     out = torch.bmm(scores.softmax(-1), v).view(num_seqs, num_heads, num_kv_heads, head_dim)
-    own = (torch.arange(num_heads, device=q_dec.device) // (num_heads // num_kv_heads)).view(1, num_heads, 1, 1)
-    return out.gather(2, own.expand(num_seqs, num_heads, 1, head_dim)).view(num_seqs, num_heads, head_dim)
+    return out.gather(2, kv_of_head.expand(num_seqs, num_heads, 1, head_dim)).view(num_seqs, num_heads, head_dim)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -56,7 +56,7 @@ def oracle(monkeypatch):
             for prompt, out in runs.items():
                 if tuple(tokens[: len(prompt)]) == prompt:
                     done = len(tokens) - len(prompt)
-                    return [t if rng.random() >= wrong else t + 1 for t in out[done + 1 : done + 1 + k]]
+                    return [t if rng.random() >= wrong else t + 1 for t in out[done : done + k]]
             raise AssertionError("drafts asked for an unknown request")
 
         monkeypatch.setattr(sd, "propose_ngram", propose_ngram)
@@ -79,6 +79,8 @@ def test_greedy_outputs_identical_with_speculation(tiny_model_path, oracle, k, w
         assert g.finish_reason == "length" and g.num_output_tokens == w.num_output_tokens
     core = spec.core
     assert core.num_draft_tokens > 0
+    if wrong == 0:
+        assert core.num_rejected_tokens == 0  # true drafts are all accepted
     if wrong < 1:
         assert core.num_rejected_tokens < core.num_draft_tokens  # some accepted...
         assert core.num_steps < plain.core.num_steps  # ...which saved steps
