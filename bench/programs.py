@@ -38,8 +38,11 @@ import agentrt
 
 # program kinds: calls, prompt tokens, output tokens per call (scaled from Autellix's 6.7 / 10.8 / 160 calls)
 CHAT = {"prompt": 32, "max_tokens": 16}
-REACT = {"calls": 4, "prompt": 64, "max_tokens": 8, "observation": 16, "tool_s": (0.2, 0.6)}
-TREE = {"width": 4, "depth": 4, "prompt": 32, "max_tokens": 8}
+# Agent steps (a ReAct thought + action, a tree node) generate more than a chat reply here: 32 tokens
+# (real ones run 50-200); with 8-token steps no call holds a seat long enough to block anyone and
+# every policy is processor sharing in disguise (docs/benchmarks.md, earlier runs).
+REACT = {"calls": 4, "prompt": 64, "max_tokens": 32, "observation": 16, "tool_s": (0.2, 0.6)}
+TREE = {"width": 4, "depth": 4, "prompt": 32, "max_tokens": 32}
 MIX = {"chat": 0.6, "react": 0.25, "tree": 0.15}
 VOCAB = (1000, 40000)  # token ids drawn from here: ordinary BPE pieces of the default tokenizer
 
@@ -222,7 +225,8 @@ def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
             f"- Workload: {cfg['programs']} programs ({kinds}), Poisson arrivals at {cfg['rate']} programs/s, "
             f"seed {cfg['seed']}; chat = 1 call ({CHAT['prompt'] + 32} prompt / {CHAT['max_tokens']} output tokens), "
             f"react = {REACT['calls']} sequential calls with {REACT['tool_s'][0]}-{REACT['tool_s'][1]} s tool gaps, "
-            f"tree = root + {TREE['depth']} rounds of {TREE['width']} parallel calls + final call; engine {cfg['engine']}, default policy settings.",
+            f"tree = root + {TREE['depth']} rounds of {TREE['width']} parallel calls + final call, {REACT['max_tokens']} output "
+            f"tokens per ReAct / tree call; engine {cfg['engine']}, default policy settings.",
             "- Program latency = planned arrival to program end; per token = latency / tokens the program generated.",
             "",
             table(report),
@@ -242,8 +246,8 @@ def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="agentrt bench programs", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--programs", type=int, default=16, help="programs per policy")
-    ap.add_argument("--rate", type=float, default=0.2, help="program arrivals per second (Poisson)")
+    ap.add_argument("--programs", type=int, default=24, help="programs per policy")
+    ap.add_argument("--rate", type=float, default=0.35, help="program arrivals per second (Poisson)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="fcfs,mlfq,plas,atlas")
     ap.add_argument("--model", default=None, help="model path; default: the default model")
@@ -255,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
                     help=f"tree programs: parallel calls per round x rounds (default {TREE['width']}x{TREE['depth']})")
     ap.add_argument("--react-calls", type=int, default=None, help=f"calls per ReAct program (default {REACT['calls']})")
+    ap.add_argument("--step-tokens", type=int, default=None,
+                    help=f"output tokens per ReAct / tree call (default {REACT['max_tokens']})")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--docs", type=Path, default=None, help="write the table to this markdown file (docs/benchmarks.md)")
     args = ap.parse_args(argv)
@@ -266,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--tree must be WIDTHxDEPTH such as 4x4, got {args.tree!r}") from None
     if args.react_calls is not None:
         REACT["calls"] = args.react_calls
+    if args.step_tokens is not None:
+        REACT["max_tokens"] = TREE["max_tokens"] = args.step_tokens
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     workload = make_workload(args.programs, args.rate, args.seed)
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} {platform.python_version()}",
-        "config": {"tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": REACT["calls"], "first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta, "programs": args.programs, "rate": args.rate, "seed": args.seed, "engine": engine, "model": args.model},
+        "config": {"tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": REACT["calls"], "step_tokens": REACT["max_tokens"], "first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta, "programs": args.programs, "rate": args.rate, "seed": args.seed, "engine": engine, "model": args.model},
         "results": {},
     }
     for policy in args.policies.split(","):
