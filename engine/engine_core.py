@@ -174,12 +174,9 @@ class EngineCore:
         cfg = self.config
         if cfg.num_speculative_tokens:
             limit = cfg.speculative_disable_by_batch_size
-            draft = limit is None or len(self.scheduler.running) <= limit
-            for req in self.scheduler.running:
-                if draft:
-                    propose(req, cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
-                else:  # drafts left from a step that did not schedule the request
-                    req.spec_token_ids = []
+            k = cfg.num_speculative_tokens if limit is None or len(self.scheduler.running) <= limit else 0
+            for req in self.scheduler.running:  # k = 0 also clears drafts of a step that skipped the request
+                propose(req, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
         out = self.scheduler.schedule()
         self.num_draft_tokens += sum(len(r.spec_token_ids) for r in out.reqs)
         result = self.runner.execute(out)

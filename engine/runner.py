@@ -12,8 +12,8 @@ import torch
 import kernels
 from engine.request import Request
 from engine.sampling import sample
-from engine.spec_decode import verify
 from engine.scheduler import SchedulerOutput
+from engine.spec_decode import verify
 
 
 @dataclass(slots=True)
