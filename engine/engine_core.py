@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model, load_tokenizer, resolve_model
@@ -61,6 +63,8 @@ class EngineCore:
         num_blocks = config.num_blocks or self._blocks_from_budget()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, model_key=str(self.model_path))
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, config.device)
+        if config.device == "cpu":
+            kernels.cpu.ops()  # build (first time, ~30 s) or load the C++ CPU kernels now, not mid-request
         self.policy = make_policy(config.policy, **(config.policy_kwargs or {}))
         self.scheduler = Scheduler(config, self.kv, self.policy)
         self.requests: dict[str, Request] = {}  # unfinished, by id (forked children included)

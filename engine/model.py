@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels.linear import Linear, linear
+from kernels.linear import Linear, PackCache, linear
 
 
 @dataclass(slots=True)
@@ -155,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else Linear(a.hidden_size, a.vocab_size, bias=False)
+        self._tied_head_pack = PackCache()  # packed embedding matrix for the small-row CPU kernel
         # rotary table cos + i sin, complex64 whatever the model dtype: [max_position, head_dim / 2].
         # A plain attribute, not a buffer, so that `model.to(dtype)` leaves it complex; set by init_rope.
         self.rope_cis: torch.Tensor | None = None
@@ -177,8 +178,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] rows to sample from -> [N, vocab]
         h = self.norm(hidden)
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(h, w)
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        return linear(h, self.embed_tokens.weight, None, self._tied_head_pack)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

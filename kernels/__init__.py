@@ -2,15 +2,19 @@
 
 Ops (each module holds the kernel, its launcher `*_triton` and its reference `*_ref`):
 `store_kv`, `paged_attention`, `copy_blocks`, `rms_norm`, `silu_and_mul`; plus `linear` (library GEMMs
-picked per device, no Triton kernel). The dispatching functions
+picked per device, no Triton kernel). `kernels.cpu` builds the C++ CPU kernels (small-row linear,
+decode attention straight from the paged cache) that the CPU paths use when a compiler is there.
+The dispatching functions
 exported here pick Triton for CUDA tensors and the torch reference on CPU; see `kernels._dispatch`
 for the backend switch.
 
 Note: the op names here are the dispatching functions, which shadow the submodules of the same
 name: reach a submodule with `from kernels.<module> import ...`, not `import kernels.<module> as m`.
 
-Depends on torch and triton only.
+Depends on torch and triton only (plus a C++ compiler for `kernels.cpu`, optional).
 """
+
+from kernels import cpu
 
 from kernels._dispatch import (
     copy_blocks,
@@ -42,6 +46,7 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_ref",
     "copy_blocks_triton",
+    "cpu",
     "dense_causal_attention_ref",
     "get_backend",
     "linear",

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import cpu
 from kernels._common import launchable
 
 _LOG2E = 1.4426950408889634
@@ -70,8 +71,10 @@ class _Part:
 @dataclass(slots=True)
 class _TorchPlan:
     block_size: int  # cache block size the plan was built for
-    decode: list[_Part]  # sequences with exactly one query row, in groups of similar length
-    prefill: _Part | None  # sequences with more than one query row
+    use_cpp: bool  # few-row sequences go to the C++ kernel (kernels/cpu.py)
+    decode: list[_Part]  # torch path: sequences with exactly one query row, in groups of similar length
+    prefill: _Part | None  # sequences with more query rows (C++ path: more than CPP_MAX_QUERY_ROWS)
+    small_seqs: torch.Tensor | None = None  # C++ path: [S] int64, sequences with 1..CPP_MAX_QUERY_ROWS rows
 
 
 @dataclass(slots=True)
@@ -434,20 +437,33 @@ def _decode_groups(meta: AttentionMetadata, seqs: torch.Tensor, block_size: int)
     return groups
 
 
-def _torch_plan(meta: AttentionMetadata, block_size: int) -> _TorchPlan:
+CPP_MAX_QUERY_ROWS = 16  # query rows per sequence up to which the C++ kernel takes it (decode, drafts)
+_CPP_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def _torch_plan(meta: AttentionMetadata, block_size: int, use_cpp: bool) -> _TorchPlan:
     plan = meta._torch_plan
     if plan is None:
         qsl = meta.query_start_loc.long()
         q_lens = qsl[1:] - qsl[:-1]
-        decode_seqs = (q_lens == 1).nonzero().squeeze(1)
-        prefill_seqs = (q_lens > 1).nonzero().squeeze(1)
-        plan = _TorchPlan(
-            block_size=block_size,
-            decode=_decode_groups(meta, decode_seqs, block_size) if decode_seqs.numel() else [],
-            prefill=_build_part(meta, prefill_seqs, block_size, False) if prefill_seqs.numel() else None,
-        )
+        if use_cpp:
+            small = ((q_lens >= 1) & (q_lens <= CPP_MAX_QUERY_ROWS)).nonzero().squeeze(1)
+            prefill_seqs = (q_lens > CPP_MAX_QUERY_ROWS).nonzero().squeeze(1)
+            plan = _TorchPlan(block_size=block_size, use_cpp=True, decode=[],
+                              prefill=_build_part(meta, prefill_seqs, block_size, False) if prefill_seqs.numel() else None,
+                              small_seqs=small)
+        else:
+            decode_seqs = (q_lens == 1).nonzero().squeeze(1)
+            prefill_seqs = (q_lens > 1).nonzero().squeeze(1)
+            plan = _TorchPlan(
+                block_size=block_size,
+                use_cpp=False,
+                decode=_decode_groups(meta, decode_seqs, block_size) if decode_seqs.numel() else [],
+                prefill=_build_part(meta, prefill_seqs, block_size, False) if prefill_seqs.numel() else None,
+            )
         meta._torch_plan = plan
     assert plan.block_size == block_size, f"metadata planned for block size {plan.block_size}, cache has {block_size}"
+    assert plan.use_cpp == use_cpp, "metadata planned for another attention path"
     return plan
 
 
@@ -492,9 +508,18 @@ def _decode_block_diag(q_dec: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.gather(2, kv_of_head.expand(num_seqs, num_heads, 1, head_dim)).view(num_seqs, num_heads, head_dim)
 
 
+def _cpp_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[-1] in _CPP_HEAD_DIMS and q.stride(-1) == 1
+            and q.stride(1) == q.shape[-1] and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and cpu.ops() is not None)
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Pure-torch paged attention (the production CPU path). q: [T, H, D] -> out [T, H, D]."""
+    """Paged attention without Triton (the production CPU path). q: [T, H, D] -> out [T, H, D].
+
+    On CPU in fp32, sequences with up to `CPP_MAX_QUERY_ROWS` query rows go to the C++ kernel when
+    it is built (kernels/cpu.py), longer ones to SDPA over gathered blocks; otherwise pure torch."""
     _check(q, k_cache, v_cache, meta)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -502,7 +527,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    plan = _torch_plan(meta, k_cache.shape[1])
+    plan = _torch_plan(meta, k_cache.shape[1], _cpp_applies(q, k_cache, v_cache))
+    if plan.use_cpp and plan.small_seqs.numel():
+        cpu.ops().paged_attention_small_q(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                          meta.block_tables, plan.small_seqs, scale, out)
     for part in plan.decode:
         num_seqs = part.rows.shape[0]
         q_dec = q if part.in_order else q.index_select(0, part.rows)

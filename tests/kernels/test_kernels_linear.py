@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import Linear, linear, linear_ref
+from kernels import cpu
+from kernels.linear import SMALL_M_MAX, Linear, PackCache, linear, linear_ref, pack_linear_weight
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
@@ -37,3 +38,60 @@ def test_linear_module_is_a_drop_in_nn_linear():
         torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
     # with autograd on, it is exactly nn.Linear (oneDNN's op is inference-only here)
     torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+
+
+needs_cpp = pytest.mark.skipif(not cpu.available(), reason="C++ CPU kernels cannot be built here")
+
+
+@needs_cpp
+@pytest.mark.parametrize("rows", range(1, SMALL_M_MAX + 1))
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (13, 8), (130, 1536)])  # n not a multiple of the 4-row groups
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_linear_matches_reference(rows, n, k, bias):
+    gen = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    cache = PackCache()
+    with torch.inference_mode():
+        out = linear(x, w, b, cache)
+    assert cache.packed is not None and cache.packed.shape == (-(-n // 4), k // 8, 4, 8)  # the C++ path ran
+    ref = linear_ref(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_cpp
+def test_pack_cache_follows_weight_changes():
+    """The packed copy is rebuilt after an in-place write or a new weight tensor, never stale."""
+    lin = Linear(16, 12, bias=False)
+    x = torch.randn(1, 16)
+    with torch.inference_mode():
+        first = lin(x)
+        packed = lin.pack_cache.packed
+        assert lin(x) is not None and lin.pack_cache.packed is packed  # reused while the weight is unchanged
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), 2 * first, rtol=1e-5, atol=1e-5)
+        assert lin.pack_cache.packed is not packed
+        lin.weight = torch.nn.Parameter(torch.zeros(12, 16))
+        assert torch.equal(lin(x), torch.zeros(1, 12))
+
+
+def test_linear_without_cpp_kernels_matches():
+    x, w = torch.randn(3, 32), torch.randn(24, 32)
+    with torch.inference_mode(), cpu.use_cpu_kernels(False):
+        cache = PackCache()
+        out = linear(x, w, None, cache)
+        assert cache.packed is None
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_cpp
+def test_small_linear_rejects_bad_input():
+    ops = cpu.ops()
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        ops.small_linear(x, w, None, 8)  # not packed
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.small_linear(x.double(), pack_linear_weight(w), None, 8)

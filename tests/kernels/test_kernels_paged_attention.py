@@ -1,12 +1,13 @@
-"""paged_attention: Triton kernel (interpreted) and torch path against dense causal attention in fp32."""
+"""paged_attention: Triton kernel (interpreted), the CPU path (C++ kernel for few-row sequences, SDPA
+for prefill) and the pure-torch path against dense causal attention in fp32."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import paged_attention_ref, paged_attention_triton
-from kernels.paged_attention import _auto_num_splits
+from kernels import cpu, paged_attention_ref, paged_attention_triton
+from kernels.paged_attention import CPP_MAX_QUERY_ROWS, _auto_num_splits
 
 from .conftest import make_paged_batch
 
@@ -35,11 +36,26 @@ def check_rule(out: torch.Tensor, batch, scale: float) -> None:
     assert err <= 2 * err_torch + ATOL[batch.q.dtype], f"err {err:.3g} vs torch {err_torch:.3g}"
 
 
+@pytest.fixture(params=[True, False], ids=["cpp", "torch"])
+def cpu_kernels(request):
+    """The CPU path with the C++ kernel (when it builds here) and without it."""
+    if request.param and not cpu.available():
+        pytest.skip("C++ CPU kernels cannot be built here")
+    with cpu.use_cpu_kernels(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def torch_only():
+    with cpu.use_cpu_kernels(False):
+        yield
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", GQA)
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_torch_path_matches_dense(paged_batch, scenario, heads, block_size, dtype):
+def test_torch_path_matches_dense(paged_batch, cpu_kernels, scenario, heads, block_size, dtype):
     batch = paged_batch(*SCENARIOS[scenario], *heads, 64, block_size, dtype)
     scale = 64 ** -0.5
     out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
@@ -51,11 +67,15 @@ def test_torch_path_matches_dense(paged_batch, scenario, heads, block_size, dtyp
     assert err <= 4 * err_rounding + ATOL[dtype], f"err {err:.3g} vs rounding {err_rounding:.3g}"
 
 
-def test_torch_path_caches_its_plan(paged_batch):
+def test_torch_path_caches_its_plan(paged_batch, cpu_kernels):
     batch = paged_batch(*MIXED, 9, 3, 64, 16, torch.float32)
     first = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
     plan = batch.meta._torch_plan
-    assert plan is not None and plan.decode and plan.prefill is not None
+    assert plan is not None and plan.prefill is not None and plan.use_cpp == cpu_kernels
+    if cpu_kernels:  # the rows of 1 and 5 queries: C++; 20 rows: SDPA
+        assert plan.small_seqs.tolist() == [0, 1, 2] and not plan.decode
+    else:
+        assert plan.decode
     second = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
     assert batch.meta._torch_plan is plan
     assert torch.equal(first, second)
@@ -63,7 +83,7 @@ def test_torch_path_caches_its_plan(paged_batch):
 
 @pytest.mark.parametrize(("scenario", "equal_len", "in_order"), [
     ("mixed", None, False), ("decode", None, True), ("decode_equal", 45, True), ("decode_one", 37, True)])
-def test_torch_path_decode_plan(paged_batch, scenario, equal_len, in_order):
+def test_torch_path_decode_plan(paged_batch, torch_only, scenario, equal_len, in_order):
     """Decode-only batches skip the row gather/scatter; equal lengths skip the mask and padding."""
     batch = paged_batch(*SCENARIOS[scenario], 9, 3, 64, 16, torch.float32)
     paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
@@ -71,7 +91,7 @@ def test_torch_path_decode_plan(paged_batch, scenario, equal_len, in_order):
     assert (part.equal_len, part.in_order) == (equal_len, in_order)
 
 
-def test_torch_path_groups_decode_rows_by_length(paged_batch):
+def test_torch_path_groups_decode_rows_by_length(paged_batch, torch_only):
     batch = paged_batch(*DECODE_SPREAD, 9, 3, 64, 16, torch.float32)
     paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
     groups = batch.meta._torch_plan.decode
@@ -81,7 +101,7 @@ def test_torch_path_groups_decode_rows_by_length(paged_batch):
     assert not any(g.in_order for g in groups)
 
 
-def test_torch_path_empty_batch(paged_batch):
+def test_torch_path_empty_batch(paged_batch, cpu_kernels):
     batch = paged_batch(*DECODE, 4, 4, 64, 16, torch.float32)
     q = batch.q[:0]
     meta = type(batch.meta)(batch.meta.query_start_loc[:1], batch.meta.seq_lens[:0], batch.meta.block_tables[:0], 0, 0)
@@ -167,13 +187,63 @@ def batches(draw):
 
 
 @settings(max_examples=40, deadline=None)
-@given(batches())
-def test_torch_path_property(case):
-    """Any batch (including sequences with no new rows) matches dense attention on the torch path."""
+@given(batches(), st.booleans())
+def test_torch_path_property(case, use_cpp):
+    """Any batch (including sequences with no new rows) matches dense attention on the CPU path,
+    with and without the C++ kernel."""
     q_lens, seq_lens, heads, block_size, seed = case
     batch = make_paged_batch(q_lens, seq_lens, *heads, 64, block_size, torch.float32, seed=seed)
-    out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    with cpu.use_cpu_kernels(use_cpp):
+        out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
     torch.testing.assert_close(out, batch.dense(0.125), rtol=1e-5, atol=1e-5)
+
+
+needs_cpp = pytest.mark.skipif(not cpu.available(), reason="C++ CPU kernels cannot be built here")
+
+
+@needs_cpp
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("heads", GQA)
+def test_cpp_kernel_query_rows_and_head_dims(paged_batch, head_dim, heads):
+    """1 to CPP_MAX_QUERY_ROWS query rows per sequence (decode, draft verification), every supported
+    head dim, contexts not a multiple of the block size; prefill rows beyond go to SDPA."""
+    q_lens = [1, 2, 7, CPP_MAX_QUERY_ROWS, CPP_MAX_QUERY_ROWS + 1]
+    batch = paged_batch(q_lens, [1, 19, 50, 33, 81], *heads, head_dim, 16, torch.float32, seed=3)
+    scale = head_dim ** -0.5
+    out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    assert batch.meta._torch_plan.small_seqs.tolist() == [0, 1, 2, 3]
+    torch.testing.assert_close(out, batch.dense(scale), rtol=1e-5, atol=1e-5)
+
+
+@needs_cpp
+@pytest.mark.parametrize("num_seqs", [1, 2, 9])  # fewer sequences than threads: work split by kv head
+def test_cpp_kernel_strided_query_and_thread_split(paged_batch, num_seqs):
+    """q as the model hands it over: a view of a wider [T, H + KVH, D] tensor (row stride > H * D)."""
+    lens = [5 + 37 * i for i in range(num_seqs)]
+    batch = paged_batch([1] * num_seqs, lens, 9, 3, 64, 16, torch.float32, seed=num_seqs)
+    wide = torch.randn(num_seqs, 12, 64)
+    wide[:, :9] = batch.q
+    out = paged_attention_ref(wide[:, :9], batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    torch.testing.assert_close(out, batch.dense(0.125), rtol=1e-5, atol=1e-5)
+
+
+@needs_cpp
+def test_cpp_kernel_rejects_bad_input(paged_batch):
+    batch = paged_batch(*DECODE, 9, 3, 64, 16, torch.float32)
+    m, ops = batch.meta, cpu.ops()
+    out = torch.empty_like(batch.q)
+    seqs = torch.arange(3)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.paged_attention_small_q(batch.q.double(), batch.k_cache, batch.v_cache, m.query_start_loc, m.seq_lens,
+                                    m.block_tables, seqs, 0.125, out)
+    with pytest.raises(RuntimeError, match="int32 metadata"):
+        ops.paged_attention_small_q(batch.q, batch.k_cache, batch.v_cache, m.query_start_loc.long(), m.seq_lens,
+                                    m.block_tables, seqs, 0.125, out)
+    too_long = m.seq_lens.clone()
+    too_long[1] = 10_000  # more positions than its block table holds
+    with pytest.raises(RuntimeError, match="sequence 1"):
+        ops.paged_attention_small_q(batch.q, batch.k_cache, batch.v_cache, m.query_start_loc, too_long,
+                                    m.block_tables, seqs, 0.125, out)
 
 
 def test_triton_sequence_without_new_rows(paged_batch):

@@ -1,0 +1,84 @@
+"""C++ CPU kernels (kernels/csrc/cpu_ops.cpp), compiled on first use and cached.
+
+The engine's fp32 decode on CPU is memory-bound: a one-row projection should cost one read of its
+weight, and decode attention one read of each sequence's K and V. Library GEMMs reach about half the
+read bandwidth for 1-8 rows, and the torch attention path first gathers a sequence's blocks into a
+copy. These two ops do the single pass:
+
+- `small_linear(x, w, bias)`: `x @ w.T + bias` for 1-8 fp32 rows;
+- `paged_attention_small_q(...)`: attention of sequences with 1-16 query rows read straight from
+  the paged cache through the block tables.
+
+Built with torch's cpp_extension (a C++ compiler and ninja), `-O3 -march=native`, into torch's
+extension cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR): the first build takes ~30 s,
+later processes load the cached library. When no compiler is there, or AGENTRT_CPU_KERNELS=0, `ops()`
+returns None (with one warning) and callers keep their torch paths; `use_cpu_kernels(False)` (a
+context manager, process-wide like the kernel backend) turns them off for a block, e.g. to measure or
+test the torch paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "AGENTRT_CPU_KERNELS"  # "0" disables the C++ kernels
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict = {"enabled": True}  # "ops": the loaded namespace or None once tried
+
+
+def _build():
+    if os.environ.get(ENV_VAR, "1") == "0":
+        return None
+    from torch.utils import cpp_extension
+
+    bindir = str(Path(sys.executable).parent)  # ninja installed into a venv that is not activated
+    if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    try:
+        cpp_extension.load(name="agentrt_cpu_ops", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler or ninja, or a build error: keep the torch paths
+        log.warning("agentrt C++ CPU kernels unavailable (%s: %s); using torch paths", type(e).__name__,
+                    str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return None
+    return torch.ops.agentrt_cpu
+
+
+def ops():
+    """The compiled ops (`torch.ops.agentrt_cpu`), or None when they cannot be built or are disabled."""
+    if not _state["enabled"]:
+        return None
+    if "ops" not in _state:
+        with _lock:
+            if "ops" not in _state:
+                _state["ops"] = _build()
+    return _state["ops"]
+
+
+def available() -> bool:
+    return ops() is not None
+
+
+@contextmanager
+def use_cpu_kernels(enabled: bool) -> Iterator[None]:
+    """Turn the C++ kernels on or off inside a `with` block (restoring the previous setting after)."""
+    previous = _state["enabled"]
+    _state["enabled"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _state["enabled"] = previous
