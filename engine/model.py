@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else Linear(a.hidden_size, a.vocab_size, bias=False)
-        self._tied_head_pack = PackCache()  # packed embedding matrix for the small-row CPU kernel
+        self._tied_head_pack = PackCache()  # packed embedding matrix for the CPU packed_linear
         # rotary table cos + i sin, complex64 whatever the model dtype: [max_position, head_dim / 2].
         # A plain attribute, not a buffer, so that `model.to(dtype)` leaves it complex; set by init_rope.
         self.rope_cis: torch.Tensor | None = None

@@ -1,15 +1,14 @@
 """linear: `x @ weight.T (+ bias)` for the engine's projections, fastest path per device.
 
-No Triton kernel here: on a GPU cuBLAS (through `F.linear`) is the right GEMM. On CPU (fp32), two
-paths, both measured on a 2-core AMD EPYC (AVX2) with the 121 projections of SmolLM2-135M:
-- 1-8 rows (decode, speculative drafts): our C++ `small_linear` (kernels/cpu.py) over a packed copy
-  of the weight, one sequential read of it: ~18 GB/s, vs ~10 GB/s for oneDNN and ~7 GB/s for MKL's
-  sgemm, whose packing and tiling are built for large M. The packed copy ([N/4, K/8, 4, 8], made
-  once per weight and rebuilt if the weight changes) costs the weight's memory a second time.
-- more rows (prefill, batched decode): oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the
-  op inductor itself uses for CPU linears): 230 ms for 64 rows vs 372 ms through MKL's sgemm.
-Without the C++ kernels (no compiler), 2-8 rows take `W @ x.T` (the weight as the streamed operand,
-about one row's cost) and one row oneDNN. Elsewhere `F.linear`.
+No Triton kernel here: on a GPU cuBLAS (through `F.linear`) is the right GEMM. On CPU in fp32 our
+C++ `packed_linear` (kernels/cpu.py) runs every projection from a copy of the weight packed in panels
+of 16 rows ([N/16, K, 16], made once per weight, rebuilt if the weight changes; it costs the
+weight's memory a second time). Measured on a 2-core AMD EPYC (Zen 3, AVX2) over the projections of
+SmolLM2-135M: 1 row streams the weight at ~17 GB/s (oneDNN ~10, MKL's sgemm ~7); 32 / 64 / 512
+rows run at 82 / 108 / 128 GFLOP/s vs oneDNN's 56 / 66 / 113 (`torch.ops.mkldnn._linear_pointwise`,
+the op inductor uses for CPU linears; MKL's sgemm is slower still on this AMD CPU).
+Without the C++ kernels (no compiler): oneDNN, and for 2-8 rows `W @ x.T` (the weight as the
+streamed operand, about one row's cost). Other dtypes and devices: `F.linear`.
 
 All compute the same fp32 dot products in a different summation order (differences ~1e-6
 relative), the usual GEMM-library freedom.
@@ -31,22 +30,21 @@ def _has_onednn_linear() -> bool:
 
 
 _ONEDNN = _has_onednn_linear()
-_ONEDNN_DTYPES = (torch.float32,)
-SMALL_M_MAX = 8  # rows up to which one streamed pass over the weight beats the libraries' GEMMs
-PACK_ROWS = 4  # weight rows per group of the packed layout (kernels/csrc/cpu_ops.cpp)
+SMALL_M_MAX = 8  # without the C++ kernels: rows up to which `W @ x.T` beats the libraries' x @ W.T
+PANEL = 16  # weight rows per panel of the packed layout (kernels/csrc/cpu_ops.cpp)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 4), K / 8, 4, 8]: groups of 4 rows interleaved 8 columns at a time (rows
-    past N are zero), the layout `small_linear` streams. K must be a multiple of 8."""
+    """[N, K] -> [ceil(N / 16), K, 16]: panels of 16 weight rows, each transposed (rows past N are
+    zero), the layout `packed_linear` streams."""
     n, k = weight.shape
-    groups = -(-n // PACK_ROWS)
-    w = F.pad(weight.detach(), (0, 0, 0, groups * PACK_ROWS - n)) if n % PACK_ROWS else weight.detach()
-    return w.reshape(groups, PACK_ROWS, k // 8, 8).transpose(1, 2).contiguous()
+    panels = -(-n // PANEL)
+    w = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - n)) if n % PANEL else weight.detach()
+    return w.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
 class PackCache:
-    """A weight's packed copy for the small-row kernel, rebuilt when the weight tensor changes
+    """A weight's packed copy for `packed_linear`, rebuilt when the weight tensor changes
     (new storage or an in-place write since packing; inference tensors track no versions, so for
     them only new storage counts)."""
 
@@ -71,22 +69,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            pack_cache: PackCache | None = None) -> torch.Tensor:
     """x: [..., K], weight: [N, K] (nn.Linear layout), bias: [N] or None -> [..., N].
 
-    `pack_cache` (owned by the caller, one per weight) enables the C++ small-row path on CPU."""
-    if (_ONEDNN and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype
-            and weight.is_contiguous() and not torch.is_grad_enabled()):
+    `pack_cache` (owned by the caller, one per weight) enables the C++ path on CPU."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == x.dtype and weight.is_contiguous()
+            and x.numel() and not torch.is_grad_enabled()):
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        rows, k = x2.shape
-        if (pack_cache is not None and 1 <= rows <= SMALL_M_MAX and k % 8 == 0 and (ops := cpu.ops()) is not None
-                and (bias is None or bias.dtype == x.dtype)):
-            out = ops.small_linear(x2.contiguous(), pack_cache.get(weight), bias, weight.shape[0])
-        elif 2 <= rows <= SMALL_M_MAX:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        if pack_cache is not None and (ops := cpu.ops()) is not None:
+            out = ops.packed_linear(x2, pack_cache.get(weight), bias, weight.shape[0])
+        elif 2 <= x2.shape[0] <= SMALL_M_MAX:
             # weight as the GEMM's streamed operand: 2-8 rows cost about what one row does
             out = torch.mm(weight, x2.t()).t().contiguous()
             if bias is not None:
                 out += bias
+        elif _ONEDNN:
+            out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
         else:
-            out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), weight, bias, "none", [], "")
+            out = F.linear(x2, weight, bias)
         return out.view(*lead, weight.shape[0])
     return F.linear(x, weight, bias)
 

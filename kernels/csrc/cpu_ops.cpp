@@ -1,8 +1,8 @@
 // CPU kernels for the engine's memory-bound fp32 ops, built on first use by kernels/cpu.py.
 //
-// - agentrt::small_linear: y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for a few rows (decode steps,
-//   speculative drafts), from a packed copy of the weight. One sequential pass over the weight, which
-//   is what bounds these shapes; library GEMMs reach about half the machine's read bandwidth here.
+// - agentrt::packed_linear: y[M, N] = x[M, K] @ w[N, K]^T (+ bias) from a copy of the weight packed in
+//   panels of 16 rows: for one row a single sequential pass over the weight (what bounds decode),
+//   for many rows a BLIS-style register-tiled GEMM.
 // - agentrt::paged_attention_small_q: attention of sequences with a few query rows (decode, draft
 //   verification) straight from the paged KV cache: each (sequence, kv head) reads its K and V
 //   positions once, through the block table, for all the GQA group's query heads. No gathered copy.
@@ -56,64 +56,84 @@ inline v8 exp8(v8 x) {
   return y * reinterpret_cast<v8&>(n);
 }
 
-// ------------------------------------------------------------------------------------ small_linear
+// ------------------------------------------------------------------------------------ packed_linear
 
-constexpr int64_t kPackRows = 4;  // weight rows interleaved per group of the packed layout
+constexpr int64_t kPanel = 16;  // output columns (weight rows) per panel of the packed layout
+constexpr int kMaxTileRows = 6;  // rows of x per register tile: 6 x 16 outputs = 12 accumulators
 
-// Weight groups [g0, g1) of y = x @ w^T. Packed weight: [groups, K / 8, 4, 8], i.e. the 4 rows of a
-// group interleaved 8 floats at a time, so each thread streams one sequential run of memory (one
-// prefetch stream instead of four: 1.4x the bandwidth of row-major rows on the 2-core EPYC here).
-// Rows of x are taken MC at a time; a group (4 * K floats) stays in L1/L2 between row chunks.
-template <int MC>
-inline void linear_group(const float* x, const float* wg, const float* bias, float* y, int64_t K, int64_t N,
-                         int64_t n, int64_t m0) {
-  v8 acc[kPackRows][MC];
-  for (int r = 0; r < kPackRows; ++r)
-    for (int m = 0; m < MC; ++m) acc[r][m] = splat(0.f);
-  for (int64_t k = 0; k < K; k += 8) {
-    v8 xv[MC];
-    for (int m = 0; m < MC; ++m) xv[m] = load8(x + (m0 + m) * K + k);
-    const float* wk = wg + k * kPackRows;
-    for (int r = 0; r < kPackRows; ++r) {
-      const v8 wv = load8(wk + 8 * r);
-      for (int m = 0; m < MC; ++m) acc[r][m] += wv * xv[m];
+// One register tile: MR rows of x times one weight panel ([K][16], column n of the panel = weight
+// row n, so each k reads 16 consecutive floats). Broadcast x[m, k], two FMAs per row (the BLIS
+// Haswell micro-kernel shape): 12 accumulators + 2 weight vectors + 1 broadcast = 15 registers.
+template <int MR>
+inline void linear_tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t ldy,
+                        int64_t ncols) {
+  v8 c0[MR], c1[MR];
+  for (int m = 0; m < MR; ++m) c0[m] = c1[m] = splat(0.f);
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+    const v8 b0 = load8(panel + k * kPanel), b1 = load8(panel + k * kPanel + 8);
+    for (int m = 0; m < MR; ++m) {
+      const v8 a = splat(x[m * K + k]);
+      c0[m] += a * b0;
+      c1[m] += a * b1;
     }
   }
-  for (int r = 0; r < kPackRows && n + r < N; ++r)
-    for (int m = 0; m < MC; ++m) {
-      const float s = hsum(acc[r][m]);
-      y[(m0 + m) * N + n + r] = bias ? s + bias[n + r] : s;
+  if (bias) {
+    float b[kPanel] = {};
+    for (int64_t j = 0; j < ncols; ++j) b[j] = bias[j];
+    for (int m = 0; m < MR; ++m) {
+      c0[m] += load8(b);
+      c1[m] += load8(b + 8);
     }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float* row = y + m * ldy;
+    if (ncols == kPanel) {
+      store8(row, c0[m]);
+      store8(row + 8, c1[m]);
+    } else {
+      for (int64_t j = 0; j < ncols; ++j) row[j] = j < 8 ? c0[m][j] : c1[m][j - 8];
+    }
+  }
 }
 
-// y [M, N] = x [M, K] @ w^T (+ bias), w packed by `pack_linear_weight` ([ceil(N / 4), K / 8, 4, 8]).
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::optional<at::Tensor>& bias,
+// y [M, N] = x [M, K] @ w^T (+ bias), w packed by `pack_linear_weight` ([ceil(N / 16), K, 16]: each
+// panel of 16 weight rows transposed, so a one-row product streams the weight sequentially and a
+// many-row product keeps a panel in L2 while all row tiles pass over it). Threads split the panels.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::optional<at::Tensor>& bias,
                         int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "small_linear: x [M, K] fp32");
-  const int64_t M = x.size(0), K = x.size(1), groups = (N + kPackRows - 1) / kPackRows;
-  TORCH_CHECK(K % 8 == 0 && w_packed.scalar_type() == at::kFloat && w_packed.is_contiguous() &&
-                  w_packed.dim() == 4 && w_packed.size(0) == groups && w_packed.size(1) == K / 8 &&
-                  w_packed.size(2) == kPackRows && w_packed.size(3) == 8,
-              "small_linear: packed weight [", groups, ", ", K / 8, ", 4, 8] fp32 for N=", N, " K=", K, ", got ",
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "packed_linear: x [M, K] fp32");
+  const int64_t M = x.size(0), K = x.size(1), panels = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(w_packed.scalar_type() == at::kFloat && w_packed.is_contiguous() && w_packed.dim() == 3 &&
+                  w_packed.size(0) == panels && w_packed.size(1) == K && w_packed.size(2) == kPanel,
+              "packed_linear: packed weight [", panels, ", ", K, ", 16] fp32 for N=", N, " K=", K, ", got ",
               w_packed.sizes());
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "small_linear: bias [N] fp32");
+                "packed_linear: bias [N] fp32");
     b = bias->data_ptr<float>();
   }
   at::Tensor y = at::empty({M, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w_packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, groups / (8 * at::get_num_threads()));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const float* wg = wp + g * K * kPackRows;
-      const int64_t n = g * kPackRows;
-      int64_t m0 = 0;
-      for (; m0 + 3 <= M; m0 += 3) linear_group<3>(xp, wg, b, yp, K, N, n, m0);
-      if (M - m0 == 2) linear_group<2>(xp, wg, b, yp, K, N, n, m0);
-      if (M - m0 == 1) linear_group<1>(xp, wg, b, yp, K, N, n, m0);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = p * kPanel, ncols = std::min(kPanel, N - n);
+      const float* panel = wp + p * K * kPanel;
+      const float* bn = b ? b + n : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
+        const float* xm = xp + m0 * K;
+        float* ym = yp + m0 * N + n;
+        switch (std::min<int64_t>(kMaxTileRows, M - m0)) {
+          case 1: linear_tile<1>(xm, K, panel, bn, ym, N, ncols); break;
+          case 2: linear_tile<2>(xm, K, panel, bn, ym, N, ncols); break;
+          case 3: linear_tile<3>(xm, K, panel, bn, ym, N, ncols); break;
+          case 4: linear_tile<4>(xm, K, panel, bn, ym, N, ncols); break;
+          case 5: linear_tile<5>(xm, K, panel, bn, ym, N, ncols); break;
+          default: linear_tile<6>(xm, K, panel, bn, ym, N, ncols); break;
+        }
+      }
     }
   });
   return y;
@@ -302,13 +322,13 @@ void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, con
 }  // namespace
 
 TORCH_LIBRARY(agentrt_cpu, m) {
-  m.def("small_linear(Tensor x, Tensor w_packed, Tensor? bias, int N) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor w_packed, Tensor? bias, int N) -> Tensor");
   m.def(
       "paged_attention_small_q(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) {
-  m.impl("small_linear", small_linear);
+  m.impl("packed_linear", packed_linear);
   m.impl("paged_attention_small_q", paged_attention_small_q);
 }

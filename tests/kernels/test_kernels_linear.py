@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu
-from kernels.linear import SMALL_M_MAX, Linear, PackCache, linear, linear_ref, pack_linear_weight
+from kernels.linear import Linear, PackCache, linear, linear_ref, pack_linear_weight
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
@@ -44,10 +44,10 @@ needs_cpp = pytest.mark.skipif(not cpu.available(), reason="C++ CPU kernels cann
 
 
 @needs_cpp
-@pytest.mark.parametrize("rows", range(1, SMALL_M_MAX + 1))
-@pytest.mark.parametrize(("n", "k"), [(40, 96), (13, 8), (130, 1536)])  # n not a multiple of the 4-row groups
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 64])  # every register-tile height, and more
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (13, 7), (130, 1536)])  # n not a multiple of the 16-row panels
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_linear_matches_reference(rows, n, k, bias):
+def test_packed_linear_matches_reference(rows, n, k, bias):
     gen = torch.Generator().manual_seed(rows * n)
     x = torch.randn(rows, k, generator=gen)
     w = torch.randn(n, k, generator=gen)
@@ -55,7 +55,7 @@ def test_small_linear_matches_reference(rows, n, k, bias):
     cache = PackCache()
     with torch.inference_mode():
         out = linear(x, w, b, cache)
-    assert cache.packed is not None and cache.packed.shape == (-(-n // 4), k // 8, 4, 8)  # the C++ path ran
+    assert cache.packed is not None and cache.packed.shape == (-(-n // 16), k, 16)  # the C++ path ran
     ref = linear_ref(x.double(), w.double(), None if b is None else b.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
 
@@ -88,10 +88,10 @@ def test_linear_without_cpp_kernels_matches():
 
 
 @needs_cpp
-def test_small_linear_rejects_bad_input():
+def test_packed_linear_rejects_bad_input():
     ops = cpu.ops()
     x, w = torch.randn(2, 16), torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="packed weight"):
-        ops.small_linear(x, w, None, 8)  # not packed
+        ops.packed_linear(x, w, None, 8)  # not packed
     with pytest.raises(RuntimeError, match="fp32"):
-        ops.small_linear(x.double(), pack_linear_weight(w), None, 8)
+        ops.packed_linear(x.double(), pack_linear_weight(w), None, 8)
