@@ -64,6 +64,13 @@ def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
+def _cpu_ops(x: torch.Tensor):
+    """The C++ CPU kernels (kernels.cpu) when they apply to x (2-D contiguous fp32 on CPU), else None."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+        return kernels.cpu.ops()
+    return None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -72,6 +79,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op, same math as below
+            if (ops := _cpu_ops(x)) is not None:
+                return ops.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -130,7 +139,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if (ops := _cpu_ops(gate_up)) is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -4,8 +4,9 @@
 //   panels of 16 rows: for one row a single sequential pass over the weight (what bounds decode),
 //   for many rows a BLIS-style register-tiled GEMM.
 // - agentrt::paged_attention_small_q: attention of sequences with a few query rows (decode, draft
-//   verification) straight from the paged KV cache: each (sequence, kv head) reads its K and V
-//   positions once, through the block table, for all the GQA group's query heads. No gathered copy.
+//   verification) straight from the paged KV cache: each sequence's K and V blocks are read once,
+//   through the block table, for all its query heads. No gathered copy.
+// - agentrt::rms_norm, agentrt::silu_and_mul: one pass each instead of torch's 4-5 elementwise ops.
 //
 // Portable GCC/Clang vector extensions (8 fp32 lanes: one AVX2 register with -march=native), no
 // intrinsics; the loader compiles with -O3 -march=native -ffp-contract=fast.
@@ -36,10 +37,24 @@ inline float hsum(v8 x) {
   return h[0] + h[1];
 }
 
-// exp for x <= 0 (softmax after subtracting the max): Cephes' expf (range reduction by ln 2,
-// degree-5 polynomial), about 1 ulp; inputs below -87 give ~0.
+// s[0..3] = the lane sums of a0..a3 (two pairwise-add levels, then the two 128-bit halves).
+inline void hsum4(v8 a0, v8 a1, v8 a2, v8 a3, float* s) {
+  typedef float v4 __attribute__((vector_size(16)));
+  typedef float v4u __attribute__((vector_size(16), aligned(4)));
+  const v8 h01 = __builtin_shufflevector(a0, a1, 0, 2, 8, 10, 4, 6, 12, 14) +
+                 __builtin_shufflevector(a0, a1, 1, 3, 9, 11, 5, 7, 13, 15);
+  const v8 h23 = __builtin_shufflevector(a2, a3, 0, 2, 8, 10, 4, 6, 12, 14) +
+                 __builtin_shufflevector(a2, a3, 1, 3, 9, 11, 5, 7, 13, 15);
+  const v8 h = __builtin_shufflevector(h01, h23, 0, 2, 8, 10, 4, 6, 12, 14) +
+               __builtin_shufflevector(h01, h23, 1, 3, 9, 11, 5, 7, 13, 15);
+  *reinterpret_cast<v4u*>(s) = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+}
+
+// exp: Cephes' expf (range reduction by ln 2, degree-5 polynomial), about 1 ulp; inputs are
+// clamped to [-87, 88] (below: ~1e-38 instead of 0 or a denormal; above: ~1.6e38 instead of inf).
 inline v8 exp8(v8 x) {
   x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  x = x > splat(88.0f) ? splat(88.0f) : x;
   v8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
   v8 t = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8);  // truncate
   fx = t - (t > fx ? splat(1.f) : splat(0.f));                              // floor
@@ -197,10 +212,7 @@ void attend_one(const float* q, int64_t q_row_stride, float* out, const float* k
           a2 += qv[d] * load8(kp + 2 * pos_stride + 8 * d);
           a3 += qv[d] * load8(kp + 3 * pos_stride + 8 * d);
         }
-        s[j] = hsum(a0);
-        s[j + 1] = hsum(a1);
-        s[j + 2] = hsum(a2);
-        s[j + 3] = hsum(a3);
+        hsum4(a0, a1, a2, a3, s + j);
       }
       for (; j < m; ++j) {
         const float* kp = kb + j * pos_stride;
@@ -319,9 +331,63 @@ void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, con
   });
 }
 
+// ------------------------------------------------------------------------- rms_norm, silu_and_mul
+
+// y = w * (x / sqrt(mean(x^2) + eps)) per row of x [T, hidden] (HF Llama's fp32 RMSNorm).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && w.scalar_type() == at::kFloat &&
+                  w.is_contiguous() && w.numel() == x.size(1),
+              "rms_norm: x [T, hidden] and weight [hidden], contiguous fp32");
+  const int64_t T = x.size(0), Hd = x.size(1), H8 = Hd & ~int64_t(7);
+  at::Tensor y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(Hd, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xr = xp + t * Hd;
+      float* yr = yp + t * Hd;
+      v8 ss8 = splat(0.f);
+      for (int64_t i = 0; i < H8; i += 8) {
+        const v8 v = load8(xr + i);
+        ss8 += v * v;
+      }
+      float ss = hsum(ss8);
+      for (int64_t i = H8; i < Hd; ++i) ss += xr[i] * xr[i];
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(Hd) + static_cast<float>(eps));
+      for (int64_t i = 0; i < H8; i += 8) store8(yr + i, load8(wp + i) * (load8(xr + i) * splat(r)));
+      for (int64_t i = H8; i < Hd; ++i) yr[i] = wp[i] * (xr[i] * r);
+    }
+  });
+  return y;
+}
+
+// silu(x[:, :I]) * x[:, I:] for x [T, 2I] (the fused gate/up projection's output) -> [T, I].
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 2 == 0,
+              "silu_and_mul: x [T, 2I] contiguous fp32");
+  const int64_t T = x.size(0), I = x.size(1) / 2, I8 = I & ~int64_t(7);
+  at::Tensor y = at::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 8192 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *g = xp + t * 2 * I, *u = g + I;
+      float* yr = yp + t * I;
+      for (int64_t i = 0; i < I8; i += 8) {
+        const v8 gv = load8(g + i);
+        store8(yr + i, gv / (splat(1.f) + exp8(-gv)) * load8(u + i));
+      }
+      for (int64_t i = I8; i < I; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(agentrt_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor w_packed, Tensor? bias, int N) -> Tensor");
   m.def(
       "paged_attention_small_q(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
@@ -329,6 +395,8 @@ TORCH_LIBRARY(agentrt_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(agentrt_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("silu_and_mul", silu_and_mul);
   m.impl("packed_linear", packed_linear);
   m.impl("paged_attention_small_q", paged_attention_small_q);
 }

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import rms_norm_ref, rms_norm_triton, silu_and_mul_ref, silu_and_mul_triton
+from kernels import cpu, rms_norm_ref, rms_norm_triton, silu_and_mul_ref, silu_and_mul_triton
 
 # The interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest even), so bf16 results
 # may sit one bf16 ulp (2^-7 relative; values here reach ~4) from torch's.
@@ -56,3 +56,21 @@ def test_dispatched_elementwise_ops():
             y, s = kernels.rms_norm(x[:, :64], weight, 1e-6, x[:, 64:])
             torch.testing.assert_close(y, rms_norm_ref(x[:, :64] + x[:, 64:], weight, 1e-6))
             torch.testing.assert_close(s, x[:, :64] + x[:, 64:])
+
+
+@pytest.mark.skipif(not cpu.available(), reason="C++ CPU kernels cannot be built here")
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (5, 13), (33, 1536)])  # hidden not a multiple of 8 too
+def test_cpp_rms_norm_and_silu_and_mul(rows, hidden):
+    """The C++ CPU ops the model uses in fp32 match torch in float64, extreme gate values included."""
+    gen = torch.Generator().manual_seed(hidden)
+    x = 3 * torch.randn(rows, hidden, generator=gen)
+    w = torch.randn(hidden, generator=gen)
+    ref = torch.nn.functional.rms_norm(x.double(), (hidden,), w.double(), 1e-5)
+    torch.testing.assert_close(cpu.ops().rms_norm(x, w, 1e-5).double(), ref, rtol=1e-5, atol=1e-5)
+    gate_up = 5 * torch.randn(rows, 2 * hidden, generator=gen)
+    gate_up[0, 0], gate_up[0, 1] = -200.0, 200.0  # exp clamps: silu(-200) ~ 0, silu(200) = 200
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.ops().silu_and_mul(gate_up).double(), torch.nn.functional.silu(gate) * up,
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        cpu.ops().silu_and_mul(gate_up[:, :-1])  # odd width
