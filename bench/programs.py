@@ -244,12 +244,36 @@ def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
     path.write_text(text)
 
 
+def _policy_spec(policy: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """"NAME[:np][:KEY=VALUE...]" -> (name, policy kwargs): `np` = without preemption; KEY is
+    first_boundary, quantum or beta (plas/atlas; quantum also mlfq), overriding the command-line
+    value for this entry only, e.g. `plas:beta=2`."""
+    name, *variants = policy.split(":")
+    overrides = {"first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta}
+    allowed = {"plas": overrides, "atlas": overrides, "mlfq": {"quantum": args.quantum}}.get(name, {})
+    kwargs = {k: v for k, v in allowed.items() if v is not None}
+    for variant in variants:
+        key, eq, value = variant.partition("=")
+        if variant == "np":
+            kwargs["preempt"] = False
+        elif eq and key in allowed:
+            try:
+                kwargs[key] = float(value)
+            except ValueError:
+                raise SystemExit(f"{policy!r}: {key} must be a number, got {value!r}") from None
+        else:
+            raise SystemExit(f"unknown policy variant {variant!r} in {policy!r}: use NAME, NAME:np or "
+                             f"NAME:KEY=VALUE with KEY in {sorted(allowed) or 'nothing for ' + name}")
+    return name, kwargs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="agentrt bench programs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--programs", type=int, default=24, help="programs per policy")
     ap.add_argument("--rate", type=float, default=0.35, help="program arrivals per second (Poisson)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policies", default="fcfs,mlfq,plas,atlas")
+    ap.add_argument("--policies", default="fcfs,mlfq,plas,atlas",
+                    help="comma-separated NAME[:np][:KEY=VALUE...], e.g. fcfs,plas,plas:beta=2,atlas:np")
     ap.add_argument("--model", default=None, help="model path; default: the default model")
     ap.add_argument("--max-num-seqs", type=int, default=ENGINE["max_num_seqs"])
     ap.add_argument("--max-num-batched-tokens", type=int, default=ENGINE["max_num_batched_tokens"])
@@ -284,14 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for policy in args.policies.split(","):
         t0 = time.monotonic()
-        name, _, variant = policy.partition(":")  # "plas:np" = plas without preemption
-        overrides = {"first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta}
-        allowed = {"plas": overrides, "atlas": overrides, "mlfq": {"quantum": args.quantum}}.get(name, {})
-        kwargs = {k: v for k, v in allowed.items() if v is not None}
-        if variant == "np":
-            kwargs["preempt"] = False
-        elif variant:
-            raise SystemExit(f"unknown policy variant {policy!r}: use NAME or NAME:np")
+        name, kwargs = _policy_spec(policy, args)
         report["results"][policy] = anyio.run(run_policy, name, workload, args.model, engine, kwargs)
         print(f"{policy}: done in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     _ratios(report)

@@ -21,8 +21,10 @@ test the torch paths.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 import threading
@@ -42,6 +44,17 @@ _lock = threading.Lock()
 _state: dict = {"enabled": True}  # "ops": the loaded namespace or None once tried
 
 
+def _cpu_tag() -> str:
+    """A short tag of this CPU's instruction-set flags: `-march=native` builds are cached per CPU kind,
+    so a shared cache directory never hands a library to a CPU that lacks its instructions."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:8]
+
+
 def _build():
     if os.environ.get(ENV_VAR, "1") == "0":
         return None
@@ -51,7 +64,7 @@ def _build():
     if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     try:
-        cpp_extension.load(name="agentrt_cpu_ops", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+        cpp_extension.load(name=f"agentrt_cpu_ops_{_cpu_tag()}", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler or ninja, or a build error: keep the torch paths
         log.warning("agentrt C++ CPU kernels unavailable (%s: %s); using torch paths", type(e).__name__,

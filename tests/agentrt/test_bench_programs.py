@@ -26,3 +26,19 @@ def test_workload_is_seeded():
     a, b = bench.make_workload(20, 0.5, seed=3), bench.make_workload(20, 0.5, seed=3)
     assert a == b and {s.kind for s in a} <= set(bench.PROGRAMS)
     assert all(x.arrival_s < y.arrival_s for x, y in zip(a, a[1:]))
+
+
+def test_policy_entries_with_overrides():
+    import argparse
+
+    import pytest
+
+    args = argparse.Namespace(first_boundary=None, quantum=None, beta=3.0)
+    assert bench._policy_spec("plas", args) == ("plas", {"beta": 3.0})  # the command-line value
+    assert bench._policy_spec("plas:np:beta=2", args) == ("plas", {"beta": 2.0, "preempt": False})
+    assert bench._policy_spec("mlfq", args) == ("mlfq", {})  # beta means nothing to mlfq
+    assert bench._policy_spec("fcfs", args) == ("fcfs", {})
+    for bad, message in [("plas:fast", "unknown policy variant 'fast'"), ("fcfs:beta=2", "nothing for fcfs"),
+                         ("atlas:beta=high", "beta must be a number, got 'high'")]:
+        with pytest.raises(SystemExit, match=message):
+            bench._policy_spec(bad, args)
