@@ -269,8 +269,9 @@ def _policy_spec(policy: str, args: argparse.Namespace) -> tuple[str, dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="agentrt bench programs", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--programs", type=int, default=24, help="programs per policy")
-    ap.add_argument("--rate", type=float, default=0.35, help="program arrivals per second (Poisson)")
+    ap.add_argument("--programs", type=int, default=32, help="programs per policy")
+    ap.add_argument("--rate", type=float, default=0.3,
+                    help="program arrivals per second (Poisson); 0.3 keeps the CPU engine near saturation")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="fcfs,mlfq,plas,atlas",
                     help="comma-separated NAME[:np][:KEY=VALUE...], e.g. fcfs,plas,plas:beta=2,atlas:np")

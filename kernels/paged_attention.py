@@ -26,7 +26,11 @@ Limits: head_dim <= 256 (any, padded to a power of two); q/out unit stride along
 unit stride along head_dim; `query_start_loc[-1] == q.shape[0]` (rows outside any sequence are left
 unwritten); up to ~B programs per kv head find no tile and exit at once.
 
-`paged_attention_ref` is the production CPU path: per call it does one gather of whole KV blocks
+`paged_attention_ref` is the production CPU path. In fp32 with the C++ kernels built
+(kernels/cpu.py), sequences with at most `CPP_MAX_QUERY_ROWS` query rows (decode, draft
+verification) go to `paged_attention_small_q`, which reads each sequence's blocks once straight from
+the cache; longer query runs (prefill chunks) take SDPA as below. Without the C++ kernels (or in
+other dtypes) it is pure torch: per call it does one gather of whole KV blocks
 and one attention per group of decode rows of similar length, and one of each for all prefill
 rows (padded to `[B, max_q]` with a causal mask); the index tensors and masks are built once per
 step and cached in the metadata, so every layer reuses them. Decode rows in fp32 with few kv heads (<= 4) skip SDPA, whose
