@@ -39,7 +39,6 @@ inline float hsum(v8 x) {
 
 // s[0..3] = the lane sums of a0..a3 (two pairwise-add levels, then the two 128-bit halves).
 inline void hsum4(v8 a0, v8 a1, v8 a2, v8 a3, float* s) {
-  typedef float v4 __attribute__((vector_size(16)));
   typedef float v4u __attribute__((vector_size(16), aligned(4)));
   const v8 h01 = __builtin_shufflevector(a0, a1, 0, 2, 8, 10, 4, 6, 12, 14) +
                  __builtin_shufflevector(a0, a1, 1, 3, 9, 11, 5, 7, 13, 15);
@@ -185,14 +184,7 @@ void attend_one(const float* q, int64_t q_row_stride, float* out, const float* k
   }
   // scores = q . k over every visible position, 4 positions at a time (independent FMA chains)
   const int64_t block_floats = block_size * pos_stride;
-  auto prefetch_block = [&](const float* cache, int64_t t0) {  // the block holding position t0, if any
-    if (t0 >= L) return;
-    const float* p = cache + (int64_t)table[t0 / block_size] * block_floats;
-    for (int64_t f = 0; f < block_floats; f += 16) __builtin_prefetch(p + f);
-  };
-  prefetch_block(k_cache, 0);
   for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-    prefetch_block(k_cache, t0 + block_size);
     const float* kblock = k_cache + (int64_t)table[t0 / block_size] * block_floats;
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t m = std::min(block_size, vis[i] - t0);
@@ -250,9 +242,7 @@ void attend_one(const float* q, int64_t q_row_stride, float* out, const float* k
   // out = p @ v, accumulated in qs's place (the scaled queries are no longer needed)
   float* acc = qs;
   for (int64_t j = 0; j < nq * D; ++j) acc[j] = 0.f;
-  prefetch_block(v_cache, 0);
   for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-    prefetch_block(v_cache, t0 + block_size);
     const float* vblock = v_cache + (int64_t)table[t0 / block_size] * block_floats;
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t m = std::min(block_size, vis[i] - t0);
@@ -276,9 +266,9 @@ void attend_one(const float* q, int64_t q_row_stride, float* out, const float* k
   }
 }
 
-// Writes out[rows of `seqs`] in place. q: [T, H, D] (any row stride), out: [T, H, D] contiguous; caches: [num_blocks, block_size, KVH, D];
-// query_start_loc [B + 1], seq_lens [B], block_tables [B, max_blocks] int32; seqs: int64 indices of
-// the sequences to process (each with 1 <= query rows <= 16).
+// Writes out[rows of `seqs`] in place. q: [T, H, D] (any row stride); out: [T, H, D] contiguous;
+// caches: [num_blocks, block_size, KVH, D]; query_start_loc [B + 1], seq_lens [B], block_tables
+// [B, max_blocks] int32; seqs: int64 indices of the sequences to process (1 to 16 query rows each).
 void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                              const at::Tensor& block_tables, const at::Tensor& seqs, double scale, at::Tensor& out) {
