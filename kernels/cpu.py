@@ -9,7 +9,8 @@ a copy. So:
 - `packed_linear(x, w_packed, bias, N)`: `x @ w.T + bias` in fp32 from the panel-packed weight
   (kernels/linear.py);
 - `paged_attention_small_q(...)`: attention of sequences with 1-16 query rows read straight from
-  the paged cache through the block tables.
+  the paged cache through the block tables;
+- `rms_norm(x, w, eps)` and `silu_and_mul(x)`: one pass each (the model calls them on CPU fp32).
 
 Built with torch's cpp_extension (a C++ compiler and ninja), `-O3 -march=native`, into torch's
 extension cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR): the first build takes ~30 s,
