@@ -13,6 +13,7 @@ BENCHES = {
     "kernels": "bench.kernels",
     "prefix": "bench.prefix",
     "programs": "bench.programs",
+    "simulate": "bench.simulate",
 }
 
 

@@ -3,16 +3,10 @@
     agentrt bench programs [--json] [--programs N] [--rate R] [--policies fcfs,mlfq,plas,atlas]
     python -m bench.programs ...
 
-The mix follows Autellix's evaluation (DESIGN.md §6), scaled down for a 2-core CPU:
+The mix (chat, ReAct, tree search after Autellix) is defined once, as plans, in
+`bench/workload.py`; `agentrt bench simulate` runs the same plans in virtual time.
 
-- chat: one call (ShareGPT-like: longer decode);
-- react: sequential calls whose prompt grows with each reply and observation, a tool gap
-  (`anyio.sleep`) between calls;
-- tree: a root call, `depth` rounds of `width` parallel branch calls, a final call (LATS/MCTS-like).
-
-Prompts are token ids drawn from a seeded RNG, with a system prefix shared by each kind (so the
-prefix cache behaves as with real agents); outputs ignore EOS so every policy does the same
-work. Program latency runs from its planned arrival to its end; FCFS is the peer, measured in the
+Outputs ignore EOS so every policy does the same work. Program latency runs from its planned arrival to its end; FCFS is the peer, measured in the
 same run, and every other policy is reported as a ratio to it.
 """
 
@@ -28,115 +22,60 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 import agentrt
-
-# program kinds: calls, prompt tokens, output tokens per call (scaled from Autellix's 6.7 / 10.8 / 160 calls)
-CHAT = {"prompt": 32, "max_tokens": 16}
-# Agent steps (a ReAct thought + action, a tree node) generate more than a chat reply here: 32 tokens
-# (real ones run 50-200); with 8-token steps no call holds a seat long enough to block anyone and
-# every policy is processor sharing in disguise (docs/benchmarks.md, earlier runs).
-REACT = {"calls": 4, "prompt": 64, "max_tokens": 32, "observation": 16, "tool_s": (0.2, 0.6)}
-TREE = {"width": 4, "depth": 4, "prompt": 32, "max_tokens": 32}
-MIX = {"chat": 0.6, "react": 0.25, "tree": 0.15}
-VOCAB = (1000, 40000)  # token ids drawn from here: ordinary BPE pieces of the default tokenizer
+from bench import workload as wl
+from bench.workload import REACT, TREE, Call, Parallel, ProgramSpec, make_workload, tokens
 
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}  # few seats: the policies must choose
 
 
-@dataclass(frozen=True, slots=True)
-class ProgramSpec:
-    index: int
-    kind: str
-    arrival_s: float  # offset from the start of the run
-    seed: int
-
-
-@dataclass(slots=True)
-class ProgramResult:
-    kind: str
-    latency_s: float
-    output_tokens: int
-    calls: int
-
-
-def make_workload(n: int, rate: float, seed: int) -> list[ProgramSpec]:
-    """`n` programs of the mix, Poisson arrivals at `rate` programs/s."""
-    rng = random.Random(seed)
-    kinds, weights = zip(*MIX.items())
-    t, specs = 0.0, []
-    for i in range(n):
-        specs.append(ProgramSpec(i, rng.choices(kinds, weights)[0], t, rng.randrange(1 << 30)))
-        t += rng.expovariate(rate)
-    return specs
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*VOCAB) for _ in range(n)]
-
-
-_PREFIX = {kind: _tokens(random.Random(k), 32) for k, kind in enumerate(MIX)}  # shared system prompt per kind
-
-
-async def _call(prompt: list[int], max_tokens: int) -> list[int]:
+async def _call(call: Call) -> list[int]:
     rt = agentrt.current_runtime()
-    text = await agentrt.generate(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    return rt.tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
-
-
-@agentrt.program(name="chat")
-async def chat_program(spec: ProgramSpec) -> str | None:
-    rng = random.Random(spec.seed)
-    await _call(_PREFIX["chat"] + _tokens(rng, CHAT["prompt"]), CHAT["max_tokens"])
-    return agentrt.current_program_id()
+    text = await agentrt.generate(call.prompt, max_tokens=call.max_tokens, ignore_eos=True, temperature=0.0)
+    return rt.tokenizer(text, add_special_tokens=False)["input_ids"][: call.max_tokens]
 
 
 @agentrt.tool(name="search")
-async def _search(rng: random.Random) -> list[int]:
-    await anyio.sleep(rng.uniform(*REACT["tool_s"]))
-    return _tokens(rng, REACT["observation"])
+async def _tool(seconds: float, observation: list[int]) -> list[int]:
+    await anyio.sleep(seconds)
+    return observation
 
 
-@agentrt.program(name="react")
-async def react_program(spec: ProgramSpec) -> str | None:
-    rng = random.Random(spec.seed)
-    history = _PREFIX["react"] + _tokens(rng, REACT["prompt"])
-    for i in range(REACT["calls"]):
-        history += await _call(history, REACT["max_tokens"])
-        if i + 1 < REACT["calls"]:
-            history += await _search(rng)
-    return agentrt.current_program_id()
+def _program(kind: str):
+    async def run(spec: ProgramSpec) -> str | None:
+        """Drive the kind's plan (bench/workload.py): calls, parallel branches, tool gaps."""
+        gen, value = wl.plan(spec), None
+        while True:
+            try:
+                action = gen.send(value)
+            except StopIteration:
+                return agentrt.current_program_id()
+            if isinstance(action, Call):
+                value = await _call(action)
+            elif isinstance(action, Parallel):
+                value = await agentrt.gather(*(_call(c) for c in action.calls))
+            else:
+                value = await _tool(action.seconds, action.observation)
+
+    run.__name__ = run.__qualname__ = f"{kind}_program"
+    return agentrt.program(name=kind)(run)
 
 
-@agentrt.program(name="tree")
-async def tree_program(spec: ProgramSpec) -> str | None:
-    rng = random.Random(spec.seed)
-    root = _PREFIX["tree"] + _tokens(rng, TREE["prompt"])
-    path = root + await _call(root, TREE["max_tokens"])
-    for _ in range(TREE["depth"]):  # expand: one parallel call per child, follow the longest reply
-        children = await agentrt.gather(
-            *(_call(path + _tokens(rng, 8), TREE["max_tokens"]) for _ in range(TREE["width"]))
-        )
-        path += max(children, key=len)
-    await _call(path, TREE["max_tokens"])
-    return agentrt.current_program_id()
-
-
-PROGRAMS = {"chat": chat_program, "react": react_program, "tree": tree_program}
+PROGRAMS = {kind: _program(kind) for kind in wl.PLANS}
 
 
 async def run_policy(
     policy: str, workload: list[ProgramSpec], model: str | None, engine: dict[str, Any], policy_kwargs: dict[str, Any]
 ) -> dict[str, Any]:
     """Serve the workload under one policy; per-program results plus engine counters."""
-    results: list[ProgramResult | None] = [None] * len(workload)
+    results: list[dict[str, Any] | None] = [None] * len(workload)
     async with agentrt.Runtime(model, policy=policy, policy_kwargs=policy_kwargs or None, **engine) as rt:
-        await agentrt.generate(_tokens(random.Random(0), 64), max_tokens=4)  # warm-up, not measured
+        await agentrt.generate(tokens(random.Random(0), 64), max_tokens=4)  # warm-up, not measured
         core = rt.engine.core
         busy0, steps0, tokens0 = core.busy_s, core.num_steps, core.num_computed_tokens
         start = time.monotonic()
@@ -146,7 +85,8 @@ async def run_policy(
             pid = await PROGRAMS[spec.kind](spec)
             info = rt.programs[pid]
             latency = time.monotonic() - (start + spec.arrival_s)
-            results[spec.index] = ProgramResult(spec.kind, latency, info.num_output_tokens, info.calls_done)
+            results[spec.index] = {"kind": spec.kind, "latency_s": latency, "calls": info.calls_done,
+                                    "output_tokens": info.num_output_tokens}
 
         async with anyio.create_task_group() as tg:
             for spec in workload:
@@ -155,7 +95,6 @@ async def run_policy(
         busy = core.busy_s - busy0
         steps, computed = core.num_steps - steps0, core.num_computed_tokens - tokens0
         kv = rt.kv_stats()
-    done = [r for r in results if r is not None]
     return {
         "policy": policy,
         "makespan_s": makespan,
@@ -164,10 +103,18 @@ async def run_policy(
         "computed_tokens": computed,  # prompt (not cached) + output + recomputed tokens
         "preemptions": kv.num_preemptions,
         "prefix_hit_rate": kv.prefix_hit_tokens / max(1, kv.prefix_queries_tokens),
-        "latency_s": _summary([r.latency_s for r in done]),
-        "latency_per_token_s": _summary([r.latency_s / max(1, r.output_tokens) for r in done]),
-        "by_kind": {k: _summary([r.latency_s for r in done if r.kind == k]) for k in PROGRAMS},
-        "programs": [asdict(r) for r in done],
+        "programs": [r for r in results if r is not None],
+    }
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    """Add latency statistics (all programs, per generated token, by kind) to a run's raw result."""
+    done = res["programs"]
+    return {
+        **res,
+        "latency_s": _summary([r["latency_s"] for r in done]),
+        "latency_per_token_s": _summary([r["latency_s"] / max(1, r["output_tokens"]) for r in done]),
+        "by_kind": {k: _summary([r["latency_s"] for r in done if r["kind"] == k]) for k in wl.PLANS},
     }
 
 
@@ -182,7 +129,7 @@ def _summary(xs: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(s), "p50": pct(0.5), "p95": pct(0.95), "p99": pct(0.99), "n": len(s)}
 
 
-def _ratios(report: dict[str, Any]) -> None:
+def add_ratios(report: dict[str, Any]) -> None:
     base = report["results"].get("fcfs")
     if base is None:
         return
@@ -215,18 +162,14 @@ def table(report: dict[str, Any]) -> str:
 def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
     """Replace (or append) the `## Program scheduling` section of docs/benchmarks.md."""
     cfg = report["config"]
-    kinds = ", ".join(f"{k} {v:.0%}" for k, v in MIX.items())
     section = "\n".join(
         [
             "## Program scheduling",
             "",
             f"- Date: {report['date']}; machine: {report['machine']}",
             f"- Command: `{command}`",
-            f"- Workload: {cfg['programs']} programs ({kinds}), Poisson arrivals at {cfg['rate']} programs/s, "
-            f"seed {cfg['seed']}; chat = 1 call ({CHAT['prompt'] + 32} prompt / {CHAT['max_tokens']} output tokens), "
-            f"react = {REACT['calls']} sequential calls with {REACT['tool_s'][0]}-{REACT['tool_s'][1]} s tool gaps, "
-            f"tree = root + {TREE['depth']} rounds of {TREE['width']} parallel calls + final call, {REACT['max_tokens']} output "
-            f"tokens per ReAct / tree call; engine {cfg['engine']}, default policy settings.",
+            f"- Workload: {cfg['programs']} programs, Poisson arrivals at {cfg['rate']} programs/s, seed {cfg['seed']}: "
+            f"{wl.describe()}; engine {cfg['engine']}, default policy settings.",
             "- Program latency = planned arrival to program end; per token = latency / tokens the program generated.",
             "",
             table(report),
@@ -244,38 +187,41 @@ def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
     path.write_text(text)
 
 
-def _policy_spec(policy: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    """"NAME[:np][:KEY=VALUE...]" -> (name, policy kwargs): `np` = without preemption; KEY is
-    first_boundary, quantum or beta (plas/atlas; quantum also mlfq), overriding the command-line
-    value for this entry only, e.g. `plas:beta=2`."""
+_KNOBS: dict[str, type] = {"first_boundary": float, "quantum": float, "beta": float, "num_queues": int, "order": str}
+
+
+def policy_spec(policy: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """"NAME[:np][:KEY=VALUE...]" -> (name, policy kwargs): `np` = without preemption; KEY is one of
+    first_boundary, quantum, beta, num_queues, order (plas/atlas; quantum also mlfq), overriding the
+    command-line value for this entry only, e.g. `plas:beta=2` or `plas:order=call:num_queues=8`."""
     name, *variants = policy.split(":")
-    overrides = {"first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta}
-    allowed = {"plas": overrides, "atlas": overrides, "mlfq": {"quantum": args.quantum}}.get(name, {})
-    kwargs = {k: v for k, v in allowed.items() if v is not None}
+    given = {"first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta}
+    allowed = {"plas": set(_KNOBS), "atlas": set(_KNOBS), "mlfq": {"quantum"}}.get(name, set())
+    kwargs = {k: v for k, v in given.items() if k in allowed and v is not None}
     for variant in variants:
         key, eq, value = variant.partition("=")
         if variant == "np":
             kwargs["preempt"] = False
         elif eq and key in allowed:
             try:
-                kwargs[key] = float(value)
+                kwargs[key] = _KNOBS[key](value)
             except ValueError:
-                raise SystemExit(f"{policy!r}: {key} must be a number, got {value!r}") from None
+                raise SystemExit(f"{policy!r}: {key} must be {_KNOBS[key].__name__}, got {value!r}") from None
         else:
             raise SystemExit(f"unknown policy variant {variant!r} in {policy!r}: use NAME, NAME:np or "
                              f"NAME:KEY=VALUE with KEY in {sorted(allowed) or 'nothing for ' + name}")
     return name, kwargs
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="agentrt bench programs", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--programs", type=int, default=32, help="programs per policy")
-    ap.add_argument("--rate", type=float, default=0.3,
-                    help="program arrivals per second (Poisson); 0.3 keeps the CPU engine near saturation")
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The workload, engine and policy options shared with `agentrt bench simulate`."""
+    ap.add_argument("--programs", type=int, default=96, help="programs per policy")
+    ap.add_argument("--rate", type=float, default=0.27,
+                    help="program arrivals per second (Poisson); the default mix saturates the CPU engine at "
+                         "~0.30 (`agentrt bench simulate --capacity`), so 0.27 runs it near saturation")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="fcfs,mlfq,plas,atlas",
                     help="comma-separated NAME[:np][:KEY=VALUE...], e.g. fcfs,plas,plas:beta=2,atlas:np")
-    ap.add_argument("--model", default=None, help="model path; default: the default model")
     ap.add_argument("--max-num-seqs", type=int, default=ENGINE["max_num_seqs"])
     ap.add_argument("--max-num-batched-tokens", type=int, default=ENGINE["max_num_batched_tokens"])
     ap.add_argument("--first-boundary", type=float, default=None, help="plas/atlas: override the default (s)")
@@ -287,9 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-tokens", type=int, default=None,
                     help=f"output tokens per ReAct / tree call (default {REACT['max_tokens']})")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    ap.add_argument("--docs", type=Path, default=None, help="write the table to this markdown file (docs/benchmarks.md)")
-    args = ap.parse_args(argv)
 
+
+def setup(args: argparse.Namespace) -> tuple[list[ProgramSpec], dict[str, Any]]:
+    """Apply the workload options; the workload and the engine settings they name."""
     if args.tree is not None:
         try:
             TREE["width"], TREE["depth"] = (int(x) for x in args.tree.lower().split("x"))
@@ -300,19 +247,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.step_tokens is not None:
         REACT["max_tokens"] = TREE["max_tokens"] = args.step_tokens
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
-    workload = make_workload(args.programs, args.rate, args.seed)
-    report: dict[str, Any] = {
+    return make_workload(args.programs, args.rate, args.seed), engine
+
+
+def new_report(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
+    return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} {platform.python_version()}",
-        "config": {"tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": REACT["calls"], "step_tokens": REACT["max_tokens"], "first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta, "programs": args.programs, "rate": args.rate, "seed": args.seed, "engine": engine, "model": args.model},
+        "config": {"tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": REACT["calls"], "step_tokens": REACT["max_tokens"],
+                   "first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta,
+                   "programs": args.programs, "rate": args.rate, "seed": args.seed, "engine": engine,
+                   "model": getattr(args, "model", None)},
         "results": {},
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="agentrt bench programs", description=__doc__.split("\n\n")[0])
+    add_common_args(ap)
+    ap.add_argument("--model", default=None, help="model path; default: the default model")
+    ap.add_argument("--docs", type=Path, default=None, help="write the table to this markdown file (docs/benchmarks.md)")
+    args = ap.parse_args(argv)
+    workload, engine = setup(args)
+    report = new_report(args, engine)
     for policy in args.policies.split(","):
         t0 = time.monotonic()
-        name, kwargs = _policy_spec(policy, args)
-        report["results"][policy] = anyio.run(run_policy, name, workload, args.model, engine, kwargs)
+        name, kwargs = policy_spec(policy, args)
+        report["results"][policy] = summarize(anyio.run(run_policy, name, workload, args.model, engine, kwargs))
         print(f"{policy}: done in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-    _ratios(report)
+    add_ratios(report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -43,12 +43,14 @@ class CallState:
     level: int  # current queue, 0 = highest priority
     entered_at: float  # when it entered its current queue: FCFS within a queue
     quantum_used: float = 0.0  # service received since it entered the current queue
-    wait: float = 0.0  # W_call: time spent waiting since arrival or the last promotion
+    wait: float = 0.0  # W_call: time spent waiting since arrival or the last promotion (MLFQ: since last
+    # served); for program-level policies only while no call of its program was running
     service: float = 0.0  # T_call: service since arrival or the last promotion
     total_service: float = 0.0  # all service received by the call, never reset
     start_priority: float = 0.0  # the program's priority when the call arrived (ATLAS)
     last_seen: float = 0.0  # `now` of the latest hook that looked at the call (wait accounting)
     promotions: int = 0  # times anti-starvation moved it to the top
+    program_start: float = 0.0  # when its program's first call arrived (order within a queue)
 
 
 @dataclass(slots=True)
@@ -57,8 +59,11 @@ class ProgramState:
 
     attained: float = 0.0  # PLAS: Σ service of the program's completed calls
     critical: float = 0.0  # ATLAS: longest critical path of service seen so far
-    wait: float = 0.0  # W_program: waiting time of its calls, folded in at completion / promotion
+    wait: float = 0.0  # W_program: time it had calls waiting and none running (live; see before_schedule)
+    in_flight: float = 0.0  # service received so far by its calls still in the engine
+    live_critical: float = 0.0  # ATLAS: `critical` counting the calls still in the engine
     active: int = 0  # calls of the program currently in the engine
+    start: float | None = None  # arrival of its first call
     ended: bool = False  # the runtime said the program is over: drop once `active` reaches 0
 
 
@@ -71,6 +76,8 @@ class MultiLevelPolicy(SchedulingPolicy):
     """Base of the discretized-queue policies; see the module docstring."""
 
     preemptive: ClassVar[bool] = True
+    program_level: ClassVar[bool] = True  # False: calls are scheduled on their own (MLFQ)
+    order_by_program: bool = False  # within a queue: older programs first (else calls by entry time)
 
     def __init__(self, *, num_queues: int, quantum: float, service: ServiceUnit, token_cost: float,
                  preempt: bool = True) -> None:
@@ -101,6 +108,11 @@ class MultiLevelPolicy(SchedulingPolicy):
     def on_call_done(self, prog: ProgramState, st: CallState) -> None:
         """Fold a finished call into its program's state."""
 
+    def floor_level(self, prog: ProgramState, st: CallState) -> int:
+        """The highest queue the call may sit in now (0 = no floor); checked after every step it is
+        served in and, for waiting calls, before every schedule."""
+        return 0
+
     # --- queries ------------------------------------------------------------------------------
     @staticmethod
     def program_key(req: Request) -> str:
@@ -119,6 +131,8 @@ class MultiLevelPolicy(SchedulingPolicy):
 
     def priority(self, req: Request) -> tuple[Any, ...]:
         st = self.state(req)
+        if self.order_by_program:
+            return (st.level, st.program_start, st.entered_at, req.arrival_time, req.request_id)
         return (st.level, st.entered_at, req.arrival_time, req.request_id)
 
     def displaces(self, waiting: Request, running: Request) -> bool:
@@ -136,7 +150,9 @@ class MultiLevelPolicy(SchedulingPolicy):
         if prog is None:
             prog = self.programs[self.program_key(req)] = ProgramState()
         prog.active += 1
-        st = CallState(level=0, entered_at=now, last_seen=now)
+        if prog.start is None:
+            prog.start = now
+        st = CallState(level=0, entered_at=now, last_seen=now, program_start=prog.start)
         st.level = min(max(self.entry_level(req, prog, st), 0), self.num_queues - 1)
         req.policy_state[_STATE_KEY] = st
 
@@ -149,18 +165,38 @@ class MultiLevelPolicy(SchedulingPolicy):
                 if prog.active <= 0:
                     del self.programs[key]
         for req in running:
-            self.state(req).last_seen = now
-        for req in waiting:
             st = self.state(req)
-            st.wait += max(0.0, now - st.last_seen)
             st.last_seen = now
-            if st.level > 0 and self.starving(self._program(req), st):
+            self._apply_floor(self._program(req), st, now)
+        # W accrues while a call waits and its program has no call running: a program that is being
+        # served is not starving, however many of its own parallel calls queue behind each other.
+        # W_program counts each such stretch once, not once per waiting thread.
+        served = {self.program_key(r) for r in running} if self.program_level else set()
+        blocked: dict[str, float] = {}
+        for req in waiting:
+            st, key = self.state(req), self.program_key(req)
+            dt = max(0.0, now - st.last_seen)
+            st.last_seen = now
+            if key not in served:
+                st.wait += dt
+                blocked[key] = max(blocked.get(key, 0.0), dt)
+        for key, dt in blocked.items():
+            self._program_by_key(key).wait += dt
+        promoted: set[str] = set()
+        for req in sorted(waiting, key=self.priority):
+            st, prog, key = self.state(req), self._program(req), self.program_key(req)
+            # one call of a starving program at a time, and only while none of its calls runs: enough to
+            # keep it moving without lifting a whole fan-out of parallel calls above everyone else
+            if st.level > 0 and key not in promoted and key not in served and self.starving(prog, st):
                 self.promote(req, now)
+                if self.program_level:
+                    promoted.add(key)
+            else:
+                self._apply_floor(prog, st, now)
 
     def promote(self, req: Request, now: float) -> None:
         """Anti-starvation: move the call to the top queue; reset only the call's own W and T."""
         st = self.state(req)
-        self._program(req).wait += st.wait
         st.level, st.entered_at, st.quantum_used = 0, now, 0.0
         st.wait = st.service = 0.0
         st.promotions += 1
@@ -174,9 +210,19 @@ class MultiLevelPolicy(SchedulingPolicy):
             st.service += cost
             st.total_service += cost
             st.last_seen = now
+            prog = self._program(req)
+            prog.in_flight += cost
+            prog.live_critical = max(prog.live_critical, st.start_priority + st.total_service)
             if st.quantum_used >= self.quanta[st.level]:
                 st.level += 1
                 st.entered_at, st.quantum_used = now, 0.0
+        for req in reqs:  # after all of the step's service is counted: parallel calls move together
+            self._apply_floor(self._program(req), self.state(req), now)
+
+    def _apply_floor(self, prog: ProgramState, st: CallState, now: float) -> None:
+        floor = min(self.floor_level(prog, st), self.num_queues - 1)
+        if st.level < floor:
+            st.level, st.entered_at, st.quantum_used = floor, now, 0.0
 
     def on_preempt(self, req: Request, now: float) -> None:
         self.state(req).last_seen = now
@@ -187,7 +233,7 @@ class MultiLevelPolicy(SchedulingPolicy):
         prog = self.programs.get(key)
         if st is None or prog is None:
             return
-        prog.wait += st.wait
+        prog.in_flight -= st.total_service
         self.on_call_done(prog, st)
         prog.active -= 1
         if prog.active <= 0 and (prog.ended or req.program_id is None):
@@ -199,7 +245,9 @@ class MultiLevelPolicy(SchedulingPolicy):
         self._ended.append(program_id)
 
     def _program(self, req: Request) -> ProgramState:
-        key = self.program_key(req)
+        return self._program_by_key(self.program_key(req))
+
+    def _program_by_key(self, key: str) -> ProgramState:
         prog = self.programs.get(key)
         if prog is None:
             prog = self.programs[key] = ProgramState(active=1)

@@ -13,6 +13,19 @@ The priority is discretized into K queues with doubling boundaries `[0, b), [b, 
 like a call in an MLFQ (see `_multilevel`). Anti-starvation: a waiting call goes to the top queue when
 `(W_program + W_call) / (T_program + T_call) >= beta`, W = waiting seconds, T = service (T_program =
 the program's attained service); afterwards only the call's own W and T restart from zero.
+
+Where the paper is silent, for programs with parallel calls (all switchable, defaults measured):
+
+- `live=True`: the program's priority also counts what its calls still in the engine have received,
+  and a call never sits above the queue of that live priority. Without it, a tree search whose root
+  call was short puts its whole fan-out in the top queue and keeps it there (each branch is short on
+  its own), ahead of every chat that arrives meanwhile.
+- W is the time a program had calls waiting and none running, counted once per program: a program
+  that is being served is not starving, however many of its own parallel calls queue behind each
+  other. A starving program gets one call promoted at a time.
+- `order="program"`: within a queue, calls of older programs go first (the paper: FCFS by call). A
+  multi-call program then keeps its place among the programs of its queue instead of going to the
+  back at every call, and programs in the last queue finish one after another rather than all late.
 """
 
 from __future__ import annotations
@@ -30,23 +43,34 @@ from agentrt.policies._multilevel import (
 )
 from engine.request import Request
 
-# Defaults, per service unit; chosen with `bench/programs.py` on a 2-core CPU (docs/benchmarks.md),
-# where one decode step of the default model takes 0.1-0.5 s and a short call receives ~0.5-2 s of
-# executor time (the reimplementation's 0.02 s boundaries assume ~20 ms GPU steps: scaled ~50x).
-#   K = 8 queues: range enough (first boundary x 64) to separate one-call chats from tree searches;
-#     more levels only split long programs further, which buys nothing but preemptions.
-#   first boundary 1 s: about one short call, so a program leaves the top queue after its first
-#     real call and a fresh program overtakes it.
-#   quantum 1 s (= the first boundary, not half): a demotion in the middle of a call lets newer
-#     calls displace it, and every displacement is a recompute preemption (~14 ms per prompt token
-#     here); fewer demotions, fewer recomputes. Not yet tuned to the benchmark target (see docs).
-#   beta 8 (the reimplementation's): a program that has waited 8x the service it received is
-#     promoted, so a long program in a stream of short ones keeps moving.
+# Defaults, per service unit; chosen on a 2-core CPU, where one decode step of the default model takes
+# 50-150 ms and a call receives ~0.3-1 s of executor time (the reimplementation's 0.02 s boundaries
+# assume ~20 ms GPU steps), with `agentrt bench simulate` sweeps (load x mix x setting, several seeds)
+# confirmed by `agentrt bench programs` (docs/benchmarks.md, "Program scheduling"):
+#   K = 4 queues, first boundary 1 s: queues [0, 1) [1, 2) [2, 4) [4, inf) s. A chat stays in the
+#     top queue, a ReAct loop moves down over its calls, a tree search lands in the last queue, where
+#     programs are served oldest first. With K = 8 the last queue starts at 64 s: tree searches at
+#     different stages sit in different queues and a newer one overtakes an older one, which makes
+#     every tree late (mean 0.70x -> 0.58x fcfs, p99 1.64x -> 1.23x in the simulated mix).
+#   quantum 1 s (= the first boundary): with `live` the program's service moves its calls down; the
+#     quantum only matters for one long call, and 0.5-2 s measured the same.
+#   beta 8 (the reimplementation's): smaller values promote trees into the top queue early and give
+#     back the chats' gain without improving the tail (beta 1-2: mean 0.75-0.84x, p99 1.10-1.22x).
 DEFAULTS: dict[str, dict[str, float]] = {
     "time": {"first_boundary": 1.0, "quantum": 1.0, "beta": 8.0},
     "tokens": {"first_boundary": 128.0, "quantum": 64.0, "beta": 8.0},
 }
-DEFAULT_NUM_QUEUES = 8
+# ATLAS ranks by critical path, which grows by one call's service per sequential step however wide the
+# program is (a call gets ~0.3-0.6 s here), so its boundaries sit 4x lower: queues [0, .25) [.25, .5)
+# [.5, 1) [1, inf) s, and a ReAct loop or tree search reaches the last queue after two or three steps.
+# With PLAS's 1 s a 34-call tree search never got there and newer trees kept overtaking older ones
+# (simulated, 96 programs at 0.8-1.0 of saturation: mean 0.69-0.74x -> 0.59-0.67x fcfs, p99 1.06-1.28x
+# -> 0.99-1.12x).
+ATLAS_DEFAULTS: dict[str, dict[str, float]] = {
+    "time": {**DEFAULTS["time"], "first_boundary": 0.25, "quantum": 0.25},
+    "tokens": {**DEFAULTS["tokens"], "first_boundary": 32.0, "quantum": 16.0},
+}
+DEFAULT_NUM_QUEUES = 4
 
 
 class PLAS(MultiLevelPolicy):
@@ -59,9 +83,12 @@ class PLAS(MultiLevelPolicy):
         beta: anti-starvation threshold on wait/service; `float("inf")` disables promotion.
         service: "time" (executor seconds) or "tokens" (`token_cost` per computed token).
         preempt: let a call of a higher queue displace a running call of a lower one (recompute).
+        live: count the service of the program's calls still in the engine (see the module docstring).
+        order: "program" (older programs first within a queue) or "call" (FCFS by call, the paper's).
     """
 
     name: ClassVar[str] = "plas"
+    defaults: ClassVar[dict[str, dict[str, float]]] = DEFAULTS
 
     def __init__(
         self,
@@ -73,10 +100,12 @@ class PLAS(MultiLevelPolicy):
         service: ServiceUnit = "time",
         token_cost: float = 1.0,
         preempt: bool = True,
+        live: bool = True,
+        order: str = "program",
     ) -> None:
-        if service not in DEFAULTS:
+        if service not in self.defaults:
             raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
-        d = DEFAULTS[service]
+        d = self.defaults[service]
         first_boundary = d["first_boundary"] if first_boundary is None else first_boundary
         beta = d["beta"] if beta is None else beta
         super().__init__(
@@ -92,16 +121,29 @@ class PLAS(MultiLevelPolicy):
             raise ConfigError(f"{self.name}: beta must be > 0, got {beta!r}")
         self.boundaries = doubling(first_boundary, num_queues - 1)  # finite upper bounds of queues 0..K-2
         self.beta = beta
+        self.live = live
+        if order not in ("call", "program"):
+            raise ConfigError(f"{self.name}: order must be 'call' or 'program', got {order!r}")
+        self.order_by_program = order == "program"
 
     def program_priority(self, prog: ProgramState) -> float:
         return prog.attained
 
+    def live_priority(self, prog: ProgramState) -> float:
+        """The priority counting the service its calls in the engine have received so far."""
+        return prog.attained + prog.in_flight
+
     def entry_level(self, req: Request, prog: ProgramState, st: CallState) -> int:
         st.start_priority = self.program_priority(prog)
-        return queue_of(self.boundaries, st.start_priority)
+        return queue_of(self.boundaries, self.live_priority(prog) if self.live else st.start_priority)
+
+    def floor_level(self, prog: ProgramState, st: CallState) -> int:
+        if not self.live or st.promotions:  # a call promoted by anti-starvation demotes by quantum only
+            return 0
+        return queue_of(self.boundaries, self.live_priority(prog))
 
     def starving(self, prog: ProgramState, st: CallState) -> bool:
-        wait = prog.wait + st.wait
+        wait = prog.wait  # W_program + W_call: the program's wait so far includes this call's
         service = prog.attained + st.service
         return wait >= self.beta * service if service > 0 else wait > 0
 
@@ -114,6 +156,10 @@ class ATLAS(PLAS):
     """PLAS with the program's critical path of service as its priority; see the module docstring."""
 
     name: ClassVar[str] = "atlas"
+    defaults: ClassVar[dict[str, dict[str, float]]] = ATLAS_DEFAULTS
 
     def program_priority(self, prog: ProgramState) -> float:
         return prog.critical
+
+    def live_priority(self, prog: ProgramState) -> float:
+        return max(prog.critical, prog.live_critical)

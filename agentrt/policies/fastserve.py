@@ -29,6 +29,7 @@ class MLFQ(MultiLevelPolicy):
     """Skip-join MLFQ; see the module docstring. None = the default for the service unit."""
 
     name: ClassVar[str] = "mlfq"
+    program_level: ClassVar[bool] = False
 
     def __init__(
         self,

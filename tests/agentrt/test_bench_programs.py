@@ -34,11 +34,11 @@ def test_policy_entries_with_overrides():
     import pytest
 
     args = argparse.Namespace(first_boundary=None, quantum=None, beta=3.0)
-    assert bench._policy_spec("plas", args) == ("plas", {"beta": 3.0})  # the command-line value
-    assert bench._policy_spec("plas:np:beta=2", args) == ("plas", {"beta": 2.0, "preempt": False})
-    assert bench._policy_spec("mlfq", args) == ("mlfq", {})  # beta means nothing to mlfq
-    assert bench._policy_spec("fcfs", args) == ("fcfs", {})
+    assert bench.policy_spec("plas", args) == ("plas", {"beta": 3.0})  # the command-line value
+    assert bench.policy_spec("plas:np:beta=2", args) == ("plas", {"beta": 2.0, "preempt": False})
+    assert bench.policy_spec("mlfq", args) == ("mlfq", {})  # beta means nothing to mlfq
+    assert bench.policy_spec("fcfs", args) == ("fcfs", {})
     for bad, message in [("plas:fast", "unknown policy variant 'fast'"), ("fcfs:beta=2", "nothing for fcfs"),
-                         ("atlas:beta=high", "beta must be a number, got 'high'")]:
+                         ("atlas:beta=high", "beta must be float, got 'high'")]:
         with pytest.raises(SystemExit, match=message):
-            bench._policy_spec(bad, args)
+            bench.policy_spec(bad, args)

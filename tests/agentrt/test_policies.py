@@ -268,3 +268,78 @@ def test_displacement_only_across_queues_and_can_be_switched_off():
     assert not pol.displaces(waiting, running_same)  # ... still no preemption for a tie
     assert pol.displaces(waiting, running_low)
     assert pol.preemptive and not plas(preempt=False).preemptive
+
+
+def test_live_service_moves_a_fan_out_down_together():
+    # queues [0,10) [10,20) [20,40) [40,inf); the root call leaves the program at 3 units
+    for live in (True, False):
+        pol = plas(live=live, quantum=100)
+        run_call(pol, call("root"), 3, now=0.0)
+        branches = [call(f"b{i}", thread=str(i), arrival=1.0) for i in range(4)]
+        for b in branches:
+            pol.on_arrival(b, 1.0)
+        assert [pol.level(b) for b in branches] == [0] * 4
+        pol.on_step(branches[:2], [0.0, 0.0], [2, 2], now=2.0)  # live service 3 + 4 = 7: still queue 0
+        assert [pol.level(b) for b in branches] == [0] * 4
+        pol.on_step(branches[:2], [0.0, 0.0], [2, 2], now=3.0)  # 3 + 8 = 11: the program is in queue 1
+        pol.before_schedule(branches[2:], branches[:2], now=3.0)
+        assert [pol.level(b) for b in branches] == ([1] * 4 if live else [0] * 4)
+        late = call("late", thread="9", arrival=4.0)
+        pol.on_arrival(late, 4.0)  # a new call enters at the live priority too
+        assert pol.level(late) == (1 if live else 0)
+        for b in branches[:2]:
+            pol.on_finish(b, 5.0)
+        assert pol.programs["p"].attained == 11 and pol.programs["p"].in_flight == 0
+
+
+def test_atlas_live_priority_is_the_longest_running_thread():
+    pol = ATLAS(num_queues=4, first_boundary=10, quantum=100, service="tokens")
+    threads = [call(f"t{i}", thread=str(i)) for i in range(3)]
+    for t in threads:
+        pol.on_arrival(t, 0.0)
+    pol.on_step(threads, [0.0] * 3, [6, 6, 6], now=1.0)  # 18 in total, but the longest thread has 6
+    assert [pol.level(t) for t in threads] == [0, 0, 0]
+    pol.on_step(threads[:1], [0.0], [5], now=2.0)  # one thread reaches 11
+    assert [pol.level(t) for t in threads] == [1, 0, 0]
+    pol.before_schedule(threads[1:], threads[:1], now=2.0)
+    assert [pol.level(t) for t in threads] == [1, 1, 1]
+
+
+def test_program_with_a_running_call_is_not_starving():
+    pol = plas(beta=1.0)
+    run_call(pol, call("a0"), 10, now=0.0)  # attained 10: new calls enter queue 1
+    running, sibling = call("a1", thread="1"), call("a2", thread="2")
+    pol.on_arrival(running, 0.0)
+    pol.on_arrival(sibling, 0.0)
+    pol.before_schedule([sibling], [running], now=50.0)  # waits behind its own program only
+    assert pol.state(sibling).wait == 0.0 and pol.programs["p"].wait == 0.0 and pol.level(sibling) == 1
+    # two waiting siblings and nothing running: the program's W counts the 5 s once
+    pol.before_schedule([running, sibling], [], now=55.0)
+    assert pol.programs["p"].wait == 5.0 and pol.state(sibling).wait == 5.0
+    # and W >= beta * T (5 < 10: not yet) ... (10 >= 10: one of the two is promoted, the older first)
+    assert pol.level(running) == pol.level(sibling) == 1
+    pol.before_schedule([running, sibling], [], now=60.0)
+    assert sorted((pol.level(r), r.request_id) for r in (running, sibling)) == [(0, "a1"), (1, "a2")]
+    # request-level MLFQ still counts every call's own wait
+    m = MLFQ(num_queues=4, quantum=5, alpha=3.0, service="tokens")
+    r1, r2 = call("m1", prompt=50), call("m2", prompt=50)
+    for r in (r1, r2):
+        m.on_arrival(r, 0.0)
+    m.before_schedule([r2], [r1], now=3.0)
+    assert m.level(r2) == 0 and m.state(r2).promotions == 1
+
+
+@pytest.mark.parametrize("order", ["program", "call"])
+def test_order_within_a_queue(order):
+    pol = plas(order=order)
+    old_later = call("old-2", program="old", arrival=5.0)
+    new_first = call("new-1", program="new", arrival=3.0)
+    old_first = call("old-1", program="old", arrival=1.0)
+    pol.on_arrival(old_first, 1.0)
+    pol.on_arrival(new_first, 3.0)
+    pol.on_arrival(old_later, 5.0)
+    ranked = sorted([old_later, new_first, old_first], key=pol.priority)
+    expect = ["old-1", "old-2", "new-1"] if order == "program" else ["old-1", "new-1", "old-2"]
+    assert [r.request_id for r in ranked] == expect
+    with pytest.raises(agentrt.ConfigError, match="'fifo'"):
+        plas(order="fifo")

@@ -1,0 +1,217 @@
+"""Scheduling simulator: the benchmark's program mix against the engine's own scheduler, in virtual time.
+
+    agentrt bench simulate [--programs N] [--rate R] [--policies fcfs,plas,...] [--json]
+
+What is real: `engine.scheduler.Scheduler`, `engine.kv_cache_manager.KVCacheManager`, `Request` and
+the policies, exactly as the engine runs them (admission, chunked prefill, prefix hits, preemption,
+service attribution). What is modeled: the forward pass. A step that schedules `T` tokens for `R`
+requests, `D` of them decoding, over `C` context tokens takes
+
+    step_s = base_s + token_s * T + decode_row_s * D + context_s * C
+
+seconds (defaults fitted to the default model on the 2-core CPU, `agentrt bench programs`'s engine
+settings; override with --cost) and samples a random token for every request that reaches the end of
+its known tokens. Programs are the plans of `bench/workload.py`; tool calls take their planned time.
+
+It runs a 32-program mix in about a second per policy, so load sweeps, mixes and policy settings can
+be explored before the real run (which is what docs/benchmarks.md reports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq)
+from bench import workload as wl
+from bench.workload import Call, Parallel, ProgramSpec, Tool
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.policy import SchedulingPolicy, make_policy
+from engine.request import Request, RequestStatus
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Seconds per step as a linear model; the defaults fit SmolLM2-135M fp32 on the 2-core CPU
+    (decode 1 / 4 / 16 rows: ~56 / 77 / 148 ms; a 256-token prefill chunk: ~0.6-0.7 s)."""
+
+    base_s: float = 0.050
+    token_s: float = 0.0025
+    decode_row_s: float = 0.0035
+    context_s: float = 5e-6
+
+    def __call__(self, out: SchedulerOutput) -> float:
+        if not out.reqs:
+            return 0.0
+        decode = sum(1 for n in out.num_tokens if n == 1)
+        context = sum(r.num_computed_tokens + n for r, n in zip(out.reqs, out.num_tokens))
+        return self.base_s + self.token_s * out.total_tokens + self.decode_row_s * decode + self.context_s * context
+
+
+class SimEngine:
+    """The engine's scheduler and KV-cache manager on a virtual clock; the model is `cost`."""
+
+    def __init__(self, policy: SchedulingPolicy, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_blocks: int = 4096, block_size: int = 16, cost: StepCost | None = None, seed: int = 0):
+        self.now = 0.0
+        self.cost = cost or StepCost()
+        config = EngineConfig(device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              num_blocks=num_blocks, block_size=block_size, policy=policy)
+        self.kv = KVCacheManager(num_blocks, block_size, True)
+        self.scheduler = Scheduler(config, self.kv, policy, clock=lambda: self.now)
+        self.policy = policy
+        self.rng = random.Random(seed)
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self._done: dict[str, Callable[[list[int]], None]] = {}
+        self._ids = itertools.count()
+
+    def add(self, call: Call, program_id: str, thread_id: str, on_done: Callable[[list[int]], None]) -> None:
+        rid = f"sim-{next(self._ids)}"
+        req = Request(rid, list(call.prompt), SamplingParams(max_tokens=call.max_tokens, ignore_eos=True),
+                      program_id=program_id, thread_id=thread_id, arrival_time=self.now)
+        self._done[rid] = on_done
+        self.scheduler.add_request(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        if out.failed:
+            raise RuntimeError(f"simulated request failed: {out.failed[0].error}")
+        dt = self.cost(out)
+        self.now += dt
+        self.busy_s += dt
+        self.num_steps += 1
+        self.scheduler.update_from_output(out, dt)
+        for req in out.reqs:
+            if req.finished or req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk short of the end samples nothing
+            req.append_token(self.rng.randrange(*wl.VOCAB))
+            if req.num_output_tokens >= req.sampling.max_tokens:
+                self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH, "length")
+                self._done.pop(req.request_id)(list(req.output_token_ids))
+
+
+def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, policy_kwargs: dict[str, Any] | None = None,
+             engine: dict[str, Any] | None = None, cost: StepCost | None = None) -> dict[str, Any]:
+    """Run the workload's plans to completion; per-program latencies and engine counters (virtual seconds)."""
+    pol = make_policy(policy, **(policy_kwargs or {}))
+    eng = SimEngine(pol, **{**_ENGINE, **(engine or {})}, cost=cost)
+    timers: list[tuple[float, int, Callable[[], None]]] = []
+    seq = itertools.count()
+    results: list[dict[str, Any] | None] = [None] * len(workload)
+
+    def at(t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(timers, (t, next(seq), fn))
+
+    def start(spec: ProgramSpec) -> None:
+        pid, gen = f"prog-{spec.index}", wl.plan(spec)
+        stats = {"calls": 0, "output_tokens": 0}
+
+        def advance(value: Any) -> None:
+            try:
+                action = gen.send(value)
+            except StopIteration:
+                end = getattr(pol, "end_program", None)
+                if end is not None:
+                    end(pid)
+                results[spec.index] = {"kind": spec.kind, "latency_s": eng.now - spec.arrival_s, **stats}
+                return
+            if isinstance(action, Tool):
+                at(eng.now + action.seconds, lambda: advance(action.observation))
+                return
+            calls = action.calls if isinstance(action, Parallel) else (action,)
+            outs: list[list[int] | None] = [None] * len(calls)
+
+            def done(i: int, ids: list[int]) -> None:
+                outs[i] = ids
+                stats["calls"] += 1
+                stats["output_tokens"] += len(ids)
+                if all(o is not None for o in outs):
+                    advance(outs if isinstance(action, Parallel) else outs[0])
+
+            for i, call in enumerate(calls):
+                eng.add(call, pid, f"{pid}.t{i}", lambda ids, i=i: done(i, ids))
+
+        advance(None)
+
+    for spec in workload:
+        at(spec.arrival_s, lambda spec=spec: start(spec))
+    while timers or eng.has_work():
+        while timers and timers[0][0] <= eng.now:
+            heapq.heappop(timers)[2]()
+        if eng.has_work():
+            eng.step()  # what arrives during a step is added after it, as in the AsyncEngine
+        elif timers:
+            eng.now = max(eng.now, timers[0][0])
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks, "simulation leaked KV blocks"
+    done = [r for r in results if r is not None]
+    assert len(done) == len(workload), "a program never finished"
+    makespan = eng.now
+    return {
+        "policy": getattr(pol, "name", str(policy)),
+        "makespan_s": makespan,
+        "utilization": eng.busy_s / makespan if makespan else 0.0,
+        "steps": eng.num_steps,
+        "preemptions": eng.scheduler.num_preemptions,
+        "programs": done,
+    }
+
+
+_ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}
+
+
+def capacity(workload: list[ProgramSpec], *, engine: dict[str, Any] | None = None, cost: StepCost | None = None) -> float:
+    """Programs per second the engine completes when the whole workload arrives at once (FCFS): the
+    arrival rate at which it saturates."""
+    burst = [ProgramSpec(s.index, s.kind, 0.0, s.seed) for s in workload]
+    return len(burst) / simulate("fcfs", burst, engine=engine, cost=cost)["makespan_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench import programs as real  # the report format and the policy-entry syntax of the real benchmark
+
+    ap = argparse.ArgumentParser(prog="agentrt bench simulate", description=__doc__.split("\n\n")[0])
+    real.add_common_args(ap)
+    ap.add_argument("--cost", default=None, metavar="BASE,TOKEN,DECODE_ROW,CONTEXT",
+                    help="step-cost model in seconds (default: fitted to the default model on this CPU)")
+    ap.add_argument("--capacity", action="store_true",
+                    help="also print the saturation rate: programs/s completed when all arrive at once")
+    args = ap.parse_args(argv)
+    cost = StepCost()
+    if args.cost is not None:
+        try:
+            values = [float(x) for x in args.cost.split(",")]
+            if len(values) != 4 or min(values) < 0:
+                raise ValueError
+            cost = StepCost(*values)
+        except ValueError:
+            raise SystemExit(f"--cost must be four numbers >= 0, BASE,TOKEN,DECODE_ROW,CONTEXT, got {args.cost!r}") from None
+    workload, engine = real.setup(args)
+    report = real.new_report(args, engine)
+    for entry in args.policies.split(","):
+        name, kwargs = real.policy_spec(entry, args)
+        res = simulate(name, workload, policy_kwargs=kwargs, engine=engine, cost=cost)
+        report["results"][entry] = real.summarize(res)
+    real.add_ratios(report)
+    if args.capacity:
+        report["capacity_programs_per_s"] = cap = capacity(workload, engine=engine, cost=cost)
+        if not args.json:
+            print(f"saturation: {cap:.3f} programs/s (this run: {args.rate / cap:.2f} of it)")
+    print(json.dumps(report, indent=2) if args.json else real.table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

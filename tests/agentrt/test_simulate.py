@@ -1,0 +1,69 @@
+"""The scheduling simulator: the engine's scheduler and policies on a virtual clock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import simulate as sim
+from bench import workload as wl
+from engine.scheduler import SchedulerOutput
+from engine.request import Request
+from engine.sampling import SamplingParams
+
+
+def _calls(kind: str) -> int:
+    return {"chat": 1, "react": wl.REACT["calls"], "tree": 2 + wl.TREE["width"] * wl.TREE["depth"]}[kind]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "mlfq", "plas", "atlas"])
+def test_every_program_runs_its_plan_and_all_blocks_come_back(policy):
+    work = wl.make_workload(24, 0.5, seed=1)
+    res = sim.simulate(policy, work)  # asserts inside: no leaked block, no unfinished program
+    assert len(res["programs"]) == 24
+    for spec, prog in zip(work, res["programs"]):
+        assert prog["kind"] == spec.kind and prog["calls"] == _calls(spec.kind)
+        assert prog["latency_s"] > 0
+    assert res["makespan_s"] >= max(s.arrival_s for s in work)
+    assert 0 < res["utilization"] <= 1
+
+
+def test_deterministic_and_policies_differ():
+    work = wl.make_workload(32, 0.3, seed=0)
+    a, b = sim.simulate("plas", work), sim.simulate("plas", work)
+    assert a == b
+    fcfs = sim.simulate("fcfs", work)
+    chats = {name: [p["latency_s"] for p in r["programs"] if p["kind"] == "chat"] for name, r in (("fcfs", fcfs), ("plas", a))}
+    assert sum(chats["plas"]) < 0.5 * sum(chats["fcfs"])  # chats overtake the tree searches' fan-outs
+    assert fcfs["preemptions"] == 0 and a["preemptions"] > 0
+
+
+def test_step_cost_model():
+    cost = sim.StepCost(base_s=0.05, token_s=0.002, decode_row_s=0.004, context_s=1e-5)
+    assert cost(SchedulerOutput([], [], [])) == 0.0
+    prefill = Request("a", [1] * 100, SamplingParams())
+    decode = Request("b", [1] * 10, SamplingParams())
+    decode.num_computed_tokens = 9
+    out = SchedulerOutput([prefill, decode], [100, 1], [])
+    assert cost(out) == pytest.approx(0.05 + 0.002 * 101 + 0.004 * 1 + 1e-5 * (100 + 10))
+
+
+def test_capacity_is_the_burst_throughput():
+    work = wl.make_workload(16, 0.1, seed=2)
+    cap = sim.capacity(work)
+    burst = [wl.ProgramSpec(s.index, s.kind, 0.0, s.seed) for s in work]
+    assert cap == pytest.approx(16 / sim.simulate("fcfs", burst)["makespan_s"])
+    assert cap > 0
+
+
+def test_cli_reports_ratios_and_capacity(capsys):
+    assert sim.main(["--programs", "12", "--rate", "0.4", "--policies", "fcfs,plas:order=call", "--json", "--capacity"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["results"]) == ["fcfs", "plas:order=call"]
+    assert report["results"]["plas:order=call"]["vs_fcfs"]["latency_s.mean"] > 0
+    assert report["capacity_programs_per_s"] > 0
+    with pytest.raises(SystemExit, match="--cost must be four numbers"):
+        sim.main(["--cost", "1,2"])
+    with pytest.raises(SystemExit, match="got '1,2,3,-4'"):
+        sim.main(["--cost", "1,2,3,-4"])
