@@ -144,8 +144,8 @@ def add_ratios(report: dict[str, Any]) -> None:
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| policy | mean s | p50 s | p95 s | p99 s | mean s/token | mean vs fcfs | p99 vs fcfs | s/token vs fcfs "
-        "| mean s by kind | makespan s | busy | preemptions |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mean s by kind | makespan s | busy | engine tok/s | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report["results"].items():
         lat, tok, vs = r["latency_s"], r["latency_per_token_s"], r.get("vs_fcfs", {})
@@ -154,9 +154,17 @@ def table(report: dict[str, Any]) -> str:
             f"| {name} | {lat['mean']:.2f} | {lat['p50']:.2f} | {lat['p95']:.2f} | {lat['p99']:.2f} | {tok['mean']:.3f} "
             f"| {vs.get('latency_s.mean', float('nan')):.2f}x | {vs.get('latency_s.p99', float('nan')):.2f}x "
             f"| {vs.get('latency_per_token_s.mean', float('nan')):.2f}x | {kinds} | {r['makespan_s']:.0f} "
-            f"| {r['utilization']:.0%} | {r['preemptions']} |"
+            f"| {r['utilization']:.0%} | {_engine_speed(r)} | {r['preemptions']} |"
         )
     return "\n".join(lines)
+
+
+def _engine_speed(r: dict[str, Any]) -> str:
+    """Tokens computed per second of model execution. Policies that compute about the same tokens should
+    read about the same (MLFQ reads higher: it recomputes preempted prompts, and prefill tokens are
+    cheap); a row that reads lower than FCFS's ran on a slower stretch of the shared machine."""
+    busy = r["utilization"] * r["makespan_s"]
+    return f"{r['computed_tokens'] / busy:.0f}" if "computed_tokens" in r and busy > 0 else "-"
 
 
 def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
@@ -187,13 +195,23 @@ def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
     path.write_text(text)
 
 
-_KNOBS: dict[str, type] = {"first_boundary": float, "quantum": float, "beta": float, "num_queues": int, "order": str}
+def _flag(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
+_flag.__name__ = "a flag (1/0, true/false)"
+_KNOBS: dict[str, Any] = {"first_boundary": float, "quantum": float, "beta": float, "num_queues": int, "order": str,
+                          "live": _flag}
 
 
 def policy_spec(policy: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """"NAME[:np][:KEY=VALUE...]" -> (name, policy kwargs): `np` = without preemption; KEY is one of
-    first_boundary, quantum, beta, num_queues, order (plas/atlas; quantum also mlfq), overriding the
-    command-line value for this entry only, e.g. `plas:beta=2` or `plas:order=call:num_queues=8`."""
+    first_boundary, quantum, beta, num_queues, order, live (plas/atlas; quantum also mlfq), overriding
+    the command-line value for this entry only, e.g. `plas:beta=2` or `plas:order=call:live=0`."""
     name, *variants = policy.split(":")
     given = {"first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta}
     allowed = {"plas": set(_KNOBS), "atlas": set(_KNOBS), "mlfq": {"quantum"}}.get(name, set())

@@ -72,6 +72,7 @@ class SimEngine:
         self.rng = random.Random(seed)
         self.busy_s = 0.0
         self.num_steps = 0
+        self.num_computed_tokens = 0
         self._done: dict[str, Callable[[list[int]], None]] = {}
         self._ids = itertools.count()
 
@@ -93,6 +94,7 @@ class SimEngine:
         self.now += dt
         self.busy_s += dt
         self.num_steps += 1
+        self.num_computed_tokens += out.total_tokens
         self.scheduler.update_from_output(out, dt)
         for req in out.reqs:
             if req.finished or req.num_computed_tokens < req.num_tokens:
@@ -164,6 +166,7 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
         "makespan_s": makespan,
         "utilization": eng.busy_s / makespan if makespan else 0.0,
         "steps": eng.num_steps,
+        "computed_tokens": eng.num_computed_tokens,
         "preemptions": eng.scheduler.num_preemptions,
         "programs": done,
     }
@@ -188,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="step-cost model in seconds (default: fitted to the default model on this CPU)")
     ap.add_argument("--capacity", action="store_true",
                     help="also print the saturation rate: programs/s completed when all arrive at once")
+    ap.add_argument("--loads", default=None, metavar="U1,U2,...",
+                    help="sweep instead: arrival rates as fractions of the saturation rate (e.g. 0.7,0.8,0.9,1.0); "
+                         "reports each policy's mean and p99 latency vs fcfs, averaged over --seeds")
+    ap.add_argument("--seeds", type=int, default=3, help="workload seeds per load in a sweep (from --seed on)")
     args = ap.parse_args(argv)
     cost = StepCost()
     if args.cost is not None:
@@ -199,6 +206,18 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             raise SystemExit(f"--cost must be four numbers >= 0, BASE,TOKEN,DECODE_ROW,CONTEXT, got {args.cost!r}") from None
     workload, engine = real.setup(args)
+    if args.loads is not None:
+        try:
+            loads = [float(x) for x in args.loads.split(",")]
+            if not loads or min(loads) <= 0:
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"--loads must be positive numbers such as 0.8,0.9,1.0, got {args.loads!r}") from None
+        if args.seeds < 1:
+            raise SystemExit(f"--seeds must be >= 1, got {args.seeds!r}")
+        rows = sweep(args, loads, engine, cost)
+        print(json.dumps(rows, indent=2) if args.json else sweep_table(rows))
+        return 0
     report = real.new_report(args, engine)
     for entry in args.policies.split(","):
         name, kwargs = real.policy_spec(entry, args)
@@ -211,6 +230,41 @@ def main(argv: list[str] | None = None) -> int:
             print(f"saturation: {cap:.3f} programs/s (this run: {args.rate / cap:.2f} of it)")
     print(json.dumps(report, indent=2) if args.json else real.table(report))
     return 0
+
+
+def sweep(args: argparse.Namespace, loads: list[float], engine: dict[str, Any], cost: StepCost) -> list[dict[str, Any]]:
+    """Each load x seed: every policy on the same workload; ratios to fcfs, averaged over seeds."""
+    from bench import programs as real
+
+    entries = args.policies.split(",")
+    specs = {e: real.policy_spec(e, args) for e in entries}
+    rows = []
+    for load in loads:
+        ratios: dict[str, dict[str, list[float]]] = {e: {"mean": [], "p99": []} for e in entries if e != "fcfs"}
+        rates = []
+        for seed in range(args.seed, args.seed + args.seeds):
+            rate = load * capacity(wl.make_workload(args.programs, 1.0, seed), engine=engine, cost=cost)
+            work = wl.make_workload(args.programs, rate, seed)
+            base = real.summarize(simulate("fcfs", work, engine=engine, cost=cost))["latency_s"]
+            rates.append(rate)
+            for e in ratios:
+                name, kwargs = specs[e]
+                lat = real.summarize(simulate(name, work, policy_kwargs=kwargs, engine=engine, cost=cost))["latency_s"]
+                ratios[e]["mean"].append(lat["mean"] / base["mean"])
+                ratios[e]["p99"].append(lat["p99"] / base["p99"])
+        rows.append({"load": load, "rate": sum(rates) / len(rates), "seeds": args.seeds,
+                     "vs_fcfs": {e: {k: sum(v) / len(v) for k, v in r.items()} for e, r in ratios.items()}})
+    return rows
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+    entries = list(rows[0]["vs_fcfs"]) if rows else []
+    lines = ["| load (x saturation) | programs/s | " + " | ".join(f"{e} mean / p99 vs fcfs" for e in entries) + " |",
+             "|---|---|" + "---|" * len(entries)]
+    for r in rows:
+        cells = " | ".join(f"{r['vs_fcfs'][e]['mean']:.2f}x / {r['vs_fcfs'][e]['p99']:.2f}x" for e in entries)
+        lines.append(f"| {r['load']:.2f} | {r['rate']:.3f} | {cells} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

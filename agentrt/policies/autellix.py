@@ -51,7 +51,10 @@ from engine.request import Request
 #     top queue, a ReAct loop moves down over its calls, a tree search lands in the last queue, where
 #     programs are served oldest first. With K = 8 the last queue starts at 64 s: tree searches at
 #     different stages sit in different queues and a newer one overtakes an older one, which makes
-#     every tree late (mean 0.70x -> 0.58x fcfs, p99 1.64x -> 1.23x in the simulated mix).
+#     every tree late. Simulated, 96 programs at 0.8 / 0.9 / 1.0 of saturation, 5 seeds (mean / p99
+#     vs fcfs): these defaults 0.57 / 0.51 / 0.47x, p99 1.13 / 1.11 / 1.20x; K = 8 0.67 / 0.61 / 0.61x,
+#     p99 1.40-1.78x; order="call" 0.63 / 0.58 / 0.55x, p99 1.25-1.41x; live=False 0.69 / 0.65 / 0.63x,
+#     p99 1.18-1.31x; all three as before (K = 8, by call, not live) 0.77-0.81x, p99 1.64-2.11x.
 #   quantum 1 s (= the first boundary): with `live` the program's service moves its calls down; the
 #     quantum only matters for one long call, and 0.5-2 s measured the same.
 #   beta 8 (the reimplementation's): smaller values promote trees into the top queue early and give
@@ -64,8 +67,7 @@ DEFAULTS: dict[str, dict[str, float]] = {
 # program is (a call gets ~0.3-0.6 s here), so its boundaries sit 4x lower: queues [0, .25) [.25, .5)
 # [.5, 1) [1, inf) s, and a ReAct loop or tree search reaches the last queue after two or three steps.
 # With PLAS's 1 s a 34-call tree search never got there and newer trees kept overtaking older ones
-# (simulated, 96 programs at 0.8-1.0 of saturation: mean 0.69-0.74x -> 0.59-0.67x fcfs, p99 1.06-1.28x
-# -> 0.99-1.12x).
+# (simulated as above: mean 0.75 / 0.69 / 0.69x -> 0.64 / 0.59 / 0.54x fcfs, p99 1.24-1.72x -> 1.06-1.14x).
 ATLAS_DEFAULTS: dict[str, dict[str, float]] = {
     "time": {**DEFAULTS["time"], "first_boundary": 0.25, "quantum": 0.25},
     "tokens": {**DEFAULTS["tokens"], "first_boundary": 32.0, "quantum": 16.0},

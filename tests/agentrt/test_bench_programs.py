@@ -38,7 +38,12 @@ def test_policy_entries_with_overrides():
     assert bench.policy_spec("plas:np:beta=2", args) == ("plas", {"beta": 2.0, "preempt": False})
     assert bench.policy_spec("mlfq", args) == ("mlfq", {})  # beta means nothing to mlfq
     assert bench.policy_spec("fcfs", args) == ("fcfs", {})
+    assert bench.policy_spec("atlas:num_queues=8:order=call:live=off", args) == (
+        "atlas", {"beta": 3.0, "num_queues": 8, "order": "call", "live": False})
     for bad, message in [("plas:fast", "unknown policy variant 'fast'"), ("fcfs:beta=2", "nothing for fcfs"),
-                         ("atlas:beta=high", "beta must be float, got 'high'")]:
+                         ("atlas:beta=high", "beta must be float, got 'high'"),
+                         ("plas:num_queues=2.5", "num_queues must be int"),
+                         ("plas:live=maybe", r"live must be a flag \(1/0, true/false\), got 'maybe'"),
+                         ("mlfq:order=call", "unknown policy variant 'order=call'")]:
         with pytest.raises(SystemExit, match=message):
             bench.policy_spec(bad, args)

@@ -67,3 +67,17 @@ def test_cli_reports_ratios_and_capacity(capsys):
         sim.main(["--cost", "1,2"])
     with pytest.raises(SystemExit, match="got '1,2,3,-4'"):
         sim.main(["--cost", "1,2,3,-4"])
+
+
+def test_sweep_over_loads(capsys):
+    argv = ["--programs", "10", "--policies", "fcfs,plas", "--loads", "0.5,1.0", "--seeds", "2"]
+    assert sim.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| 0.50 |" in out and "| 1.00 |" in out and "plas mean / p99 vs fcfs" in out
+    assert sim.main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["load"] for r in rows] == [0.5, 1.0] and rows[1]["rate"] > rows[0]["rate"] > 0
+    assert set(rows[0]["vs_fcfs"]) == {"plas"} and rows[0]["vs_fcfs"]["plas"]["mean"] > 0
+    for bad in (["--loads", "fast"], ["--loads", "0"], ["--loads", "1", "--seeds", "0"]):
+        with pytest.raises(SystemExit):
+            sim.main(bad)
