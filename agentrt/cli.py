@@ -1,4 +1,4 @@
-"""`agentrt` command line: generate | demo | run FILE | bench NAME."""
+"""`agentrt` command line: generate | demo | run FILE | bench NAME | simulate (= bench simulate)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ def _run(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:
+        argv = ["bench", *argv]
     if argv[:1] == ["bench"]:
         if len(argv) < 2 or argv[1] not in BENCHES:
             print(f"usage: agentrt bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=_run)
     sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHES)} (agentrt bench NAME --help)")
+    sub.add_parser("simulate", help="the program-scheduling benchmark in virtual time (agentrt simulate --help)")
     a = ap.parse_args(argv)
     try:
         return a.fn(a)

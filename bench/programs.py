@@ -6,8 +6,9 @@
 The mix (chat, ReAct, tree search after Autellix) is defined once, as plans, in
 `bench/workload.py`; `agentrt bench simulate` runs the same plans in virtual time.
 
-Outputs ignore EOS so every policy does the same work. Program latency runs from its planned arrival to its end; FCFS is the peer, measured in the
-same run, and every other policy is reported as a ratio to it.
+Outputs ignore EOS so every policy does the same work. Program latency runs from its planned arrival
+to its end; FCFS is the peer, measured in the same run, and every other policy is reported as a
+ratio to it.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ seconds (defaults fitted to the default model on the 2-core CPU, `agentrt bench 
 settings; override with --cost) and samples a random token for every request that reaches the end of
 its known tokens. Programs are the plans of `bench/workload.py`; tool calls take their planned time.
 
-It runs a 32-program mix in about a second per policy, so load sweeps, mixes and policy settings can
-be explored before the real run (which is what docs/benchmarks.md reports).
+It runs the default 96-program mix in a few seconds per policy (the real engine: six minutes), so load
+sweeps, mixes and policy settings can be explored before the real run, which is what
+docs/benchmarks.md reports beside the sweeps.
 """
 
 from __future__ import annotations

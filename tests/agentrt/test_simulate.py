@@ -81,3 +81,11 @@ def test_sweep_over_loads(capsys):
     for bad in (["--loads", "fast"], ["--loads", "0"], ["--loads", "1", "--seeds", "0"]):
         with pytest.raises(SystemExit):
             sim.main(bad)
+
+
+def test_command_line_entry(capsys):
+    from agentrt import cli
+
+    assert cli.main(["simulate", "--programs", "6", "--rate", "1", "--policies", "fcfs,atlas"]) == 0
+    assert "| atlas |" in capsys.readouterr().out
+    assert cli.main(["bench", "nonsense"]) == 2
