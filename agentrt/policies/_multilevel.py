@@ -182,17 +182,22 @@ class MultiLevelPolicy(SchedulingPolicy):
                 blocked[key] = max(blocked.get(key, 0.0), dt)
         for key, dt in blocked.items():
             self._program_by_key(key).wait += dt
-        promoted: set[str] = set()
-        for req in sorted(waiting, key=self.priority):
-            st, prog, key = self.state(req), self._program(req), self.program_key(req)
-            # one call of a starving program at a time, and only while none of its calls runs: enough to
-            # keep it moving without lifting a whole fan-out of parallel calls above everyone else
-            if st.level > 0 and key not in promoted and key not in served and self.starving(prog, st):
+        # One call of a starving program at a time (its best-ranked starving call), and only while none
+        # of its calls runs: enough to keep it moving without lifting a whole fan-out of parallel calls
+        # above everyone else. Request-level policies promote every starving call.
+        chosen: dict[str, Request] = {}
+        for req in waiting:
+            st, key = self.state(req), self.program_key(req)
+            if st.level > 0 and key not in served and self.starving(self._program(req), st):
+                slot = key if self.program_level else req.request_id
+                if slot not in chosen or self.priority(req) < self.priority(chosen[slot]):
+                    chosen[slot] = req
+        lifted = {id(r) for r in chosen.values()}
+        for req in waiting:
+            if id(req) in lifted:
                 self.promote(req, now)
-                if self.program_level:
-                    promoted.add(key)
             else:
-                self._apply_floor(prog, st, now)
+                self._apply_floor(self._program(req), self.state(req), now)
 
     def promote(self, req: Request, now: float) -> None:
         """Anti-starvation: move the call to the top queue; reset only the call's own W and T."""
