@@ -175,6 +175,91 @@ def _prefill(shape: Shape, device: torch.device, cases: list[tuple[int, int]]) -
     return rows
 
 
+# Tile shapes tried by `--sweep`: (block_n, num_warps, num_stages) for decode (block_m stays 16),
+# (block_m, block_n, num_warps, num_stages) for prefill; the first of each is the launcher's default.
+DECODE_SWEEP = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 2, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2),
+                (128, 8, 3), (64, 8, 3)]
+DECODE_SWEEP_CASES = [(32, 4096), (128, 4096), (32, 16384), (256, 8192)]
+SPLIT_SWEEP = [2, 4, 8]
+PREFILL_SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+                 (64, 128, 4, 2), (128, 32, 4, 3)]
+PREFILL_SWEEP_CASES = [(4096, 0), (512, 7680)]
+
+
+def _sweep(shape: Shape, copy_gbps: float, device: torch.device) -> dict:
+    """Time the decode and prefill kernels under each tile shape of the sweep lists (same data per case)."""
+    from kernels import build_attention_metadata, paged_attention_triton
+    from kernels.paged_attention import launch_config
+
+    scale = shape.head_dim ** -0.5
+    elem = torch.empty((), dtype=shape.dtype).element_size()
+    decode, prefill = [], []
+    for batch, context in DECODE_SWEEP_CASES:
+        blocks_per_seq = -(-context // shape.block_size)
+        num_blocks = batch * blocks_per_seq
+        kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * elem
+        if not _fits(kv_bytes):
+            continue
+        k_cache, v_cache = _paged_cache(shape, num_blocks, device)
+        table = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+        meta = _decode_meta(batch, context, table)
+        q = torch.randn(batch, shape.num_heads, shape.head_dim, dtype=shape.dtype, device=device)
+        variants = [({"block_n": bn, "num_warps": w, "num_stages": st}, None) for bn, w, st in DECODE_SWEEP]
+        variants += [({}, splits) for splits in SPLIT_SWEEP]
+        for config, splits in variants:
+            try:
+                with launch_config(**config):
+                    ms = _time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, scale, num_splits=splits))
+            except Exception as e:  # noqa: BLE001 - a tile shape that does not compile (e.g. out of shared memory)
+                decode.append({"batch": batch, "context": context, **config, "splits": splits, "error": repr(e)[:200]})
+                continue
+            gbps = kv_bytes / ms / 1e6
+            decode.append({"batch": batch, "context": context, **config, "splits": splits or "auto", "time_ms": ms,
+                           "gb_per_s": gbps, "fraction_of_copy": gbps / copy_gbps})
+        del k_cache, v_cache, q, meta
+        torch.cuda.empty_cache()
+    for q_len, context in PREFILL_SWEEP_CASES:
+        seq_len = q_len + context
+        blocks = -(-seq_len // shape.block_size)
+        k_cache, v_cache = _paged_cache(shape, blocks, device)
+        table = torch.randperm(blocks, device=device).to(torch.int32).view(1, blocks)
+        meta = build_attention_metadata(
+            torch.tensor([0, q_len], dtype=torch.int32, device=device),
+            torch.tensor([seq_len], dtype=torch.int32, device=device), table, q_len, seq_len)
+        q = torch.randn(q_len, shape.num_heads, shape.head_dim, dtype=shape.dtype, device=device)
+        flops = 4 * (q_len * context + q_len * (q_len + 1) // 2) * shape.num_heads * shape.head_dim
+        for bm, bn, w, st in PREFILL_SWEEP:
+            config = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st}
+            try:
+                with launch_config(**config):
+                    ms = _time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, scale))
+            except Exception as e:  # noqa: BLE001
+                prefill.append({"q_len": q_len, "context": context, **config, "error": repr(e)[:200]})
+                continue
+            prefill.append({"q_len": q_len, "context": context, **config, "time_ms": ms,
+                            "tflop_per_s": flops / ms / 1e9})
+        del k_cache, v_cache, q, meta
+        torch.cuda.empty_cache()
+    return {"decode": decode, "prefill": prefill}
+
+
+def _sweep_markdown(sweep: dict, heading: str) -> list[str]:
+    lines = [f"{heading} Tile-shape sweep (decode: block_m 16)", "",
+             "| batch | context | block_n | warps | stages | splits | time (µs) | % of copy BW |", "|" + "---|" * 8]
+    for r in sweep["decode"]:
+        cfg = [r.get("block_n", "-"), r.get("num_warps", "-"), r.get("num_stages", "-"), r.get("splits", "-")]
+        res = ["error", r["error"][:60]] if "error" in r else [f"{r['time_ms'] * 1e3:.1f}",
+                                                               f"{100 * r['fraction_of_copy']:.1f}"]
+        lines.append("| " + " | ".join(str(c) for c in [r["batch"], r["context"], *cfg, *res]) + " |")
+    lines += ["", f"{heading} Tile-shape sweep (prefill)", "",
+              "| new tokens | context | block_m | block_n | warps | stages | time (ms) | TFLOP/s |", "|" + "---|" * 8]
+    for r in sweep["prefill"]:
+        cfg = [r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]]
+        res = ["error", r["error"][:60]] if "error" in r else [f"{r['time_ms']:.3f}", f"{r['tflop_per_s']:.1f}"]
+        lines.append("| " + " | ".join(str(c) for c in [r["q_len"], r["context"], *cfg, *res]) + " |")
+    return lines + [""]
+
+
 def _markdown(result: dict, heading: str = "##") -> str:
     def table(header: list[str], rows: list[list[object]]) -> list[str]:
         out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -201,6 +286,8 @@ def _markdown(result: dict, heading: str = "##") -> str:
          f"{r['sdpa_tflop_per_s']:.1f}" if "sdpa_tflop_per_s" in r else "-",
          f"{r['ratio_to_sdpa']:.2f}" if "ratio_to_sdpa" in r else "-"]
         for r in result["prefill"]])
+    if "sweep" in result:
+        lines += _sweep_markdown(result["sweep"], heading)
     return "\n".join(lines)
 
 
@@ -215,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=_ints, default=BATCHES, help="decode batch sizes, comma-separated")
     parser.add_argument("--contexts", type=_ints, default=CONTEXTS, help="decode context lengths, comma-separated")
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill measurements")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile shapes and split counts")
     parser.add_argument("--no-docs", action="store_true", help=f"do not write the {DOCS_SECTION!r} section of "
                         "docs/benchmarks.md")
     args = parser.parse_args(argv)
@@ -239,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     result["decode"], result["paging"] = _decode(shape, result["copy"]["gb_per_s"], device, args.batches,
                                                  args.contexts, PAGING_BATCHES, PAGING_CONTEXTS)
     result["prefill"] = [] if args.no_prefill else _prefill(shape, device, PREFILL_CASES)
+    if args.sweep:
+        result["sweep"] = _sweep(shape, result["copy"]["gb_per_s"], device)
 
     markdown = f"# Kernel benchmark\n\n{_markdown(result)}\n"
     print(json.dumps(result, indent=2) if args.json else markdown)

@@ -11,7 +11,13 @@ Workload: N requests (default 64), prompt lengths uniform in [16, 512], output l
   (K drafts per step, exact for greedy), reported in separate rows: plain decoding stays the
   headline comparison. Prompts of random token ids make a small model loop, which prompt lookup
   exploits, so these rows show what speculation does on repetitive output, not on natural text.
+
+On a GPU machine without the checkpoint, `--random-weights smollm2-135m|llama-3.1-8b` builds a
+model of that shape with random weights (tokenizer from `--tokenizer`, default: the default
+model's); the engine and HF then run the same weights, and a check prints how many of the first
+`--check-requests` requests get HF's greedy tokens (first token, and all `--check-tokens`).
 """
+
 
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ def run_engine(llm, reqs) -> float:
 
 @torch.inference_mode()
 def run_hf_batched(hf, reqs, batch_size: int, pad_id: int) -> float:
+    dev = hf.device
     t = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
         chunk = reqs[i : i + batch_size]
@@ -59,18 +66,38 @@ def run_hf_batched(hf, reqs, batch_size: int, pad_id: int) -> float:
             ids[j, width - len(p) :] = torch.tensor(p)
             mask[j, width - len(p) :] = 1
         new = max(o for _, o in chunk)
-        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+        hf.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new, min_new_tokens=new,
                     do_sample=False, pad_token_id=pad_id)
     return time.perf_counter() - t
 
 
 @torch.inference_mode()
 def hf_single(hf, prompt, new: int, pad_id: int) -> float:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf.device)
     t = time.perf_counter()
     hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                 do_sample=False, pad_token_id=pad_id)
     return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def check_against_hf(llm, hf, reqs, new: int, pad_id: int) -> dict:
+    """Greedy tokens of the engine vs HF (one request at a time, unpadded) on the same weights."""
+    from engine import SamplingParams
+
+    outs = llm.generate([p for p, _ in reqs], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+    first = full = agree = 0
+    for (p, _), o in zip(reqs, outs, strict=True):
+        ids = torch.tensor([p], device=hf.device)
+        want = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=pad_id)[0, len(p):].tolist()
+        got = list(o.token_ids)
+        first += got[:1] == want[:1]
+        full += got == want
+        agree += next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    n = len(reqs)
+    return {"requests": n, "tokens": new, "first_token_match": first / n, "all_tokens_match": full / n,
+            "mean_tokens_before_divergence": agree / n}
 
 
 def engine_single(llm, prompt, new: int) -> float:
@@ -93,19 +120,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--speculative", type=int, default=3, help="n-gram drafts per step for the extra rows (0 = skip)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--random-weights", default=None, metavar="PRESET",
+                    help="random weights of a real shape instead of --model: smollm2-135m or llama-3.1-8b")
+    ap.add_argument("--tokenizer", default=None, help="model directory to take the tokenizer from (--random-weights)")
+    ap.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache size (default: the engine's)")
+    ap.add_argument("--check-requests", type=int, default=8, help="requests compared with HF token by token")
+    ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     a = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM
+    from engine import LLM, EngineConfig
 
-    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
-    spec = LLM(a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-               num_speculative_tokens=a.speculative) if a.speculative else None
+    hf = None
+    if a.random_weights is not None:
+        import atexit
+        import shutil
+        import tempfile
+
+        from engine.testing import make_random_model
+
+        cfg = EngineConfig(dtype=a.dtype)  # the engine's default device and dtype
+        a.model = tempfile.mkdtemp(prefix=f"agentrt-{a.random_weights}-")
+        atexit.register(shutil.rmtree, a.model, True)
+        _, hf = make_random_model(a.model, a.random_weights, dtype=cfg.torch_dtype, device=cfg.device,
+                                  seed=a.seed, tokenizer_from=a.tokenizer)
+    kw = {"dtype": a.dtype, "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens}
+    if a.kv_cache_gb is not None:
+        kw["kv_cache_bytes"] = int(a.kv_cache_gb * 2**30)
+    llm = LLM(a.model, **kw)
+    spec = LLM(a.model, num_speculative_tokens=a.speculative, **kw) if a.speculative else None
     dtype = llm.core.config.torch_dtype
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.core.model_path), dtype=dtype).to(llm.core.config.device).eval()
+    if hf is None:
+        hf = AutoModelForCausalLM.from_pretrained(str(llm.core.model_path), dtype=dtype)
+    hf = hf.to(llm.core.config.device).eval()
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
     reqs = workload(a.num_requests, a.seed)
     useful = sum(o for _, o in reqs)
@@ -116,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         run_engine(spec, [(p[:32], 4) for p, _ in warm])
     run_hf_batched(hf, [(p[:32], 4) for p, _ in warm], 2, pad_id)
 
-    results: dict = {"num_requests": a.num_requests, "output_tokens": useful, "dtype": str(dtype)}
+    results: dict = {"num_requests": a.num_requests, "output_tokens": useful, "dtype": str(dtype),
+                     "model": a.random_weights or str(llm.core.model_path), "device": llm.core.config.device}
+    if a.check_requests:
+        results["check"] = check_against_hf(llm, hf, [(p, 0) for p, _ in reqs[: a.check_requests]],
+                                            a.check_tokens, pad_id)
+        print(f"check vs HF: {results['check']}", file=sys.stderr)
     t_engine = run_engine(llm, reqs)
     print(f"engine: {t_engine:.1f} s", file=sys.stderr)
     results["engine_tok_s"] = useful / t_engine
@@ -171,18 +226,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{results['spec_acceptance']:.0%} accepted (drafts are off while more than 8 requests run).\n"
         if spec is not None else ""
     )
+    check = results.get("check")
+    check_note = (
+        f"Same weights, greedy, one request at a time, {check['tokens']} tokens: engine's first token = HF's for "
+        f"{check['first_token_match']:.0%} of {check['requests']} requests, all tokens for "
+        f"{check['all_tokens_match']:.0%} (mean {check['mean_tokens_before_divergence']:.1f} tokens before the "
+        f"first difference).\n" if check else ""
+    )
+    model_note = f"Model: random weights of {a.random_weights}'s shape. " if a.random_weights else ""
     summary = (
-        f"{a.num_requests} requests, prompts 16-512, outputs 16-256 ({useful} output tokens), ignore_eos, greedy, "
+        f"{model_note}{a.num_requests} requests, prompts 16-512, outputs 16-256 ({useful} output tokens), ignore_eos, greedy, "
         f"{dtype}.\n\n{table}\n\nEngine / best HF batched (batch {best_bsz}): **{results['ratio_vs_hf_batched']:.2f}x** "
         f"(target >= 3x)\n\n{single}\n\nSingle-request decode, engine / HF: **{results['ratio_single_decode']:.2f}x** "
-        f"(target >= 1.5x; {len(singles)} requests, prefill excluded)\n\n{spec_note}"
+        f"(target >= 1.5x; {len(singles)} requests, prefill excluded)\n\n{spec_note}{check_note}"
     )
     if a.json:
         print(json.dumps(results, indent=2))
     else:
         print(summary)
     if not a.no_docs:
-        write_section("Throughput", summary)
+        title = "Throughput" if a.random_weights is None else f"Throughput ({a.random_weights}, random weights, {results['device']})"
+        write_section(title, summary)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,8 +12,9 @@ import torch
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # HF directory (safetensors) or .gguf file; None = default SmolLM2-135M-Instruct
-    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU
-    device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = cuda if available
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = $AGENTRT_DTYPE, else float32 on CPU
+    # and bfloat16 on GPU
+    device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = $AGENTRT_DEVICE, else cuda if available
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV budget; None = 1 GiB on CPU, 90% of free memory on GPU
     num_blocks: int | None = None  # exact block count (overrides kv_cache_bytes; tests)
@@ -45,6 +47,10 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min!r} "
                              f"and {self.prompt_lookup_max!r}")
+        if self.dtype is None:
+            self.dtype = os.environ.get("AGENTRT_DTYPE") or None
+        if self.device is None:
+            self.device = os.environ.get("AGENTRT_DEVICE") or None
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device is None:

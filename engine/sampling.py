@@ -83,9 +83,14 @@ def sample(
             scaled = scaled.masked_fill(drop, float("-inf"))
         probs = scaled.softmax(dim=-1)
         # exponential-race sampling: argmax(p / E) with E ~ Exp(1); per-row generators keep seeds reproducible
+        # (a seeded request's generator lives on the CPU: its row is drawn there, so a seed gives the same
+        # tokens on any device)
         noise = torch.empty_like(probs)
         for i, g in enumerate(generators):
-            noise[i].exponential_(generator=g)
+            if g is None or g.device == noise.device:
+                noise[i].exponential_(generator=g)
+            else:
+                noise[i].copy_(torch.empty(noise.shape[1], dtype=noise.dtype, device=g.device).exponential_(generator=g))
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         tokens = torch.where(is_greedy, greedy_tokens, sampled)

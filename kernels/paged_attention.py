@@ -43,7 +43,9 @@ SDPA for 32 sequences of ~400 tokens (9 / 3 heads, D 64) on 2 cores.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -272,6 +274,24 @@ def _merge_splits_kernel(
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_LAUNCH_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+_launch_override: dict[str, int] = {}  # set by `launch_config` (benchmarks sweep tile shapes with it)
+
+
+@contextlib.contextmanager
+def launch_config(**config: int) -> Iterator[None]:
+    """Force the Triton kernel's tile shape inside a `with` block, for tuning sweeps: any of `block_m`
+    (packed query rows per tile, >= 16), `block_n` (KV positions per step, >= 16), `num_warps`, `num_stages`."""
+    bad = set(config) - set(_LAUNCH_KEYS)
+    if bad:
+        raise ValueError(f"unknown launch settings {sorted(bad)}; expected some of {', '.join(_LAUNCH_KEYS)}")
+    previous = dict(_launch_override)
+    _launch_override.update(config)
+    try:
+        yield
+    finally:
+        _launch_override.clear()
+        _launch_override.update(previous)
 _SPLIT_MIN_CONTEXT = 1024  # shorter decode contexts are not worth a second kernel
 _SPLIT_MIN_TOKENS = 256  # KV positions per split at least
 _MAX_SPLITS = 64
@@ -323,11 +343,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
 
     rows = meta.max_query_len * group
-    block_m = 16 if rows <= 16 else 64
+    block_m = _launch_override.get("block_m", 16 if rows <= 16 else 64)
     tile_start_loc = _tile_start_loc(meta, group, block_m)
     num_tiles = min(triton.cdiv(num_tokens * group, block_m) + meta.num_seqs,
                     meta.num_seqs * triton.cdiv(rows, block_m))
-    block_n = 64
+    block_n = _launch_override.get("block_n", 64)
     head_dim_p2 = triton.next_power_of_2(head_dim)
     wide = q.element_size() == 4 or head_dim_p2 > 128
     split_k = num_splits > 1
@@ -360,8 +380,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SPLIT_K=split_k,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-        num_warps=4,
-        num_stages=1 if wide else 2,
+        num_warps=_launch_override.get("num_warps", 4),
+        num_stages=_launch_override.get("num_stages", 1 if wide else 2),
     )
     if split_k:
         launchable(_merge_splits_kernel, q.device)[(num_tokens, num_heads)](

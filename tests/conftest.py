@@ -21,10 +21,11 @@ requires_default_model = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
-    """A 2-layer random Llama with the real tokenizer, written once per test session."""
+    """A 2-layer random Llama with the real tokenizer, written once per test session (the tokenizer from
+    $AGENTRT_TEST_TOKENIZER, a model directory, where the default model is not installed)."""
     from engine.testing import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=os.environ.get("AGENTRT_TEST_TOKENIZER"))
 
 
 @pytest.fixture(scope="session")
