@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
-    ap.add_argument("--single-requests", type=int, default=4, help="requests timed one at a time")
+    ap.add_argument("--single-requests", type=int, default=4, help="requests timed one at a time (0 = skip)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -199,12 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         if spec is not None:
             spec_dec += engine_single(spec, p, o) - engine_single(spec, p, 1)
         dec_tokens += o - 1
-    results["hf_single_decode_tok_s"] = dec_tokens / hf_dec
-    results["engine_single_decode_tok_s"] = dec_tokens / eng_dec
-    results["ratio_single_decode"] = hf_dec / eng_dec
+    if singles:
+        results["hf_single_decode_tok_s"] = dec_tokens / hf_dec
+        results["engine_single_decode_tok_s"] = dec_tokens / eng_dec
+        results["ratio_single_decode"] = hf_dec / eng_dec
     if spec is not None:
-        results["spec_single_decode_tok_s"] = dec_tokens / spec_dec
-        results["ratio_single_decode_spec"] = hf_dec / spec_dec
+        if singles:
+            results["spec_single_decode_tok_s"] = dec_tokens / spec_dec
+            results["ratio_single_decode_spec"] = hf_dec / spec_dec
         results["spec_draft_tokens"] = spec.core.num_draft_tokens
         results["spec_acceptance"] = 1 - spec.core.num_rejected_tokens / max(1, spec.core.num_draft_tokens)
 
@@ -215,12 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     for b, r in hf_rows.items():
         rows.append([f"HF generate, batch {b}", f"{r['s']:.1f}", r["tok_s"], r["tok_s"] / results["engine_tok_s"]])
     table = markdown_table(["system", "wall s", "output tok/s", "vs engine"], rows)
-    single_rows = [["agentrt engine", results["engine_single_decode_tok_s"], results["ratio_single_decode"]]]
-    if spec is not None:
-        single_rows.append([f"agentrt engine + n-gram speculation (k={a.speculative})",
-                            results["spec_single_decode_tok_s"], results["ratio_single_decode_spec"]])
-    single_rows.append(["HF generate", results["hf_single_decode_tok_s"], 1.0])
-    single = markdown_table(["single request (decode only)", "tok/s", "vs HF"], single_rows)
+    single_note = ""
+    if singles:
+        single_rows = [["agentrt engine", results["engine_single_decode_tok_s"], results["ratio_single_decode"]]]
+        if spec is not None:
+            single_rows.append([f"agentrt engine + n-gram speculation (k={a.speculative})",
+                                results["spec_single_decode_tok_s"], results["ratio_single_decode_spec"]])
+        single_rows.append(["HF generate", results["hf_single_decode_tok_s"], 1.0])
+        single = markdown_table(["single request (decode only)", "tok/s", "vs HF"], single_rows)
+        single_note = (f"{single}\n\nSingle-request decode, engine / HF: **{results['ratio_single_decode']:.2f}x** "
+                       f"(target >= 1.5x; {len(singles)} requests, prefill excluded)\n\n")
     spec_note = (
         f"Speculation: {results['spec_draft_tokens']} drafts over all engine + speculation runs, "
         f"{results['spec_acceptance']:.0%} accepted (drafts are off while more than 8 requests run).\n"
@@ -237,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = (
         f"{model_note}{a.num_requests} requests, prompts 16-512, outputs 16-256 ({useful} output tokens), ignore_eos, greedy, "
         f"{dtype}.\n\n{table}\n\nEngine / best HF batched (batch {best_bsz}): **{results['ratio_vs_hf_batched']:.2f}x** "
-        f"(target >= 3x)\n\n{single}\n\nSingle-request decode, engine / HF: **{results['ratio_single_decode']:.2f}x** "
-        f"(target >= 1.5x; {len(singles)} requests, prefill excluded)\n\n{spec_note}{check_note}"
+        f"(target >= 3x)\n\n{single_note}{spec_note}{check_note}"
     )
     if a.json:
         print(json.dumps(results, indent=2))

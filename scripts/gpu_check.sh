@@ -9,7 +9,8 @@
 # without it the default model must be installed. Each step gets what is left of the budget (default
 # 540 s) and its own cap, so a slow step cannot starve the rest of their log. Results land in $OUT:
 # run.log (everything), gpu_tests.log, engine_tests.log, kernels.json, throughput_*.json and
-# benchmarks.md (docs/benchmarks.md with the sections these runs wrote).
+# benchmarks.md (docs/benchmarks.md with the sections these runs wrote). ONLY="step names" runs
+# just those steps (info gpu-tests kernels-bench throughput-smollm2 engine-tests throughput-llama8b).
 set -u
 OUT=${OUT:?set OUT to a results directory}
 mkdir -p "$OUT"
@@ -28,6 +29,9 @@ fi
 step() {  # step NAME CAP_SECONDS COMMAND...
     local name=$1 cap=$2
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+        return
+    fi
     local left=$((BUDGET - ($(date +%s) - START) - 5))
     local limit=$((cap < left ? cap : left))
     if [ "$limit" -le 10 ]; then
@@ -44,10 +48,10 @@ step info 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,cl
     $PY -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'"
 step gpu-tests 150 bash -c "$PY -m pytest -q -p no:cacheprovider -n 4 tests/gpu > '$OUT/gpu_tests.log' 2>&1; rc=\$?; tail -40 '$OUT/gpu_tests.log'; exit \$rc"
 step kernels-bench 150 $PY -m bench.kernels --sweep --out "$OUT/kernels.json"
-step throughput-smollm2 120 $PY -m bench.throughput --random-weights smollm2-135m $TOK_ARG --hf-batch-sizes 16,64 \
-    --single-requests 2 --speculative 0 --kv-cache-gb 8 --json
+step throughput-smollm2 120 $PY -m bench.throughput --random-weights smollm2-135m $TOK_ARG --hf-batch-sizes 64 \
+    --single-requests 1 --check-requests 4 --speculative 0 --kv-cache-gb 8 --json
 step engine-tests 120 bash -c "AGENTRT_DTYPE=float32 $PY -m pytest -q -p no:cacheprovider tests/engine > '$OUT/engine_tests.log' 2>&1; rc=\$?; tail -40 '$OUT/engine_tests.log'; exit \$rc"
 step throughput-llama8b 200 $PY -m bench.throughput --random-weights llama-3.1-8b $TOK_ARG --hf-batch-sizes 64 \
-    --single-requests 1 --speculative 0 --kv-cache-gb 24 --check-requests 4 --check-tokens 16 --json
+    --single-requests 0 --speculative 0 --kv-cache-gb 24 --check-requests 4 --check-tokens 16 --json
 cp docs/benchmarks.md "$OUT/benchmarks.md"
 echo "=== done in $(($(date +%s) - START))s" | tee -a "$OUT/run.log"
