@@ -141,26 +141,34 @@ def _decode(shape: Shape, copy_gbps: float, device: torch.device, batches: list[
     return decode, paging
 
 
+def _prefill_case(shape: Shape, device: torch.device, q_len: int, context: int):
+    """One sequence of `q_len` new tokens after `context` cached ones over a shuffled block table:
+    (q, k_cache, v_cache, meta, flops of its causal attention)."""
+    from kernels import build_attention_metadata
+
+    seq_len = q_len + context
+    blocks = -(-seq_len // shape.block_size)
+    k_cache, v_cache = _paged_cache(shape, blocks, device)
+    table = torch.randperm(blocks, device=device).to(torch.int32).view(1, blocks)
+    meta = build_attention_metadata(
+        torch.tensor([0, q_len], dtype=torch.int32, device=device),
+        torch.tensor([seq_len], dtype=torch.int32, device=device), table, q_len, seq_len)
+    q = torch.randn(q_len, shape.num_heads, shape.head_dim, dtype=shape.dtype, device=device)
+    # Row i sees context + i + 1 keys; QK^T and PV cost 2 * D flops per (row, key, head) each.
+    flops = 4 * (q_len * context + q_len * (q_len + 1) // 2) * shape.num_heads * shape.head_dim
+    return q, k_cache, v_cache, meta, flops
+
+
 def _prefill(shape: Shape, device: torch.device, cases: list[tuple[int, int]]) -> list[dict]:
     import torch.nn.functional as F
 
-    from kernels import build_attention_metadata, paged_attention_triton
+    from kernels import paged_attention_triton
 
     scale = shape.head_dim ** -0.5
     rows = []
     for q_len, context in cases:
-        seq_len = q_len + context
-        blocks = -(-seq_len // shape.block_size)
-        k_cache, v_cache = _paged_cache(shape, blocks, device)
-        table = torch.randperm(blocks, device=device).to(torch.int32).view(1, blocks)
-        meta = build_attention_metadata(
-            torch.tensor([0, q_len], dtype=torch.int32, device=device),
-            torch.tensor([seq_len], dtype=torch.int32, device=device), table, q_len, seq_len)
-        q = torch.randn(q_len, shape.num_heads, shape.head_dim, dtype=shape.dtype, device=device)
+        q, k_cache, v_cache, meta, flops = _prefill_case(shape, device, q_len, context)
         ms = _time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, scale))
-        # Row i sees context + i + 1 keys; QK^T and PV cost 2 * D flops per (row, key, head) each.
-        visible_pairs = q_len * context + q_len * (q_len + 1) // 2
-        flops = 4 * visible_pairs * shape.num_heads * shape.head_dim
         row = {"q_len": q_len, "context": context, "time_ms": ms, "tflop_per_s": flops / ms / 1e9}
         if context == 0:  # SDPA's is_causal aligns the diagonal top-left, which is only right without context
             # K/V expanded to all query heads, so SDPA's flash kernel runs without GQA support.
@@ -188,7 +196,7 @@ PREFILL_SWEEP_CASES = [(4096, 0), (512, 7680)]
 
 def _sweep(shape: Shape, copy_gbps: float, device: torch.device) -> dict:
     """Time the decode and prefill kernels under each tile shape of the sweep lists (same data per case)."""
-    from kernels import build_attention_metadata, paged_attention_triton
+    from kernels import paged_attention_triton
     from kernels.paged_attention import launch_config
 
     scale = shape.head_dim ** -0.5
@@ -219,15 +227,7 @@ def _sweep(shape: Shape, copy_gbps: float, device: torch.device) -> dict:
         del k_cache, v_cache, q, meta
         torch.cuda.empty_cache()
     for q_len, context in PREFILL_SWEEP_CASES:
-        seq_len = q_len + context
-        blocks = -(-seq_len // shape.block_size)
-        k_cache, v_cache = _paged_cache(shape, blocks, device)
-        table = torch.randperm(blocks, device=device).to(torch.int32).view(1, blocks)
-        meta = build_attention_metadata(
-            torch.tensor([0, q_len], dtype=torch.int32, device=device),
-            torch.tensor([seq_len], dtype=torch.int32, device=device), table, q_len, seq_len)
-        q = torch.randn(q_len, shape.num_heads, shape.head_dim, dtype=shape.dtype, device=device)
-        flops = 4 * (q_len * context + q_len * (q_len + 1) // 2) * shape.num_heads * shape.head_dim
+        q, k_cache, v_cache, meta, flops = _prefill_case(shape, device, q_len, context)
         for bm, bn, w, st in PREFILL_SWEEP:
             config = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st}
             try:

@@ -68,3 +68,21 @@ def to_device(batch: PagedBatch, device: str | torch.device) -> PagedBatch:
                                     m.max_query_len, m.max_seq_len)
     return PagedBatch(batch.q.to(device), batch.k_cache.to(device), batch.v_cache.to(device), meta,
                       batch.keys, batch.values, batch.query_start_loc)
+
+
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def check_rule(out: torch.Tensor, batch: PagedBatch, scale: float) -> None:
+    """flash-attention's rule: err(kernel) <= 2 * err(torch, same dtype) + atol, errors against fp32 dense
+    attention; `out` may live on any device (compared on the CPU, where `batch` is)."""
+    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
+    out = out.cpu()
+    assert not out.isnan().any()
+    gold = batch.dense(scale)
+    from kernels import paged_attention_ref
+
+    same_dtype = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    err = (out.float() - gold).abs().max().item()
+    err_torch = (same_dtype.float() - gold).abs().max().item()
+    assert err <= 2 * err_torch + ATOL[batch.q.dtype], f"err {err:.3g} vs torch {err_torch:.3g}"

@@ -1,5 +1,7 @@
 """Engine behaviour on a tiny random Llama: HF parity, batching, preemption, sampling, errors."""
 
+import os
+
 import anyio
 import pytest
 import torch
@@ -194,3 +196,30 @@ def test_rope_pair_layout_preserves_attention_scores():
     torch.testing.assert_close(scores, scores_hf, rtol=1e-5, atol=1e-5)
     # and the pair layout is a real permutation: position 1 holds HF's dim D/2
     assert torch.equal(qp[:, :, 1], q[:, :, D // 2])
+
+
+def test_llama31_layout_matches_hf(tmp_path):
+    """Llama-3.1-8B's layout, scaled down: head_dim 128, GQA 4, llama3 rope scaling, untied lm_head."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.loader import load_tokenizer, resolve_model
+    from engine.testing import PRESETS
+
+    cfg = {**PRESETS["llama-3.1-8b"], "num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 1024,
+           "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 49152}
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+    hf.save_pretrained(tmp_path)
+    load_tokenizer(resolve_model(os.environ.get("AGENTRT_TEST_TOKENIZER"))).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), num_blocks=64, block_size=16, max_num_batched_tokens=128)
+    prompts = prompts_of([20, 300], seed=7)
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        ids = torch.tensor([p])
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                           do_sample=False)[0, len(p):].tolist()
+        assert o.token_ids == want
+    assert_all_blocks_free(llm.core)

@@ -10,7 +10,6 @@ import torch
 from kernels import (
     copy_blocks_ref,
     copy_blocks_triton,
-    paged_attention_ref,
     paged_attention_triton,
     rms_norm_ref,
     rms_norm_triton,
@@ -20,7 +19,7 @@ from kernels import (
     store_kv_triton,
 )
 from kernels.paged_attention import _auto_num_splits
-from tests.paged_batch import make_paged_batch, to_device
+from tests.paged_batch import check_rule, make_paged_batch, to_device
 
 CUDA = torch.device("cuda")
 SCENARIOS = {
@@ -31,20 +30,6 @@ SCENARIOS = {
     "long_prefill": ([300, 1], [700, 1000]),
 }
 GQA = [(4, 4), (9, 3), (8, 1), (32, 8)]  # ratios 1, 3, 8, 4 (Llama-3.1-8B)
-ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def check(out: torch.Tensor, batch, scale: float) -> None:
-    assert out.is_cuda and out.dtype == batch.q.dtype and out.shape == batch.q.shape
-    out = out.cpu()
-    assert not out.isnan().any()
-    gold = batch.dense(scale)
-    same_dtype = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
-    err = (out.float() - gold).abs().max().item()
-    err_torch = (same_dtype.float() - gold).abs().max().item()
-    assert err <= 2 * err_torch + ATOL[batch.q.dtype], f"err {err:.3g} vs torch {err_torch:.3g}"
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", GQA)
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -52,7 +37,7 @@ def test_paged_attention(scenario, heads, dtype):
     batch = make_paged_batch(*SCENARIOS[scenario], *heads, 64, 16, dtype)
     gpu = to_device(batch, CUDA)
     out = paged_attention_triton(gpu.q, gpu.k_cache, gpu.v_cache, gpu.meta, 0.125, num_splits=1)
-    check(out, batch, 0.125)
+    check_rule(out, batch, 0.125)
 
 
 @pytest.mark.parametrize(("head_dim", "block_size", "dtype"), [
@@ -64,7 +49,7 @@ def test_paged_attention_head_dims_and_block_sizes(scenario, head_dim, block_siz
     batch = make_paged_batch(*SCENARIOS[scenario], 32, 8, head_dim, block_size, dtype, seed=1)
     gpu = to_device(batch, CUDA)
     scale = head_dim ** -0.5
-    check(paged_attention_triton(gpu.q, gpu.k_cache, gpu.v_cache, gpu.meta, scale), batch, scale)
+    check_rule(paged_attention_triton(gpu.q, gpu.k_cache, gpu.v_cache, gpu.meta, scale), batch, scale)
 
 
 @pytest.mark.parametrize("num_splits", [None, 2, 7])
@@ -75,7 +60,7 @@ def test_split_k_decode(num_splits, dtype):
     if num_splits is None:
         assert _auto_num_splits(gpu.meta, 8, CUDA) > 1  # 4 sequences x 8 kv heads cannot fill the GPU
     scale = 128 ** -0.5
-    check(paged_attention_triton(gpu.q, gpu.k_cache, gpu.v_cache, gpu.meta, scale, num_splits=num_splits), batch,
+    check_rule(paged_attention_triton(gpu.q, gpu.k_cache, gpu.v_cache, gpu.meta, scale, num_splits=num_splits), batch,
           scale)
 
 

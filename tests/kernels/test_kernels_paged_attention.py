@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kernels import cpu, paged_attention_ref, paged_attention_triton
 from kernels.paged_attention import CPP_MAX_QUERY_ROWS, _auto_num_splits
 
-from .conftest import make_paged_batch
+from tests.paged_batch import ATOL, check_rule, make_paged_batch
 
 # (query lengths, sequence lengths): decode rows, prefill chunks over cached context, fresh prefill;
 # lengths deliberately not multiples of the block size.
@@ -22,20 +22,6 @@ DECODE_SPREAD = ([1, 1, 1, 1, 1, 2], [3, 300, 40, 620, 290, 45])  # torch path: 
 SCENARIOS = {"mixed": MIXED, "prefill": PREFILL, "decode": DECODE, "decode_equal": DECODE_EQUAL,
              "decode_one": DECODE_ONE, "decode_spread": DECODE_SPREAD}
 GQA = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): ratios 1, 3, 8
-ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def check_rule(out: torch.Tensor, batch, scale: float) -> None:
-    """flash-attention's rule: err(kernel) <= 2 * err(torch, same dtype) + atol, errors against fp32."""
-    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
-    assert not out.isnan().any()
-    gold = batch.dense(scale)
-    same_dtype = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
-    err = (out.float() - gold).abs().max().item()
-    err_torch = (same_dtype.float() - gold).abs().max().item()
-    assert err <= 2 * err_torch + ATOL[batch.q.dtype], f"err {err:.3g} vs torch {err_torch:.3g}"
-
-
 @pytest.fixture(params=[True, False], ids=["cpp", "torch"])
 def cpu_kernels(request):
     """The CPU path with the C++ kernel (when it builds here) and without it."""
