@@ -234,10 +234,12 @@ def policy_spec(policy: str, args: argparse.Namespace) -> tuple[str, dict[str, A
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
     """The workload, engine and policy options shared with `agentrt bench simulate`."""
-    ap.add_argument("--programs", type=int, default=96, help="programs per policy")
-    ap.add_argument("--rate", type=float, default=0.27,
+    ap.add_argument("--programs", type=int, default=160,
+                    help="programs per policy (with fewer, one run's mean and p99 swing with the seed: simulated "
+                         "PLAS / fcfs over seeds 0-3 is 0.47-0.57x at 96 programs, 0.48-0.50x at 160)")
+    ap.add_argument("--rate", type=float, default=0.25,
                     help="program arrivals per second (Poisson); the default mix saturates the CPU engine at "
-                         "~0.30 (`agentrt bench simulate --capacity`), so 0.27 runs it near saturation")
+                         "~0.27 (`agentrt bench simulate --capacity`), so 0.25 runs it near saturation")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="fcfs,mlfq,plas,atlas",
                     help="comma-separated NAME[:np][:KEY=VALUE...], e.g. fcfs,plas,plas:beta=2,atlas:np")
@@ -248,7 +250,9 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--beta", type=float, default=None, help="plas/atlas: override the default")
     ap.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
                     help=f"tree programs: parallel calls per round x rounds (default {TREE['width']}x{TREE['depth']})")
-    ap.add_argument("--react-calls", type=int, default=None, help=f"calls per ReAct program (default {REACT['calls']})")
+    ap.add_argument("--react-calls", default=None, metavar="N|LO-HI",
+                    help="calls per ReAct program, fixed or uniform in a range "
+                         f"(default {REACT['calls'][0]}-{REACT['calls'][1]})")
     ap.add_argument("--step-tokens", type=int, default=None,
                     help=f"output tokens per ReAct / tree call (default {REACT['max_tokens']})")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -262,7 +266,15 @@ def setup(args: argparse.Namespace) -> tuple[list[ProgramSpec], dict[str, Any]]:
         except ValueError:
             raise SystemExit(f"--tree must be WIDTHxDEPTH such as 4x4, got {args.tree!r}") from None
     if args.react_calls is not None:
-        REACT["calls"] = args.react_calls
+        try:
+            lo, _, hi = str(args.react_calls).partition("-")
+            calls = (int(lo), int(hi or lo))
+            if not 1 <= calls[0] <= calls[1]:
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"--react-calls must be N or LO-HI with 1 <= LO <= HI, such as 4 or 2-10, "
+                             f"got {args.react_calls!r}") from None
+        REACT["calls"] = calls
     if args.step_tokens is not None:
         REACT["max_tokens"] = TREE["max_tokens"] = args.step_tokens
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
@@ -273,7 +285,7 @@ def new_report(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, An
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} {platform.python_version()}",
-        "config": {"tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": REACT["calls"], "step_tokens": REACT["max_tokens"],
+        "config": {"tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": "{}-{}".format(*REACT["calls"]), "step_tokens": REACT["max_tokens"],
                    "first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta,
                    "programs": args.programs, "rate": args.rate, "seed": args.seed, "engine": engine,
                    "model": getattr(args, "model", None)},

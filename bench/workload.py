@@ -51,14 +51,15 @@ Plan = Generator[Call | Parallel | Tool, Any, None]
 
 # Sizes. Agent steps (a ReAct thought + action, a tree node) generate 32 tokens (real ones run 50-200);
 # with 8-token steps no call holds a seat long enough to block anyone and every policy is processor
-# sharing in disguise (docs/benchmarks.md, earlier runs). A tree round is 16 parallel calls, LATS-like
-# (8 sampled children, each with a value call), four times the engine's seats: the fan-out that makes
-# call-level FCFS put every later program behind it. Most programs are chats, a few are tree searches
-# that carry most of the work: the heavy tail of Autellix's traces, scaled down.
+# sharing in disguise (docs/benchmarks.md, earlier runs). A ReAct loop makes 2-10 calls (uniform: BFCL-like
+# tasks take a few tool calls, some many). A tree round is 16 parallel calls, LATS-like (8 sampled
+# children, each with a value call), four times the engine's seats: the fan-out that makes call-level
+# FCFS put every later program behind it; a search expands 3 levels. Most programs are chats, a few are
+# tree searches that carry most of the work: the heavy tail of Autellix's traces, scaled down.
 CHAT = {"prompt": 32, "max_tokens": 16}
-REACT = {"calls": 4, "prompt": 64, "max_tokens": 32, "observation": 16, "tool_s": (0.2, 0.6)}
-TREE = {"width": 16, "depth": 2, "prompt": 32, "max_tokens": 32}
-MIX = {"chat": 0.7, "react": 0.2, "tree": 0.1}
+REACT = {"calls": (2, 10), "prompt": 64, "max_tokens": 32, "observation": 16, "tool_s": (0.2, 0.6)}
+TREE = {"width": 16, "depth": 3, "prompt": 32, "max_tokens": 32}
+MIX = {"chat": 0.8, "react": 0.12, "tree": 0.08}
 
 
 def describe() -> str:
@@ -66,7 +67,8 @@ def describe() -> str:
     kinds = ", ".join(f"{k} {v:.0%}" for k, v in MIX.items())
     return (
         f"{kinds}; chat = 1 call ({CHAT['prompt'] + 32} prompt / {CHAT['max_tokens']} output tokens), "
-        f"react = {REACT['calls']} sequential calls with {REACT['tool_s'][0]}-{REACT['tool_s'][1]} s tool gaps, "
+        f"react = {REACT['calls'][0]}-{REACT['calls'][1]} sequential calls with {REACT['tool_s'][0]}-{REACT['tool_s'][1]} s "
+        "tool gaps, "
         f"tree = root + {TREE['depth']} rounds of {TREE['width']} parallel calls + final call, "
         f"{REACT['max_tokens']} output tokens per ReAct / tree call"
     )
@@ -103,10 +105,11 @@ def chat_plan(rng: random.Random) -> Plan:
 
 
 def react_plan(rng: random.Random) -> Plan:
+    calls = rng.randint(*REACT["calls"])
     history = _PREFIX["react"] + tokens(rng, REACT["prompt"])
-    for i in range(REACT["calls"]):
+    for i in range(calls):
         history = history + (yield Call(history, REACT["max_tokens"]))
-        if i + 1 < REACT["calls"]:
+        if i + 1 < calls:
             history = history + (yield Tool(rng.uniform(*REACT["tool_s"]), tokens(rng, REACT["observation"])))
 
 

@@ -13,8 +13,10 @@ from engine.request import Request
 from engine.sampling import SamplingParams
 
 
-def _calls(kind: str) -> int:
-    return {"chat": 1, "react": wl.REACT["calls"], "tree": 2 + wl.TREE["width"] * wl.TREE["depth"]}[kind]
+def _calls_ok(kind: str, calls: int) -> bool:
+    if kind == "react":
+        return wl.REACT["calls"][0] <= calls <= wl.REACT["calls"][1]
+    return calls == {"chat": 1, "tree": 2 + wl.TREE["width"] * wl.TREE["depth"]}[kind]
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "mlfq", "plas", "atlas"])
@@ -23,7 +25,7 @@ def test_every_program_runs_its_plan_and_all_blocks_come_back(policy):
     res = sim.simulate(policy, work)  # asserts inside: no leaked block, no unfinished program
     assert len(res["programs"]) == 24
     for spec, prog in zip(work, res["programs"]):
-        assert prog["kind"] == spec.kind and prog["calls"] == _calls(spec.kind)
+        assert prog["kind"] == spec.kind and _calls_ok(spec.kind, prog["calls"])
         assert prog["latency_s"] > 0
     assert res["makespan_s"] >= max(s.arrival_s for s in work)
     assert 0 < res["utilization"] <= 1
