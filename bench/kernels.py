@@ -10,7 +10,9 @@ Measured in one run, on the Llama-3.1-8B attention shape (H=32, KVH=8, D=128, bf
   for batch x context, as a fraction of the copy bandwidth;
 - paging cost: the same decode with a shuffled block table, an identity table over contiguous
   blocks, and torch SDPA on a contiguous `[B, KVH, L, D]` cache;
-- prefill: causal attention TFLOP/s, against torch SDPA (flash) on the same shapes.
+- prefill: causal attention TFLOP/s, against torch SDPA (flash) on the same shapes;
+- with `--sweep`, decode and prefill again under other tile shapes and split counts (the evidence for
+  the launcher's choices).
 Timing: `triton.testing.do_bench` (warm-up excluded, L2 flushed between calls, median).
 """
 
@@ -184,7 +186,8 @@ def _prefill(shape: Shape, device: torch.device, cases: list[tuple[int, int]]) -
 
 
 # Tile shapes tried by `--sweep`: (block_n, num_warps, num_stages) for decode (block_m stays 16),
-# (block_m, block_n, num_warps, num_stages) for prefill; the first of each is the launcher's default.
+# (block_m, block_n, num_warps, num_stages) for prefill. The first of each is the launcher's fixed shape
+# before the first sweep; decode now takes block_n 128 when a launch has few programs per SM (from it).
 DECODE_SWEEP = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 2, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2),
                 (128, 8, 3), (64, 8, 3)]
 DECODE_SWEEP_CASES = [(32, 4096), (128, 4096), (32, 16384), (256, 8192)]

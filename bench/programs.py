@@ -253,6 +253,9 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--react-calls", default=None, metavar="N|LO-HI",
                     help="calls per ReAct program, fixed or uniform in a range "
                          f"(default {REACT['calls'][0]}-{REACT['calls'][1]})")
+    ap.add_argument("--mix", default=None, metavar="KIND=WEIGHT,...",
+                    help="program kinds and their weights, e.g. chat=0.7,react=0.2,tree=0.1 (default "
+                         + ",".join(f"{k}={v:g}" for k, v in wl.MIX.items()) + ")")
     ap.add_argument("--step-tokens", type=int, default=None,
                     help=f"output tokens per ReAct / tree call (default {REACT['max_tokens']})")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -267,8 +270,8 @@ def setup(args: argparse.Namespace) -> tuple[list[ProgramSpec], dict[str, Any]]:
             raise SystemExit(f"--tree must be WIDTHxDEPTH such as 4x4, got {args.tree!r}") from None
     if args.react_calls is not None:
         try:
-            lo, _, hi = str(args.react_calls).partition("-")
-            calls = (int(lo), int(hi or lo))
+            lo, sep, hi = str(args.react_calls).partition("-")
+            calls = (int(lo), int(hi) if sep else int(lo))
             if not 1 <= calls[0] <= calls[1]:
                 raise ValueError
         except ValueError:
@@ -277,6 +280,16 @@ def setup(args: argparse.Namespace) -> tuple[list[ProgramSpec], dict[str, Any]]:
         REACT["calls"] = calls
     if args.step_tokens is not None:
         REACT["max_tokens"] = TREE["max_tokens"] = args.step_tokens
+    if args.mix is not None:
+        try:
+            mix = {k.strip(): float(w) for k, _, w in (item.partition("=") for item in args.mix.split(","))}
+            if not mix or set(mix) - set(wl.PLANS) or min(mix.values()) < 0 or sum(mix.values()) <= 0:
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"--mix must be KIND=WEIGHT pairs of {', '.join(wl.PLANS)} with weights >= 0, such as "
+                             f"chat=0.7,react=0.2,tree=0.1, got {args.mix!r}") from None
+        wl.MIX.clear()
+        wl.MIX.update(mix)
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     return make_workload(args.programs, args.rate, args.seed), engine
 
@@ -285,7 +298,7 @@ def new_report(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, An
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} {platform.python_version()}",
-        "config": {"tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": "{}-{}".format(*REACT["calls"]), "step_tokens": REACT["max_tokens"],
+        "config": {"mix": dict(wl.MIX), "tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": "{}-{}".format(*REACT["calls"]), "step_tokens": REACT["max_tokens"],
                    "first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta,
                    "programs": args.programs, "rate": args.rate, "seed": args.seed, "engine": engine,
                    "model": getattr(args, "model", None)},

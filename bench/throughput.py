@@ -18,7 +18,6 @@ model's); the engine and HF then run the same weights, and a check prints how ma
 `--check-requests` requests get HF's greedy tokens (first token, and all `--check-tokens`).
 """
 
-
 from __future__ import annotations
 
 import argparse

@@ -276,6 +276,10 @@ def _merge_splits_kernel(
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _LAUNCH_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 _launch_override: dict[str, int] = {}  # set by `launch_config` (benchmarks sweep tile shapes with it)
+_SPLIT_MIN_CONTEXT = 1024  # shorter decode contexts are not worth a second kernel
+_SPLIT_MIN_TOKENS = 256  # KV positions per split at least
+_MAX_SPLITS = 64
+_DECODE_WIDE_PROGRAMS_PER_SM = 4  # decode launches with at most this many programs per SM use block_n 128
 
 
 @contextlib.contextmanager
@@ -292,10 +296,6 @@ def launch_config(**config: int) -> Iterator[None]:
     finally:
         _launch_override.clear()
         _launch_override.update(previous)
-_SPLIT_MIN_CONTEXT = 1024  # shorter decode contexts are not worth a second kernel
-_SPLIT_MIN_TOKENS = 256  # KV positions per split at least
-_MAX_SPLITS = 64
-_DECODE_WIDE_PROGRAMS_PER_SM = 4  # decode launches with at most this many programs per SM use block_n 128
 
 
 @functools.cache
@@ -351,7 +351,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     head_dim_p2 = triton.next_power_of_2(head_dim)
     wide = q.element_size() == 4 or head_dim_p2 > 128
     # Decode tiles (16 rows) in 16-bit with few programs per SM stream 128 KV positions per step: more
-    # bytes in flight per SM (H200, Llama-3.1-8B shape: 75% -> 91% of copy bandwidth at batch 32 x 4k);
+    # bytes in flight per SM (H200, Llama-3.1-8B shape: 75% -> 89% of copy bandwidth at batch 32 x 4k);
     # with many programs per SM 64 is as fast or a little faster (103% vs 100% at batch 128 x 4k).
     few_programs = num_tiles * num_splits * num_kv_heads <= _DECODE_WIDE_PROGRAMS_PER_SM * _num_sms(q.device)
     block_n = _launch_override.get("block_n", 128 if block_m == 16 and not wide and few_programs else 64)

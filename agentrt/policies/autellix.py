@@ -51,14 +51,16 @@ from engine.request import Request
 #     top queue, a ReAct loop moves down over its calls, a tree search lands in the last queue, where
 #     programs are served oldest first. With K = 8 the last queue starts at 64 s: tree searches at
 #     different stages sit in different queues and a newer one overtakes an older one, which makes
-#     every tree late. Simulated, 96 programs at 0.8 / 0.9 / 1.0 of saturation, 5 seeds (mean / p99
-#     vs fcfs): these defaults 0.57 / 0.51 / 0.47x, p99 1.13 / 1.11 / 1.20x; K = 8 0.67 / 0.61 / 0.61x,
-#     p99 1.40-1.78x; order="call" 0.63 / 0.58 / 0.55x, p99 1.25-1.41x; live=False 0.69 / 0.65 / 0.63x,
+#     every tree late. Simulated on the benchmark's earlier mix (70% chats, 4-call ReAct, 2-round trees),
+#     96 programs at 0.8 / 0.9 / 1.0 of saturation, 5 seeds (mean / p99 vs fcfs): these defaults
+#     0.57 / 0.51 / 0.47x, p99 1.13 / 1.11 / 1.20x; K = 8 0.67 / 0.61 / 0.61x, p99 1.40-1.78x; order="call" 0.63 / 0.58 / 0.55x, p99 1.25-1.41x; live=False 0.69 / 0.65 / 0.63x,
 #     p99 1.18-1.31x; all three as before (K = 8, by call, not live) 0.77-0.81x, p99 1.64-2.11x.
 #   quantum 1 s (= the first boundary): with `live` the program's service moves its calls down; the
 #     quantum only matters for one long call, and 0.5-2 s measured the same.
 #   beta 8 (the reimplementation's): smaller values promote trees into the top queue early and give
 #     back the chats' gain without improving the tail (beta 1-2: mean 0.75-0.84x, p99 1.10-1.22x).
+# On the current mix (bench/workload.py: 2-10-call ReAct, 3-round trees), 160 programs, 5 seeds, the
+# same defaults give PLAS 0.55 / 0.50 / 0.48x, p99 0.95 / 0.91 / 0.85x at 0.8 / 0.9 / 1.0 of saturation.
 DEFAULTS: dict[str, dict[str, float]] = {
     "time": {"first_boundary": 1.0, "quantum": 1.0, "beta": 8.0},
     "tokens": {"first_boundary": 128.0, "quantum": 64.0, "beta": 8.0},

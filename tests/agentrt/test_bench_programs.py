@@ -47,3 +47,54 @@ def test_policy_entries_with_overrides():
                          ("mlfq:order=call", "unknown policy variant 'order=call'")]:
         with pytest.raises(SystemExit, match=message):
             bench.policy_spec(bad, args)
+
+
+def test_react_calls_option(monkeypatch):
+    import argparse
+
+    import pytest
+
+    from bench import workload as wl
+
+    monkeypatch.setitem(wl.REACT, "calls", wl.REACT["calls"])  # restored after the test
+    ap = argparse.ArgumentParser()
+    bench.add_common_args(ap)
+    bench.setup(ap.parse_args(["--programs", "2", "--react-calls", "3"]))
+    assert wl.REACT["calls"] == (3, 3)
+    bench.setup(ap.parse_args(["--programs", "2", "--react-calls", "2-6"]))
+    assert wl.REACT["calls"] == (2, 6)
+    counts = {sum(1 for _ in _calls(wl.react_plan(__import__("random").Random(s)))) for s in range(40)}
+    assert counts == {2, 3, 4, 5, 6}
+    for bad in ("0", "5-2", "x", "2-"):
+        with pytest.raises(SystemExit, match=f"--react-calls must be N or LO-HI .* got '{bad}'"):
+            bench.setup(ap.parse_args(["--programs", "2", "--react-calls", bad]))
+
+
+def test_mix_option(monkeypatch):
+    import argparse
+
+    import pytest
+
+    from bench import workload as wl
+
+    monkeypatch.setattr(wl, "MIX", dict(wl.MIX))
+    ap = argparse.ArgumentParser()
+    bench.add_common_args(ap)
+    work, _ = bench.setup(ap.parse_args(["--programs", "30", "--mix", "chat=1,tree=0"]))
+    assert wl.MIX == {"chat": 1.0, "tree": 0.0} and {s.kind for s in work} == {"chat"}
+    for bad in ("chat=1,poem=2", "chat=-1", "chat", "chat=0"):
+        with pytest.raises(SystemExit, match=f"--mix must be KIND=WEIGHT pairs of chat, react, tree .* got '{bad}'"):
+            bench.setup(ap.parse_args(["--programs", "2", "--mix", bad]))
+
+
+def _calls(plan):
+    """The Call actions of a plan, answering each with two tokens."""
+    value = None
+    while True:
+        try:
+            action = plan.send(value)
+        except StopIteration:
+            return
+        value = [1, 2] if not hasattr(action, "seconds") else action.observation
+        if hasattr(action, "prompt"):
+            yield action
