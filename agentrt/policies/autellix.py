@@ -54,7 +54,8 @@ from engine.request import Request
 #     every tree late. Simulated on the benchmark's earlier mix (70% chats, 4-call ReAct, 2-round trees),
 #     96 programs at 0.8 / 0.9 / 1.0 of saturation, 5 seeds (mean / p99 vs fcfs): these defaults
 #     0.57 / 0.51 / 0.47x, p99 1.13 / 1.11 / 1.20x; K = 8 0.67 / 0.61 / 0.61x, p99 1.40-1.78x;
-#     order="call" 0.63 / 0.58 / 0.55x, p99 1.25-1.41x; live=False 0.69 / 0.65 / 0.63x, p99 1.18-1.31x; all three as before (K = 8, by call, not live) 0.77-0.81x, p99 1.64-2.11x.
+#     order="call" 0.63 / 0.58 / 0.55x, p99 1.25-1.41x; live=False 0.69 / 0.65 / 0.63x, p99 1.18-1.31x;
+#     all three as before (K = 8, by call, not live) 0.77-0.81x, p99 1.64-2.11x.
 #   quantum 1 s (= the first boundary): with `live` the program's service moves its calls down; the
 #     quantum only matters for one long call, and 0.5-2 s measured the same.
 #   beta 8 (the reimplementation's): smaller values promote trees into the top queue early and give
