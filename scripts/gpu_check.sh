@@ -8,8 +8,8 @@
 # TOKENIZER: a model directory holding the default model's tokenizer (config.json + tokenizer files);
 # without it the default model must be installed. Each step gets what is left of the budget (default
 # 540 s) and its own cap, so a slow step cannot starve the rest of their log. Results land in $OUT:
-# run.log (everything), gpu_tests.log, engine_tests.log, kernels.json, throughput_*.json and
-# benchmarks.md (docs/benchmarks.md with the sections these runs wrote). ONLY="step names" runs
+# run.log (everything, the throughput results as JSON too), gpu_tests.log, engine_tests.log,
+# kernels.json and benchmarks.md (docs/benchmarks.md with the sections these runs wrote). ONLY="step names" runs
 # just those steps (info gpu-tests kernels-bench throughput-smollm2 engine-tests throughput-llama8b).
 set -u
 OUT=${OUT:?set OUT to a results directory}

@@ -30,6 +30,8 @@ SCENARIOS = {
     "long_prefill": ([300, 1], [700, 1000]),
 }
 GQA = [(4, 4), (9, 3), (8, 1), (32, 8)]  # ratios 1, 3, 8, 4 (Llama-3.1-8B)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", GQA)
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -60,8 +62,8 @@ def test_split_k_decode(num_splits, dtype):
     if num_splits is None:
         assert _auto_num_splits(gpu.meta, 8, CUDA) > 1  # 4 sequences x 8 kv heads cannot fill the GPU
     scale = 128 ** -0.5
-    check_rule(paged_attention_triton(gpu.q, gpu.k_cache, gpu.v_cache, gpu.meta, scale, num_splits=num_splits), batch,
-          scale)
+    out = paged_attention_triton(gpu.q, gpu.k_cache, gpu.v_cache, gpu.meta, scale, num_splits=num_splits)
+    check_rule(out, batch, scale)
 
 
 def test_cache_beyond_int32_offsets():
