@@ -1,6 +1,6 @@
 """agentrt: run agent programs on an engine that knows which program every LLM call belongs to.
 
-    @agentrt._program
+    @agentrt.program
     async def react(question: str) -> str:
         reply = await agentrt.chat([{"role": "user", "content": question}], max_tokens=64)
         ...
@@ -16,6 +16,7 @@ from agentrt._errors import (
     ConfigError,
     InvalidCallError,
     NoRuntimeError,
+    ProgramExistsError,
     ProgramNotFoundError,
     UsageError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "NoRuntimeError",
     "PLAS",
     "ProcessTable",
+    "ProgramExistsError",
     "ProgramInfo",
     "ProgramNotFoundError",
     "Runtime",

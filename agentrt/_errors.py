@@ -6,6 +6,7 @@ concerns, so a user never has to read a stack trace to learn what was wrong.
     ├── InvalidCallError (ValueError)        bad arguments to chat / generate (messages, sampling)
     ├── NoRuntimeError (RuntimeError)        chat / generate / process_table outside a Runtime
     ├── ProgramNotFoundError (LookupError)   no program with that id in the process table
+    ├── ProgramExistsError (ValueError)      starting a program under the id of a running one
     ├── UsageError (TypeError)               the API used wrongly (e.g. `@tool` on a plain function)
     └── CallError                            the engine could not complete a call
         ├── CallAbortedError                 the call was aborted (by `Runtime.abort_program`, shutdown, ...)
@@ -39,6 +40,10 @@ class NoRuntimeError(AgentrtError, RuntimeError):
 
 class ProgramNotFoundError(AgentrtError, LookupError):
     """The process table holds no program with the given id."""
+
+
+class ProgramExistsError(AgentrtError, ValueError):
+    """A program with that id is already running."""
 
 
 class UsageError(AgentrtError, TypeError):

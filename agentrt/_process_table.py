@@ -43,6 +43,7 @@ class ProgramInfo:
     tool_durations: dict[str, list[float]] = field(default_factory=dict)  # seconds per call, by tool name
     num_threads: int = 1  # threads (parallel branches) that made calls, the main one included
     children: list[str] = field(default_factory=list)  # ids of programs it called
+    owner: str | None = None  # the client (API-key fingerprint) that started it, for programs started by id
 
     @property
     def calls_active(self) -> int:
@@ -97,6 +98,9 @@ class ProcessTable:
 
     # --- updates (the runtime's) -----------------------------------------------------------
     def start(self, info: ProgramInfo) -> None:
+        old = self._programs.get(info.program_id)
+        if old is not None:  # an ended program's id, started again: the new record replaces it
+            self._finished.remove(info.program_id)
         self._programs[info.program_id] = info
         if info.parent_id is not None and (parent := self._programs.get(info.parent_id)) is not None:
             parent.children.append(info.program_id)

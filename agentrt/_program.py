@@ -96,7 +96,7 @@ def enter_program(name: str, make_current: bool = True) -> tuple[ProgramHandle, 
     )
     handle = ProgramHandle(info, runtime)
     if runtime is not None:
-        runtime.programs.start(info)
+        runtime._program_started(info)
     if not make_current:
         return handle, None
     return handle, _current.set((handle, f"{info.program_id}.t0", anyio.get_current_task().id))

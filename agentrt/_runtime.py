@@ -12,18 +12,28 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import anyio
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
-from agentrt._errors import CallAbortedError, CallFailedError, ConfigError, InvalidCallError, NoRuntimeError
-from agentrt._process_table import ProcessTable, ProgramStatus
-from agentrt._program import ProgramHandle, current, enter_program, exit_program
+from agentrt._call import Call, CallSummary
+from agentrt._errors import (
+    ConfigError,
+    InvalidCallError,
+    NoRuntimeError,
+    ProgramExistsError,
+    ProgramNotFoundError,
+)
+from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
+from agentrt._program import ProgramHandle, current, enter_program, exit_program, new_program_id
 from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
-from engine.async_engine import EngineError
 from engine.outputs import RequestOutput
+
+ANY_OWNER: Any = object()  # `owner=` default of the program look-ups: any client's program
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -61,18 +71,27 @@ class Runtime:
         policy: str | SchedulingPolicy = "plas",
         *,
         policy_kwargs: dict[str, Any] | None = None,
+        program_idle_timeout_s: float | None = None,
         **engine_config: Any,
     ) -> None:
         try:
+            if program_idle_timeout_s is not None and not (
+                isinstance(program_idle_timeout_s, (int, float)) and 0 < program_idle_timeout_s < math.inf
+            ):
+                raise ValueError(f"program_idle_timeout_s must be a positive number of seconds, got {program_idle_timeout_s!r}")
             self.policy = make_policy(policy, **(policy_kwargs or {}))
             self.engine_config = EngineConfig(model=model, policy=self.policy, **engine_config)
         except (TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"bad runtime configuration: {e}") from None
+        self.program_idle_timeout_s = program_idle_timeout_s  # programs keyed by id end after this long idle
         self.programs = ProcessTable()
         self.engine: AsyncEngine | None = None
+        self.observers: list[RuntimeObserver] = []  # told of program starts / ends and call ends
         self._inflight: dict[str, set[str]] = {}  # program id -> request ids in the engine
+        self._keyed: dict[str, ProgramHandle] = {}  # running programs started by id (`start_program`, the server)
+        self._num_waiting = 0  # calls submitted that have produced no token yet
         self._call_ids = itertools.count(1)
         self._token: contextvars.Token | None = None
         self._stack: contextlib.AsyncExitStack | None = None
@@ -82,6 +101,10 @@ class Runtime:
         try:
             engine = AsyncEngine(self.engine_config)
             self.engine = await stack.enter_async_context(engine)
+            if self.program_idle_timeout_s is not None:
+                tg = await stack.enter_async_context(anyio.create_task_group())
+                stack.callback(tg.cancel_scope.cancel)  # runs before the group exits
+                tg.start_soon(self._reap_idle_programs)
         except BaseException:
             await stack.aclose()
             raise
@@ -93,6 +116,8 @@ class Runtime:
         assert self._stack is not None and self._token is not None
         _runtime.reset(self._token)
         try:
+            for handle in list(self._keyed.values()):
+                self._end_program(handle, "cancelled", "the runtime stopped")
             await self._stack.aclose()
         finally:
             self._stack = self._token = None
@@ -110,16 +135,23 @@ class Runtime:
         return self.engine
 
     # --- programs ---------------------------------------------------------------------------
+    def _program_started(self, info: ProgramInfo) -> None:
+        self.programs.start(info)
+        for o in self.observers:
+            o.program_started(info)
+
     def _end_program(self, handle: ProgramHandle, state: ProgramStatus, error: str | None) -> None:
         """Release everything the program holds: abort its calls still in flight, tell the policy."""
         pid = handle.program_id
+        if self._keyed.get(pid) is handle:
+            del self._keyed[pid]
         for rid in self._inflight.pop(pid, ()):
             if self.engine is not None:
                 self.engine.abort(rid)
-        end = getattr(self.policy, "end_program", None)
-        if end is not None:
-            end(pid)
+        self.policy.end_program(pid)
         self.programs.end(handle.info, state, error)
+        for o in self.observers:
+            o.program_ended(handle.info)
 
     def abort_program(self, program_id: str) -> int:
         """Abort every in-flight call of a program (its awaiting `chat`s raise `CallAbortedError`)."""
@@ -127,6 +159,70 @@ class Runtime:
         for rid in list(rids):
             self._engine().abort(rid)
         return len(rids)
+
+    def start_program(self, program_id: str | None = None, *, name: str = "program", owner: str | None = None) -> ProgramInfo:
+        """Start a program known by id rather than by a running `@program` function (the server's
+        programs). Its calls go through `submit(..., program_id=...)`; it ends with `end_program`,
+        or by itself after `program_idle_timeout_s` without calls. An id whose program has ended may
+        be started again (a new record replaces the old)."""
+        if program_id is None:
+            program_id = new_program_id()
+        old = self.programs.get(program_id)
+        if old is not None and old.state == "running":
+            raise ProgramExistsError("a program with this id is already running", program_id=program_id)
+        info = ProgramInfo(program_id=program_id, name=name, parent_id=None, start_time=time.monotonic(), owner=owner)
+        handle = ProgramHandle(info, self)
+        self._keyed[program_id] = handle
+        self._program_started(info)
+        return info
+
+    def end_program(self, program_id: str, *, owner: Any = ANY_OWNER, state: ProgramStatus = "finished") -> ProgramInfo:
+        """End a program started by id: abort its calls in flight and release all it holds."""
+        handle = self._keyed_handle(program_id, owner)
+        self._end_program(handle, state, None)
+        return handle.info
+
+    def program(self, program_id: str, *, owner: Any = ANY_OWNER) -> ProgramInfo:
+        """A program's record (running or ended, while the process table keeps it)."""
+        info = self.programs.get(program_id)
+        if info is None or (owner is not ANY_OWNER and info.owner != owner):
+            raise ProgramNotFoundError("no such program", program_id=program_id)
+        return info
+
+    def program_queue_level(self, program_id: str) -> int | None:
+        """The best (lowest) queue level among the program's calls in the engine; None if it has none
+        or the policy has no levels."""
+        level_of = getattr(self.policy, "level", None)
+        if level_of is None or self.engine is None:
+            return None
+        levels = []
+        for rid in list(self._inflight.get(program_id, ())):
+            req = self.engine.core.requests.get(rid)
+            if req is not None and req.policy_state:
+                levels.append(level_of(req))
+        return min(levels, default=None)
+
+    def num_waiting_calls(self) -> int:
+        """Calls submitted that have produced no token yet (queued or in prefill)."""
+        return self._num_waiting
+
+    def _keyed_handle(self, program_id: str, owner: Any) -> ProgramHandle:
+        handle = self._keyed.get(program_id)
+        if handle is None or (owner is not ANY_OWNER and handle.info.owner != owner):
+            raise ProgramNotFoundError("no such running program", program_id=program_id)
+        return handle
+
+    async def _reap_idle_programs(self) -> None:
+        timeout = self.program_idle_timeout_s
+        assert timeout is not None
+        while True:
+            await anyio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            for handle in list(self._keyed.values()):
+                info = handle.info
+                last = max(info.start_time, info.last_call_completion or 0.0)
+                if info.calls_active == 0 and now - last >= timeout:
+                    self._end_program(handle, "finished", None)
 
     # --- calls --------------------------------------------------------------------------------
     def chat_token_ids(self, messages: Sequence[dict[str, Any]], program_id: str | None = None) -> list[int]:
@@ -137,67 +233,94 @@ class Runtime:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidCallError(f"each message needs a str 'role' and 'content', got {m!r}", program_id=program_id)
         tok = self.tokenizer
-        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return tok(text, add_special_tokens=False)["input_ids"]
+        try:
+            text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        except (TypeError, ValueError, UnicodeError) as e:  # e.g. a lone surrogate in a message
+            raise InvalidCallError(f"messages cannot be tokenized: {e}", program_id=program_id) from None
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        program_id: str | None = None,
+        thread_id: str | None = None,
+        owner: str | None = None,
+        cache_salt: str | None = None,
+        kind: str = "generate",
+    ) -> Call:
+        """Submit one call for the program `program_id` (started if unknown; None: a one-call
+        program). Bad input raises `InvalidCallError` here; see `agentrt._call.Call`."""
+        if program_id is None:
+            info = self.start_program(name=kind, owner=owner)
+            return self._submit(self._keyed[info.program_id], None, prompt, params, kind, cache_salt, one_call=True)
+        handle = self._keyed.get(program_id)
+        if handle is None or handle.info.owner != owner:
+            if handle is not None or (program_id in self.programs and self.programs[program_id].state == "running"):
+                raise ProgramNotFoundError("no such program", program_id=program_id)  # another owner's
+            self.start_program(program_id, name="program", owner=owner)
+            handle = self._keyed[program_id]
+        return self._submit(handle, thread_id, prompt, params, kind, cache_salt)
+
+    def _submit(
+        self, handle: ProgramHandle, thread_id: str | None, prompt: str | list[int], params: SamplingParams,
+        kind: str, cache_salt: str | None, one_call: bool = False,
+    ) -> Call:
+        engine = self._engine()
+        pid = handle.program_id
+        thread_id = thread_id or f"{pid}.t0"
+        rid = f"{pid}-c{next(self._call_ids)}"
+        try:
+            if isinstance(prompt, str):
+                prompt = self.tokenizer(prompt)["input_ids"]
+            stream = engine.add_request(prompt, params, request_id=rid, program_id=pid, thread_id=thread_id,
+                                        cache_salt=cache_salt)
+        except (TypeError, ValueError, UnicodeError) as e:
+            if one_call:
+                self._end_program(handle, "failed", repr(e))
+            raise InvalidCallError(str(e), program_id=pid, request_id=rid) from None
+        self._inflight.setdefault(pid, set()).add(rid)
+        record = self.programs.call_started(handle.info, rid, thread_id, len(prompt))
+        self._num_waiting += 1
+        call = Call(self, handle.info, thread_id, rid, kind, stream, record, len(prompt))
+        call.one_call = handle if one_call else None
+        return call
+
+    def _call_closed(self, call: Call) -> None:
+        inflight = self._inflight.get(call.program_id)
+        if inflight is not None:
+            inflight.discard(call.request_id)
+            if not inflight:
+                del self._inflight[call.program_id]
+
+    def _notify_call(self, summary: CallSummary, handle: ProgramHandle | None) -> None:
+        for o in self.observers:
+            o.call_ended(summary)
+        if handle is not None:  # a one-call program ends with its call
+            state: ProgramStatus = "finished" if summary.finish_reason in ("stop", "length") else "failed"
+            self._end_program(handle, state, summary.error)
 
     async def _call(
         self, prompt: str | list[int], sampling: dict[str, Any], kind: str, out: list[RequestOutput]
     ) -> AsyncIterator[str]:
         """Run one LLM call for the current program (or as a one-call program); yield text deltas,
         append the final output to `out`."""
-        engine = self._engine()
+        self._engine()
         cur = current()
         handle = None
         if cur is None:  # a one-call program; not made current, so nothing leaks to the consumer between deltas
             handle, _ = enter_program(kind, make_current=False)
             cur = (handle, f"{handle.program_id}.t0")
         prog, thread_id = cur
-        pid = prog.program_id
         exc: BaseException | None = None
         try:
-            params = _sampling_params(sampling, pid)
-            rid = f"{pid}-c{next(self._call_ids)}"
-            if isinstance(prompt, str):
-                prompt = self.tokenizer(prompt)["input_ids"]
-            try:
-                stream = engine.add_request(prompt, params, request_id=rid, program_id=pid, thread_id=thread_id)
-            except ValueError as e:
-                raise InvalidCallError(str(e), program_id=pid, request_id=rid) from None
-            self._inflight.setdefault(pid, set()).add(rid)
-            call = self.programs.call_started(prog.info, rid, thread_id, len(prompt))
-            result: RequestOutput | None = None
-            generated = 0
-            try:
-                async for delta in stream:
-                    if delta.new_token_ids:
-                        generated += len(delta.new_token_ids)
-                        self.programs.call_running(prog.info, call)
+            params = _sampling_params(sampling, prog.program_id)
+            async with self._submit(prog, thread_id, prompt, params, kind, None) as call:
+                async for delta in call:
                     if delta.new_text:
                         yield delta.new_text
-                result = await stream.result()
-            except (ValueError, EngineError) as e:  # the engine rejected or failed the request
-                raise CallFailedError(str(e), program_id=pid, request_id=rid) from None
-            finally:
-                inflight = self._inflight.get(pid)
-                if inflight is not None:
-                    inflight.discard(rid)
-                    if not inflight:
-                        del self._inflight[pid]
-                if result is None:  # cancelled, closed early or failed: free its engine state now
-                    engine.abort(rid)
-                m = result.metrics if result is not None else None
-                self.programs.call_done(
-                    prog.info,
-                    call,
-                    service_s=m.service_s if m is not None else 0.0,
-                    wait_s=_queue_wait(m),
-                    num_output_tokens=generated,
-                )
-            if result.finish_reason == "abort":
-                raise CallAbortedError("the call was aborted", program_id=pid, request_id=rid)
-            if result.finish_reason == "error":
-                raise CallFailedError(result.outputs[0].error or "the engine failed the call", program_id=pid, request_id=rid)
-            out.append(result)
+                out.append(await call.result())
         except BaseException as e:
             exc = e
             raise
@@ -231,6 +354,17 @@ class Runtime:
         return out[0].text
 
 
+class RuntimeObserver:
+    """Hears of program starts and ends and of every call's end (the server's store and metrics).
+    Called on the event loop: an observer must not block."""
+
+    def program_started(self, info: ProgramInfo) -> None: ...
+
+    def program_ended(self, info: ProgramInfo) -> None: ...
+
+    def call_ended(self, summary: CallSummary) -> None: ...
+
+
 def _pid() -> str | None:
     cur = current()
     return None if cur is None else cur[0].program_id
@@ -249,13 +383,6 @@ def _sampling_params(sampling: dict[str, Any], program_id: str) -> SamplingParam
         return SamplingParams(**sampling)
     except (TypeError, ValueError) as e:
         raise InvalidCallError(f"bad sampling arguments {sampling!r}: {e}", program_id=program_id) from None
-
-
-def _queue_wait(m: Any) -> float:
-    """Time from arrival to first scheduling; 0 when the call never got that far."""
-    if m is None or m.first_scheduled_time is None:
-        return 0.0
-    return max(0.0, m.first_scheduled_time - m.arrival_time)
 
 
 # --- module-level API: the current runtime --------------------------------------------------

@@ -1,4 +1,4 @@
-"""`agentrt` command line: generate | demo | run FILE | bench NAME | simulate (= bench simulate)."""
+"""`agentrt` command line: generate | serve | demo | run FILE | bench NAME | simulate (= bench simulate)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,23 @@ def _demo(a: argparse.Namespace) -> int:
     return demo.main(["--model", a.model] if a.model else [])
 
 
+def _serve(a: argparse.Namespace) -> int:
+    from agentrt.server import ServerConfig, serve
+    from agentrt.server.app import env_api_keys
+
+    engine = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_num_batched_tokens),
+                                ("kv_cache_bytes", a.kv_cache_bytes), ("num_blocks", a.num_blocks),
+                                ("max_model_len", a.max_model_len), ("dtype", a.dtype), ("device", a.device),
+                                ("num_speculative_tokens", a.num_speculative_tokens)) if v is not None}
+    config = ServerConfig(
+        model=a.model, policy=a.policy, engine=engine, db=a.db, api_keys=[*a.api_key, *env_api_keys()],
+        served_model_name=a.served_model_name, program_idle_timeout_s=a.program_idle_timeout,
+        max_waiting=a.max_waiting, drain_timeout_s=a.drain_timeout, max_body_bytes=a.max_body_bytes, max_n=a.max_n,
+        max_tokens_limit=a.max_tokens_limit,
+    )
+    return serve(config, a.host, a.port, a.log_level)
+
+
 def _run(a: argparse.Namespace) -> int:
     sys.argv = [a.file, *a.args]
     runpy.run_path(a.file, run_name="__main__")
@@ -68,6 +85,33 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="run the example agent programs in-process on the default model")
     d.add_argument("--model", default=None)
     d.set_defaults(fn=_demo)
+    s = sub.add_parser("serve", help="serve the runtime over an OpenAI-compatible HTTP API keyed by program id")
+    s.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--policy", default="plas", choices=["plas", "atlas", "mlfq", "fcfs"])
+    s.add_argument("--db", default=None, help="SQLAlchemy URL for program and call records (default: a SQLite "
+                   "file under ~/.cache/agentrt; 'none' keeps no records)")
+    s.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable; also "
+                   "$AGENTRT_API_KEYS); with keys set every endpoint but /health needs one")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--program-idle-timeout", type=float, default=600.0, help="seconds without calls after which "
+                   "a program ends by itself")
+    s.add_argument("--max-waiting", type=int, default=256, help="queued calls beyond which new calls get 429")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests get")
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    s.add_argument("--max-n", type=int, default=16)
+    s.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: context)")
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument("--kv-cache-bytes", type=int, default=None)
+    s.add_argument("--num-blocks", type=int, default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--dtype", default=None)
+    s.add_argument("--device", default=None)
+    s.add_argument("--num-speculative-tokens", type=int, default=None)
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(fn=_serve)
     r = sub.add_parser("run", help="run a Python file that uses agentrt")
     r.add_argument("file")
     r.add_argument("args", nargs=argparse.REMAINDER)

@@ -1,0 +1,171 @@
+"""`Call`: one LLM call of a program, from submission to its final output.
+
+    call = runtime.submit(prompt_ids, params, program_id="p1")   # bad input raises here
+    async with call:                                             # leaving early aborts it
+        async for delta in call:                                 # engine StreamDeltas
+            ...
+        output = await call.result()
+
+Submission is synchronous, so a caller (the HTTP server) learns of bad input before it has sent
+anything. Whatever way the call ends (finished, failed, cancelled, closed early) its bookkeeping
+runs exactly once: the engine request is aborted if still live, the process table and the
+runtime's in-flight map are updated, and the runtime's observers hear of it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from agentrt._errors import CallAbortedError, CallFailedError
+from agentrt._process_table import CallRecord, ProgramInfo
+from engine.async_engine import EngineError, RequestStream
+from engine.outputs import RequestOutput, StreamDelta
+
+if TYPE_CHECKING:
+    from agentrt._program import ProgramHandle
+    from agentrt._runtime import Runtime
+
+
+@dataclass(slots=True)
+class CallSummary:
+    """What observers (the server's store and metrics) learn when a call ends."""
+
+    request_id: str
+    program_id: str
+    thread_id: str
+    kind: str  # "chat" | "completion" | "generate" | ...
+    arrival_at: float  # unix time of submission
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None if it never finished
+    ttft_s: float | None  # submission -> first token
+    e2e_s: float  # submission -> end
+    token_gaps_s: list[float] = field(default_factory=list)  # time between successive deltas with tokens
+    service_s: float = 0.0  # executor time of the call
+    wait_s: float = 0.0  # queueing time, arrival -> first scheduled
+    error: str | None = None
+
+
+class Call:
+    """An in-flight call; see the module docstring."""
+
+    def __init__(
+        self, runtime: Runtime, info: ProgramInfo, thread_id: str, request_id: str, kind: str,
+        stream: RequestStream, record: CallRecord, num_prompt_tokens: int,
+    ) -> None:
+        self.runtime = runtime
+        self.info = info
+        self.program_id = info.program_id
+        self.thread_id = thread_id
+        self.request_id = request_id
+        self.kind = kind
+        self.num_prompt_tokens = num_prompt_tokens
+        self._stream = stream
+        self._record = record
+        self._t0 = time.monotonic()
+        self._wall0 = time.time()
+        self._last_token_t: float | None = None
+        self._ttft: float | None = None
+        self._gaps: list[float] = []
+        self._generated = 0
+        self._output: RequestOutput | None = None
+        self._error: str | None = None
+        self._closed = False
+        self._waiting = True  # counted in the runtime's waiting calls until its first token
+        self.one_call: ProgramHandle | None = None  # set when the call is a program of its own
+
+    # --- consuming -------------------------------------------------------------------------
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[StreamDelta]:
+        try:
+            async for delta in self._stream:
+                if delta.new_token_ids:
+                    now = time.monotonic()
+                    if self._ttft is None:
+                        self._ttft = now - self._t0
+                        self.runtime.programs.call_running(self.info, self._record)
+                        self._not_waiting()
+                    elif self._last_token_t is not None and len(self._gaps) < 100_000:
+                        self._gaps.append(now - self._last_token_t)
+                    self._last_token_t = now
+                    self._generated += len(delta.new_token_ids)
+                yield delta
+        except (ValueError, TypeError, EngineError) as e:  # the engine failed or rejected the request
+            self._error = str(e)
+            raise CallFailedError(str(e), program_id=self.program_id, request_id=self.request_id) from None
+
+    async def result(self) -> RequestOutput:
+        """Drain the call and return its output; `CallAbortedError` / `CallFailedError` if it did
+        not finish normally."""
+        if self._output is None:
+            async for _ in self._deltas():
+                pass
+            try:
+                self._output = await self._stream.result()
+            except (ValueError, TypeError, EngineError) as e:
+                self._error = str(e)
+                raise CallFailedError(str(e), program_id=self.program_id, request_id=self.request_id) from None
+            finally:
+                if self._output is None:
+                    self.close()
+        out = self._output
+        self.close()
+        reason = out.outputs[0].finish_reason if out.outputs else "abort"
+        if reason == "abort":
+            raise CallAbortedError("the call was aborted", program_id=self.program_id, request_id=self.request_id)
+        errors = [o.error for o in out.outputs if o.finish_reason == "error"]
+        if errors:
+            raise CallFailedError(errors[0] or "the engine failed the call", program_id=self.program_id,
+                                  request_id=self.request_id)
+        return out
+
+    def abort(self) -> None:
+        """Stop generating; the stream ends with finish_reason "abort"."""
+        if not self._closed:
+            self.runtime._engine().abort(self.request_id)
+
+    # --- ending ----------------------------------------------------------------------------
+    async def __aenter__(self) -> Call:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def _not_waiting(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self.runtime._num_waiting -= 1
+
+    def close(self) -> None:
+        """Release everything the call holds (idempotent); aborts the request if still live."""
+        if self._closed:
+            return
+        self._closed = True
+        self._not_waiting()
+        rt = self.runtime
+        out = self._output
+        if out is None and rt.engine is not None:
+            rt.engine.abort(self.request_id)
+        rt._call_closed(self)
+        m = out.metrics if out is not None else None
+        wait = 0.0 if m is None or m.first_scheduled_time is None else max(0.0, m.first_scheduled_time - m.arrival_time)
+        service = m.service_s if m is not None else 0.0
+        rt.programs.call_done(self.info, self._record, service_s=service, wait_s=wait,
+                              num_output_tokens=self._generated)
+        reason = None
+        if out is not None and out.outputs:
+            reasons = [o.finish_reason for o in out.outputs]
+            reason = "error" if "error" in reasons else reasons[0]
+            self._error = self._error or next((o.error for o in out.outputs if o.error), None)
+        elif out is None:
+            reason = "error" if self._error else "abort"
+        rt._notify_call(CallSummary(
+            self.request_id, self.program_id, self.thread_id, self.kind, self._wall0, self.num_prompt_tokens,
+            self._generated, reason, self._ttft, time.monotonic() - self._t0, self._gaps, service, wait,
+            self._error,
+        ), self.one_call)

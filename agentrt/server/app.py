@@ -1,0 +1,268 @@
+"""The ASGI app: configuration, start-up and shut-down, authentication, and the small routes.
+
+    app = create_app(ServerConfig(model=None, policy="plas"))   # uvicorn.run(app, ...)
+
+The lifespan enters a `Runtime` (the same one the in-process API uses), opens the store and the
+metrics, and on shut-down (SIGTERM: uvicorn stops accepting and drains in-flight requests first)
+ends the programs still running and flushes every record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from agentrt._runtime import Runtime
+from agentrt.server.errors import APIError, error_response
+from agentrt.server.metrics import EngineState, Metrics
+from agentrt.server.openapi import Operation, build
+from agentrt.server.recorder import Recorder
+from agentrt.server.schemas import Health, Model, ModelList
+from agentrt.server.store import Store
+
+logger = logging.getLogger("agentrt.server")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Everything `agentrt serve` is told. Limits are enforced before a call reaches the engine."""
+
+    model: str | None = None  # model directory or .gguf; None = the default model
+    policy: str = "plas"  # scheduling policy name
+    policy_kwargs: dict[str, Any] | None = None
+    engine: dict[str, Any] = field(default_factory=dict)  # other EngineConfig fields
+    db: str | None = None  # SQLAlchemy URL; None = SQLite file under the cache dir; "none" = no store
+    api_keys: list[str] = field(default_factory=list)  # empty = no authentication
+    served_model_name: str | None = None  # the model id clients use; None = the model file's name
+    program_idle_timeout_s: float = 600.0  # a program without calls this long ends by itself
+    max_waiting: int = 256  # queued calls (no token yet) beyond which new calls get 429
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
+    max_body_bytes: int = 4 << 20  # 413 beyond
+    max_n: int = 16  # completions per call at most
+    max_tokens_limit: int | None = None  # max_tokens at most; None = the model's context
+    max_programs_kept: int = 100_000  # ended programs kept in the database (older ones pruned)
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting", "max_body_bytes", "max_n", "max_programs_kept"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("program_idle_timeout_s", "drain_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit!r}")
+        if any(not k for k in self.api_keys):
+            raise ValueError("API keys must be non-empty strings")
+
+
+class ServerState:
+    """What the routes share: the runtime, the store, the metrics, limits."""
+
+    def __init__(self, config: ServerConfig, runtime: Runtime, store: Store | None, metrics: Metrics) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.store = store
+        self.metrics = metrics
+        core = runtime._engine().core
+        self.model_name = config.served_model_name or _model_name(config.model, core.model_path)
+        self.max_model_len = core.max_model_len
+        self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
+        self.created = int(time.time())
+        self.draining = False
+        self._keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k.encode() for k in config.api_keys}
+
+    def owner(self, request: Request) -> str | None:
+        """The fingerprint of the request's API key (its owner and cache salt); 401 when keys are set
+        and the request has none of them."""
+        if not self._keys:
+            return None
+        auth = request.headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        if scheme.lower() == "bearer" and key:
+            fp = hashlib.sha256(key.strip().encode()).hexdigest()[:16]
+            expected = self._keys.get(fp)
+            if expected is not None and hmac.compare_digest(expected, key.strip().encode()):
+                return fp
+        raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+                       "authentication_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, ""):
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    def check_capacity(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable", None, "draining",
+                           {"Retry-After": "5"})
+        waiting = self.runtime.num_waiting_calls()
+        if waiting >= self.config.max_waiting:
+            raise APIError(429, f"too many queued calls ({waiting} >= --max-waiting {self.config.max_waiting})",
+                           "rate_limit_error", None, "overloaded", {"Retry-After": "1"})
+
+
+def _model_name(model: str | None, path: Path) -> str:
+    if model is None:
+        from engine.loader import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    return Path(model).stem if Path(model).suffix == ".gguf" else Path(model).name
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 once it passes `limit` bytes (checked while reading)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes is over the limit of {limit} bytes (--max-body-bytes)",
+                       "invalid_request_error", None, "body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body is over the limit of {limit} bytes (--max-body-bytes)",
+                           "invalid_request_error", None, "body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status, media_type="application/json")
+
+
+# --- small routes ---------------------------------------------------------------------------
+async def health(request: Request) -> Response:
+    st = state_of(request)
+    return json_response(Health("draining" if st.draining else "ok"), 503 if st.draining else 200)
+
+
+async def models(request: Request) -> Response:
+    st = state_of(request)
+    st.owner(request)
+    return json_response(ModelList([Model(st.model_name, st.created, max_model_len=st.max_model_len)]))
+
+
+async def metrics(request: Request) -> Response:
+    st = state_of(request)
+    st.owner(request)
+    body, content_type = st.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def openapi(request: Request) -> Response:
+    state_of(request).owner(request)
+    return json_response(request.app.state.openapi)
+
+
+def _operations() -> list[Operation]:
+    from agentrt.server import openai_routes, program_routes
+
+    return [
+        Operation("get", "/health", "liveness", Health, errors=(503,), auth=False),
+        Operation("get", "/v1/models", "the served model", ModelList, errors=(401,)),
+        Operation("get", "/metrics", "Prometheus metrics", None, media_type="text/plain", errors=(401,)),
+        Operation("get", "/openapi.json", "this document", None, media_type="application/json", errors=(401,)),
+        *openai_routes.OPERATIONS,
+        *program_routes.OPERATIONS,
+    ]
+
+
+def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = None) -> Starlette:
+    """The server app. `runtime`: an existing (not yet entered) Runtime to serve, e.g. for tests;
+    by default one is made from `config`."""
+    from agentrt.server import openai_routes, program_routes
+
+    config = config or ServerConfig()
+    if runtime is None:
+        runtime = Runtime(config.model, config.policy, policy_kwargs=config.policy_kwargs,
+                          program_idle_timeout_s=config.program_idle_timeout_s, **config.engine)
+    elif runtime.program_idle_timeout_s is None:
+        runtime.program_idle_timeout_s = config.program_idle_timeout_s
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        store = None if (config.db or "").lower() == "none" else Store(config.db)
+        if store is not None:
+            await anyio.to_thread.run_sync(store.start)
+        try:
+            async with runtime:
+                policy_name = getattr(runtime.policy, "name", config.policy)
+                metrics_ = Metrics(state_fn=lambda: _engine_state(runtime))
+                st = ServerState(config, runtime, store, metrics_)
+                recorder = Recorder(store, metrics_, policy_name, config.max_programs_kept)
+                runtime.observers.append(recorder)
+                app.state.server = st
+                logger.info("serving %s (policy %s, store %s)", st.model_name, policy_name, store or "off")
+                try:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(recorder.prune_periodically)
+                        yield
+                        tg.cancel_scope.cancel()
+                finally:
+                    st.draining = True
+                # leaving `runtime` ends the programs still running (recorded through the recorder)
+        finally:
+            if store is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(store.close)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+        *openai_routes.ROUTES,
+        *program_routes.ROUTES,
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={Exception: _on_error, APIError: _on_error})
+    app.state.openapi = build(_operations(), "agentrt", "0.1.0")
+    return app
+
+
+async def _on_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc)
+
+
+def _engine_state(runtime: Runtime) -> EngineState:
+    """Gauges and cumulative counters for /metrics, read at scrape time."""
+    engine = runtime._engine()
+    core = engine.core
+    kv = engine.kv_stats()
+    levels: dict[int, int] = {}
+    level_of = getattr(runtime.policy, "level", None)
+    reqs = list(core.requests.values())
+    if level_of is not None:
+        for r in reqs:
+            if r.policy_state:
+                lv = level_of(r)
+                levels[lv] = levels.get(lv, 0) + 1
+    return EngineState(
+        running=len(core.scheduler.running), waiting=len(core.scheduler.waiting),
+        kv_usage=1.0 - kv.num_free_blocks / kv.num_blocks, prefix_queries_tokens=kv.prefix_queries_tokens,
+        prefix_hit_tokens=kv.prefix_hit_tokens, num_preemptions=kv.num_preemptions,
+        programs_active=len(runtime.programs.running()), calls_per_level=levels,
+    )
+
+
+def env_api_keys() -> list[str]:
+    return [k for k in os.environ.get("AGENTRT_API_KEYS", "").replace(",", " ").split() if k]

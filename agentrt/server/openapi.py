@@ -1,0 +1,76 @@
+"""The OpenAPI 3.1 document, generated from the msgspec schemas and the route table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from agentrt.server.schemas import ErrorResponse
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    method: str  # "get" | "post" | "delete"
+    path: str  # OpenAPI path, e.g. "/v1/programs/{program_id}"
+    summary: str
+    response: type | None  # JSON body of a 200, or None for a non-JSON one
+    body: type | None = None  # JSON request body
+    streams: bool = False  # may answer with text/event-stream
+    media_type: str | None = None  # the 200's media type when not JSON
+    errors: tuple[int, ...] = (400, 401, 413, 429, 500)
+    auth: bool = True
+    query: tuple[tuple[str, dict[str, Any]], ...] = ()  # (name, schema) of query parameters
+    ok: int = 200  # status of a success
+
+
+def build(operations: list[Operation], title: str, version: str) -> dict[str, Any]:
+    types = sorted({t for op in operations for t in (op.body, op.response) if t is not None} | {ErrorResponse},
+                   key=lambda t: t.__name__)
+    schemas, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
+    ref = dict(zip(types, schemas))
+    error = {"application/json": {"schema": ref[ErrorResponse]}}
+    paths: dict[str, dict[str, Any]] = {}
+    for op in operations:
+        if op.response is not None:
+            content = {"application/json": {"schema": ref[op.response]}}
+        else:
+            content = {op.media_type or "text/plain": {"schema": {"type": "string"}}}
+        if op.streams:
+            content["text/event-stream"] = {"schema": {"type": "string"}}
+        responses: dict[str, Any] = {str(op.ok): {"description": "OK", "content": content}}
+        for status in op.errors:
+            responses[str(status)] = {"description": _REASONS.get(status, "error"), "content": error}
+        spec: dict[str, Any] = {"summary": op.summary, "operationId": _op_id(op), "responses": responses}
+        params = [{"name": n, "in": "query", "required": False, "schema": s} for n, s in op.query]
+        if "{program_id}" in op.path:
+            params.append({"name": "program_id", "in": "path", "required": True, "schema": {"type": "string"}})
+        if params:
+            spec["parameters"] = params
+        if op.body is not None:
+            spec["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[op.body]}}}
+        if op.auth:
+            spec["security"] = [{"bearer": []}]
+        paths.setdefault(op.path, {})[op.method] = spec
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def _op_id(op: Operation) -> str:
+    words = [w for w in op.path.replace("{", "").replace("}", "").split("/") if w and w != "v1"]
+    return "_".join([op.method, *words]).replace(".", "_")
+
+
+_REASONS = {
+    400: "invalid request", 401: "missing or wrong API key", 404: "not found", 409: "conflict",
+    413: "request body too large", 429: "too many queued calls; retry after Retry-After seconds",
+    500: "server error", 503: "server shutting down",
+}

@@ -1,0 +1,252 @@
+"""The HTTP API's contract: msgspec Structs mirroring OpenAI's API field for field.
+
+Validation happens once, when a body is decoded into these types (constraints live in the types);
+the OpenAPI document at `/openapi.json` is generated from the same types (`openapi.py`). Unknown
+fields are ignored, as OpenAI's API does; a wrong type is a 400 naming the field.
+Extra fields agentrt understands (as vLLM has them): `ignore_eos`, `top_k`, and the program keys
+`program_id` / `thread_id` (also accepted as `X-Program-Id` / `X-Thread-Id` headers).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+# ids that clients choose travel in URLs, headers and request ids: keep them plain
+ProgramId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\-]*$")]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+Stop = str | list[str]
+
+
+# --- shared ---------------------------------------------------------------------------------
+class StreamOptions(Struct):
+    include_usage: bool = False  # a last chunk with `usage` (and empty `choices`) before [DONE]
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str  # "invalid_request_error" | "authentication_error" | "not_found_error" | ...
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo
+
+
+# --- chat -----------------------------------------------------------------------------------
+class ContentPart(Struct):
+    type: str  # only "text" parts are understood
+    text: str | None = None
+
+
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ChatMessage(Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(Struct):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name; wins over max_tokens
+    temperature: Temperature | None = None  # None = 1.0
+    top_p: TopP | None = None
+    top_k: int | None = None  # -1 = off
+    n: PositiveInt = 1
+    stop: Stop | None = None
+    seed: Seed | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    program_id: ProgramId | None = None
+    thread_id: ProgramId | None = None
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(Struct):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(Struct):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    program_id: str | None = None  # the program the call ran in (agentrt)
+
+
+class ChatDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None = None
+
+
+# --- completions ----------------------------------------------------------------------------
+class CompletionRequest(Struct):
+    prompt: str | list[str | int | list[int]]  # text, token ids, or a list of either (one choice set each)
+    model: str | None = None
+    max_tokens: PositiveInt = 16
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: int | None = None
+    n: PositiveInt = 1
+    stop: Stop | None = None
+    seed: Seed | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top alternatives per token (OpenAI: <= 5)
+    echo: bool = False  # not supported: a 400 when true
+    ignore_eos: bool = False
+    user: str | None = None
+    program_id: ProgramId | None = None
+    thread_id: ProgramId | None = None
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+    program_id: str | None = None
+
+
+# --- models ---------------------------------------------------------------------------------
+class Model(Struct):
+    id: str
+    created: int
+    owned_by: str = "agentrt"
+    object: str = "model"
+    max_model_len: int | None = None
+
+
+class ModelList(Struct):
+    data: list[Model]
+    object: str = "list"
+
+
+# --- programs -------------------------------------------------------------------------------
+class ProgramCreate(Struct):
+    program_id: ProgramId | None = None  # None: the server picks one
+    name: Annotated[str, Meta(min_length=1, max_length=128)] = "program"
+
+
+class Program(Struct):
+    id: str
+    name: str
+    state: str  # "running" | "finished" | "failed" | "cancelled"
+    created_at: float  # unix time
+    ended_at: float | None
+    calls_waiting: int  # submitted, no token yet
+    calls_running: int
+    calls_done: int
+    service_s: float  # attained service: executor time of its completed calls
+    critical_path_s: float
+    wait_s: float  # queueing time of its completed calls
+    num_prompt_tokens: int
+    num_output_tokens: int
+    queue_level: int | None  # best queue level of its calls in the engine (PLAS / ATLAS / MLFQ)
+    kv_blocks: int  # KV blocks its calls in the engine hold
+    num_threads: int
+    error: str | None = None
+    live: bool = True  # False: served from the database (a program of an earlier server run)
+    object: str = "program"
+
+
+class ProgramList(Struct):
+    data: list[Program]
+    object: str = "list"
+
+
+class Health(Struct):
+    status: str  # "ok" | "draining"
+
+
+def decode(body: bytes, type_: type) -> object:
+    """Decode a request body (raises msgspec.ValidationError / DecodeError)."""
+    return msgspec.json.decode(body, type=type_)
