@@ -1,0 +1,448 @@
+"""Persistence of programs and their LLM calls: SQLite by default, PostgreSQL by URL.
+
+Writes never block the caller: `put_program` / `put_call` snapshot the record into a bounded
+in-memory queue, and one writer thread drains it in batches, one transaction per batch, upserting
+by primary key (the last put of an id within a batch wins). When the queue is full the oldest
+entry is dropped and counted (`num_dropped`); a failed write is logged and counted
+(`num_write_errors`) and never stops the writer. Reads are plain blocking calls (the server runs
+them in a worker thread) and see every write that `flush` has waited for.
+
+Times are unix epoch seconds (`time.time()`), so rows stay meaningful across restarts; durations
+are seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import operator
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Final
+
+from sqlalchemy import (
+    Connection, Double, Engine, Index, Select, String, Text, create_engine, delete, event, func, select,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.pool import StaticPool
+
+logger = logging.getLogger(__name__)
+
+
+class _AnyOwner:
+    def __repr__(self) -> str:
+        return "ANY_OWNER"
+
+
+ANY_OWNER: Final = _AnyOwner()
+"""`owner=` default of the reads: do not filter by owner (`owner=None` means "no owner")."""
+
+
+@dataclass(slots=True)
+class ProgramRecord:
+    """One program, as stored."""
+
+    program_id: str
+    owner: str | None  # fingerprint of the API key that started it, never the key
+    name: str
+    parent_id: str | None  # the program that called this one
+    state: str  # "running" / "finished" / "failed" / "cancelled" / "ended"
+    policy: str  # scheduling policy it ran under
+    created_at: float  # epoch s
+    ended_at: float | None = None  # epoch s
+    calls_done: int = 0
+    service_s: float = 0.0  # Σ executor time of its calls
+    wait_s: float = 0.0  # Σ queueing time of its calls
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One LLM call (an engine request), as stored."""
+
+    request_id: str
+    program_id: str
+    thread_id: str | None  # the program's parallel branch that made it
+    kind: str  # "chat" / "completion" / "responses"
+    arrival_at: float  # epoch s
+    first_token_s: float | None = None  # time to first token, from arrival
+    finished_at: float | None = None  # epoch s
+    latency_s: float | None = None  # arrival -> last token
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    policy: str = ""
+    service_s: float = 0.0  # executor time attributed to this call
+
+
+class _Base(DeclarativeBase):
+    type_annotation_map = {float: Double()}
+
+
+class _Program(_Base):
+    __tablename__ = "programs"
+    __table_args__ = (Index("ix_programs_owner_created", "owner", "created_at"),)
+
+    program_id: Mapped[str] = mapped_column(String, primary_key=True)
+    owner: Mapped[str | None]
+    name: Mapped[str]
+    parent_id: Mapped[str | None]
+    state: Mapped[str]
+    policy: Mapped[str]
+    created_at: Mapped[float] = mapped_column(index=True)
+    ended_at: Mapped[float | None]
+    calls_done: Mapped[int]
+    service_s: Mapped[float]
+    wait_s: Mapped[float]
+    num_prompt_tokens: Mapped[int]
+    num_output_tokens: Mapped[int]
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class _Call(_Base):
+    __tablename__ = "calls"
+
+    request_id: Mapped[str] = mapped_column(String, primary_key=True)
+    program_id: Mapped[str] = mapped_column(index=True)
+    thread_id: Mapped[str | None]
+    kind: Mapped[str]
+    arrival_at: Mapped[float]
+    first_token_s: Mapped[float | None]
+    finished_at: Mapped[float | None]
+    latency_s: Mapped[float | None]
+    num_prompt_tokens: Mapped[int]
+    num_output_tokens: Mapped[int]
+    finish_reason: Mapped[str | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    policy: Mapped[str]
+    service_s: Mapped[float]
+
+
+_PROGRAM_FIELDS = tuple(f.name for f in fields(ProgramRecord))
+_CALL_FIELDS = tuple(f.name for f in fields(CallRecord))
+_snapshot_program = operator.attrgetter(*_PROGRAM_FIELDS)  # -> tuple of values, in field order
+_snapshot_call = operator.attrgetter(*_CALL_FIELDS)
+_PROGRAM, _CALL = 0, 1  # queue entry kinds
+_WARN_DROPS_EVERY_S = 10.0
+_PRUNE_CHUNK = 1000  # programs deleted per transaction
+
+
+def default_url() -> str:
+    """`$AGENTRT_DB` (a file path, or a URL), else `agentrt.db` in the cache directory."""
+    db = os.environ.get("AGENTRT_DB")
+    if db and "://" in db:
+        return db
+    if not db:
+        from engine.loader import cache_dir
+
+        db = str(cache_dir() / "agentrt.db")
+    return f"sqlite:///{Path(db).expanduser()}"
+
+
+def _make_engine(url: str) -> tuple[Engine, bool]:
+    """The engine, and whether it is one in-memory SQLite connection shared by all threads."""
+    u = make_url(url)
+    if u.drivername in ("postgresql", "postgres"):
+        u = u.set(drivername="postgresql+psycopg")
+    if u.get_backend_name() != "sqlite":
+        return create_engine(u, pool_pre_ping=True), False  # a server runs for weeks: connections go stale
+    if u.database in (None, "", ":memory:"):
+        # one connection for every thread, or each would see its own empty database
+        return create_engine(u, poolclass=StaticPool, connect_args={"check_same_thread": False}), True
+    if not u.database.startswith("file:"):
+        Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(u, connect_args={"timeout": 30.0})
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")  # readers do not wait for the writer
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    return engine, False
+
+
+def _where_program(q: Select, owner: str | None | _AnyOwner, state: str | None) -> Select:
+    if owner is not ANY_OWNER:
+        q = q.where(_Program.owner.is_(None) if owner is None else _Program.owner == owner)
+    if state is not None:
+        q = q.where(_Program.state == state)
+    return q
+
+
+class Store:
+    """Programs and calls in a SQL database, written off the caller's thread.
+
+    `Store(url)`: None for the default SQLite file (`default_url`), or any SQLAlchemy URL
+    (`sqlite:///path`, `sqlite://` in memory, `postgresql://...`, which uses psycopg 3).
+    Call `start()` before use and `close()` at the end (or use it as a context manager).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        max_queue: int = 100_000,
+        batch_size: int = 500,
+        batch_interval_s: float = 0.05,
+    ) -> None:
+        if max_queue < 1 or batch_size < 1 or batch_interval_s < 0:
+            raise ValueError(
+                f"need max_queue >= 1, batch_size >= 1, batch_interval_s >= 0; got {max_queue}, "
+                f"{batch_size}, {batch_interval_s}"
+            )
+        self.url = url if url is not None else default_url()
+        self.num_write_errors = 0  # records lost to a failed write
+        self.num_dropped = 0  # records dropped unwritten because the queue was full
+        self._engine, shared_conn = _make_engine(self.url)
+        # a shared connection must not interleave transactions (a reader's rollback-on-return
+        # would undo the writer's work), so every use of it is serialized
+        self._conn_lock = threading.Lock() if shared_conn else nullcontext()
+        self._max_queue = max_queue
+        self._batch_size = batch_size
+        self._batch_interval_s = batch_interval_s
+        # entries: (seq, kind, values); seq numbers every put, so flush knows what came before it
+        self._queue: collections.deque[tuple[int, int, tuple]] = collections.deque()
+        self._lock = threading.Lock()
+        self._has_work = threading.Condition(self._lock)  # the writer waits on it
+        self._progress = threading.Condition(self._lock)  # flush waits on it
+        self._seq = 0
+        self._inflight_first: int | None = None  # seq of the oldest entry being written
+        self._flush_waiters = 0
+        self._stopping = False
+        self._last_drop_warning = float("-inf")
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"Store({make_url(self.url).render_as_string(hide_password=True)!r})"
+
+    def __enter__(self) -> Store:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create the tables if missing and start the writer thread. Idempotent."""
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        if self._thread is not None:
+            return
+        with self._connect(write=True) as conn:
+            _Base.metadata.create_all(conn)
+        self._thread = threading.Thread(target=self._run, name="agentrt-store-writer", daemon=True)
+        self._thread.start()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Block until everything put before this call is written (or failed, or dropped).
+        False on timeout."""
+        with self._lock:
+            target = self._seq
+            self._flush_waiters += 1
+            self._has_work.notify()  # cut the writer's batching wait short
+            try:
+                return self._progress.wait_for(lambda: not self._pending_through(target), timeout_s)
+            finally:
+                self._flush_waiters -= 1
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Flush, stop the writer and release the database. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None and not self.flush(timeout_s):
+            logger.warning("%r: closing with %d records unwritten", self, len(self._queue))
+        with self._lock:
+            self._stopping = True  # later puts are ignored
+            self._queue.clear()
+            self._has_work.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._engine.dispose()
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def put_program(self, rec: ProgramRecord) -> None:
+        """Insert or replace the program `rec.program_id`. Non-blocking."""
+        if not isinstance(rec, ProgramRecord):
+            raise TypeError(f"put_program takes a ProgramRecord, got {type(rec).__name__}")
+        self._put(_PROGRAM, _snapshot_program(rec))
+
+    def put_call(self, rec: CallRecord) -> None:
+        """Insert or replace the call `rec.request_id`. Non-blocking."""
+        if not isinstance(rec, CallRecord):
+            raise TypeError(f"put_call takes a CallRecord, got {type(rec).__name__}")
+        self._put(_CALL, _snapshot_call(rec))
+
+    def _put(self, kind: int, values: tuple) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            if len(self._queue) >= self._max_queue:
+                self._queue.popleft()
+                self.num_dropped += 1
+                now = time.monotonic()
+                if now - self._last_drop_warning >= _WARN_DROPS_EVERY_S:
+                    self._last_drop_warning = now
+                    logger.warning(
+                        "%r: write queue full (%d), dropping the oldest records (%d so far)",
+                        self, self._max_queue, self.num_dropped,
+                    )
+                self._progress.notify_all()
+            self._seq += 1
+            self._queue.append((self._seq, kind, values))
+            if len(self._queue) == 1 or len(self._queue) == self._batch_size:
+                self._has_work.notify()
+
+    def _pending_through(self, seq: int) -> bool:
+        """Whether some entry numbered <= seq is still queued or being written (lock held)."""
+        if self._inflight_first is not None:
+            return self._inflight_first <= seq
+        return bool(self._queue) and self._queue[0][0] <= seq
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._has_work.wait_for(lambda: self._queue or self._stopping)
+                if self._stopping:
+                    return
+                if len(self._queue) < self._batch_size and not self._flush_waiters:
+                    self._has_work.wait_for(
+                        lambda: len(self._queue) >= self._batch_size or self._flush_waiters or self._stopping,
+                        self._batch_interval_s,
+                    )
+                    if self._stopping:
+                        return
+                batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
+                self._inflight_first = batch[0][0]
+            try:
+                self._write_batch(batch)
+            except Exception:  # the writer must outlive any bug or database failure
+                logger.exception("%r: writer failed on a batch of %d records", self, len(batch))
+                self.num_write_errors += len(batch)
+            finally:
+                with self._lock:
+                    self._inflight_first = None
+                    self._progress.notify_all()
+
+    def _write_batch(self, batch: list[tuple[int, int, tuple]]) -> None:
+        programs: dict[str, tuple] = {}
+        calls: dict[str, tuple] = {}
+        for _, kind, values in batch:
+            (programs if kind == _PROGRAM else calls)[values[0]] = values  # coalesce by primary key
+        try:
+            self._upsert(list(programs.values()), list(calls.values()))
+            return
+        except (OperationalError, InterfaceError):  # the database is unreachable: no use retrying row by row
+            logger.exception("%r: lost a batch of %d records", self, len(programs) + len(calls))
+            self.num_write_errors += len(programs) + len(calls)
+            return
+        except Exception:
+            logger.warning("%r: batch write failed; retrying its records one by one", self, exc_info=True)
+        for rows, is_program in ((programs, True), (calls, False)):
+            for key, values in rows.items():
+                try:
+                    self._upsert([values] if is_program else [], [] if is_program else [values])
+                except Exception:
+                    what = "program" if is_program else "call"
+                    logger.exception("%r: could not write %s %r", self, what, key)
+                    self.num_write_errors += 1
+
+    def _upsert(self, programs: list[tuple], calls: list[tuple]) -> None:
+        with self._connect(write=True) as conn:  # one transaction
+            for model, names, rows in ((_Program, _PROGRAM_FIELDS, programs), (_Call, _CALL_FIELDS, calls)):
+                if rows:
+                    conn.execute(self._upsert_stmt(model), [dict(zip(names, r)) for r in rows])
+
+    def _upsert_stmt(self, model: type[_Base]) -> Any:
+        table = model.__table__
+        dialect = self._engine.dialect.name
+        insert = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}.get(dialect)
+        if insert is None:
+            raise NotImplementedError(f"{self!r}: upsert is written for SQLite and PostgreSQL, not {dialect}")
+        stmt = insert(table)
+        pk = [c.name for c in table.primary_key]
+        return stmt.on_conflict_do_update(
+            index_elements=pk, set_={c.name: stmt.excluded[c.name] for c in table.columns if not c.primary_key}
+        )
+
+    # -- reads (blocking) -------------------------------------------------------------------
+
+    def get_program(self, program_id: str, owner: str | None | _AnyOwner = ANY_OWNER) -> ProgramRecord | None:
+        """The program, or None if unknown or (with `owner=`) owned by someone else."""
+        q = _where_program(select(*_Program.__table__.columns), owner, None)
+        with self._connect() as conn:
+            row = conn.execute(q.where(_Program.program_id == program_id)).first()
+        return None if row is None else ProgramRecord(**row._mapping)
+
+    def list_programs(
+        self,
+        owner: str | None | _AnyOwner = ANY_OWNER,
+        state: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[ProgramRecord]:
+        """Programs, newest (by `created_at`) first."""
+        q = _where_program(select(*_Program.__table__.columns), owner, state)
+        q = q.order_by(_Program.created_at.desc(), _Program.program_id.desc()).limit(limit).offset(offset)
+        with self._connect() as conn:
+            return [ProgramRecord(**row._mapping) for row in conn.execute(q)]
+
+    def count_programs(self, owner: str | None | _AnyOwner = ANY_OWNER, state: str | None = None) -> int:
+        q = _where_program(select(func.count()).select_from(_Program), owner, state)
+        with self._connect() as conn:
+            return conn.execute(q).scalar_one()
+
+    def list_calls(self, program_id: str, limit: int = 1000) -> list[CallRecord]:
+        """A program's calls in arrival order."""
+        q = (
+            select(*_Call.__table__.columns)
+            .where(_Call.program_id == program_id)
+            .order_by(_Call.arrival_at, _Call.request_id)
+            .limit(limit)
+        )
+        with self._connect() as conn:
+            return [CallRecord(**row._mapping) for row in conn.execute(q)]
+
+    def prune(self, max_programs: int) -> int:
+        """Keep the `max_programs` newest ended programs (by `created_at`); delete older ended
+        programs and their calls. Running programs are never deleted. Returns how many went."""
+        if max_programs < 0:
+            raise ValueError(f"max_programs must be >= 0, got {max_programs}")
+        doomed = (
+            select(_Program.program_id)
+            .where(_Program.state != "running")
+            .order_by(_Program.created_at.desc(), _Program.program_id.desc())
+            .offset(max_programs)
+            .limit(_PRUNE_CHUNK)
+        )
+        num_deleted = 0
+        while True:
+            with self._connect(write=True) as conn:  # small transactions: the writer keeps going meanwhile
+                ids = list(conn.execute(doomed).scalars())
+                if not ids:
+                    return num_deleted
+                conn.execute(delete(_Call).where(_Call.program_id.in_(ids)))
+                conn.execute(delete(_Program).where(_Program.program_id.in_(ids)))
+            num_deleted += len(ids)
+
+    @contextmanager
+    def _connect(self, write: bool = False) -> Iterator[Connection]:
+        with self._conn_lock, (self._engine.begin() if write else self._engine.connect()) as conn:
+            yield conn
