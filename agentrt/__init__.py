@@ -33,6 +33,7 @@ from agentrt._runtime import (
     process_table,
     run,
 )
+from agentrt._client import RemoteRuntime, connect
 from agentrt._tool import tool
 
 __all__ = [
@@ -50,10 +51,12 @@ __all__ = [
     "ProgramExistsError",
     "ProgramInfo",
     "ProgramNotFoundError",
+    "RemoteRuntime",
     "Runtime",
     "UsageError",
     "chat",
     "chat_stream",
+    "connect",
     "current_program_id",
     "current_runtime",
     "gather",

@@ -69,8 +69,8 @@ def program_keys(request: Request, program_id: str | None, thread_id: str | None
 
 def sampling_params(
     st: ServerState, *, max_tokens: int | None, prompt_len: int, temperature: float | None, top_p: float | None,
-    top_k: int | None, n: int, stop: str | list[str] | None, seed: int | None, ignore_eos: bool, logprobs: bool,
-    top_logprobs: int,
+    top_k: int | None, n: int, stop: str | list[str] | None, stop_token_ids: list[int] | None, seed: int | None,
+    ignore_eos: bool, logprobs: bool, top_logprobs: int,
 ) -> SamplingParams:
     if n > st.config.max_n:
         raise bad_request(f"n={n} is over the server's limit of {st.config.max_n} (--max-n)", "n")
@@ -82,7 +82,7 @@ def sampling_params(
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k, n=n,
-            stop=[] if stop is None else stop, seed=seed, ignore_eos=ignore_eos, logprobs=logprobs,
+            stop=[] if stop is None else stop, stop_token_ids=stop_token_ids or [], seed=seed, ignore_eos=ignore_eos, logprobs=logprobs,
             top_logprobs=top_logprobs,
         )
     except (TypeError, ValueError) as e:
@@ -184,7 +184,7 @@ async def chat_completions(request: Request) -> Response:
     ids = await anyio.to_thread.run_sync(rt.chat_token_ids, messages, pid)
     params = sampling_params(
         st, max_tokens=req.max_completion_tokens or req.max_tokens, prompt_len=len(ids), temperature=req.temperature,
-        top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop, seed=req.seed, ignore_eos=req.ignore_eos,
+        top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
     )
     if req.top_logprobs and not req.logprobs:
@@ -266,7 +266,7 @@ async def completions(request: Request) -> Response:
     params = [
         sampling_params(
             st, max_tokens=req.max_tokens, prompt_len=len(i), temperature=req.temperature, top_p=req.top_p,
-            top_k=req.top_k, n=req.n, stop=req.stop, seed=req.seed, ignore_eos=req.ignore_eos,
+            top_k=req.top_k, n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
             logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
         )
         for i in ids

@@ -18,7 +18,7 @@ from msgspec import Meta, Struct
 ProgramId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\-]*$")]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 Stop = str | list[str]
 
@@ -80,6 +80,7 @@ class ChatCompletionRequest(Struct):
     top_k: int | None = None  # -1 = off
     n: PositiveInt = 1
     stop: Stop | None = None
+    stop_token_ids: list[int] | None = None  # extra token ids that end a completion (vLLM)
     seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -161,6 +162,7 @@ class CompletionRequest(Struct):
     top_k: int | None = None
     n: PositiveInt = 1
     stop: Stop | None = None
+    stop_token_ids: list[int] | None = None  # extra token ids that end a completion (vLLM)
     seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

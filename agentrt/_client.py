@@ -1,0 +1,194 @@
+"""`agentrt.connect(url)`: the same program code, run against an `agentrt serve` server.
+
+    async with agentrt.connect("http://127.0.0.1:8000", api_key=None):
+        print(await react("..."))        # an unchanged @agentrt.program
+
+Inside, `agentrt.chat` / `generate` (and their `_stream` forms) become HTTP calls to the server's
+OpenAI-compatible endpoints carrying the calling program's id and thread id (`X-Program-Id`,
+`X-Thread-Id`), so the server schedules them as one program. When a program ends, the server is
+told (`DELETE /v1/programs/{id}`) and releases what it holds for it. Sampling arguments are
+checked here, by the same `SamplingParams` the engine uses, before anything is sent.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import httpx
+
+from agentrt._errors import (
+    AgentrtError,
+    CallAbortedError,
+    CallFailedError,
+    InvalidCallError,
+    NoRuntimeError,
+    ProgramNotFoundError,
+)
+from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
+from agentrt._program import ProgramHandle, current
+from engine.sampling import SamplingParams
+
+_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "n")
+
+
+class RemoteRuntime:
+    """A runtime whose engine is a server; see the module docstring. An async context manager."""
+
+    def __init__(self, url: str, api_key: str | None = None, *, timeout_s: float = 600.0) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise InvalidCallError(f"url must be an http(s) URL, got {url!r}")
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.programs = ProcessTable()  # this client's view of its programs
+        self._remote: set[str] = set()  # programs the server has heard of (they made a call)
+        self._client: httpx.AsyncClient | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._token: contextvars.Token | None = None
+
+    async def __aenter__(self) -> RemoteRuntime:
+        from agentrt._runtime import _runtime
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=self.timeout_s)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._token = _runtime.set(self)  # type: ignore[arg-type]
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        from agentrt._runtime import _runtime
+
+        assert self._token is not None and self._tg is not None and self._client is not None
+        _runtime.reset(self._token)
+        try:
+            await self._tg.__aexit__(None, None, None)  # the pending program ends reach the server
+        finally:
+            await self._client.aclose()
+            self._token = self._tg = self._client = None
+
+    # --- what @program needs ------------------------------------------------------------------
+    def _program_started(self, info: ProgramInfo) -> None:
+        self.programs.start(info)
+
+    def _end_program(self, handle: ProgramHandle, state: ProgramStatus, error: str | None) -> None:
+        self.programs.end(handle.info, state, error)
+        pid = handle.program_id
+        if pid in self._remote and self._tg is not None:
+            self._remote.discard(pid)
+            self._tg.start_soon(self._delete_program, pid)
+
+    async def _delete_program(self, pid: str) -> None:
+        try:
+            await self._http().delete(f"/v1/programs/{pid}")
+        except httpx.HTTPError:
+            pass  # the server ends idle programs by itself
+
+    # --- calls --------------------------------------------------------------------------------
+    async def chat(self, messages: Sequence[dict[str, Any]], **sampling: Any) -> str:
+        body = {"messages": list(messages), **self._sampling(sampling)}
+        data = await self._post("/v1/chat/completions", body)
+        return data["choices"][0]["message"]["content"] or ""
+
+    async def generate(self, prompt: str | list[int], **sampling: Any) -> str:
+        data = await self._post("/v1/completions", {"prompt": prompt, **self._sampling(sampling)})
+        return data["choices"][0]["text"]
+
+    async def chat_stream(self, messages: Sequence[dict[str, Any]], **sampling: Any) -> AsyncIterator[str]:
+        body = {"messages": list(messages), "stream": True, **self._sampling(sampling)}
+        async for chunk in self._stream("/v1/chat/completions", body):
+            for choice in chunk.get("choices", ()):
+                text = choice.get("delta", {}).get("content")
+                if text:
+                    yield text
+
+    async def generate_stream(self, prompt: str | list[int], **sampling: Any) -> AsyncIterator[str]:
+        async for chunk in self._stream("/v1/completions", {"prompt": prompt, "stream": True, **self._sampling(sampling)}):
+            for choice in chunk.get("choices", ()):
+                if choice.get("text"):
+                    yield choice["text"]
+
+    # --- plumbing -----------------------------------------------------------------------------
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise NoRuntimeError("the connection is not open: use `async with agentrt.connect(url)`")
+        return self._client
+
+    def _sampling(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        try:
+            params = SamplingParams(**sampling)
+        except (TypeError, ValueError) as e:
+            raise InvalidCallError(f"bad sampling arguments {sampling!r}: {e}", program_id=_pid()) from None
+        body = {f: getattr(params, f) for f in _FIELDS if f in sampling}
+        if params.stop_token_ids:
+            body["stop_token_ids"] = list(params.stop_token_ids)
+        return body
+
+    def _headers(self) -> dict[str, str]:
+        cur = current()
+        if cur is None:
+            return {}
+        handle, thread_id = cur
+        self._remote.add(handle.program_id)
+        return {"X-Program-Id": handle.program_id, "X-Thread-Id": thread_id}
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        headers = self._headers()
+        try:
+            r = await self._http().post(path, json=body, headers=headers)
+        except httpx.HTTPError as e:
+            raise CallFailedError(f"request to {self.url}{path} failed: {e!r}", program_id=headers.get("X-Program-Id")) from None
+        if r.status_code != 200:
+            raise _error(r.status_code, r.content, headers.get("X-Program-Id"))
+        return r.json()
+
+    async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        headers = self._headers()
+        pid = headers.get("X-Program-Id")
+        try:
+            async with self._http().stream("POST", path, json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    raise _error(r.status_code, await r.aread(), pid)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise _error(500, data.encode(), pid)
+                    yield chunk
+        except httpx.HTTPError as e:
+            raise CallFailedError(f"request to {self.url}{path} failed: {e!r}", program_id=pid) from None
+
+
+def _pid() -> str | None:
+    cur = current()
+    return None if cur is None else cur[0].program_id
+
+
+def _error(status: int, body: bytes, program_id: str | None) -> AgentrtError:
+    try:
+        err = json.loads(body)["error"]
+        message, code = err.get("message", ""), err.get("code")
+    except (ValueError, KeyError, TypeError):
+        message, code = body[:200].decode(errors="replace"), None
+    message = f"server answered {status}: {message}"
+    if status == 400:
+        return InvalidCallError(message, program_id=program_id)
+    if status == 404 and code == "program_not_found":
+        return ProgramNotFoundError(message, program_id=program_id)
+    if code == "call_aborted":
+        return CallAbortedError(message, program_id=program_id)
+    return CallFailedError(message, program_id=program_id)
+
+
+def connect(url: str, api_key: str | None = None, *, timeout_s: float = 600.0) -> RemoteRuntime:
+    """A runtime that runs `@agentrt.program` code against the server at `url`:
+    `async with agentrt.connect("http://127.0.0.1:8000"): ...`."""
+    return RemoteRuntime(url, api_key, timeout_s=timeout_s)

@@ -1,0 +1,68 @@
+"""A real server on loopback for tests: uvicorn in a thread of its own, on a free port."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+from starlette.applications import Starlette
+
+from agentrt.server import ServerConfig, create_app
+from agentrt.server.app import ServerState
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: Starlette
+    server: uvicorn.Server
+
+    @property
+    def state(self) -> ServerState:
+        return self.app.state.server
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Until the engine holds no request (aborts land on the server's loop asynchronously)."""
+        core = self.state.runtime._engine().core
+        deadline = time.monotonic() + timeout_s
+        while core.scheduler.has_work() or core.requests:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine still busy: {list(core.requests)}")
+            time.sleep(0.02)
+
+
+def tiny_config(model_path, **kw) -> ServerConfig:
+    engine = {"num_blocks": 256, "max_num_seqs": 16, **kw.pop("engine", {})}
+    return ServerConfig(model=str(model_path), engine=engine, db=kw.pop("db", "none"), **kw)
+
+
+@contextlib.contextmanager
+def live_server(config: ServerConfig) -> Iterator[LiveServer]:
+    app = create_app(config)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=config.drain_timeout_s))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  (not the main thread)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.05)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", app, server)
+    finally:
+        server.should_exit = True
+        thread.join(60)
