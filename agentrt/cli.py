@@ -35,11 +35,6 @@ def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(a: argparse.Namespace) -> int:
-    demo = importlib.import_module("programs.demo")
-    return demo.main(["--model", a.model] if a.model else [])
-
-
 def _serve(a: argparse.Namespace) -> int:
     from agentrt.server import ServerConfig, serve
     from agentrt.server.app import env_api_keys
@@ -67,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["simulate"]:
         argv = ["bench", *argv]
+    if argv[:1] == ["demo"]:
+        return importlib.import_module("programs.demo").main(argv[1:])
     if argv[:1] == ["bench"]:
         if len(argv) < 2 or argv[1] not in BENCHES:
             print(f"usage: agentrt bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
@@ -82,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(fn=_generate)
-    d = sub.add_parser("demo", help="run the example agent programs in-process on the default model")
-    d.add_argument("--model", default=None)
-    d.set_defaults(fn=_demo)
+    sub.add_parser("demo", help="serve the default model and run the example programs against it (agentrt demo --help)")
     s = sub.add_parser("serve", help="serve the runtime over an OpenAI-compatible HTTP API keyed by program id")
     s.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     s.add_argument("--host", default="127.0.0.1")
