@@ -91,6 +91,7 @@ class Runtime:
         self.observers: list[RuntimeObserver] = []  # told of program starts / ends and call ends
         self._inflight: dict[str, set[str]] = {}  # program id -> request ids in the engine
         self._keyed: dict[str, ProgramHandle] = {}  # running programs started by id (`start_program`, the server)
+        self._thread_ids: dict[str, set[str]] = {}  # keyed program id -> thread ids its calls named (num_threads)
         self._num_waiting = 0  # calls submitted that have produced no token yet
         self._call_ids = itertools.count(1)
         self._token: contextvars.Token | None = None
@@ -145,6 +146,7 @@ class Runtime:
         pid = handle.program_id
         if self._keyed.get(pid) is handle:
             del self._keyed[pid]
+        self._thread_ids.pop(pid, None)
         for rid in self._inflight.pop(pid, ()):
             if self.engine is not None:
                 self.engine.abort(rid)
@@ -281,6 +283,10 @@ class Runtime:
                 self._end_program(handle, "failed", repr(e))
             raise InvalidCallError(str(e), program_id=pid, request_id=rid) from None
         self._inflight.setdefault(pid, set()).add(rid)
+        if self._keyed.get(pid) is handle:  # a @program counts its threads as it makes them; these name theirs
+            threads = self._thread_ids.setdefault(pid, set())
+            threads.add(thread_id)
+            handle.info.num_threads = max(handle.info.num_threads, len(threads))
         record = self.programs.call_started(handle.info, rid, thread_id, len(prompt))
         self._num_waiting += 1
         call = Call(self, handle.info, thread_id, rid, kind, stream, record, len(prompt))

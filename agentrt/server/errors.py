@@ -45,6 +45,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 _FIELD = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -52,8 +53,11 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, (msgspec.ValidationError, msgspec.DecodeError)):
-        m = _FIELD.search(str(exc))
-        return bad_request(f"invalid request body: {exc}", param=m.group(1) if m else None)
+        m, missing = _FIELD.search(str(exc)), _MISSING.search(str(exc))
+        param = m.group(1) if m else None
+        if missing:  # name the missing field itself, not the object that lacks it
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        return bad_request(f"invalid request body: {exc}", param=param)
     if isinstance(exc, ProgramNotFoundError):
         return APIError(404, str(exc), "not_found_error", "program_id", "program_not_found")
     if isinstance(exc, ProgramExistsError):

@@ -7,6 +7,7 @@ the engine's output as OpenAI's objects. A client that disconnects aborts its ca
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from agentrt._call import Call
-from agentrt._errors import AgentrtError
+from agentrt._errors import AgentrtError, InvalidCallError
 from agentrt.server.app import ServerState, read_body, state_of
 from agentrt.server.errors import api, bad_request, error_body, to_api_error
 from agentrt.server.openapi import Operation
@@ -86,7 +87,25 @@ def sampling_params(
             top_logprobs=top_logprobs,
         )
     except (TypeError, ValueError) as e:
-        raise bad_request(str(e)) from None
+        raise bad_request(str(e), _param_of(str(e))) from None
+
+
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+def _param_of(message: str, default: str | None = None) -> str | None:
+    """The request field an engine error message names (`SamplingParams.stop ...` -> "stop"), else
+    `default` (what the prompt came in: "messages" or "prompt")."""
+    m = _SAMPLING_FIELD.search(message)
+    return m.group(1) if m else default
+
+
+def submit(st: ServerState, ids: list[int], params: SamplingParams, prompt_param: str, **kw: Any) -> Call:
+    """`runtime.submit`; input the engine refuses is a 400 naming the field."""
+    try:
+        return st.runtime.submit(ids, params, **kw)
+    except InvalidCallError as e:
+        raise bad_request(str(e), _param_of(str(e), prompt_param)) from None
 
 
 def new_id(prefix: str) -> str:
@@ -190,7 +209,7 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     st.check_capacity()
-    call = rt.submit(ids, params, program_id=pid, thread_id=tid, owner=owner, cache_salt=owner, kind="chat")
+    call = submit(st, ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner, kind="chat")
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
@@ -275,7 +294,8 @@ async def completions(request: Request) -> Response:
     calls: list[Call] = []
     try:
         for i, p in zip(ids, params):
-            calls.append(rt.submit(i, p, program_id=pid, thread_id=tid, owner=owner, cache_salt=owner, kind="completion"))
+            calls.append(submit(st, i, p, "prompt", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
+                                kind="completion"))
     except BaseException:
         for c in calls:
             c.close()
