@@ -172,6 +172,8 @@ class Runtime:
         old = self.programs.get(program_id)
         if old is not None and old.state == "running":
             raise ProgramExistsError("a program with this id is already running", program_id=program_id)
+        if old is not None and old.owner != owner:  # an ended program's id stays its owner's while the table keeps it
+            raise ProgramExistsError("this program id belongs to another client", program_id=program_id)
         info = ProgramInfo(program_id=program_id, name=name, parent_id=None, start_time=time.monotonic(), owner=owner)
         handle = ProgramHandle(info, self)
         self._keyed[program_id] = handle
