@@ -86,6 +86,18 @@ class CallRecord:
     service_s: float = 0.0  # executor time attributed to this call
 
 
+@dataclass(slots=True)
+class ResponseRecord:
+    """One stored Responses-API response (`store: true`), for `previous_response_id`."""
+
+    response_id: str
+    owner: str | None
+    program_id: str  # a chain of responses is one program
+    created_at: float  # epoch s
+    body: str  # the response object, JSON
+    messages: str  # the conversation through this response (input + output) as chat messages, JSON
+
+
 class _Base(DeclarativeBase):
     type_annotation_map = {float: Double()}
 
@@ -129,11 +141,25 @@ class _Call(_Base):
     service_s: Mapped[float]
 
 
+class _Response(_Base):
+    __tablename__ = "responses"
+
+    response_id: Mapped[str] = mapped_column(String, primary_key=True)
+    owner: Mapped[str | None]
+    program_id: Mapped[str] = mapped_column(index=True)
+    created_at: Mapped[float]
+    body: Mapped[str] = mapped_column(Text)
+    messages: Mapped[str] = mapped_column(Text)
+
+
 _PROGRAM_FIELDS = tuple(f.name for f in fields(ProgramRecord))
+_RESPONSE_FIELDS = tuple(f.name for f in fields(ResponseRecord))
+_snapshot_response = operator.attrgetter(*_RESPONSE_FIELDS)
 _CALL_FIELDS = tuple(f.name for f in fields(CallRecord))
 _snapshot_program = operator.attrgetter(*_PROGRAM_FIELDS)  # -> tuple of values, in field order
 _snapshot_call = operator.attrgetter(*_CALL_FIELDS)
-_PROGRAM, _CALL = 0, 1  # queue entry kinds
+_PROGRAM, _CALL, _RESPONSE = 0, 1, 2  # queue entry kinds
+_TABLES = ((_Program, _PROGRAM_FIELDS), (_Call, _CALL_FIELDS), (_Response, _RESPONSE_FIELDS))  # by kind
 _WARN_DROPS_EVERY_S = 10.0
 _PRUNE_CHUNK = 1000  # programs deleted per transaction
 
@@ -290,6 +316,12 @@ class Store:
             raise TypeError(f"put_call takes a CallRecord, got {type(rec).__name__}")
         self._put(_CALL, _snapshot_call(rec))
 
+    def put_response(self, rec: ResponseRecord) -> None:
+        """Insert or replace the response `rec.response_id`. Non-blocking."""
+        if not isinstance(rec, ResponseRecord):
+            raise TypeError(f"put_response takes a ResponseRecord, got {type(rec).__name__}")
+        self._put(_RESPONSE, _snapshot_response(rec))
+
     def _put(self, kind: int, values: tuple) -> None:
         with self._lock:
             if self._stopping:
@@ -342,31 +374,30 @@ class Store:
                     self._progress.notify_all()
 
     def _write_batch(self, batch: list[tuple[int, int, tuple]]) -> None:
-        programs: dict[str, tuple] = {}
-        calls: dict[str, tuple] = {}
+        rows: list[dict[str, tuple]] = [{}, {}, {}]  # by kind
         for _, kind, values in batch:
-            (programs if kind == _PROGRAM else calls)[values[0]] = values  # coalesce by primary key
+            rows[kind][values[0]] = values  # coalesce by primary key
+        total = sum(len(r) for r in rows)
         try:
-            self._upsert(list(programs.values()), list(calls.values()))
+            self._upsert([list(r.values()) for r in rows])
             return
         except (OperationalError, InterfaceError):  # the database is unreachable: no use retrying row by row
-            logger.exception("%r: lost a batch of %d records", self, len(programs) + len(calls))
-            self.num_write_errors += len(programs) + len(calls)
+            logger.exception("%r: lost a batch of %d records", self, total)
+            self.num_write_errors += total
             return
         except Exception:
             logger.warning("%r: batch write failed; retrying its records one by one", self, exc_info=True)
-        for rows, is_program in ((programs, True), (calls, False)):
-            for key, values in rows.items():
+        for kind, by_key in enumerate(rows):
+            for key, values in by_key.items():
                 try:
-                    self._upsert([values] if is_program else [], [] if is_program else [values])
+                    self._upsert([[values] if k == kind else [] for k in range(3)])
                 except Exception:
-                    what = "program" if is_program else "call"
-                    logger.exception("%r: could not write %s %r", self, what, key)
+                    logger.exception("%r: could not write %s %r", self, _TABLES[kind][0].__tablename__, key)
                     self.num_write_errors += 1
 
-    def _upsert(self, programs: list[tuple], calls: list[tuple]) -> None:
+    def _upsert(self, rows_by_kind: list[list[tuple]]) -> None:
         with self._connect(write=True) as conn:  # one transaction
-            for model, names, rows in ((_Program, _PROGRAM_FIELDS, programs), (_Call, _CALL_FIELDS, calls)):
+            for (model, names), rows in zip(_TABLES, rows_by_kind):
                 if rows:
                     conn.execute(self._upsert_stmt(model), [dict(zip(names, r)) for r in rows])
 
@@ -409,6 +440,14 @@ class Store:
         with self._connect() as conn:
             return conn.execute(q).scalar_one()
 
+    def get_response(self, response_id: str, owner: str | None | _AnyOwner = ANY_OWNER) -> ResponseRecord | None:
+        q = select(*_Response.__table__.columns).where(_Response.response_id == response_id)
+        if not isinstance(owner, _AnyOwner):
+            q = q.where(_Response.owner.is_(None) if owner is None else _Response.owner == owner)
+        with self._connect() as conn:
+            row = conn.execute(q).first()
+        return None if row is None else ResponseRecord(**row._mapping)
+
     def list_calls(self, program_id: str, limit: int = 1000) -> list[CallRecord]:
         """A program's calls in arrival order."""
         q = (
@@ -439,6 +478,7 @@ class Store:
                 if not ids:
                     return num_deleted
                 conn.execute(delete(_Call).where(_Call.program_id.in_(ids)))
+                conn.execute(delete(_Response).where(_Response.program_id.in_(ids)))
                 conn.execute(delete(_Program).where(_Program.program_id.in_(ids)))
             num_deleted += len(ids)
 

@@ -90,7 +90,7 @@ def test_repeated_upserts_in_a_batch_are_coalesced(make_store, monkeypatch):
     store.put_program(program(2))
     written = []
     upsert = store._upsert
-    monkeypatch.setattr(store, "_upsert", lambda ps, cs: (written.append((len(ps), len(cs))), upsert(ps, cs)))
+    monkeypatch.setattr(store, "_upsert", lambda rows: (written.append((len(rows[0]), len(rows[1]))), upsert(rows)))
     store.start()
     assert store.flush()
     assert written == [(2, 1)]
@@ -176,7 +176,7 @@ def test_puts_do_not_wait_for_the_database(make_store, monkeypatch):
     store.start()
     release = threading.Event()
     upsert = store._upsert
-    monkeypatch.setattr(store, "_upsert", lambda ps, cs: (release.wait(10), upsert(ps, cs)))
+    monkeypatch.setattr(store, "_upsert", lambda rows: (release.wait(10), upsert(rows)))
     store.put_program(program(0))
     time.sleep(0.1)  # the writer is now stuck in the database
     t = time.monotonic()
@@ -225,7 +225,7 @@ def test_writer_survives_a_database_outage(make_store, monkeypatch):
     store.start()
     upsert = store._upsert
 
-    def down(ps, cs):
+    def down(rows):
         raise OperationalError("INSERT ...", {}, ConnectionError("server closed the connection"))
 
     monkeypatch.setattr(store, "_upsert", down)
@@ -295,3 +295,19 @@ def test_postgresql_url_uses_psycopg():
     assert store._engine.dialect.driver == "psycopg"
     assert "secret" not in repr(store)
     store.close()
+
+
+def test_response_round_trip_owner_and_prune(make_store):
+    from agentrt.server.store import ResponseRecord
+
+    store = make_store()
+    store.start()
+    store.put_program(program(1, state="finished"))
+    store.put_response(ResponseRecord("resp_1", "k1", "p1", 1.0, '{"id": "resp_1"}', "[]"))
+    assert store.flush()
+    assert store.get_response("resp_1").body == '{"id": "resp_1"}'
+    assert store.get_response("resp_1", owner="k1").program_id == "p1"
+    assert store.get_response("resp_1", owner="k2") is None
+    assert store.get_response("resp_1", owner=None) is None
+    assert store.prune(0) == 1
+    assert store.get_response("resp_1") is None
