@@ -358,7 +358,7 @@ ROUTES = [
 
 OPERATIONS = [
     Operation("post", "/v1/chat/completions", "chat completion (OpenAI-compatible)", ChatCompletion,
-              ChatCompletionRequest, streams=True, errors=(400, 401, 404, 409, 413, 429, 500, 503)),
+              ChatCompletionRequest, streams=ChatCompletionChunk, errors=(400, 401, 404, 409, 413, 429, 500, 503)),
     Operation("post", "/v1/completions", "text completion (OpenAI-compatible)", Completion, CompletionRequest,
-              streams=True, errors=(400, 401, 404, 409, 413, 429, 500, 503)),
+              streams=Completion, errors=(400, 401, 404, 409, 413, 429, 500, 503)),
 ]

@@ -17,7 +17,7 @@ class Operation:
     summary: str
     response: type | None  # JSON body of a 200, or None for a non-JSON one
     body: type | None = None  # JSON request body
-    streams: bool = False  # may answer with text/event-stream
+    streams: type | None = None  # may answer with text/event-stream: the JSON type of each event's data
     media_type: str | None = None  # the 200's media type when not JSON
     errors: tuple[int, ...] = (400, 401, 413, 429, 500)
     auth: bool = True
@@ -26,8 +26,8 @@ class Operation:
 
 
 def build(operations: list[Operation], title: str, version: str) -> dict[str, Any]:
-    types = sorted({t for op in operations for t in (op.body, op.response) if t is not None} | {ErrorResponse},
-                   key=lambda t: t.__name__)
+    used = {t for op in operations for t in (op.body, op.response, op.streams) if t is not None}
+    types = sorted(used | {ErrorResponse}, key=lambda t: t.__name__)
     schemas, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     ref = dict(zip(types, schemas))
     error = {"application/json": {"schema": ref[ErrorResponse]}}
@@ -36,9 +36,10 @@ def build(operations: list[Operation], title: str, version: str) -> dict[str, An
         if op.response is not None:
             content = {"application/json": {"schema": ref[op.response]}}
         else:
-            content = {op.media_type or "text/plain": {"schema": {"type": "string"}}}
-        if op.streams:
-            content["text/event-stream"] = {"schema": {"type": "string"}}
+            media_type = op.media_type or "text/plain"
+            content = {media_type: {"schema": {"type": "object" if media_type == "application/json" else "string"}}}
+        if op.streams is not None:
+            content["text/event-stream"] = {"schema": _sse_event(ref[op.streams], ref[ErrorResponse])}
         responses: dict[str, Any] = {str(op.ok): {"description": "OK", "content": content}}
         for status in op.errors:
             responses[str(status)] = {"description": _REASONS.get(status, "error"), "content": error}
@@ -62,6 +63,14 @@ def build(operations: list[Operation], title: str, version: str) -> dict[str, An
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
+
+
+def _sse_event(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI before 3.2 has `schema` describe each event of a stream): its
+    data is a JSON chunk, an error body (an error after the stream began), or `[DONE]` at the end."""
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk, error]}}
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, data]}, "event": {"type": "string"}}}
 
 
 def _op_id(op: Operation) -> str:

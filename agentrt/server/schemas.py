@@ -154,7 +154,8 @@ class ChatCompletionChunk(Struct):
 
 # --- completions ----------------------------------------------------------------------------
 class CompletionRequest(Struct):
-    prompt: str | list[str | int | list[int]]  # text, token ids, or a list of either (one choice set each)
+    # text, token ids, or a list of either (one choice set each); empty is a 400
+    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[str | int | list[int]], Meta(min_length=1)]
     model: str | None = None
     max_tokens: PositiveInt = 16
     temperature: Temperature | None = None

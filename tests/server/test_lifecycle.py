@@ -1,0 +1,170 @@
+"""The server's life: a SIGTERM drains in-flight streams, refuses new connections, flushes every
+record and exits 0; programs outlive a restart in the database (SQLite and PostgreSQL), with their
+owner."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentrt.server.store import Store
+from tests.server.live import free_port, live_server, tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+HI = [{"role": "user", "content": "hi"}]
+DRAIN_TIMEOUT_S = 20
+NUM_TOKENS = 256
+
+
+class Stream(threading.Thread):
+    """One streaming chat call, read to its end; `started` is set once a few tokens arrived."""
+
+    def __init__(self, url: str, program_id: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.program_id = url, program_id
+        self.started = threading.Event()
+        self.events: list[str] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"messages": HI, "max_tokens": NUM_TOKENS, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=60,
+                              headers={"X-Program-Id": self.program_id}) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+                        if len(self.events) > 5:
+                            self.started.set()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.started.set()
+
+    def chunks(self) -> list[dict]:
+        return [json.loads(e) for e in self.events[:-1]]
+
+
+def _refused(url: str) -> bool:
+    """A new connection is refused, or answered 503."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 503
+    except httpx.ConnectError:
+        return True
+
+
+def test_sigterm_drains_in_flight_streams_and_flushes_records(tiny_model_path, tmp_path):
+    port, db = free_port(), f"sqlite:///{tmp_path}/a.db"
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "agentrt.cli", "serve", "--model", str(tiny_model_path), "--port", str(port),
+           "--num-blocks", "256", "--db", db, "--drain-timeout", str(DRAIN_TIMEOUT_S), "--log-level", "warning"]
+    log = tmp_path / "serve.log"  # a file, not a pipe: a full pipe would stall the server
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, "serve did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+
+        streams = [Stream(url, f"drain-{i}") for i in range(3)]
+        for s in streams:
+            s.start()
+        for s in streams:
+            assert s.started.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        sigterm_at = time.monotonic()
+        while not _refused(url):
+            assert time.monotonic() - sigterm_at < 10, "new connections still accepted after SIGTERM"
+            time.sleep(0.05)
+        assert any(s.is_alive() for s in streams), "the streams ended before the drain began: nothing was tested"
+
+        for s in streams:
+            s.join(DRAIN_TIMEOUT_S)
+            assert s.error is None, f"{s.program_id}: {s.error!r}"
+            assert s.events[-1] == "[DONE]"
+            chunks = s.chunks()
+            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+            assert chunks[-1]["usage"]["completion_tokens"] == NUM_TOKENS
+        rc = proc.wait(DRAIN_TIMEOUT_S)
+        output = log.read_text()
+        assert rc == 0, output
+        assert time.monotonic() - sigterm_at < DRAIN_TIMEOUT_S
+        assert "Traceback" not in output, output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    with Store(db) as store:
+        for s in streams:
+            (call,) = store.list_calls(s.program_id)
+            assert (call.finish_reason, call.num_output_tokens, call.error) == ("length", NUM_TOKENS, None)
+            prog = store.get_program(s.program_id)
+            # programs keyed by id end when the runtime stops: after their calls were drained
+            assert (prog.state, prog.calls_done, prog.num_output_tokens) == ("cancelled", 1, NUM_TOKENS)
+            assert prog.ended_at is not None
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/programs.db"
+        return
+    from tests.server.pg import create_database, drop_database
+
+    url = create_database(request.getfixturevalue("postgres_url"))
+    yield url
+    drop_database(url)
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_programs_outlive_a_restart_with_their_owner(tiny_model_path, db_url):
+    config = tiny_config(tiny_model_path, db=db_url, api_keys=["k1", "k2"])
+    k1 = {**_auth("k1"), "X-Program-Id": "p1"}
+    with live_server(config) as s, httpx.Client(base_url=s.url, timeout=60) as http:
+        usage = []
+        for _ in range(2):
+            body = {"messages": HI, "max_tokens": 5, "ignore_eos": True}
+            r = http.post("/v1/chat/completions", headers=k1, json=body)
+            assert r.status_code == 200, r.text
+            usage.append(r.json()["usage"])
+        r = http.delete("/v1/programs/p1", headers=_auth("k1"))
+        assert r.status_code == 200, r.text
+        ended = r.json()
+    assert (ended["state"], ended["calls_done"], ended["live"]) == ("finished", 2, True)
+    assert ended["num_output_tokens"] == sum(u["completion_tokens"] for u in usage) == 10
+    assert ended["num_prompt_tokens"] == sum(u["prompt_tokens"] for u in usage)
+
+    with live_server(config) as s, httpx.Client(base_url=s.url, timeout=60) as http:
+        r = http.get("/v1/programs/p1", headers=_auth("k1"))
+        assert r.status_code == 200, r.text
+        stored = r.json()
+        assert stored["live"] is False
+        same = ("id", "name", "state", "calls_done", "num_prompt_tokens", "num_output_tokens", "error")
+        assert {k: stored[k] for k in same} == {k: ended[k] for k in same}
+        assert stored["ended_at"] == pytest.approx(ended["ended_at"], abs=0.5)
+        listed = http.get("/v1/programs", headers=_auth("k1")).json()["data"]
+        assert [(p["id"], p["live"], p["state"]) for p in listed] == [("p1", False, "finished")]
+
+        r = http.get("/v1/programs/p1", headers=_auth("k2"))
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "program_not_found"
+        assert http.get("/v1/programs", headers=_auth("k2")).json()["data"] == []
+        assert http.delete("/v1/programs/p1", headers=_auth("k2")).status_code == 404
