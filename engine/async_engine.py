@@ -4,21 +4,29 @@ Model steps run in a worker thread (`anyio.to_thread`), so the event loop never 
 All engine state is touched by one side at a time: requests added or aborted while a step runs
 are queued and applied right after it, on the event-loop side. Each request gets a
 `RequestStream` of `StreamDelta`s; its final `RequestOutput` comes from `await stream.result()`.
+
+One bad request never hurts the others: `add_request` checks everything before it records
+anything (a refused request leaves no trace), the core fails a request that errors while being
+served alone, and the loop below survives any exception. Every per-request entry is dropped when
+its stream ends, and a stream dropped unread (garbage-collected) aborts its request.
 """
 
 from __future__ import annotations
 
 import logging
-import math
+import queue
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, KVStats
-from engine.outputs import RequestOutput, StreamDelta
+from engine.engine_core import EngineCore, KVStats, family_ids
+from engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from engine.request import Request
 from engine.sampling import SamplingParams
 
@@ -29,52 +37,94 @@ class EngineError(RuntimeError):
     """The engine failed a request it had accepted (an internal error, or the engine stopped)."""
 
 
-class RequestStream:
-    """Deltas of one request (all its n completions), then its final output."""
+class _Sink:
+    """The engine's side of one stream. Holds no reference to the `RequestStream`, so the user's
+    object can be collected while the request runs (its finalizer then aborts the request)."""
+
+    __slots__ = ("request_id", "n", "deltas", "changed", "open", "done", "output", "error", "finalizer")
 
     def __init__(self, request_id: str, n: int):
         self.request_id = request_id
-        self._send, self._recv = anyio.create_memory_object_stream[StreamDelta](math.inf)
-        self._pending = n  # completions not finished yet
-        self._done = anyio.Event()
-        self._output: RequestOutput | None = None
-        self._error: BaseException | None = None
+        self.n = n  # completions
+        self.deltas: deque[StreamDelta] = deque()  # pushed, not read yet
+        self.changed = anyio.Event()  # set (and replaced by a fresh one) on every push and at the end
+        self.open = set(range(n))  # completions without their final delta
+        self.done = anyio.Event()
+        self.output: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.finalizer: weakref.finalize | None = None
 
-    def _push(self, delta: StreamDelta) -> None:
-        self._send.send_nowait(delta)
+    def push(self, delta: StreamDelta) -> None:
+        self.deltas.append(delta)
         if delta.finished:
-            self._pending -= 1
+            self.open.discard(delta.index)
+        self._notify()
 
-    def _finish(self, output: RequestOutput | None, error: BaseException | None = None) -> None:
-        self._output, self._error = output, error
-        self._send.close()
-        self._done.set()
+    def finish(self, output: RequestOutput | None, error: BaseException | None) -> None:
+        self.output, self.error = output, error
+        self.done.set()
+        self._notify()
+        if self.finalizer is not None:
+            self.finalizer.detach()
+
+    def _notify(self) -> None:
+        changed, self.changed = self.changed, anyio.Event()
+        changed.set()
+
+
+class RequestStream:
+    """Deltas of one request (all its n completions), then its final output. A stream dropped
+    without being read to the end or aborted aborts its request when it is garbage-collected."""
+
+    def __init__(self, sink: _Sink):
+        self.request_id = sink.request_id
+        self._sink = sink
 
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[StreamDelta]:
-        async for d in self._recv:
-            yield d
-        if self._error is not None:
-            raise self._error
+        sink = self._sink
+        while True:
+            while sink.deltas:
+                yield sink.deltas.popleft()
+            if sink.done.is_set():
+                break
+            await sink.changed.wait()
+        if sink.error is not None:
+            raise sink.error
 
     async def result(self) -> RequestOutput:
-        """Wait for the request to end (draining unread deltas) and return its full output."""
-        await self._done.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._output is not None
-        return self._output
+        """Wait for the request to end and return its full output."""
+        await self._sink.done.wait()
+        if self._sink.error is not None:
+            raise self._sink.error
+        assert self._sink.output is not None
+        return self._sink.output
+
+
+@dataclass(slots=True)
+class _Add:
+    """An add received during a step, applied right after it."""
+
+    sink: _Sink
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    program_id: str | None
+    thread_id: str | None
+    cache_salt: str | None
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides: Any):
         self.core = EngineCore(config, **overrides)
-        self._streams: dict[str, RequestStream] = {}  # by request id, forks included
-        self._roots: dict[str, str] = {}  # request id -> id of the request its stream belongs to
-        self._root_reqs: dict[str, Request] = {}  # stream id -> its root Request, until the stream ends
-        self._queued: list[tuple[str, tuple]] = []  # ("add"|"abort", args) received during a step
+        self._streams: dict[str, _Sink] = {}  # root request id -> its stream's engine side, until it ends
+        self._roots: dict[str, str] = {}  # request id (forks included) -> its root's id, until the stream ends
+        self._root_reqs: dict[str, Request] = {}  # root id -> its Request once in the core, until the stream ends
+        self._queued: list[_Add | str] = []  # adds and aborts (by id) received during a step
+        # streams collected unread; a finalizer may run on any thread, so a thread-safe queue. Drained
+        # before every step: a request still in the core keeps the loop stepping, so no wake-up is needed.
+        self._abandoned: queue.SimpleQueue[_Sink] = queue.SimpleQueue()
         self._stepping = False
         self._wake = anyio.Event()
         self._tg: TaskGroup | None = None
@@ -89,6 +139,11 @@ class AsyncEngine:
         return self.core.config
 
     async def __aenter__(self) -> AsyncEngine:
+        """Start serving (again, after an earlier `async with` ended: the model stays loaded)."""
+        if self._tg is not None:
+            raise EngineError("AsyncEngine is already running")
+        self._closed = False
+        self._wake = anyio.Event()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._run)
@@ -96,15 +151,19 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc) -> bool | None:
         assert self._tg is not None
+        self._closed = True
         self._tg.cancel_scope.cancel()
         try:
             return await self._tg.__aexit__(*exc)
         finally:
-            self._closed = True
+            self._tg = None
+            self._stepping = False
+            self._queued.clear()
             for rid in list(self._streams):
                 self._fail(rid, EngineError(f"engine stopped before request {rid!r} finished"))
-            for req in list(self.core.requests.values()):
-                self.core.abort(req.request_id)
+            for rid in list(self.core._families):
+                self.core.release(rid)
+            self._reap_abandoned()
 
     # ---- client side ---------------------------------------------------------------------
     def add_request(
@@ -117,88 +176,145 @@ class AsyncEngine:
         thread_id: str | None = None,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Queue a request; bad input raises ValueError here, before anything is queued."""
+        """Queue a request. Everything is checked here, before anything is recorded: bad input raises
+        `InvalidRequestError` (a ValueError; `InvalidRequestTypeError` is also a TypeError) naming the
+        field and value, and leaves no trace."""
         if self._closed or self._tg is None:
             raise EngineError("AsyncEngine is not running: use `async with AsyncEngine(...) as engine`")
-        params = params or SamplingParams()
-        ids = self.core.validate_prompt(prompt)
-        if request_id is None:
-            request_id = f"req-{next(self.core._ids)}"
-        if request_id in self._streams or request_id in self.core.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, params.n)
-        self._streams[request_id] = stream
-        args = (ids, params, request_id, program_id, thread_id, cache_salt)
+        ids, params, request_id = self.core.check_request(
+            prompt, params, request_id, program_id, thread_id, cache_salt, taken=self._roots
+        )
+        sink = _Sink(request_id, params.n)
+        stream = RequestStream(sink)
+        add = _Add(sink, ids, params, program_id, thread_id, cache_salt)
+        self._streams[request_id] = sink
+        for rid in family_ids(request_id, params.n):
+            self._roots[rid] = request_id
         if self._stepping:
-            self._queued.append(("add", args))
+            self._queued.append(add)
         else:
-            self._add_now(args)
+            try:
+                self._add_now(add)
+            except BaseException:
+                self._forget(request_id)
+                raise
+        sink.finalizer = weakref.finalize(stream, self._abandoned.put, sink)
         self._wake.set()
         return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its stream ends with finish_reason "abort"); unknown ids are ignored."""
         if self._stepping:
-            self._queued.append(("abort", (request_id,)))
+            self._queued.append(request_id)
         else:
             self._abort_now(request_id)
 
     def kv_stats(self) -> KVStats:
         return self.core.kv_stats()
 
+    def num_tracked(self) -> dict[str, int]:
+        """Entries of every per-request map, here and in the core (debugging, leak tests): all 0 once
+        every stream has ended."""
+        counts = {"streams": len(self._streams), "roots": len(self._roots), "root_reqs": len(self._root_reqs),
+                  "queued": len(self._queued), "abandoned": self._abandoned.qsize()}
+        counts.update({f"core.{k}": v for k, v in self.core.num_tracked().items()})
+        return counts
+
     # ---- engine side ---------------------------------------------------------------------
-    def _add_now(self, args: tuple) -> None:
-        ids, params, request_id, program_id, thread_id, cache_salt = args
-        if request_id not in self._streams:  # aborted before it was added
+    def _add_now(self, add: _Add) -> None:
+        rid = add.sink.request_id
+        if self._streams.get(rid) is not add.sink:  # aborted (and maybe the id reused) before it was added
             return
-        try:
-            req = self.core.add_request(ids, params, request_id, program_id, thread_id, cache_salt)
-        except ValueError as e:
-            self._fail(request_id, e)
-            return
-        self._root_reqs[request_id] = req
-        for r in (req, *req.children):
-            self._roots[r.request_id] = request_id
+        req = self.core.add_request(
+            add.prompt_token_ids, add.params, rid, add.program_id, add.thread_id, add.cache_salt
+        )
+        self._root_reqs[rid] = req
 
     def _abort_now(self, request_id: str) -> None:
-        deltas = self.core.abort(request_id)
-        if deltas:
-            self._dispatch(deltas)
-        elif request_id in self._streams and request_id not in self._roots:  # queued, never added
-            self._fail(request_id, None, aborted=True)
-
-    def _fail(self, request_id: str, error: BaseException | None, aborted: bool = False) -> None:
-        stream = self._streams.pop(request_id, None)
-        self._root_reqs.pop(request_id, None)
-        if stream is None:
+        sink = self._streams.get(request_id)
+        if sink is not None and request_id not in self._root_reqs:  # queued, never added
+            for i in range(sink.n):
+                sink.push(StreamDelta(request_id, i, [], "", True, "abort"))
+            comps = [CompletionOutput(i, "", [], "abort") for i in range(sink.n)]
+            self._forget(request_id)
+            sink.finish(RequestOutput(request_id, [], comps), None)
             return
-        for rid in [k for k, v in self._roots.items() if v == request_id]:
-            del self._roots[rid]
-        if aborted:
-            stream._push(StreamDelta(request_id, 0, [], "", True, "abort"))
-        stream._finish(None if not aborted else RequestOutput(request_id, [], []), error)
+        self._dispatch(self.core.abort(request_id))
+
+    def _forget(self, root: str) -> _Sink | None:
+        """Drop a stream's entries here (not the core's)."""
+        sink = self._streams.pop(root, None)
+        self._root_reqs.pop(root, None)
+        if sink is not None:
+            for rid in family_ids(root, sink.n):
+                self._roots.pop(rid, None)
+        return sink
+
+    def _fail(self, root: str, error: BaseException) -> None:
+        """End a stream with `error`, releasing its request in the core."""
+        try:
+            self.core.release(root)
+        except Exception:
+            logger.exception("releasing request %r failed", root)
+        sink = self._forget(root)
+        if sink is not None:
+            sink.finish(None, error)
 
     def _dispatch(self, deltas: list[StreamDelta]) -> None:
         for d in deltas:
             root = self._roots.get(d.request_id)
-            stream = self._streams.get(root) if root is not None else None
-            if stream is None:
+            if root is None:
                 continue
-            stream._push(d)
-            if stream._pending == 0:
-                root_req = self._root_reqs.pop(root, None)
-                del self._streams[root]
-                for rid in [k for k, v in self._roots.items() if v == root]:
-                    del self._roots[rid]
-                output = self.core.finished_output(root_req) if root_req is not None else None
-                if output is not None and output.outputs and output.outputs[0].finish_reason == "error":
-                    stream._finish(output, ValueError(output.outputs[0].error))
-                else:
-                    stream._finish(output)
+            try:
+                self._dispatch_one(root, d)
+            except Exception as e:
+                logger.exception("delivering output of request %r failed", root)
+                self._fail(root, EngineError(f"delivering output of request {root!r} failed: {e!r}"))
+
+    def _dispatch_one(self, root: str, d: StreamDelta) -> None:
+        sink = self._streams.get(root)
+        if sink is None:
+            return
+        sink.push(d)
+        if sink.open:
+            return
+        req = self._root_reqs.get(root)
+        output = self.core.finished_output(req) if req is not None else None
+        self._forget(root)
+        if output is not None and output.outputs and output.outputs[0].finish_reason == "error":
+            sink.finish(output, ValueError(output.outputs[0].error))
+        else:
+            sink.finish(output, None)
+
+    def _reap_abandoned(self) -> None:
+        """Abort the requests of streams collected unread."""
+        while True:
+            try:
+                sink = self._abandoned.get_nowait()
+            except queue.Empty:
+                return
+            if self._streams.get(sink.request_id) is sink:
+                logger.info("request %r: its stream was dropped unread; aborting it", sink.request_id)
+                self._abort_now(sink.request_id)
+
+    def _fail_everything(self, e: Exception) -> list[StreamDelta]:
+        """An error outside any one request (a bug): fail what is in flight, keep serving."""
+        msg = f"engine step failed: {e!r}"
+        try:
+            return self.core.fail_all(msg)
+        except Exception:
+            logger.exception("failing the in-flight requests failed")
+            for rid in list(self._streams):
+                self._fail(rid, EngineError(msg))
+            return []
 
     async def _run(self) -> None:
         core = self.core
         while True:
+            try:
+                self._reap_abandoned()
+            except Exception:
+                logger.exception("aborting abandoned requests failed")
             if not core.has_work():
                 await self._wake.wait()
                 self._wake = anyio.Event()
@@ -206,17 +322,21 @@ class AsyncEngine:
             self._stepping = True
             try:
                 deltas = await anyio.to_thread.run_sync(core.step)
-            except Exception as e:  # an engine bug: fail what is in flight, keep serving
+            except Exception as e:
                 logger.exception("engine step failed")
-                self._stepping = False
-                for rid in list(self._streams):
-                    self._fail(rid, EngineError(f"engine step failed: {e!r}"))
-                for req in list(core.requests.values()):
-                    core.abort(req.request_id)
-                continue
+                deltas = self._fail_everything(e)
             finally:
                 self._stepping = False
             self._dispatch(deltas)
             queued, self._queued = self._queued, []
-            for kind, args in queued:
-                self._add_now(args) if kind == "add" else self._abort_now(*args)
+            for item in queued:
+                try:
+                    if isinstance(item, _Add):
+                        self._add_now(item)
+                    else:
+                        self._abort_now(item)
+                except Exception as e:
+                    rid = item.sink.request_id if isinstance(item, _Add) else item
+                    logger.exception("applying a queued add/abort of request %r failed", rid)
+                    if isinstance(item, _Add):
+                        self._fail(rid, e)

@@ -5,13 +5,19 @@
     scheduler.update_from_output(out, result.step_time_s)
 
 plus turning sampled tokens into finished requests (EOS, stop ids, stop strings, lengths).
+Input is checked before anything is queued; an error while serving one request fails that
+request alone, so one bad request never hurts the others.
 Not thread-safe: one thread drives it (LLM directly, AsyncEngine between its worker-thread steps).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
+import numbers
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +31,13 @@ from engine.outputs import CompletionOutput, Detokenizer, RequestMetrics, Reques
 from engine.policy import make_policy
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sampling import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
 from engine.scheduler import Scheduler
 from engine.spec_decode import propose
 
 _CPU_KV_BYTES = 1 << 30
+
+logger = logging.getLogger("agentrt.engine")
 
 
 @dataclass(slots=True)
@@ -90,29 +98,98 @@ class EngineCore:
         return max(1, budget // per_block)
 
     # ---- requests ------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return self.tokenizer(prompt)["input_ids"]
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model.args.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        return ids
-
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt that can run; ValueError naming what is wrong otherwise."""
-        ids = self.tokenize(prompt)
+        """Token ids of a prompt that can run; InvalidRequestError (a ValueError) naming what is wrong
+        otherwise: not a str or list of ints (bytes included), empty, a lone surrogate, an id out of the
+        vocabulary, no room left in the context."""
+        if isinstance(prompt, str):
+            ids = self._tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = self._check_token_ids(prompt)
+        else:
+            hint = " (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray, memoryview)) else ""
+            raise InvalidRequestTypeError(f"prompt must be a str or a list of token ids, got {show_value(prompt)}{hint}")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens "
                 "(at least one token must remain for the output)"
             )
         return ids
+
+    def _tokenize(self, text: str) -> list[int]:
+        if not text:
+            raise InvalidRequestError("prompt is empty")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"prompt has a lone surrogate {text[e.start]!r} at character {e.start}: text must be valid Unicode"
+            ) from None
+        ids = self.tokenizer(text)["input_ids"]
+        if not ids:
+            raise InvalidRequestError(f"prompt {text[:40]!r} is empty once tokenized")
+        return ids
+
+    def _check_token_ids(self, prompt: list[int] | tuple[int, ...]) -> list[int]:
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise InvalidRequestTypeError(f"prompt token ids must be ints, got {show_value(t)} at position {i}")
+        vocab = self.model.args.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {show_value(bad[:5], False)}")
+        return [int(t) for t in prompt]
+
+    def validate_params(self, params: SamplingParams | None) -> SamplingParams:
+        """A checked copy of `params` (None = the defaults): every field re-checked, in case it was
+        changed after construction, and stop_token_ids against the vocabulary."""
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestTypeError(f"params must be SamplingParams, got {show_value(params)}")
+        params = dataclasses.replace(params)  # runs validate(); fresh lists, so later edits by the caller do not reach us
+        vocab = self.model.args.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"SamplingParams.stop_token_ids must be < the vocabulary size {vocab}, got {show_value(bad[:5], False)}"
+            )
+        return params
+
+    def check_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        program_id: str | None = None,
+        thread_id: str | None = None,
+        cache_salt: str | None = None,
+        taken: Container[str] = (),
+    ) -> tuple[list[int], SamplingParams, str]:
+        """Everything `add_request` checks, without adding: (prompt token ids, checked params, request id).
+        `taken`: more ids to treat as in use (requests the caller has yet to add)."""
+        params = self.validate_params(params)
+        ids = self.validate_prompt(prompt)
+        for name, value in (("program_id", program_id), ("thread_id", thread_id), ("cache_salt", cache_salt)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidRequestTypeError(f"{name} must be a str or None, got {show_value(value)}")
+
+        def in_use(rid: str) -> bool:
+            return any(i in self._detok or i in taken for i in family_ids(rid, params.n))
+
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while in_use(request_id):
+                request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str):
+            raise InvalidRequestTypeError(f"request_id must be a non-empty str or None, got {show_value(request_id)}")
+        elif not request_id:
+            raise InvalidRequestError("request_id must be a non-empty str or None, got ''")
+        elif in_use(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} (or the id of one of its n={params.n} forks) is already in use")
+        return ids, params, request_id
 
     def add_request(
         self,
@@ -123,28 +200,28 @@ class EngineCore:
         thread_id: str | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self.validate_prompt(prompt)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        """Queue a request; bad input raises InvalidRequestError (a ValueError) and leaves no trace."""
+        ids, params, request_id = self.check_request(prompt, params, request_id, program_id, thread_id, cache_salt)
         req = Request(
             request_id, ids, params, program_id=program_id, thread_id=thread_id, cache_salt=cache_salt,
             eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
         )
-        for i in range(1, params.n):
+        for i, rid in enumerate(family_ids(request_id, params.n)[1:], start=1):
             child = Request(
-                f"{request_id}#{i}", ids, params, program_id=program_id, thread_id=thread_id,
+                rid, ids, params, program_id=program_id, thread_id=thread_id,
                 cache_salt=cache_salt, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                 arrival_time=req.arrival_time, parent=req, fork_index=i,
             )
             req.children.append(child)
         self.requests[request_id] = req
         self._families[request_id] = req
-        self._detok[request_id] = Detokenizer(self.tokenizer, list(params.stop))
-        self.scheduler.add_request(req)
+        for r in (req, *req.children):  # every id of the family is taken until its output is
+            self._detok[r.request_id] = Detokenizer(self.tokenizer, list(params.stop))
+        try:
+            self.scheduler.add_request(req)
+        except BaseException:
+            self.release(request_id)
+            raise
         return req
 
     def abort(self, request_id: str) -> list[StreamDelta]:
@@ -160,12 +237,36 @@ class EngineCore:
                 deltas.append(self._delta(r, []))
         return deltas + self._end_unstarted_forks(root)
 
+    def release(self, request_id: str) -> None:
+        """Abort a request and its forks if still running and forget them, without building an output."""
+        root = self._families.get(request_id)
+        if root is None:
+            return
+        try:
+            self.abort(request_id)
+        finally:
+            del self._families[request_id]
+            for r in (root, *root.children):
+                self.requests.pop(r.request_id, None)
+                self._detok.pop(r.request_id, None)
+
+    def fail_all(self, error: str) -> list[StreamDelta]:
+        """End every unfinished request with `error` (an engine failure outside any one request);
+        the final delta of each completion it ended."""
+        deltas = []
+        for root in list(self._families.values()):
+            for r in (root, *root.children):
+                if r.request_id in self.requests and not r.finished:
+                    deltas += self._fail(r, error)
+            deltas += self._end_unstarted_forks(root)
+        return deltas
+
     @staticmethod
     def _end_unstarted_forks(root: Request) -> list[StreamDelta]:
         """A parent that ended before its first token takes its never-started forks with it."""
         deltas = []
         for c in root.children:
-            if not c.finished and not c.block_ids and not c.output_token_ids:
+            if root.finished and not c.finished and not c.block_ids and not c.output_token_ids:
                 c.status, c.finish_reason, c.error = root.status, root.finish_reason, root.error
                 deltas.append(StreamDelta(c.request_id, c.fork_index, [], "", True, c.finish_reason, c.error))
         return deltas
@@ -173,8 +274,16 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def num_tracked(self) -> dict[str, int]:
+        """Entries of each per-request map (debugging, leak tests): all 0 once every output is taken."""
+        s = self.scheduler
+        return {"requests": len(self.requests), "families": len(self._families), "detok": len(self._detok),
+                "waiting": len(s.waiting), "running": len(s.running)}
+
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
+        """One model step; the deltas it produced. An error while serving one request fails that
+        request alone (FINISHED_ERROR, blocks freed); an error in the forward fails that step's batch."""
         cfg = self.config
         if cfg.num_speculative_tokens:
             limit = cfg.speculative_disable_by_batch_size
@@ -183,42 +292,68 @@ class EngineCore:
                 propose(req, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
         out = self.scheduler.schedule()
         self.num_draft_tokens += sum(len(r.spec_token_ids) for r in out.reqs)
-        result = self.runner.execute(out)
+        deltas: list[StreamDelta] = []
+        for req in out.failed:
+            deltas.append(self._delta(req, []))
+            deltas += self._end_unstarted_forks(req)
+        try:
+            result = self.runner.execute(out)
+        except Exception as e:
+            logger.exception("model step failed: failing its batch of %d requests", len(out.reqs))
+            for req in out.reqs:
+                if not req.finished:
+                    deltas += self._fail(req, f"the engine step serving request {req.request_id!r} failed: {e!r}")
+            return deltas
         self.busy_s += result.step_time_s
         self.num_computed_tokens += out.total_tokens
         self.scheduler.update_from_output(out, result.step_time_s, result.num_rejected)
         if result.num_rejected is not None:
             self.num_rejected_tokens += sum(result.num_rejected)
         self.num_steps += 1
-        deltas: list[StreamDelta] = []
-        for req in out.failed:
-            deltas.append(self._delta(req, []))
-            deltas += self._end_unstarted_forks(req)
         now = time.monotonic()
         for i, req in enumerate(result.sampled_reqs):
             if req.finished:
                 continue
             tokens = result.token_ids[i]
-            want_lp = result.logprobs is not None and req.sampling.logprobs
-            lps = result.logprobs[i] if want_lp else [None] * len(tokens)
-            if req.children and req.num_output_tokens == 0:
-                for child, tok, lp in zip(req.children, tokens[1:], lps[1:]):
-                    self.requests[child.request_id] = child
-                    self._detok[child.request_id] = Detokenizer(self.tokenizer, list(child.sampling.stop))
-                    self.scheduler.add_forked(req, child)
-                    deltas.append(self._append(child, tok, lp, now))
-                deltas.append(self._append(req, tokens[0], lps[0], now))
-            else:
-                for tok, lp in zip(tokens, lps):  # several when drafts were accepted
-                    deltas.append(self._append(req, tok, lp, now))
-                    if req.finished:
-                        break
+            none = [None] * len(tokens)
+            lps = result.logprobs[i] if result.logprobs is not None and req.sampling.wants_logprobs else none
+            tops = result.top_logprobs[i] if result.top_logprobs is not None else none
+            try:
+                deltas += self._take_tokens(req, tokens, lps, tops, now)
+            except Exception as e:
+                logger.exception("request %r failed", req.request_id)
+                deltas += self._fail(req, f"request {req.request_id!r} failed in the engine: {e!r}")
         return deltas
 
-    def _append(self, req: Request, token: int, logprob: float | None, now: float) -> StreamDelta:
+    def _take_tokens(self, req: Request, tokens: list[int], lps: list, tops: list, now: float) -> list[StreamDelta]:
+        """Append a request's sampled tokens (n for a request about to fork: one per completion)."""
+        deltas = []
+        if req.children and req.num_output_tokens == 0:
+            for child, tok, lp, top in zip(req.children, tokens[1:], lps[1:], tops[1:]):
+                self.requests[child.request_id] = child
+                self.scheduler.add_forked(req, child)
+                deltas += self._append_or_fail(child, tok, lp, top, now)
+            deltas += self._append_or_fail(req, tokens[0], lps[0], tops[0], now)
+        else:
+            for tok, lp, top in zip(tokens, lps, tops):  # several when drafts were accepted
+                deltas += self._append_or_fail(req, tok, lp, top, now)
+                if req.finished:
+                    break
+        return deltas
+
+    def _append_or_fail(self, req: Request, token: int, logprob, top, now: float) -> list[StreamDelta]:
+        try:
+            return [self._append(req, token, logprob, top, now)]
+        except Exception as e:
+            logger.exception("request %r failed", req.request_id)
+            return self._fail(req, f"request {req.request_id!r} failed in the engine: {e!r}")
+
+    def _append(
+        self, req: Request, token: int, logprob: float | None, top: list[tuple[int, float]] | None, now: float
+    ) -> StreamDelta:
         if req.first_token_time is None:
             req.first_token_time = now
-        req.append_token(token, logprob)
+        req.append_token(token, logprob, top)
         p = req.sampling
         stop_hit = self._detok[req.request_id].add([token])
         if not p.ignore_eos and token in req.eos_token_ids:
@@ -227,25 +362,44 @@ class EngineCore:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_model_len:
             self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH, "length")
-        return self._delta(req, [token])
+        return self._delta(req, [token], None if logprob is None else [logprob], None if top is None else [top])
 
-    def _delta(self, req: Request, tokens: list[int]) -> StreamDelta:
+    def _fail(self, req: Request, error: str) -> list[StreamDelta]:
+        """End one request with FINISHED_ERROR (its blocks go back); its final delta, and its
+        never-started forks' (the text it held back is dropped: its detokenizer may be what failed)."""
+        req.error = error
+        req.spec_token_ids = []
+        if req.finished:  # it had just ended when the error came: its blocks are already back
+            req.status, req.finish_reason = RequestStatus.FINISHED_ERROR, "error"
+        else:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, "error")
+        self.requests.pop(req.request_id, None)
+        return [StreamDelta(req.request_id, req.fork_index, [], "", True, "error", error), *self._end_unstarted_forks(req)]
+
+    def _delta(
+        self, req: Request, tokens: list[int], logprobs: list[float] | None = None,
+        top_logprobs: list[list[tuple[int, float]]] | None = None,
+    ) -> StreamDelta:
         text = self._detok[req.request_id].take(final=req.finished)
         if req.finished:
             self.requests.pop(req.request_id, None)
-        return StreamDelta(req.request_id, req.fork_index, tokens, text, req.finished, req.finish_reason, req.error)
+        return StreamDelta(
+            req.request_id, req.fork_index, tokens, text, req.finished, req.finish_reason, req.error, logprobs, top_logprobs
+        )
 
     def finished_output(self, req: Request) -> RequestOutput:
-        """The full output of a finished request (with its forks)."""
+        """The full output of a finished request (with its forks); forgets the request."""
         self._families.pop(req.request_id, None)
         comps = []
         for r in [req, *req.children]:
+            self.requests.pop(r.request_id, None)
             detok = self._detok.pop(r.request_id, None)
+            p = r.sampling
             comps.append(
                 CompletionOutput(
                     index=r.fork_index, text=detok.text if detok else "", token_ids=list(r.output_token_ids),
-                    finish_reason=r.finish_reason, logprobs=list(r.output_logprobs) if r.sampling.logprobs else None,
-                    error=r.error,
+                    finish_reason=r.finish_reason, logprobs=list(r.output_logprobs) if p.wants_logprobs else None,
+                    error=r.error, top_logprobs=list(r.output_top_logprobs) if p.top_logprobs else None,
                 )
             )
         metrics = RequestMetrics(
@@ -260,6 +414,11 @@ class EngineCore:
             self.kv.num_blocks, self.kv.num_free_blocks, self.kv.block_size, self.kv.num_shared_blocks(),
             s.queries_tokens, s.hit_tokens, s.dedup_merges, s.evictions, s.cow_copies, self.scheduler.num_preemptions,
         )
+
+
+def family_ids(request_id: str, n: int) -> list[str]:
+    """Ids of a request and its n - 1 forks."""
+    return [request_id, *(f"{request_id}#{i}" for i in range(1, n))]
 
 
 def _eos_ids(tokenizer, hf_config) -> frozenset[int]:

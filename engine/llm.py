@@ -32,7 +32,8 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order. Prompts are text or token id lists; `params` is one
-        SamplingParams for all or one per prompt. Bad input raises ValueError before anything runs."""
+        SamplingParams for all or one per prompt. Bad input raises InvalidRequestError (a ValueError)
+        before anything runs."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -43,14 +44,18 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        prompts = [self.core.validate_prompt(p) for p in prompts]  # all checked before any is queued
-        reqs: list[Request] = [self.core.add_request(p, sp) for p, sp in zip(prompts, params)]
+        # everything checked before anything is queued
+        checked = [self.core.check_request(p, sp)[:2] for p, sp in zip(prompts, params)]
+        reqs: list[Request] = []
         try:
+            for ids, sp in checked:
+                reqs.append(self.core.add_request(ids, sp))
             while self.core.has_work():
                 self.core.step()
-        finally:
+        except BaseException:
             for r in reqs:
-                self.core.abort(r.request_id)
+                self.core.release(r.request_id)
+            raise
         return [self.core.finished_output(r) for r in reqs]
 
     def kv_stats(self) -> KVStats:

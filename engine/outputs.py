@@ -22,8 +22,10 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None while running
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # per token, the sampled token's log-prob (logprobs or top_logprobs set)
     error: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the top_logprobs most likely
+    # (token id, log-prob), best first; None unless top_logprobs > 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -69,6 +71,9 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    new_logprobs: list[float] | None = None  # per new token, its log-prob (logprobs or top_logprobs set)
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token, the most likely
+    # (token id, log-prob), best first; None unless top_logprobs > 0
 
 
 @dataclass(slots=True)

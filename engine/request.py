@@ -43,14 +43,16 @@ class Request:
 
     all_token_ids: list[int] = field(init=False)  # prompt + output
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # per output token, when sampling.wants_logprobs
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per output token:
+    # the sampling.top_logprobs most likely (token id, log-prob), best first, when top_logprobs > 0
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)  # block table, one id per block_size tokens
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (prefix cache)
     num_cached_blocks: int = 0  # leading blocks already registered in the hash index
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    error: str | None = None  # why it failed, for FINISHED_ERROR
+    error: str | None = None  # why it failed, for FINISHED_ERROR (bad input, or an engine error while serving it)
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_recomputed_tokens: int = 0  # tokens computed again after a preemption
@@ -68,7 +70,7 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling.seed + self.fork_index)
+            self.generator = torch.Generator().manual_seed(self.sampling.seed + self.fork_index)  # < 2**64
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,11 +88,15 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_token(
+        self, token_id: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None
+    ) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
 
     def __repr__(self) -> str:
         return (

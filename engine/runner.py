@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from engine.request import Request
-from engine.sampling import sample
+from engine.sampling import SamplerOutput, SamplingParams, sample
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
 
@@ -24,6 +24,8 @@ class ModelOutput:
     logprobs: list[list[float]] | None  # same shape, when any request asked for them
     step_time_s: float  # wall time of input prep + forward + sampling
     num_rejected: list[int] | None = None  # per scheduled request (SchedulerOutput order): rejected drafts
+    top_logprobs: list[list[list[tuple[int, float]] | None]] | None = None  # same shape as token_ids: per token,
+    # its request's top_logprobs best (token id, log-prob), or None where the request asked for none
 
 
 class ModelRunner:
@@ -89,7 +91,7 @@ class ModelRunner:
             return ModelOutput([], [], None, time.perf_counter() - t0)
         input_ids, positions, slot_mapping, meta, sample_rows, sample_reqs = self._prepare(out)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, slot_mapping)
-        tokens, logprobs, rejected = [], None, None
+        tokens, logprobs, tops, rejected = [], None, None, None
         if sample_reqs:
             logits = self.model.compute_logits(hidden[sample_rows])
             # Per logits row, the requests sampling from it: a request with n > 1 samples its first
@@ -107,17 +109,32 @@ class ModelRunner:
             if len(flat) > logits.shape[0]:
                 logits = logits.repeat_interleave(torch.tensor([len(g) for g in row_reqs], device=logits.device), dim=0)
             params = [r.sampling for r in flat]
-            t, lp = sample(logits, params, [r.generator for r in flat], any(p.logprobs for p in params))
-            t = t.tolist()
-            lp = lp.tolist() if lp is not None else None
+            s = sample(logits, params, [r.generator for r in flat])
+            t = s.token_ids.tolist()
+            lp = s.logprobs.tolist() if s.logprobs is not None else None
+            top = _top_lists(s, params) if s.top_token_ids is not None else None
             offsets = np.cumsum([0, *sizes])
-            tokens = [t[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-            logprobs = [lp[a:b] for a, b in zip(offsets[:-1], offsets[1:])] if lp is not None else None
+            spans = list(zip(offsets[:-1], offsets[1:]))
+            tokens = [t[a:b] for a, b in spans]
+            logprobs = [lp[a:b] for a, b in spans] if lp is not None else None
+            tops = [top[a:b] for a, b in spans] if top is not None else None
             if any(r.spec_token_ids for r in sample_reqs):
                 num_rejected = {}
                 for i, r in enumerate(sample_reqs):
                     if r.spec_token_ids:
                         tokens[i] = verify(r.spec_token_ids, tokens[i])
                         num_rejected[id(r)] = len(r.spec_token_ids) + 1 - len(tokens[i])
+                        if logprobs is not None:  # row j's log-probs belong to the token sampled at row j
+                            logprobs[i] = logprobs[i][: len(tokens[i])]
+                        if tops is not None:
+                            tops[i] = tops[i][: len(tokens[i])]
                 rejected = [num_rejected.get(id(r), 0) for r in out.reqs]
-        return ModelOutput(sample_reqs, tokens, logprobs, time.perf_counter() - t0, rejected)
+        return ModelOutput(sample_reqs, tokens, logprobs, time.perf_counter() - t0, rejected, tops)
+
+
+def _top_lists(s: SamplerOutput, params: list[SamplingParams]) -> list[list[tuple[int, float]] | None]:
+    """Per row, its request's top_logprobs best (token id, log-prob) pairs; None where it asked for none."""
+    ids, lps = s.top_token_ids.tolist(), s.top_logprobs.tolist()
+    return [list(zip(i[: p.top_logprobs], v[: p.top_logprobs])) if p.top_logprobs else None
+            for i, v, p in zip(ids, lps, params)]
+
