@@ -17,6 +17,16 @@ from agentrt._errors import ProgramNotFoundError
 
 ProgramStatus = Literal["running", "finished", "failed", "cancelled"]
 
+# Histories keep the latest values only (a long-running program or server would grow them forever);
+# enough for the TTL and sizing estimates that read them. Bounded deques: iterate, index, len() as
+# lists; `list(...)` them to slice or to serialize.
+PROGRAM_HISTORY = 256  # gaps and tool durations kept per program (per tool)
+TOOL_HISTORY = 1000  # durations kept per tool across all programs
+
+
+def _history(maxlen: int) -> collections.deque[float]:
+    return collections.deque(maxlen=maxlen)
+
 
 @dataclass(slots=True)
 class ProgramInfo:
@@ -39,8 +49,10 @@ class ProgramInfo:
     num_output_tokens: int = 0
     last_call_arrival: float | None = None
     last_call_completion: float | None = None
-    gaps_s: list[float] = field(default_factory=list)  # idle time between a call's end and the next call
-    tool_durations: dict[str, list[float]] = field(default_factory=dict)  # seconds per call, by tool name
+    gaps_s: collections.deque[float] = field(default_factory=lambda: _history(PROGRAM_HISTORY))  # idle time
+    # between a call's end and the next call, the latest PROGRAM_HISTORY
+    tool_durations: dict[str, collections.deque[float]] = field(default_factory=dict)  # seconds per call, by
+    # tool name, the latest PROGRAM_HISTORY of each
     num_threads: int = 1  # threads (parallel branches) that made calls, the main one included
     children: list[str] = field(default_factory=list)  # ids of programs it called
     owner: str | None = None  # the client (API-key fingerprint) that started it, for programs started by id
@@ -72,7 +84,8 @@ class ProcessTable:
         self._programs: dict[str, ProgramInfo] = {}
         self._finished: collections.deque[str] = collections.deque()
         self.max_finished = max_finished  # ended programs kept for inspection, oldest dropped first
-        self.tool_durations: dict[str, list[float]] = {}  # all programs, by tool name
+        self.tool_durations: dict[str, collections.deque[float]] = {}  # all programs, by tool name, the
+        # latest TOOL_HISTORY of each
 
     # --- queries ------------------------------------------------------------------------------
     def __getitem__(self, program_id: str) -> ProgramInfo:
@@ -147,6 +160,13 @@ class ProcessTable:
         info.last_call_completion = time.monotonic()
 
     def record_tool(self, info: ProgramInfo | None, tool: str, duration_s: float) -> None:
-        self.tool_durations.setdefault(tool, []).append(duration_s)
+        _record(self.tool_durations, tool, duration_s, TOOL_HISTORY)
         if info is not None:
-            info.tool_durations.setdefault(tool, []).append(duration_s)
+            _record(info.tool_durations, tool, duration_s, PROGRAM_HISTORY)
+
+
+def _record(histories: dict[str, collections.deque[float]], key: str, value: float, maxlen: int) -> None:
+    history = histories.get(key)
+    if history is None:
+        history = histories[key] = _history(maxlen)
+    history.append(value)

@@ -4,7 +4,8 @@ The scheduler owns mechanism (budgets, blocks, preemption); a `SchedulingPolicy`
 Each step the scheduler asks the policy for every running and waiting request's `priority`
 (smaller runs sooner), serves running requests in that order, then admits waiting ones, and
 picks preemption victims from the worst priority. A `preemptive` policy additionally lets a
-waiting request displace a running one of worse priority when there is no room for it.
+waiting request displace a running one of worse priority when there is no room for it. The
+runtime tells the policy when a program ends (`end_program`).
 
 The engine ships `FCFS`; program-aware policies (PLAS, ATLAS, MLFQ) live in `agentrt` and
 register themselves with `register_policy`.
@@ -41,6 +42,12 @@ class SchedulingPolicy(ABC):
 
     def on_finish(self, req: Request, now: float) -> None:
         """`req` finished (any reason), including aborts and errors."""
+
+    def end_program(self, program_id: str) -> None:
+        """The program is over: per-program state may go once its last request leaves. Called from
+        any thread (the runtime's), so an implementation should only queue the id for its next hook.
+        A policy keeping per-program state must also bound it without this call (an engine used
+        without agentrt's runtime never makes it)."""
 
     def displaces(self, waiting: Request, running: Request) -> bool:
         """Preemptive policies: may `waiting` take `running`'s place? Recompute preemption is not

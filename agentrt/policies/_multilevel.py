@@ -16,6 +16,14 @@ Service is measured in one of two units (`service=`):
 
 Thread safety: the engine calls every hook from its step thread. The only method meant for other
 threads is `end_program`, which queues the id; the step thread drops the state on its next step.
+
+Bounded state: a program's state lives while it has calls in the engine and until the runtime ends
+it. An engine used without agentrt's runtime never ends programs, so a program with no call in the
+engine is also dropped after `idle_ttl_s` (policy clock), and at most `max_idle_programs` idle
+programs are kept (least recently active dropped first). A program that calls again after that
+starts from fresh state, as if new: it may get ahead of where its history would put it, which is a
+fairness loss for one call, never a stall or a leak. Ten minutes is far above the tool gaps of agent
+programs (seconds), and 10k idle records are a few MB.
 """
 
 from __future__ import annotations
@@ -78,6 +86,8 @@ class MultiLevelPolicy(SchedulingPolicy):
     preemptive: ClassVar[bool] = True
     program_level: ClassVar[bool] = True  # False: calls are scheduled on their own (MLFQ)
     order_by_program: bool = False  # within a queue: older programs first (else calls by entry time)
+    idle_ttl_s: float = 600.0  # state of a program with no call in the engine is dropped after this
+    max_idle_programs: int = 10_000  # idle programs whose state is kept at most (least recently active go first)
 
     def __init__(self, *, num_queues: int, quantum: float, service: ServiceUnit, token_cost: float,
                  preempt: bool = True) -> None:
@@ -96,6 +106,8 @@ class MultiLevelPolicy(SchedulingPolicy):
         self.token_cost = token_cost
         self.programs: dict[str, ProgramState] = {}
         self._ended: collections.deque[str] = collections.deque()
+        self._idle: collections.OrderedDict[str, float] = collections.OrderedDict()  # program key -> when its
+        # last call left, oldest first: programs in `programs` with no call in the engine
 
     # --- subclass hooks ---------------------------------------------------------------------
     @abstractmethod
@@ -146,9 +158,11 @@ class MultiLevelPolicy(SchedulingPolicy):
 
     # --- engine hooks ------------------------------------------------------------------------
     def on_arrival(self, req: Request, now: float) -> None:
-        prog = self.programs.get(self.program_key(req))
+        key = self.program_key(req)
+        prog = self.programs.get(key)
         if prog is None:
-            prog = self.programs[self.program_key(req)] = ProgramState()
+            prog = self.programs[key] = ProgramState()
+        self._idle.pop(key, None)
         prog.active += 1
         if prog.start is None:
             prog.start = now
@@ -164,6 +178,8 @@ class MultiLevelPolicy(SchedulingPolicy):
                 prog.ended = True
                 if prog.active <= 0:
                     del self.programs[key]
+                    self._idle.pop(key, None)
+        self._expire_idle(now)
         for req in running:
             st = self.state(req)
             st.last_seen = now
@@ -241,8 +257,24 @@ class MultiLevelPolicy(SchedulingPolicy):
         prog.in_flight -= st.total_service
         self.on_call_done(prog, st)
         prog.active -= 1
-        if prog.active <= 0 and (prog.ended or req.program_id is None):
-            del self.programs[key]
+        if prog.active <= 0:
+            if prog.ended or req.program_id is None:
+                del self.programs[key]
+            else:
+                self._idle[key] = now
+                self._idle.move_to_end(key)
+                self._expire_idle(now)
+
+    def _expire_idle(self, now: float) -> None:
+        """Drop idle programs past `idle_ttl_s` or beyond `max_idle_programs` (see the module docstring)."""
+        while self._idle:
+            key, since = next(iter(self._idle.items()))
+            if len(self._idle) <= self.max_idle_programs and now - since < self.idle_ttl_s:
+                return
+            del self._idle[key]
+            prog = self.programs.get(key)
+            if prog is not None and prog.active <= 0:
+                del self.programs[key]
 
     # --- runtime side ---------------------------------------------------------------------
     def end_program(self, program_id: str) -> None:
