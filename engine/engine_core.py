@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import numbers
+import threading
 import time
 from collections.abc import Container
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from engine.runner import ModelRunner
 from engine.sampling import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
 from engine.scheduler import Scheduler
 from engine.spec_decode import propose
+from engine.structured import Constraint, GrammarCache
 
 _CPU_KV_BYTES = 1 << 30
 
@@ -78,6 +80,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # unfinished, by id (forked children included)
         self._families: dict[str, Request] = {}  # root requests by id, until their output is taken
         self._detok: dict[str, Detokenizer] = {}
+        self._grammars: GrammarCache | None = None  # built on the first constrained request
+        self._grammars_lock = threading.Lock()
         self._ids = itertools.count()
         self.num_steps = 0
         self.busy_s = 0.0  # executor wall time summed over steps (input prep + forward + sampling)
@@ -188,8 +192,23 @@ class EngineCore:
         elif not request_id:
             raise InvalidRequestError("request_id must be a non-empty str or None, got ''")
         elif in_use(request_id):
-            raise InvalidRequestError(f"request id {request_id!r} (or the id of one of its n={params.n} forks) is already in use")
+            raise InvalidRequestError(
+                f"request id {request_id!r} (or the id of one of its n={params.n} forks) is already in use"
+            )
+        if params.constraint is not None:
+            self.compile_constraint(params.constraint)
         return ids, params, request_id
+
+    def compile_constraint(self, constraint: Constraint) -> None:
+        """Compile (cached) an output grammar; InvalidRequestError if it does not compile."""
+        if self._grammars is None:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = GrammarCache(self.tokenizer, self.model.args.vocab_size, sorted(self.eos_token_ids))
+        try:
+            self._grammars.compile(constraint)
+        except ValueError as e:
+            raise InvalidRequestError(f"SamplingParams.constraint: {e}") from None
 
     def add_request(
         self,
@@ -213,6 +232,10 @@ class EngineCore:
                 arrival_time=req.arrival_time, parent=req, fork_index=i,
             )
             req.children.append(child)
+        if params.constraint is not None:
+            assert self._grammars is not None  # compiled by check_request
+            for r in (req, *req.children):
+                r.matcher = self._grammars.matcher(params.constraint)
         self.requests[request_id] = req
         self._families[request_id] = req
         for r in (req, *req.children):  # every id of the family is taken until its output is
@@ -356,7 +379,12 @@ class EngineCore:
         req.append_token(token, logprob, top)
         p = req.sampling
         stop_hit = self._detok[req.request_id].add([token])
-        if not p.ignore_eos and token in req.eos_token_ids:
+        grammar_done = False
+        if req.matcher is not None:
+            if not req.matcher.accept_token(token):
+                raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
+            grammar_done = req.matcher.is_terminated()
+        if (not p.ignore_eos and token in req.eos_token_ids) or grammar_done:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")
         elif token in p.stop_token_ids or stop_hit:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")

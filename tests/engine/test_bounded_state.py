@@ -19,9 +19,9 @@ def run_call(pol, rid: str, program: str, now: float) -> None:
     pol.on_finish(req, now)
 
 
-@pytest.mark.parametrize("make", [lambda: PLAS(service="tokens"), lambda: ATLAS(service="tokens"), lambda: MLFQ(service="tokens")])
-def test_idle_programs_expire_and_are_capped(make):
-    pol = make()
+@pytest.mark.parametrize("cls", [PLAS, ATLAS, MLFQ])
+def test_idle_programs_expire_and_are_capped(cls):
+    pol = cls(service="tokens")
     pol.idle_ttl_s, pol.max_idle_programs = 10.0, 3
     for i in range(5):
         run_call(pol, f"r{i}", f"p{i}", now=float(i))
@@ -66,8 +66,9 @@ def test_process_table_histories_are_bounded():
     for i in range(TOOL_HISTORY + 10):
         table.record_tool(info, "search", float(i))
     assert len(table.tool_durations["search"]) == TOOL_HISTORY
-    assert list(info.tool_durations["search"]) == [float(i) for i in range(TOOL_HISTORY + 10 - PROGRAM_HISTORY, TOOL_HISTORY + 10)]
-    assert info.tool_durations["search"][0] == TOOL_HISTORY + 10 - PROGRAM_HISTORY  # still indexable like a list
+    first = TOOL_HISTORY + 10 - PROGRAM_HISTORY
+    assert list(info.tool_durations["search"]) == [float(i) for i in range(first, TOOL_HISTORY + 10)]
+    assert info.tool_durations["search"][0] == first  # still indexable like a list
     for i in range(PROGRAM_HISTORY + 5):
         call = table.call_started(info, f"r{i}", "t0", 3)
         table.call_done(info, call, service_s=0.0, wait_s=0.0, num_output_tokens=1)
