@@ -66,6 +66,7 @@ class Request:
     children: list[Request] = field(default_factory=list)  # n > 1: forked off after the first sample
     policy_state: dict[str, Any] = field(default_factory=dict)  # scratch owned by the scheduling policy
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens for this step (spec_decode)
+    matcher: Any = None  # grammar matcher of a constrained request (engine.structured), its own per fork
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -14,6 +14,7 @@ from engine.request import Request
 from engine.sampling import SamplerOutput, SamplingParams, sample
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
+from engine.structured import apply_constraints
 
 
 @dataclass(slots=True)
@@ -109,6 +110,9 @@ class ModelRunner:
             if len(flat) > logits.shape[0]:
                 logits = logits.repeat_interleave(torch.tensor([len(g) for g in row_reqs], device=logits.device), dim=0)
             params = [r.sampling for r in flat]
+            if any(r.matcher is not None for r in flat):
+                logits = logits.float()  # the masks write -inf into these rows
+                apply_constraints(logits, [r.matcher for r in flat])
             s = sample(logits, params, [r.generator for r in flat])
             t = s.token_ids.tolist()
             lp = s.logprobs.tolist() if s.logprobs is not None else None

@@ -47,6 +47,7 @@ class SamplingParams:
     top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS: also return the N most likely tokens at each position
     # (with their log-probs, best first), and the sampled tokens' log-probs
     n: int = 1  # completions per prompt (forks sharing the prompt's KV), 1..MAX_N
+    constraint: Any = None  # engine.structured.Constraint: the output must match this grammar (None = free)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,6 +70,12 @@ class SamplingParams:
         self.logprobs = _bool("logprobs", self.logprobs)
         self.top_logprobs = _int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         self.n = _int("n", self.n, 1, MAX_N)
+        if self.constraint is not None:
+            from engine.structured import Constraint
+
+            if not isinstance(self.constraint, Constraint):
+                raise InvalidRequestTypeError(
+                    f"SamplingParams.constraint must be an engine.structured.Constraint or None, got {show_value(self.constraint)}")
 
     @property
     def greedy(self) -> bool:

@@ -44,10 +44,11 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
 
 
 def speculates(req: Request) -> bool:
-    """Whether a request may carry drafts: greedy, no logprobs, no forks, in its decode phase."""
+    """Whether a request may carry drafts: greedy, no logprobs, no forks, no grammar, in its decode phase."""
     p = req.sampling
     return (
         p.greedy
+        and req.matcher is None
         and not p.logprobs
         and p.n == 1
         and req.parent is None

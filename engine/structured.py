@@ -1,0 +1,117 @@
+"""Structured generation: a request's tokens constrained to a grammar.
+
+A `Constraint` (JSON schema, any JSON object, a regex, or an EBNF grammar) is compiled by
+xgrammar into a token-level automaton once per distinct constraint (`GrammarCache`, LRU, keyed by
+the constraint) and each constrained request gets its own matcher. Every step, the rows a
+constrained request samples from get that matcher's token bitmask: all the step's masks are
+filled into one bitmask tensor and applied to the logits in one call (xgrammar's vectorized CPU /
+CUDA kernel), never a Python loop over the vocabulary. After sampling, each matcher accepts its
+token; a matcher that reaches an accepting end with no continuation ends its request ("stop").
+
+Why xgrammar (measured on this project's CPU machine, SmolLM2 vocab of 49,152, batch 32, one
+JSON schema): compile 13 ms; mask fill ~3 us a row; mask apply 9-15 ms for 32 rows. llguidance
+1.9: compile similar, fill ~50 us a row, and its CPU mask apply took 1.1 s for the same 32 rows.
+
+Under preemption a request's matcher keeps its state (recompute re-reads tokens the matcher has
+already accepted); forks (`n > 1`) each get a matcher of their own; speculative drafts are not
+proposed for constrained requests (the drafts would have to be checked against the grammar).
+xgrammar is imported on first use, so the engine stays importable without it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
+_KINDS = ("json_schema", "json_object", "regex", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request's output must match. Hashable: it is the compiled grammar's cache key."""
+
+    kind: ConstraintKind  # "json_schema" | "json_object" (any JSON object) | "regex" | "grammar" (EBNF)
+    spec: str = ""  # the schema as JSON text, the regex, or the EBNF grammar; "" for json_object
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"constraint kind must be one of {list(_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise TypeError(f"constraint spec must be a str, got {type(self.spec).__name__}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"a {self.kind} constraint needs a non-empty spec")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+
+
+class GrammarCache:
+    """Compiled grammars by constraint (LRU), for one tokenizer. Thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_entries: int = 256) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.max_entries = max_entries
+        self._cache: collections.OrderedDict[Constraint, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiles = 0
+        self.num_hits = 0
+        self.compile_s = 0.0  # total time spent compiling
+
+    def compile(self, c: Constraint) -> Any:
+        """The compiled grammar of `c`; ValueError naming the problem if it does not compile."""
+        with self._lock:
+            hit = self._cache.get(c)
+            if hit is not None:
+                self._cache.move_to_end(c)
+                self.num_hits += 1
+                return hit
+        t = time.perf_counter()
+        try:
+            if c.kind == "json_schema":
+                compiled = self.compiler.compile_json_schema(c.spec, strict_mode=True)
+            elif c.kind == "json_object":
+                compiled = self.compiler.compile_builtin_json_grammar()
+            elif c.kind == "regex":
+                compiled = self.compiler.compile_regex(c.spec)
+            else:
+                compiled = self.compiler.compile_grammar(c.spec)
+        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError / ... with a message
+            raise ValueError(f"{c.kind} constraint does not compile: {str(e).strip()[:500]}") from None
+        with self._lock:
+            self.compile_s += time.perf_counter() - t
+            self.num_compiles += 1
+            self._cache[c] = compiled
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, c: Constraint) -> Any:
+        return self._xgr.GrammarMatcher(self.compile(c))
+
+
+def apply_constraints(logits: torch.Tensor, matchers: list[Any | None]) -> None:
+    """Mask, in place, the rows of `logits` whose matcher is not None to the tokens it allows.
+
+    logits: [B, V]; matchers: one per row (forks sampling their first token from a shared row each
+    bring their own)."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
