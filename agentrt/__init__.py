@@ -35,6 +35,7 @@ from agentrt._runtime import (
 )
 from agentrt._client import RemoteRuntime, connect
 from agentrt._tool import tool
+from agentrt._toolcalls import ChatReply, ToolCall, function_spec, run_tool_calls
 
 __all__ = [
     "ATLAS",
@@ -42,6 +43,7 @@ __all__ = [
     "CallAbortedError",
     "CallError",
     "CallFailedError",
+    "ChatReply",
     "ConfigError",
     "InvalidCallError",
     "MLFQ",
@@ -53,17 +55,20 @@ __all__ = [
     "ProgramNotFoundError",
     "RemoteRuntime",
     "Runtime",
+    "ToolCall",
     "UsageError",
     "chat",
     "chat_stream",
     "connect",
     "current_program_id",
     "current_runtime",
+    "function_spec",
     "gather",
     "generate",
     "generate_stream",
     "process_table",
     "program",
     "run",
+    "run_tool_calls",
     "tool",
 ]

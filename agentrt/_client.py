@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import httpx
 
+from agentrt._context import _runtime
 from agentrt._errors import (
     AgentrtError,
     CallAbortedError,
@@ -29,6 +30,7 @@ from agentrt._errors import (
     ProgramNotFoundError,
 )
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
+from agentrt._toolcalls import ChatReply, ToolCall, tool_specs
 from agentrt._program import ProgramHandle, current
 from engine.sampling import SamplingParams
 
@@ -51,8 +53,6 @@ class RemoteRuntime:
         self._token: contextvars.Token | None = None
 
     async def __aenter__(self) -> RemoteRuntime:
-        from agentrt._runtime import _runtime
-
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=self.timeout_s)
         self._tg = anyio.create_task_group()
@@ -61,8 +61,6 @@ class RemoteRuntime:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        from agentrt._runtime import _runtime
-
         assert self._token is not None and self._tg is not None and self._client is not None
         _runtime.reset(self._token)
         try:
@@ -89,10 +87,20 @@ class RemoteRuntime:
             pass  # the server ends idle programs by itself
 
     # --- calls --------------------------------------------------------------------------------
-    async def chat(self, messages: Sequence[dict[str, Any]], **sampling: Any) -> str:
+    async def chat(
+        self, messages: Sequence[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
+        response_format: Any = None, **sampling: Any,
+    ) -> Any:
         body = {"messages": list(messages), **self._sampling(sampling)}
+        extra = {"tools": tool_specs(tools), "tool_choice": tool_choice, "response_format": response_format}
+        body.update({k: v for k, v in extra.items() if v is not None})
         data = await self._post("/v1/chat/completions", body)
-        return data["choices"][0]["message"]["content"] or ""
+        choice = data["choices"][0]
+        if not any(v is not None for v in extra.values()):
+            return choice["message"]["content"] or ""
+        calls = [ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+                 for c in choice["message"].get("tool_calls") or []]
+        return ChatReply(choice["message"].get("content"), calls, choice.get("finish_reason"))
 
     async def generate(self, prompt: str | list[int], **sampling: Any) -> str:
         data = await self._post("/v1/completions", {"prompt": prompt, **self._sampling(sampling)})

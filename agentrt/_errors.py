@@ -31,7 +31,13 @@ class ConfigError(AgentrtError, ValueError):
 
 
 class InvalidCallError(AgentrtError, ValueError):
-    """`chat` / `generate` got bad arguments: malformed messages or sampling parameters."""
+    """`chat` / `generate` got bad arguments: malformed messages or sampling parameters. `param`
+    names the offending argument where one can be named (the HTTP API reports it)."""
+
+    def __init__(self, message: str, *, program_id: str | None = None, request_id: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message, program_id=program_id, request_id=request_id)
+        self.param = param
 
 
 class NoRuntimeError(AgentrtError, RuntimeError):

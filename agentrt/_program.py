@@ -19,14 +19,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+from typing import Any, ParamSpec, TypeVar, overload
 
 import anyio
 
+from agentrt._context import Host, current_runtime
 from agentrt._process_table import ProgramInfo
-
-if TYPE_CHECKING:
-    from agentrt._runtime import Runtime
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -40,7 +38,7 @@ class ProgramHandle:
     """What the context variable holds for a running program."""
 
     info: ProgramInfo
-    runtime: Runtime | None  # the runtime it registered with (None: ran outside any runtime)
+    runtime: Host | None  # the runtime it registered with (None: ran outside any runtime)
     _threads: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     @property
@@ -84,8 +82,6 @@ def current_program_id() -> str | None:
 
 def enter_program(name: str, make_current: bool = True) -> tuple[ProgramHandle, contextvars.Token | None]:
     """Register a new program (child of the current one, if any) and make it current."""
-    from agentrt._runtime import current_runtime
-
     parent = _current.get()
     runtime = current_runtime(required=False)
     info = ProgramInfo(

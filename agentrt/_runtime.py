@@ -21,6 +21,7 @@ import anyio
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
 from agentrt._call import Call, CallSummary
+from agentrt._context import _runtime, current_runtime
 from agentrt._errors import (
     ConfigError,
     InvalidCallError,
@@ -32,21 +33,13 @@ from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
 from agentrt._program import ProgramHandle, current, enter_program, exit_program, new_program_id
 from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
 from engine.outputs import RequestOutput
+from agentrt._toolcalls import ChatReply, plan_call, response_format_constraint, tool_specs
+from engine.structured import Constraint
 
 ANY_OWNER: Any = object()  # `owner=` default of the program look-ups: any client's program
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-_runtime: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("agentrt_runtime", default=None)
-
-
-def current_runtime(required: bool = True) -> Runtime | None:
-    rt = _runtime.get()
-    if rt is None and required:
-        raise NoRuntimeError("no agentrt runtime is running: use `async with agentrt.Runtime(...)` or `agentrt.run(...)`")
-    return rt
-
 
 def process_table() -> ProcessTable:
     """The current runtime's process table."""
@@ -206,6 +199,17 @@ class Runtime:
                 levels.append(level_of(req))
         return min(levels, default=None)
 
+    def program_kv_blocks(self, program_id: str) -> int:
+        """KV blocks the program's calls in the engine hold now (blocks its threads share count once)."""
+        if self.engine is None:
+            return 0
+        blocks: set[int] = set()
+        for rid in list(self._inflight.get(program_id, ())):
+            req = self.engine.core.requests.get(rid)
+            if req is not None:
+                blocks.update(list(req.block_ids))
+        return len(blocks)
+
     def num_waiting_calls(self) -> int:
         """Calls submitted that have produced no token yet (queued or in prefill)."""
         return self._num_waiting
@@ -242,6 +246,14 @@ class Runtime:
             return tok(text, add_special_tokens=False)["input_ids"]
         except (TypeError, ValueError, UnicodeError) as e:  # e.g. a lone surrogate in a message
             raise InvalidCallError(f"messages cannot be tokenized: {e}", program_id=program_id) from None
+
+    def compile_constraint(self, constraint: Constraint, param: str | None = None) -> None:
+        """Compile (and cache) an output grammar now, so a bad one fails here, naming `param`, and a good
+        one costs nothing when its call is added. Blocking: the server runs it in a thread."""
+        try:
+            self._engine().core.compile_constraint(constraint)
+        except (TypeError, ValueError) as e:
+            raise InvalidCallError(str(e), param=param) from None
 
     def submit(
         self,
@@ -336,9 +348,27 @@ class Runtime:
             if handle is not None:
                 exit_program(handle, None, exc)
 
-    async def chat(self, messages: Sequence[dict[str, Any]], **sampling: Any) -> str:
-        ids = self.chat_token_ids(messages, _pid())
-        return await self._collect(ids, sampling, "chat")
+    async def chat(
+        self, messages: Sequence[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
+        response_format: Any = None, **sampling: Any,
+    ) -> Any:
+        """The reply's text; with `tools`, `tool_choice` or `response_format`, a `ChatReply` (content and
+        tool calls). Tools are specs or Python functions (`@agentrt.tool`); see `agentrt._toolcalls`."""
+        if tools is None and tool_choice is None and response_format is None:
+            ids = self.chat_token_ids(messages, _pid())
+            return await self._collect(ids, sampling, "chat")
+        plan = plan_call(tool_specs(tools), tool_choice, response_format_constraint(response_format))
+        ids = self.chat_token_ids(plan.render(list(messages)), _pid())
+        if plan.constraint is not None:
+            param = "tool_choice" if plan.forced_call else "response_format"
+            await anyio.to_thread.run_sync(self.compile_constraint, plan.constraint, param)
+            sampling["constraint"] = plan.constraint
+        out: list[RequestOutput] = []
+        async with contextlib.aclosing(self._call(ids, sampling, "chat", out)) as gen:
+            async for _ in gen:
+                pass
+        content, calls = plan.split(out[0].text)
+        return ChatReply(content, calls, "tool_calls" if calls else out[0].finish_reason)
 
     async def generate(self, prompt: str | list[int], **sampling: Any) -> str:
         return await self._collect(_check_prompt(prompt), sampling, "generate")

@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar, overload
 
+from agentrt._context import current_runtime
 from agentrt._errors import UsageError
 from agentrt._program import _current
 
@@ -17,8 +18,6 @@ T = TypeVar("T")
 
 
 def _record(tool_name: str, start: float) -> None:
-    from agentrt._runtime import current_runtime
-
     duration = time.monotonic() - start
     cur = _current.get()
     runtime = cur[0].runtime if cur is not None and cur[0].runtime is not None else current_runtime(required=False)
@@ -52,6 +51,7 @@ def tool(fn: Callable[P, Awaitable[T]] | None = None, /, *, name: str | None = N
             finally:
                 _record(tool_name, start)
 
+        run_tool.tool_name = tool_name  # type: ignore[attr-defined]  (its name as a chat tool)
         return run_tool
 
     if fn is not None:

@@ -63,7 +63,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ProgramExistsError):
         return APIError(409, str(exc), "conflict_error", "program_id", "program_exists")
     if isinstance(exc, InvalidCallError):
-        return bad_request(str(exc))
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, CallAbortedError):
         return APIError(409, str(exc), "conflict_error", None, "call_aborted")
     if isinstance(exc, CallFailedError):

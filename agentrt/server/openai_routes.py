@@ -8,6 +8,7 @@ the engine's output as OpenAI's objects. A client that disconnects aborts its ca
 from __future__ import annotations
 
 import re
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +23,8 @@ from starlette.routing import Route
 from agentrt._call import Call
 from agentrt._errors import AgentrtError, InvalidCallError
 from agentrt.server.app import ServerState, read_body, state_of
+from agentrt._toolcalls import ChatPlan, check_schema, response_format_constraint
+from agentrt.server.chat_core import message_dicts, plan_chat
 from agentrt.server.errors import api, bad_request, error_body, to_api_error
 from agentrt.server.openapi import Operation
 from agentrt.server.schemas import (
@@ -31,14 +34,16 @@ from agentrt.server.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
-    ChatMessage,
     ChatResponseMessage,
     ChoiceLogprobs,
     Completion,
     CompletionChoice,
+    FunctionCall,
     CompletionLogprobs,
     CompletionRequest,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     ProgramId,
     Usage,
@@ -47,6 +52,7 @@ from agentrt.server.schemas import (
 from agentrt.server.sse import DONE, SSEResponse, event, until_disconnect
 from engine import SamplingParams
 from engine.outputs import RequestOutput
+from engine.structured import Constraint
 
 TopList = list[tuple[int, float]]
 
@@ -71,7 +77,7 @@ def program_keys(request: Request, program_id: str | None, thread_id: str | None
 def sampling_params(
     st: ServerState, *, max_tokens: int | None, prompt_len: int, temperature: float | None, top_p: float | None,
     top_k: int | None, n: int, stop: str | list[str] | None, stop_token_ids: list[int] | None, seed: int | None,
-    ignore_eos: bool, logprobs: bool, top_logprobs: int,
+    ignore_eos: bool, logprobs: bool, top_logprobs: int, constraint: Constraint | None = None,
 ) -> SamplingParams:
     if n > st.config.max_n:
         raise bad_request(f"n={n} is over the server's limit of {st.config.max_n} (--max-n)", "n")
@@ -84,7 +90,7 @@ def sampling_params(
             max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k, n=n,
             stop=[] if stop is None else stop, stop_token_ids=stop_token_ids or [], seed=seed, ignore_eos=ignore_eos, logprobs=logprobs,
-            top_logprobs=top_logprobs,
+            top_logprobs=top_logprobs, constraint=constraint,
         )
     except (TypeError, ValueError) as e:
         raise bad_request(str(e), _param_of(str(e))) from None
@@ -180,17 +186,6 @@ def _error_event(e: BaseException) -> bytes:
 
 
 # --- chat -------------------------------------------------------------------------------------
-def _message_dict(m: ChatMessage) -> dict[str, Any]:
-    content = m.content
-    if isinstance(content, list):
-        bad = [p.type for p in content if p.type != "text"]
-        if bad:
-            raise bad_request(f"message content part of type {bad[0]!r} is not supported (only 'text')", "messages")
-        content = "".join(p.text or "" for p in content)
-    role = "system" if m.role == "developer" else m.role
-    return {"role": role, "content": content or ""}
-
-
 @api
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
@@ -198,35 +193,46 @@ async def chat_completions(request: Request) -> Response:
     req: ChatCompletionRequest = decode(await read_body(request, st.config.max_body_bytes), ChatCompletionRequest)
     st.check_model(req.model)
     pid, tid = program_keys(request, req.program_id, req.thread_id)
-    messages = [_message_dict(m) for m in req.messages]
-    rt = st.runtime
-    ids = await anyio.to_thread.run_sync(rt.chat_token_ids, messages, pid)
-    params = sampling_params(
-        st, max_tokens=req.max_completion_tokens or req.max_tokens, prompt_len=len(ids), temperature=req.temperature,
-        top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
-        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
-    )
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
+    choice = msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None
+    fmt = msgspec.to_builtins(req.response_format) if req.response_format is not None else None
+    plan, prompt_ids = await plan_chat(st, message_dicts(req.messages), tools=tools, tool_choice=choice,
+                           output=response_format_constraint(fmt), program_id=pid)
+    params = sampling_params(
+        st, max_tokens=req.max_completion_tokens or req.max_tokens, prompt_len=len(prompt_ids),
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop,
+        stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs or 0, constraint=plan.constraint,
+    )
     st.check_capacity()
-    call = submit(st, ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner, kind="chat")
+    call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
+                  kind="chat")
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return SSEResponse(_chat_events(st, call, rid, created, req.n, usage), {"X-Program-Id": call.program_id})
+        return SSEResponse(_chat_events(st, call, plan, rid, created, req.n, usage), {"X-Program-Id": call.program_id})
     (out,) = await _results(request, [call])
     text = _token_text(st)
-    choices = [
-        ChatChoice(c.index, ChatResponseMessage(content=c.text), c.finish_reason,
-                   chat_logprobs(text, c.token_ids, c.logprobs, getattr(c, "top_logprobs", None)))
-        for c in out.outputs
-    ]
+    choices = []
+    for c in out.outputs:
+        content, calls = plan.split(c.text)
+        message = ChatResponseMessage(content=content, tool_calls=[
+            ToolCall(k.id, FunctionCall(k.name, k.arguments)) for k in calls] or None)
+        choices.append(ChatChoice(c.index, message, "tool_calls" if calls else c.finish_reason,
+                                  chat_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs)))
     body = ChatCompletion(rid, created, st.model_name, choices, usage_of([out]), program_id=call.program_id)
     return Response(_encode(body), headers={"X-Program-Id": call.program_id}, media_type="application/json")
 
 
-async def _chat_events(st: ServerState, call: Call, rid: str, created: int, n: int, include_usage: bool) -> AsyncIterator[bytes]:
+async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, created: int, n: int,
+                       include_usage: bool) -> AsyncIterator[bytes]:
+    """Content deltas as generated; tool calls (held back from the content) as `tool_calls` deltas
+    when their choice ends, which then ends with finish_reason "tool_calls"."""
     model, text = st.model_name, _token_text(st)
+    streamers = [plan.streamer() for _ in range(n)]
+    full = [""] * n
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         return event(ChatCompletionChunk(rid, created, model, choices, usage=usage))
@@ -236,12 +242,24 @@ async def _chat_events(st: ServerState, call: Call, rid: str, created: int, n: i
             yield chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
         try:
             async for d in call:
-                lps = getattr(d, "new_logprobs", None)
-                if d.new_text or (lps and d.new_token_ids):
-                    logprobs = chat_logprobs(text, d.new_token_ids, lps, getattr(d, "new_top_logprobs", None))
-                    yield chunk([ChatChunkChoice(d.index, ChatDelta(content=d.new_text), None, logprobs)])
+                i, streamer = d.index, streamers[d.index]
+                full[i] += d.new_text
+                show = streamer.feed(d.new_text) if streamer is not None else d.new_text
+                if show or (d.new_logprobs and d.new_token_ids):
+                    logprobs = chat_logprobs(text, d.new_token_ids, d.new_logprobs, d.new_top_logprobs)
+                    yield chunk([ChatChunkChoice(i, ChatDelta(content=show), None, logprobs)])
                 if d.finished:
-                    yield chunk([ChatChunkChoice(d.index, ChatDelta(), d.finish_reason)])
+                    reason = d.finish_reason
+                    if streamer is not None:
+                        _, calls = plan.split(full[i])
+                        if calls:
+                            deltas = [ToolCallDelta(k, c.id, "function", FunctionCall(c.name, c.arguments))
+                                      for k, c in enumerate(calls)]
+                            yield chunk([ChatChunkChoice(i, ChatDelta(tool_calls=deltas))])
+                            reason = "tool_calls"
+                        elif streamer.held:  # it looked like a call but was not one: it is content
+                            yield chunk([ChatChunkChoice(i, ChatDelta(content=streamer.held))])
+                    yield chunk([ChatChunkChoice(i, ChatDelta(), reason)])
             out = await call.result()
         except AgentrtError as e:
             yield _error_event(e)
@@ -266,6 +284,36 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
                       "prompt")
 
 
+def _completion_constraint(req: CompletionRequest) -> tuple[Constraint | None, str | None]:
+    """The output constraint of a completion: `response_format`, or vLLM's `guided_*` fields (one)."""
+    given = [(name, v) for name in ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+             if (v := getattr(req, name)) is not None]
+    if req.response_format is not None:
+        given.append(("response_format", msgspec.to_builtins(req.response_format)))
+    if len(given) > 1:
+        raise bad_request(f"give one output constraint, got {[n for n, _ in given]}", given[1][0])
+    if not given:
+        return None, None
+    name, value = given[0]
+    if name == "response_format":
+        return response_format_constraint(value), name
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise bad_request("guided_json is not valid JSON", name) from None
+        check_schema(value, name)
+        return Constraint.json_schema(value), name
+    if name == "guided_choice":
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise bad_request("guided_choice must be a non-empty list of non-empty strings", name)
+        return Constraint("regex", "|".join(re.escape(c) for c in value)), name
+    if not value:
+        raise bad_request(f"{name} is empty", name)
+    return Constraint("regex" if name == "guided_regex" else "grammar", value), name
+
+
 @api
 async def completions(request: Request) -> Response:
     st = state_of(request)
@@ -282,11 +330,14 @@ async def completions(request: Request) -> Response:
     rt = st.runtime
     tok = rt.tokenizer
     ids = [p if isinstance(p, list) else (await anyio.to_thread.run_sync(lambda p=p: tok(p)["input_ids"])) for p in prompts]
+    constraint, param = _completion_constraint(req)
+    if constraint is not None:
+        await anyio.to_thread.run_sync(lambda: rt.compile_constraint(constraint, param))
     params = [
         sampling_params(
             st, max_tokens=req.max_tokens, prompt_len=len(i), temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k, n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
-            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
+            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, constraint=constraint,
         )
         for i in ids
     ]
@@ -309,7 +360,7 @@ async def completions(request: Request) -> Response:
     text = _token_text(st)
     choices = [
         CompletionChoice(k * req.n + c.index, c.text, c.finish_reason,
-                         completion_logprobs(text, c.token_ids, c.logprobs, getattr(c, "top_logprobs", None)))
+                         completion_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs))
         for k, out in enumerate(outs) for c in out.outputs
     ]
     body = Completion(rid, created, st.model_name, choices, usage_of(outs), program_id=calls[0].program_id)
@@ -326,9 +377,9 @@ async def _completion_events(st: ServerState, calls: list[Call], rid: str, creat
             async with call:
                 offsets = [0] * n
                 async for d in call:
-                    lps = getattr(d, "new_logprobs", None)
+                    lps = d.new_logprobs
                     if d.new_text or d.finished or (lps and d.new_token_ids):
-                        logprobs = completion_logprobs(text, d.new_token_ids, lps, getattr(d, "new_top_logprobs", None),
+                        logprobs = completion_logprobs(text, d.new_token_ids, lps, d.new_top_logprobs,
                                                        offsets[d.index])
                         offsets[d.index] += len(d.new_text)
                         choice = CompletionChoice(k * n + d.index, d.new_text, d.finish_reason if d.finished else None,

@@ -9,7 +9,7 @@ Extra fields agentrt understands (as vLLM has them): `ignore_eos`, `top_k`, and 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -70,9 +70,46 @@ class ChatMessage(Struct):
     tool_call_id: str | None = None
 
 
+class FunctionSpec(Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(Struct):
+    function: FunctionSpec
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(Struct):
+    name: str
+
+
+class ToolChoiceFunction(Struct):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+class JSONSchemaFormat(Struct):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class ChatCompletionRequest(Struct):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     model: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool = True  # several calls may come back in "auto"; a forced call is one call
+    response_format: ResponseFormat | None = None
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name; wins over max_tokens
     temperature: Temperature | None = None  # None = 1.0
@@ -112,6 +149,14 @@ class ChoiceLogprobs(Struct):
 class ChatResponseMessage(Struct):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCall | None = None
 
 
 class ChatChoice(Struct):
@@ -134,6 +179,7 @@ class ChatCompletion(Struct):
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -169,6 +215,11 @@ class CompletionRequest(Struct):
     stream_options: StreamOptions | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top alternatives per token (OpenAI: <= 5)
     echo: bool = False  # not supported: a 400 when true
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's structured-output fields
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # EBNF (xgrammar's dialect)
+    guided_choice: list[str] | None = None
     ignore_eos: bool = False
     user: str | None = None
     program_id: ProgramId | None = None
@@ -236,6 +287,7 @@ class Program(Struct):
     queue_level: int | None  # best queue level of its calls in the engine (PLAS / ATLAS / MLFQ)
     kv_blocks: int  # KV blocks its calls in the engine hold
     num_threads: int
+    num_prefix_hit_tokens: int = 0  # prompt tokens of its completed calls served from the prefix cache
     error: str | None = None
     live: bool = True  # False: served from the database (a program of an earlier server run)
     object: str = "program"

@@ -78,7 +78,7 @@ BAD_BODIES = [
     (CHAT, {}, "messages"),
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
     (CHAT, {"messages": HI, "n": MAX_N + 1}, "n"),
     (CHAT, {"messages": HI, "max_tokens": MAX_TOKENS + 1}, "max_tokens"),
     (CHAT, {"messages": HI, "max_completion_tokens": MAX_TOKENS + 1}, "max_tokens"),

@@ -1,0 +1,397 @@
+"""Tool calling for any model: tools in the prompt, calls out of the text, forced calls by grammar.
+
+When the model's chat template renders tools it is used; otherwise (SmolLM2 among them) tools are
+described in the system prompt in a Hermes-style format and the model calls one by writing
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+`tool_choice="auto"` lets the model choose, and the calls it writes are parsed out of its text.
+`"required"` or a named function forces a call by constrained decoding: the output is then a JSON
+object `{"name": ..., "arguments": {...}}` matching one tool's parameter schema (exactly one call).
+Assistant messages with `tool_calls` and `role: "tool"` results go back into the prompt in the
+same format, so a conversation reads as the model would have written it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrt._errors import InvalidCallError
+from engine.structured import Constraint
+
+_NAME = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+TOOLS_PROMPT = """You can call functions to help with the request. They are described by these JSON schemas:
+<tools>
+{tools}
+</tools>
+To call a function, write a JSON object with its name and arguments inside <tool_call></tool_call> tags:
+<tool_call>
+{{"name": "function_name", "arguments": {{"arg": "value"}}}}
+</tool_call>
+Function results come back inside <tool_response></tool_response> tags."""
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionTool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+
+    def spec(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """A call the model made: `arguments` is JSON text, as in OpenAI's API."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @property
+    def args(self) -> Any:
+        return json.loads(self.arguments)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _bad(message: str, param: str) -> InvalidCallError:
+    return InvalidCallError(message, param=param)
+
+
+def normalize_tools(tools: Any, param: str = "tools") -> list[FunctionTool]:
+    """Chat-style (`{"type": "function", "function": {...}}`) or Responses-style (`{"type": "function",
+    "name": ...}`) tool specs, checked; InvalidCallError naming the bad field otherwise."""
+    if not isinstance(tools, list):
+        raise _bad(f"{param} must be a list of function tools, got {type(tools).__name__}", param)
+    out, seen = [], set()
+    for i, t in enumerate(tools):
+        where = f"{param}[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise _bad(f"{where} must be a function tool ({{'type': 'function', ...}})", where)
+        fn = t.get("function", t)
+        if not isinstance(fn, dict):
+            raise _bad(f"{where}.function must be an object", f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _bad(f"{where} has a bad function name {name!r} (1-64 of a-z A-Z 0-9 _ -)", f"{where}.name")
+        if name in seen:
+            raise _bad(f"{where}: two tools are named {name!r}", f"{where}.name")
+        seen.add(name)
+        desc = fn.get("description") or ""
+        if not isinstance(desc, str):
+            raise _bad(f"{where}.description must be a string", f"{where}.description")
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        check_schema(params, f"{where}.parameters")
+        out.append(FunctionTool(name, desc, params))
+    return out
+
+
+def check_schema(schema: Any, param: str) -> None:
+    """A JSON schema that jsonschema accepts; InvalidCallError naming `param` otherwise."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise _bad(f"{param} must be a JSON schema object, got {type(schema).__name__}", param)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise _bad(f"{param} is not a valid JSON schema: {e.message}", param) from None
+
+
+def tool_choice_of(choice: Any, tools: list[FunctionTool], param: str = "tool_choice") -> tuple[str, str | None]:
+    """("none" | "auto" | "required", forced function name or None)."""
+    if choice is None:
+        return ("auto" if tools else "none"), None
+    if choice in ("none", "auto", "required"):
+        if choice == "required" and not tools:
+            raise _bad("tool_choice 'required' needs tools", param)
+        return choice, None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function", choice)
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not any(t.name == name for t in tools):
+            raise _bad(f"tool_choice names the function {name!r}, which is not among the tools "
+                       f"{[t.name for t in tools]}", param)
+        return "required", name
+    raise _bad(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
+               f"{{'name': ...}}}}, got {choice!r}", param)
+
+
+def call_constraint(tools: list[FunctionTool], name: str | None) -> Constraint:
+    """The grammar a forced call is decoded under: one `{"name", "arguments"}` object of an allowed tool."""
+    allowed = [t for t in tools if name is None or t.name == name]
+    options = [
+        {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+         "required": ["name", "arguments"], "additionalProperties": False}
+        for t in allowed
+    ]
+    return Constraint.json_schema(options[0] if len(options) == 1 else {"anyOf": options})
+
+
+def render_messages(messages: list[dict[str, Any]], tools: list[FunctionTool], tool_choice: str) -> list[dict[str, str]]:
+    """Messages as plain {role, content} for a chat template without tool support: tools described in
+    the system message, assistant tool calls and tool results written in the Hermes format."""
+    out: list[dict[str, str]] = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [f"{OPEN}\n{json.dumps({'name': f['name'], 'arguments': _loads(f['arguments'])})}\n{CLOSE}"
+                     for f in (c.get("function", c) for c in m["tool_calls"])]
+            content = "\n".join([content, *calls]) if content else "\n".join(calls)
+        elif role == "tool":
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": role, "content": content})
+    if tools and tool_choice != "none":
+        text = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.spec()["function"]) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _loads(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _call_from(obj: Any, names: set[str]) -> ToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        args = _loads(args)
+    return ToolCall(new_call_id(), obj["name"], json.dumps(args))
+
+
+def parse_forced(text: str, tools: list[FunctionTool]) -> list[ToolCall]:
+    """The call a constrained decode wrote (empty when it was cut short, e.g. by max_tokens)."""
+    try:
+        call = _call_from(json.loads(text), {t.name for t in tools})
+    except ValueError:
+        return []
+    return [call] if call is not None else []
+
+
+def parse_tool_calls(text: str, tools: list[FunctionTool]) -> tuple[str | None, list[ToolCall]]:
+    """(content without the calls, calls) from free text with `<tool_call>` blocks. A block that does
+    not parse, or names an unknown tool, stays in the content."""
+    names = {t.name for t in tools}
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    pos = 0
+    for m in re.finditer(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", text, re.S):
+        try:
+            call = _call_from(json.loads(m.group(1).strip()), names)
+        except ValueError:
+            call = None
+        if call is None:
+            continue
+        kept.append(text[pos:m.start()])
+        calls.append(call)
+        pos = m.end()
+    kept.append(text[pos:])
+    content = "".join(kept).strip() if calls else text
+    return (content or None), calls
+
+
+class CallStreamer:
+    """Splits a stream of text into content to show now and tool-call text held back: content flows
+    until `<tool_call>` may be starting; from there on everything is kept until the end."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.in_call = False
+
+    def feed(self, text: str) -> str:
+        if self.in_call:
+            self.held += text
+            return ""
+        buf = self.held + text
+        i = buf.find(OPEN)
+        if i >= 0:
+            self.in_call, self.held = True, buf[i:]
+            return buf[:i]
+        keep = next((k for k in range(min(len(OPEN) - 1, len(buf)), 0, -1) if OPEN.startswith(buf[-k:])), 0)
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep]
+
+
+@dataclass(slots=True)
+class ChatPlan:
+    """How one chat call handles tools and output formats."""
+
+    tools: list[FunctionTool] = field(default_factory=list)
+    mode: str = "none"  # tool choice: "none" | "auto" | "required"
+    constraint: Constraint | None = None  # grammar of the output (a forced call, or a response format)
+    forced_call: bool = False  # the output is a call object decoded under `constraint`
+
+    def render(self, messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+        return render_messages(messages, self.tools, self.mode)
+
+    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished output."""
+        if self.forced_call:
+            calls = parse_forced(text, self.tools)
+            return (None if calls else text), calls
+        if self.mode == "auto":
+            return parse_tool_calls(text, self.tools)
+        return text, []
+
+    def streamer(self) -> CallStreamer | None:
+        """How streamed text is split: None = all of it is content."""
+        if self.forced_call:
+            s = CallStreamer()
+            s.in_call = True  # everything is the call
+            return s
+        return CallStreamer() if self.mode == "auto" else None
+
+
+def plan_call(tools: Any = None, tool_choice: Any = None, output: Constraint | None = None,
+              tools_param: str = "tools") -> ChatPlan:
+    """Validate tools, the tool choice and the output format into a plan; InvalidCallError naming the
+    bad argument otherwise."""
+    specs = normalize_tools(tools, tools_param) if tools else []
+    mode, name = tool_choice_of(tool_choice, specs)
+    plan = ChatPlan(specs, mode, output)
+    if mode == "required":
+        if output is not None:
+            raise _bad("a forced tool call and a response format cannot both constrain the output", "tool_choice")
+        plan.constraint, plan.forced_call = call_constraint(specs, name), True
+    return plan
+
+
+def response_format_constraint(fmt: Any, param: str = "response_format") -> Constraint | None:
+    """OpenAI's `response_format` (or the Responses API's `text.format`) as a constraint."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _bad(f"{param} must be an object", param)
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema", fmt)  # chat nests it; Responses' text.format does not
+        where = f"{param}.json_schema.schema" if "json_schema" in fmt else f"{param}.schema"
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        check_schema(schema, where)
+        return Constraint.json_schema(schema)
+    raise _bad(f"{param}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", f"{param}.type")
+
+
+# --- the in-process API: replies with calls, tools from Python functions, running the calls ------
+@dataclass(slots=True)
+class ChatReply:
+    """`agentrt.chat(..., tools=...)`'s result: the text (None when the model only called tools) and
+    the calls it made."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str | None = None
+
+    def message(self) -> dict[str, Any]:
+        """The reply as an assistant message to append to the conversation (OpenAI's format)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in self.tool_calls]
+        return msg
+
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
+
+
+def _type_schema(tp: Any) -> dict[str, Any]:
+    import types
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp in _JSON_TYPES:
+        return {"type": _JSON_TYPES[tp]}
+    if origin is typing.Literal:
+        return {"enum": list(args)}
+    if origin in (list, tuple, set) or tp in (list, tuple, set):
+        return {"type": "array", "items": _type_schema(args[0])} if args else {"type": "array"}
+    if origin is dict:
+        return {"type": "object"}
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        return _type_schema(options[0]) if len(options) == 1 else {"anyOf": [_type_schema(a) for a in options]}
+    return {}
+
+
+def function_spec(fn: Any) -> dict[str, Any]:
+    """A tool spec for an (`@agentrt.tool`) async function: its name, its docstring's first paragraph,
+    and a JSON schema of its parameters from their type hints (a parameter with a default is optional)."""
+    import inspect
+    import typing
+
+    target = inspect.unwrap(fn)
+    name = getattr(fn, "tool_name", None) or target.__name__
+    hints = typing.get_type_hints(target)
+    props, required = {}, []
+    for p in inspect.signature(target).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        props[p.name] = _type_schema(hints.get(p.name, Any))
+        if p.default is p.empty:
+            required.append(p.name)
+    doc = inspect.getdoc(target) or ""
+    return {"type": "function", "function": {
+        "name": name, "description": doc.split("\n\n")[0].strip(),
+        "parameters": {"type": "object", "properties": props, "required": required},
+    }}
+
+
+def tool_specs(tools: Any) -> Any:
+    """Tools given as specs or as Python functions, all as specs."""
+    if not isinstance(tools, (list, tuple)):
+        return tools  # normalize_tools names the problem
+    return [t if isinstance(t, dict) else function_spec(t) if callable(t) else t for t in tools]
+
+
+async def run_tool_calls(calls: list[ToolCall], tools: list[Any]) -> list[dict[str, Any]]:
+    """Run the calls a reply made with the matching Python functions (async or not); one `role: "tool"`
+    message per call, in order. A call that fails (unknown tool, bad arguments, an exception in the
+    tool) gets its error as the message content: the model sees it, the program goes on."""
+    import inspect
+
+    by_name = {function_spec(t)["function"]["name"]: t for t in tools if callable(t)}
+    out = []
+    for c in calls:
+        fn = by_name.get(c.name)
+        try:
+            if fn is None:
+                raise LookupError(f"no tool named {c.name!r}")
+            args = json.loads(c.arguments) if c.arguments else {}
+            if not isinstance(args, dict):
+                raise TypeError(f"arguments must be a JSON object, got {c.arguments!r}")
+            result = fn(**args)
+            if inspect.isawaitable(result):
+                result = await result
+            content = result if isinstance(result, str) else json.dumps(result, default=str)
+        except Exception as e:  # noqa: BLE001 - the tool's error is the model's to see
+            content = f"error: {type(e).__name__}: {e}"
+        out.append({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": content})
+    return out

@@ -1,0 +1,272 @@
+"""`POST /v1/responses`: OpenAI's Responses API, streamed and not, over the same call path.
+
+A chain of responses (`previous_response_id`) is one program: the first response starts a program
+(or joins the one named by `X-Program-Id` / `program_id`), and every response that continues it
+runs in that program, so Responses clients get program-level scheduling without any header.
+Stored responses (`store: true`, the default) are kept in memory for the newest ones and in the
+server's database for all, with the conversation through them, so a continuation needs only the id.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from agentrt._call import Call
+from agentrt._errors import AgentrtError
+from agentrt.server.app import ServerState, read_body, state_of
+from agentrt._toolcalls import ChatPlan, ToolCall, response_format_constraint
+from agentrt.server.chat_core import plan_chat
+from agentrt.server.errors import APIError, api, bad_request, to_api_error
+from agentrt.server.openai_routes import _results, program_keys, sampling_params, submit
+from agentrt.server.openapi import Operation
+from agentrt.server.responses_schemas import (
+    FunctionCallItem,
+    IncompleteDetails,
+    InputItem,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    ResponseCreate,
+    ResponseObject,
+    ResponseStreamEvent,
+    ResponseUsage,
+)
+from agentrt.server.schemas import decode
+from agentrt.server.sse import SSEResponse
+from agentrt.server.store import ResponseRecord
+from engine.outputs import RequestOutput
+
+
+class ResponseMemory:
+    """Stored responses: the newest `capacity` in memory (a continuation may come before the
+    database write lands), all of them in the store."""
+
+    def __init__(self, store: Any, capacity: int = 1000) -> None:
+        self.store = store
+        self.capacity = capacity
+        self._recent: collections.OrderedDict[str, ResponseRecord] = collections.OrderedDict()
+
+    def put(self, rec: ResponseRecord) -> None:
+        self._recent[rec.response_id] = rec
+        while len(self._recent) > self.capacity:
+            self._recent.popitem(last=False)
+        if self.store is not None:
+            self.store.put_response(rec)
+
+    async def get(self, response_id: str, owner: str | None) -> ResponseRecord | None:
+        rec = self._recent.get(response_id)
+        if rec is None and self.store is not None:
+            rec = await anyio.to_thread.run_sync(lambda: self.store.get_response(response_id, owner=owner))
+        return rec if rec is not None and rec.owner == owner else None
+
+
+def _memory(st: ServerState) -> ResponseMemory:
+    mem = getattr(st, "responses", None)
+    if mem is None:
+        mem = st.responses = ResponseMemory(st.store)  # type: ignore[attr-defined]
+    return mem
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.text or "" for p in content)
+    return content or ""
+
+
+def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
+    """Input items as chat messages; a malformed item is a 400 naming it."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for i, it in enumerate(items):
+        where = f"input[{i}]"
+        kind = it.type or ("message" if it.role else None)
+        if kind == "message":
+            if it.role is None:
+                raise bad_request(f"{where} is a message without a role", f"{where}.role")
+            out.append({"role": "system" if it.role == "developer" else it.role, "content": _text(it.content)})
+        elif kind == "function_call":
+            if not it.call_id or not it.name or it.arguments is None:
+                raise bad_request(f"{where} (function_call) needs call_id, name and arguments", where)
+            call = {"id": it.call_id, "name": it.name, "arguments": it.arguments}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not it.call_id or it.output is None:
+                raise bad_request(f"{where} (function_call_output) needs call_id and output", where)
+            out.append({"role": "tool", "content": _text(it.output), "tool_call_id": it.call_id})
+        else:
+            raise bad_request(f"{where} has an unsupported type {it.type!r} (message, function_call, "
+                              "function_call_output)", f"{where}.type")
+    if not out:
+        raise bad_request("input is empty", "input")
+    return out
+
+
+def _items(content: str | None, calls: list[ToolCall], msg_id: str | None = None) -> list[OutputItem]:
+    items: list[OutputItem] = []
+    if content:
+        items.append(OutputMessage(msg_id or f"msg_{uuid.uuid4().hex[:24]}", [OutputText(content)]))
+    items += [FunctionCallItem(f"fc_{uuid.uuid4().hex[:24]}", c.id, c.name, c.arguments) for c in calls]
+    return items
+
+
+def _assistant_message(content: str | None, calls: list[ToolCall]) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    if calls:
+        msg["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+    return msg
+
+
+@api
+async def create_response(request: Request) -> Response:
+    st = state_of(request)
+    owner = st.owner(request)
+    req: ResponseCreate = decode(await read_body(request, st.config.max_body_bytes), ResponseCreate)
+    st.check_model(req.model)
+    pid, tid = program_keys(request, req.program_id, None)
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        prev = await _memory(st).get(req.previous_response_id, owner)
+        if prev is None:
+            raise APIError(404, f"no stored response {req.previous_response_id!r}", "not_found_error",
+                           "previous_response_id", "response_not_found")
+        history = json.loads(prev.messages)
+        pid = pid or prev.program_id
+    conversation = history + input_messages(req.input)
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
+    tools = [msgspec.structs.asdict(t) for t in req.tools or []]
+    choice: Any = req.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = {"type": "function", "function": {"name": choice.name}}
+    fmt = req.text.format if req.text is not None else None
+    output = response_format_constraint(msgspec.structs.asdict(fmt) if fmt is not None else None, "text.format")
+    plan, prompt_ids = await plan_chat(st, messages, tools=tools, tool_choice=choice, output=output, program_id=pid)
+    params = sampling_params(
+        st, max_tokens=req.max_output_tokens, prompt_len=len(prompt_ids), temperature=req.temperature,
+        top_p=req.top_p, top_k=None, n=1, stop=None, stop_token_ids=None, seed=None, ignore_eos=False,
+        logprobs=False, top_logprobs=0, constraint=plan.constraint,
+    )
+    st.check_capacity()
+    if pid is None:  # a new chain: its own program, ended by the idle timeout or DELETE
+        pid = st.runtime.start_program(name="responses", owner=owner).program_id
+    call = submit(st, prompt_ids, params, "input", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
+                  kind="responses")
+    base = ResponseObject(
+        id=f"resp_{uuid.uuid4().hex[:24]}", created_at=int(time.time()), model=st.model_name, output=[],
+        status="in_progress", usage=None, instructions=req.instructions, tools=req.tools or [],
+        tool_choice=req.tool_choice or "auto", parallel_tool_calls=req.parallel_tool_calls,
+        temperature=req.temperature, top_p=req.top_p, max_output_tokens=req.max_output_tokens,
+        previous_response_id=req.previous_response_id, text=req.text, metadata=req.metadata or {},
+        store=req.store, program_id=pid,
+    )
+
+    def finish(out: RequestOutput, content: str | None, calls: list[ToolCall], msg_id: str | None = None) -> ResponseObject:
+        n_in, n_out = out.num_prompt_tokens, out.num_output_tokens
+        length = out.finish_reason == "length"
+        done = msgspec.structs.replace(
+            base, output=_items(content, calls, msg_id), status="incomplete" if length else "completed",
+            usage=ResponseUsage(n_in, n_out, n_in + n_out),
+            incomplete_details=IncompleteDetails("max_output_tokens") if length else None,
+        )
+        if req.store:
+            _memory(st).put(ResponseRecord(
+                done.id, owner, pid, time.time(), msgspec.json.encode(done).decode(),
+                json.dumps(conversation + [_assistant_message(content, calls)]),
+            ))
+        return done
+
+    if req.stream:
+        return SSEResponse(_events(call, plan, base, finish), {"X-Program-Id": pid})
+    (out,) = await _results(request, [call])
+    content, calls = plan.split(out.text)
+    return Response(msgspec.json.encode(finish(out, content, calls)), headers={"X-Program-Id": pid},
+                    media_type="application/json")
+
+
+async def _events(call: Call, plan: ChatPlan, base: ResponseObject, finish: Any) -> AsyncIterator[bytes]:
+    """The event sequence OpenAI's SDKs parse: created, in_progress, output items with their deltas,
+    then completed (or incomplete)."""
+    seq = itertools.count()
+
+    def ev(kind: str, **payload: Any) -> bytes:
+        data = msgspec.json.encode({"type": kind, "sequence_number": next(seq), **payload})
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+    yield ev("response.created", response=base)
+    yield ev("response.in_progress", response=base)
+    streamer = plan.streamer()
+    msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+    sent = ""  # message text streamed so far
+
+    def open_message() -> list[bytes]:
+        item = OutputMessage(msg_id, [], status="in_progress")
+        return [ev("response.output_item.added", output_index=0, item=item),
+                ev("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
+                   part=OutputText(""))]
+
+    async with call:
+        try:
+            async for d in call:
+                show = streamer.feed(d.new_text) if streamer is not None else d.new_text
+                if show:
+                    if not sent:
+                        for e in open_message():
+                            yield e
+                    sent += show
+                    yield ev("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta=show)
+            out = await call.result()
+        except AgentrtError as e:
+            err = to_api_error(e)
+            yield ev("error", code=err.code, message=err.message, param=err.param)
+            return
+    content, calls = plan.split(out.text)
+    index = 0
+    if content:
+        if not sent:
+            for e in open_message():
+                yield e
+        rest = content[len(sent):] if content.startswith(sent) else ""
+        if rest:
+            yield ev("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta=rest)
+        yield ev("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=content)
+        yield ev("response.content_part.done", item_id=msg_id, output_index=0, content_index=0,
+                 part=OutputText(content))
+        yield ev("response.output_item.done", output_index=0, item=OutputMessage(msg_id, [OutputText(content)]))
+        index = 1
+    done = finish(out, content, calls, msg_id)
+    for item in done.output:
+        if not isinstance(item, FunctionCallItem):
+            continue
+        added = msgspec.structs.replace(item, arguments="", status="in_progress")
+        yield ev("response.output_item.added", output_index=index, item=added)
+        yield ev("response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=item.arguments)
+        yield ev("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                 arguments=item.arguments)
+        yield ev("response.output_item.done", output_index=index, item=item)
+        index += 1
+    # "response.completed" even when cut by max_output_tokens (its status says "incomplete"): the SDKs'
+    # stream helpers wait for this event to hand out the final response
+    yield ev("response.completed", response=done)
+
+
+ROUTES = [Route("/v1/responses", create_response, methods=["POST"])]
+
+OPERATIONS = [
+    Operation("post", "/v1/responses", "create a model response (OpenAI Responses API)", ResponseObject,
+              ResponseCreate, streams=ResponseStreamEvent, errors=(400, 401, 404, 409, 413, 429, 500, 503)),
+]

@@ -1,0 +1,161 @@
+"""The Responses API's contract (`POST /v1/responses`), msgspec Structs after OpenAI's reference.
+
+Input items are decoded into one permissive Struct (`InputItem`: a message, a `function_call` or a
+`function_call_output`, told apart by `type` / `role`) and checked item by item, so a malformed
+item is a 400 naming it. Output items are a tagged union on `type`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+from agentrt.server.schemas import ProgramId, Temperature, TopP
+
+
+class InputPart(Struct):
+    type: str  # "input_text" | "output_text" | "text"
+    text: str | None = None
+
+
+class InputItem(Struct):
+    type: str | None = None  # "message" (or absent, with a role) | "function_call" | "function_call_output"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputPart] | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(Struct):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(Struct):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Struct):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(Struct):
+    format: TextFormat | None = None
+
+
+class ResponseCreate(Struct):
+    input: str | list[InputItem]
+    model: str | None = None
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    program_id: ProgramId | None = None
+
+
+class OutputText(Struct, tag="output_text", tag_field="type"):
+    text: str
+    annotations: list[Any] = []
+
+
+class OutputMessage(Struct, tag="message", tag_field="type"):
+    id: str
+    content: list[OutputText]
+    status: str = "completed"
+    role: str = "assistant"
+
+
+class FunctionCallItem(Struct, tag="function_call", tag_field="type"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str = "completed"
+
+
+OutputItem = OutputMessage | FunctionCallItem
+
+
+class InputTokensDetails(Struct, frozen=True):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(Struct, frozen=True):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(Struct):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails = InputTokensDetails()
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
+
+
+class IncompleteDetails(Struct):
+    reason: str  # "max_output_tokens"
+
+
+class ResponseObject(Struct):
+    id: str
+    created_at: int
+    model: str
+    output: list[OutputItem]
+    status: str  # "completed" | "incomplete" | "in_progress"
+    usage: ResponseUsage | None
+    object: str = "response"
+    instructions: str | None = None
+    tools: list[FunctionTool] = []
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    text: TextConfig | None = None
+    error: Any = None
+    incomplete_details: IncompleteDetails | None = None
+    metadata: dict[str, str] = {}
+    store: bool = True
+    program_id: str | None = None  # the program the response chain runs in (agentrt)
+
+
+class ResponseStreamEvent(Struct):
+    """One event of a streamed response (`data:` of each server-sent event; its `event:` is `type`)."""
+
+    type: str  # "response.created" | "response.output_text.delta" | ... | "response.completed" | "error"
+    sequence_number: int
+    response: ResponseObject | None = None
+    output_index: int | None = None
+    item: OutputItem | None = None
+    item_id: str | None = None
+    content_index: int | None = None
+    part: OutputText | None = None
+    delta: str | None = None
+    text: str | None = None
+    arguments: str | None = None
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
