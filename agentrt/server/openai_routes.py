@@ -7,10 +7,9 @@ the engine's output as OpenAI's objects. A client that disconnects aborts its ca
 
 from __future__ import annotations
 
-import re
 import json
+import re
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,11 +20,24 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from agentrt._call import Call
-from agentrt._errors import AgentrtError, InvalidCallError
-from agentrt.server.app import ServerState, read_body, state_of
+from agentrt._errors import AgentrtError
 from agentrt._toolcalls import ChatPlan, check_schema, response_format_constraint
-from agentrt.server.chat_core import message_dicts, plan_chat
-from agentrt.server.errors import api, bad_request, error_body, to_api_error
+from agentrt.server.app import ServerState, read_body, state_of
+from agentrt.server.calls import (
+    chat_logprobs,
+    completion_logprobs,
+    error_event,
+    message_dicts,
+    new_id,
+    plan_chat,
+    program_keys,
+    results,
+    sampling_params,
+    submit,
+    token_text,
+    usage_of,
+)
+from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
 from agentrt.server.schemas import (
     ChatChoice,
@@ -35,154 +47,18 @@ from agentrt.server.schemas import (
     ChatCompletionRequest,
     ChatDelta,
     ChatResponseMessage,
-    ChoiceLogprobs,
     Completion,
     CompletionChoice,
-    FunctionCall,
-    CompletionLogprobs,
     CompletionRequest,
-    TokenLogprob,
+    FunctionCall,
     ToolCall,
     ToolCallDelta,
-    TopLogprob,
-    ProgramId,
     Usage,
     decode,
 )
-from agentrt.server.sse import DONE, SSEResponse, event, until_disconnect
-from engine import SamplingParams
+from agentrt.server.sse import DONE, SSEResponse, event
 from engine.outputs import RequestOutput
 from engine.structured import Constraint
-
-TopList = list[tuple[int, float]]
-
-
-# --- shared -----------------------------------------------------------------------------------
-def program_keys(request: Request, program_id: str | None, thread_id: str | None) -> tuple[str | None, str | None]:
-    """The call's program and thread: `X-Program-Id` / `X-Thread-Id` headers or the body fields."""
-    out = []
-    for header, value, name in (("x-program-id", program_id, "program_id"), ("x-thread-id", thread_id, "thread_id")):
-        h = request.headers.get(header)
-        if h is not None:
-            try:
-                h = msgspec.convert(h, ProgramId)
-            except msgspec.ValidationError:
-                raise bad_request(f"header {header} {h!r} is not a valid id (1-128 of A-Z a-z 0-9 . _ : -)", name) from None
-            if value is not None and value != h:
-                raise bad_request(f"{name} {value!r} in the body differs from the {header} header {h!r}", name)
-        out.append(h if h is not None else value)
-    return out[0], out[1]
-
-
-def sampling_params(
-    st: ServerState, *, max_tokens: int | None, prompt_len: int, temperature: float | None, top_p: float | None,
-    top_k: int | None, n: int, stop: str | list[str] | None, stop_token_ids: list[int] | None, seed: int | None,
-    ignore_eos: bool, logprobs: bool, top_logprobs: int, constraint: Constraint | None = None,
-) -> SamplingParams:
-    if n > st.config.max_n:
-        raise bad_request(f"n={n} is over the server's limit of {st.config.max_n} (--max-n)", "n")
-    if max_tokens is not None and max_tokens > st.max_tokens_limit:
-        raise bad_request(f"max_tokens={max_tokens} is over the limit of {st.max_tokens_limit}", "max_tokens")
-    if max_tokens is None:
-        max_tokens = max(1, min(st.max_tokens_limit, st.max_model_len - prompt_len))
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k, n=n,
-            stop=[] if stop is None else stop, stop_token_ids=stop_token_ids or [], seed=seed, ignore_eos=ignore_eos, logprobs=logprobs,
-            top_logprobs=top_logprobs, constraint=constraint,
-        )
-    except (TypeError, ValueError) as e:
-        raise bad_request(str(e), _param_of(str(e))) from None
-
-
-_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
-
-
-def _param_of(message: str, default: str | None = None) -> str | None:
-    """The request field an engine error message names (`SamplingParams.stop ...` -> "stop"), else
-    `default` (what the prompt came in: "messages" or "prompt")."""
-    m = _SAMPLING_FIELD.search(message)
-    return m.group(1) if m else default
-
-
-def submit(st: ServerState, ids: list[int], params: SamplingParams, prompt_param: str, **kw: Any) -> Call:
-    """`runtime.submit`; input the engine refuses is a 400 naming the field."""
-    try:
-        return st.runtime.submit(ids, params, **kw)
-    except InvalidCallError as e:
-        raise bad_request(str(e), _param_of(str(e), prompt_param)) from None
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-class TokenText:
-    """Token id -> its text, cached (logprob rendering)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, tok: int) -> str:
-        s = self._cache.get(tok)
-        if s is None:
-            s = self._cache[tok] = self.tokenizer.decode([tok])
-        return s
-
-
-def _token_text(st: ServerState) -> TokenText:
-    tt = getattr(st, "_token_text", None)
-    if tt is None:
-        tt = TokenText(st.runtime.tokenizer)
-        st._token_text = tt  # type: ignore[attr-defined]
-    return tt
-
-
-def chat_logprobs(text: TokenText, ids: list[int], lps: list[float] | None, tops: list[TopList] | None) -> ChoiceLogprobs | None:
-    if lps is None:
-        return None
-    content = []
-    for i, (tok, lp) in enumerate(zip(ids, lps)):
-        t = text(tok)
-        top = [TopLogprob(text(a), b, list(text(a).encode())) for a, b in (tops[i] if tops else [])]
-        content.append(TokenLogprob(t, lp, list(t.encode()), top))
-    return ChoiceLogprobs(content)
-
-
-def completion_logprobs(text: TokenText, ids: list[int], lps: list[float] | None, tops: list[TopList] | None,
-                        offset: int = 0) -> CompletionLogprobs | None:
-    if lps is None:
-        return None
-    tokens = [text(t) for t in ids]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
-    top = [{text(a): b for a, b in tl} for tl in tops] if tops is not None else None
-    return CompletionLogprobs(tokens, list(lps), top, offsets)
-
-
-def usage_of(outs: list[RequestOutput]) -> Usage:
-    prompt = sum(o.num_prompt_tokens for o in outs)
-    completion = sum(o.num_output_tokens for o in outs)
-    return Usage(prompt, completion, prompt + completion)
-
-
-async def _results(request: Request, calls: list[Call]) -> list[RequestOutput]:
-    async def run() -> list[RequestOutput]:
-        return [await c.result() for c in calls]
-
-    try:
-        return await until_disconnect(request, run)
-    finally:
-        for c in calls:
-            c.close()
-
-
-def _error_event(e: BaseException) -> bytes:
-    return b"data: " + error_body(to_api_error(e)) + b"\n\n"
 
 
 # --- chat -------------------------------------------------------------------------------------
@@ -213,8 +89,8 @@ async def chat_completions(request: Request) -> Response:
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
         return SSEResponse(_chat_events(st, call, plan, rid, created, req.n, usage), {"X-Program-Id": call.program_id})
-    (out,) = await _results(request, [call])
-    text = _token_text(st)
+    (out,) = await results(request, [call])
+    text = token_text(st)
     choices = []
     for c in out.outputs:
         content, calls = plan.split(c.text)
@@ -230,7 +106,7 @@ async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, cr
                        include_usage: bool) -> AsyncIterator[bytes]:
     """Content deltas as generated; tool calls (held back from the content) as `tool_calls` deltas
     when their choice ends, which then ends with finish_reason "tool_calls"."""
-    model, text = st.model_name, _token_text(st)
+    model, text = st.model_name, token_text(st)
     streamers = [plan.streamer() for _ in range(n)]
     full = [""] * n
 
@@ -262,7 +138,7 @@ async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, cr
                     yield chunk([ChatChunkChoice(i, ChatDelta(), reason)])
             out = await call.result()
         except AgentrtError as e:
-            yield _error_event(e)
+            yield error_event(e)
             yield DONE
             return
         if include_usage:
@@ -356,8 +232,8 @@ async def completions(request: Request) -> Response:
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
         return SSEResponse(_completion_events(st, calls, rid, created, req.n, usage), headers)
-    outs = await _results(request, calls)
-    text = _token_text(st)
+    outs = await results(request, calls)
+    text = token_text(st)
     choices = [
         CompletionChoice(k * req.n + c.index, c.text, c.finish_reason,
                          completion_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs))
@@ -370,7 +246,7 @@ async def completions(request: Request) -> Response:
 async def _completion_events(st: ServerState, calls: list[Call], rid: str, created: int, n: int,
                              include_usage: bool) -> AsyncIterator[bytes]:
     """Prompts' choices one prompt after another (all of them run in the engine meanwhile)."""
-    model, text = st.model_name, _token_text(st)
+    model, text = st.model_name, token_text(st)
     outs: list[RequestOutput] = []
     try:
         for k, call in enumerate(calls):
@@ -387,7 +263,7 @@ async def _completion_events(st: ServerState, calls: list[Call], rid: str, creat
                         yield event(Completion(rid, created, model, [choice]))
                 outs.append(await call.result())
     except AgentrtError as e:
-        yield _error_event(e)
+        yield error_event(e)
         yield DONE
         return
     finally:

@@ -25,11 +25,16 @@ from starlette.routing import Route
 
 from agentrt._call import Call
 from agentrt._errors import AgentrtError
-from agentrt.server.app import ServerState, read_body, state_of
 from agentrt._toolcalls import ChatPlan, ToolCall, response_format_constraint
-from agentrt.server.chat_core import plan_chat
+from agentrt.server.app import ServerState, read_body, state_of
+from agentrt.server.calls import (
+    plan_chat,
+    program_keys,
+    results,
+    sampling_params,
+    submit,
+)
 from agentrt.server.errors import APIError, api, bad_request, to_api_error
-from agentrt.server.openai_routes import _results, program_keys, sampling_params, submit
 from agentrt.server.openapi import Operation
 from agentrt.server.responses_schemas import (
     FunctionCallItem,
@@ -192,7 +197,7 @@ async def create_response(request: Request) -> Response:
 
     if req.stream:
         return SSEResponse(_events(call, plan, base, finish), {"X-Program-Id": pid})
-    (out,) = await _results(request, [call])
+    (out,) = await results(request, [call])
     content, calls = plan.split(out.text)
     return Response(msgspec.json.encode(finish(out, content, calls)), headers={"X-Program-Id": pid},
                     media_type="application/json")

@@ -1,0 +1,198 @@
+"""What every generation route shares (chat completions, completions, responses): the program a
+call belongs to, sampling parameters from a request's fields, submission, results and logprobs in
+OpenAI's shapes, and the plan of a chat call (tools, tool choice, output format) with its prompt
+rendered, tokenized and its grammar compiled off the event loop."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+import anyio
+import msgspec
+from starlette.requests import Request
+
+from agentrt._call import Call
+from agentrt._errors import InvalidCallError
+from agentrt._toolcalls import ChatPlan, plan_call
+from agentrt.server.app import ServerState
+from agentrt.server.errors import bad_request, error_body, to_api_error
+from agentrt.server.schemas import (
+    ChoiceLogprobs,
+    CompletionLogprobs,
+    ProgramId,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from agentrt.server.sse import until_disconnect
+from engine import SamplingParams
+from engine.outputs import RequestOutput
+from engine.structured import Constraint
+
+TopList = list[tuple[int, float]]
+
+
+# --- shared -----------------------------------------------------------------------------------
+def program_keys(request: Request, program_id: str | None, thread_id: str | None) -> tuple[str | None, str | None]:
+    """The call's program and thread: `X-Program-Id` / `X-Thread-Id` headers or the body fields."""
+    out = []
+    for header, value, name in (("x-program-id", program_id, "program_id"), ("x-thread-id", thread_id, "thread_id")):
+        h = request.headers.get(header)
+        if h is not None:
+            try:
+                h = msgspec.convert(h, ProgramId)
+            except msgspec.ValidationError:
+                raise bad_request(f"header {header} {h!r} is not a valid id (1-128 of A-Z a-z 0-9 . _ : -)", name) from None
+            if value is not None and value != h:
+                raise bad_request(f"{name} {value!r} in the body differs from the {header} header {h!r}", name)
+        out.append(h if h is not None else value)
+    return out[0], out[1]
+
+
+def sampling_params(
+    st: ServerState, *, max_tokens: int | None, prompt_len: int, temperature: float | None, top_p: float | None,
+    top_k: int | None, n: int, stop: str | list[str] | None, stop_token_ids: list[int] | None, seed: int | None,
+    ignore_eos: bool, logprobs: bool, top_logprobs: int, constraint: Constraint | None = None,
+) -> SamplingParams:
+    if n > st.config.max_n:
+        raise bad_request(f"n={n} is over the server's limit of {st.config.max_n} (--max-n)", "n")
+    if max_tokens is not None and max_tokens > st.max_tokens_limit:
+        raise bad_request(f"max_tokens={max_tokens} is over the limit of {st.max_tokens_limit}", "max_tokens")
+    if max_tokens is None:
+        max_tokens = max(1, min(st.max_tokens_limit, st.max_model_len - prompt_len))
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k, n=n,
+            stop=[] if stop is None else stop, stop_token_ids=stop_token_ids or [], seed=seed, ignore_eos=ignore_eos, logprobs=logprobs,
+            top_logprobs=top_logprobs, constraint=constraint,
+        )
+    except (TypeError, ValueError) as e:
+        raise bad_request(str(e), _param_of(str(e))) from None
+
+
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+def _param_of(message: str, default: str | None = None) -> str | None:
+    """The request field an engine error message names (`SamplingParams.stop ...` -> "stop"), else
+    `default` (what the prompt came in: "messages" or "prompt")."""
+    m = _SAMPLING_FIELD.search(message)
+    return m.group(1) if m else default
+
+
+def submit(st: ServerState, ids: list[int], params: SamplingParams, prompt_param: str, **kw: Any) -> Call:
+    """`runtime.submit`; input the engine refuses is a 400 naming the field."""
+    try:
+        return st.runtime.submit(ids, params, **kw)
+    except InvalidCallError as e:
+        raise bad_request(str(e), _param_of(str(e), prompt_param)) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+class TokenText:
+    """Token id -> its text, cached (logprob rendering)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, tok: int) -> str:
+        s = self._cache.get(tok)
+        if s is None:
+            s = self._cache[tok] = self.tokenizer.decode([tok])
+        return s
+
+
+def token_text(st: ServerState) -> TokenText:
+    tt = getattr(st, "_token_text", None)
+    if tt is None:
+        tt = TokenText(st.runtime.tokenizer)
+        st._token_text = tt  # type: ignore[attr-defined]
+    return tt
+
+
+def chat_logprobs(text: TokenText, ids: list[int], lps: list[float] | None, tops: list[TopList] | None) -> ChoiceLogprobs | None:
+    if lps is None:
+        return None
+    content = []
+    for i, (tok, lp) in enumerate(zip(ids, lps)):
+        t = text(tok)
+        top = [TopLogprob(text(a), b, list(text(a).encode())) for a, b in (tops[i] if tops else [])]
+        content.append(TokenLogprob(t, lp, list(t.encode()), top))
+    return ChoiceLogprobs(content)
+
+
+def completion_logprobs(text: TokenText, ids: list[int], lps: list[float] | None, tops: list[TopList] | None,
+                        offset: int = 0) -> CompletionLogprobs | None:
+    if lps is None:
+        return None
+    tokens = [text(t) for t in ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    top = [{text(a): b for a, b in tl} for tl in tops] if tops is not None else None
+    return CompletionLogprobs(tokens, list(lps), top, offsets)
+
+
+def usage_of(outs: list[RequestOutput]) -> Usage:
+    prompt = sum(o.num_prompt_tokens for o in outs)
+    completion = sum(o.num_output_tokens for o in outs)
+    return Usage(prompt, completion, prompt + completion)
+
+
+async def results(request: Request, calls: list[Call]) -> list[RequestOutput]:
+    async def run() -> list[RequestOutput]:
+        return [await c.result() for c in calls]
+
+    try:
+        return await until_disconnect(request, run)
+    finally:
+        for c in calls:
+            c.close()
+
+
+def error_event(e: BaseException) -> bytes:
+    return b"data: " + error_body(to_api_error(e)) + b"\n\n"
+
+
+async def plan_chat(
+    st: Any, messages: list[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
+    output: Constraint | None = None, program_id: str | None = None,
+) -> tuple[ChatPlan, list[int]]:
+    """The plan and the prompt's token ids; rendering, tokenizing and compiling the grammar (cached)
+    run off the event loop. Bad input raises InvalidCallError naming the field."""
+    rt = st.runtime
+    plan = plan_call(tools, tool_choice, output)
+    ids = await anyio.to_thread.run_sync(rt.chat_token_ids, plan.render(messages), program_id)
+    if plan.constraint is not None:
+        param = "tool_choice" if plan.forced_call else "response_format"
+        await anyio.to_thread.run_sync(lambda: rt.compile_constraint(plan.constraint, param))
+    return plan, ids
+
+
+def message_dicts(messages: list[Any]) -> list[dict[str, Any]]:
+    """Chat messages (msgspec Structs) as dicts for `ChatPlan.render`; text parts joined."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            bad = [p.type for p in content if p.type not in ("text", "input_text", "output_text")]
+            if bad:
+                raise bad_request(f"message content part of type {bad[0]!r} is not supported (only text)",
+                                  f"messages[{i}].content")
+            content = "".join(p.text or "" for p in content)
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                               for c in m.tool_calls]
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request("a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
+        out.append(d)
+    return out
