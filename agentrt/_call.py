@@ -156,7 +156,8 @@ class Call:
         wait = 0.0 if m is None or m.first_scheduled_time is None else max(0.0, m.first_scheduled_time - m.arrival_time)
         service = m.service_s if m is not None else 0.0
         rt.programs.call_done(self.info, self._record, service_s=service, wait_s=wait,
-                              num_output_tokens=self._generated)
+                              num_output_tokens=self._generated,
+                              num_prefix_hit_tokens=m.num_prefix_hit_tokens if m is not None else 0)
         reason = None
         if out is not None and out.outputs:
             reasons = [o.finish_reason for o in out.outputs]

@@ -47,6 +47,7 @@ class ProgramInfo:
     wait_s: float = 0.0  # Σ over completed calls of queueing time, arrival -> first scheduled
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_prefix_hit_tokens: int = 0  # prompt tokens of its completed calls served from the prefix cache
     last_call_arrival: float | None = None
     last_call_completion: float | None = None
     gaps_s: collections.deque[float] = field(default_factory=lambda: _history(PROGRAM_HISTORY))  # idle time
@@ -147,6 +148,7 @@ class ProcessTable:
         service_s: float,
         wait_s: float,
         num_output_tokens: int,
+        num_prefix_hit_tokens: int = 0,
     ) -> None:
         if call.running:
             info.calls_running -= 1
@@ -157,6 +159,7 @@ class ProcessTable:
         info.critical_path_s = max(info.critical_path_s, call.start_critical_path_s + service_s)
         info.wait_s += wait_s
         info.num_output_tokens += num_output_tokens
+        info.num_prefix_hit_tokens += num_prefix_hit_tokens
         info.last_call_completion = time.monotonic()
 
     def record_tool(self, info: ProgramInfo | None, tool: str, duration_s: float) -> None:

@@ -1,20 +1,15 @@
-"""`agentrt` command line: generate | serve | demo | run FILE | bench NAME | simulate (= bench simulate)."""
+"""The runtime library's own commands: `python -m agentrt.cli serve | generate`.
+
+The `agentrt` command (`agentrt_cli`, the top floor) adds `run`, `demo`, `bench` and `simulate`,
+which start example programs and benchmarks; this module, like the rest of `agentrt`, imports
+neither `programs` nor `bench`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import runpy
 import sys
 import time
-
-BENCHES = {
-    "throughput": "bench.throughput",
-    "kernels": "bench.kernels",
-    "prefix": "bench.prefix",
-    "programs": "bench.programs",
-    "simulate": "bench.simulate",
-}
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -52,25 +47,8 @@ def _serve(a: argparse.Namespace) -> int:
     return serve(config, a.host, a.port, a.log_level)
 
 
-def _run(a: argparse.Namespace) -> int:
-    sys.argv = [a.file, *a.args]
-    runpy.run_path(a.file, run_name="__main__")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["simulate"]:
-        argv = ["bench", *argv]
-    if argv[:1] == ["demo"]:
-        return importlib.import_module("programs.demo").main(argv[1:])
-    if argv[:1] == ["bench"]:
-        if len(argv) < 2 or argv[1] not in BENCHES:
-            print(f"usage: agentrt bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
-            return 2
-        return importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
-    ap = argparse.ArgumentParser(prog="agentrt", description="agent-program runtime with its own LLM engine")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add `generate` and `serve` to a command line (this one's and the `agentrt` command's)."""
     g = sub.add_parser("generate", help="generate text from one prompt with the engine")
     g.add_argument("prompt")
     g.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -79,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(fn=_generate)
-    sub.add_parser("demo", help="serve the default model and run the example programs against it (agentrt demo --help)")
     s = sub.add_parser("serve", help="serve the runtime over an OpenAI-compatible HTTP API keyed by program id")
     s.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     s.add_argument("--host", default="127.0.0.1")
@@ -107,13 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--num-speculative-tokens", type=int, default=None)
     s.add_argument("--log-level", default="info")
     s.set_defaults(fn=_serve)
-    r = sub.add_parser("run", help="run a Python file that uses agentrt")
-    r.add_argument("file")
-    r.add_argument("args", nargs=argparse.REMAINDER)
-    r.set_defaults(fn=_run)
-    sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHES)} (agentrt bench NAME --help)")
-    sub.add_parser("simulate", help="the program-scheduling benchmark in virtual time (agentrt simulate --help)")
-    a = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m agentrt.cli", description="the runtime library's own commands "
+                                 "(the `agentrt` command adds run, demo, bench, simulate)")
+    add_commands(ap.add_subparsers(dest="cmd", required=True))
+    return dispatch(ap.parse_args(argv))
+
+
+def dispatch(a: argparse.Namespace) -> int:
     try:
         return a.fn(a)
     except ValueError as e:  # bad input: say what was wrong, no stack trace

@@ -1,6 +1,13 @@
-"""Multi-turn chat: each turn resends the growing conversation (its prefix stays cached)."""
+"""Multi-turn chat: each turn resends the growing conversation, so its prefix stays cached and only
+the new turn is computed.
+
+    agentrt run programs/chat.py -- "What is the capital of France?" "And of Italy?"
+"""
 
 from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
 
 import agentrt
 
@@ -17,3 +24,14 @@ async def chat_session(questions: list[str], max_tokens: int = 48) -> list[str]:
         messages.append({"role": "assistant", "content": reply})
         answers.append(reply)
     return answers
+
+
+async def main(argv: Sequence[str] = ()) -> int:
+    """`agentrt run programs/chat.py [--url URL] -- QUESTION ...`: one conversation, a turn per question."""
+    ap = argparse.ArgumentParser(prog="chat.py", description="a multi-turn conversation")
+    ap.add_argument("questions", nargs="*", default=["What is the capital of France?", "And of Italy?"])
+    ap.add_argument("--max-tokens", type=int, default=48)
+    a = ap.parse_args(argv)
+    for q, reply in zip(a.questions, await chat_session(a.questions, max_tokens=a.max_tokens)):
+        print(f"> {q}\n{reply.strip()}\n")
+    return 0

@@ -19,3 +19,10 @@ if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev
             || echo "setup.sh: could not install postgresql; its tests will skip" >&2
     fi
 fi
+# The live page's browser test drives the OS's Chromium through Playwright (never `playwright install`).
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)) \
+            || echo "setup.sh: could not install chromium; the browser test will skip" >&2
+    fi
+fi

@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from agentrt._runtime import Runtime
+from agentrt.server import ui
 from agentrt.server.errors import APIError, error_response
 from agentrt.server.metrics import EngineState, Metrics
 from agentrt.server.openapi import Operation, build
@@ -184,6 +185,7 @@ def _operations() -> list[Operation]:
         Operation("get", "/openapi.json", "this document", None, media_type="application/json", errors=(401,)),
         *openai_routes.OPERATIONS,
         *program_routes.OPERATIONS,
+        *ui.OPERATIONS,
     ]
 
 
@@ -233,6 +235,7 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
         Route("/openapi.json", openapi, methods=["GET"]),
         *openai_routes.ROUTES,
         *program_routes.ROUTES,
+        *ui.ROUTES,
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={Exception: _on_error, APIError: _on_error})
     app.state.openapi = build(_operations(), "agentrt", "0.1.0")

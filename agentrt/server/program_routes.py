@@ -25,20 +25,14 @@ from agentrt.server.store import ProgramRecord
 def live_view(st: ServerState, info: ProgramInfo) -> Program:
     rt = st.runtime
     pid = info.program_id
-    blocks: set[int] = set()
-    engine = rt.engine
-    if engine is not None and info.state == "running":
-        for rid in list(rt._inflight.get(pid, ())):
-            req = engine.core.requests.get(rid)
-            if req is not None:
-                blocks.update(list(req.block_ids))
     return Program(
         id=pid, name=info.name, state=info.state, created_at=wall_time(info.start_time),
         ended_at=None if info.end_time is None else wall_time(info.end_time), calls_waiting=info.calls_waiting,
         calls_running=info.calls_running, calls_done=info.calls_done, service_s=info.service_s,
         critical_path_s=info.critical_path_s, wait_s=info.wait_s, num_prompt_tokens=info.num_prompt_tokens,
-        num_output_tokens=info.num_output_tokens, queue_level=rt.program_queue_level(pid), kv_blocks=len(blocks),
-        num_threads=info.num_threads, error=info.error,
+        num_output_tokens=info.num_output_tokens, queue_level=rt.program_queue_level(pid),
+        kv_blocks=rt.program_kv_blocks(pid) if info.state == "running" else 0, num_threads=info.num_threads,
+        num_prefix_hit_tokens=info.num_prefix_hit_tokens, error=info.error,
     )
 
 

@@ -1,0 +1,155 @@
+"""The live page: `GET /ui` (and `/`), the process table and KV usage of this server, updating live.
+
+One self-contained HTML file with inline CSS and JS: no build step, nothing from another host.
+The page itself holds no data, so it needs no key; its script polls `GET /v1/programs` and
+`GET /metrics` every second with the API key (when the server has keys) taken from the page's
+`?key=` parameter or typed into the page, and kept in the browser's localStorage.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from agentrt.server.openapi import Operation
+
+PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>agentrt: programs</title>
+<style>
+  body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; background: #fafafa; }
+  h1 { font-size: 1.3em; margin: 0 0 .6em; }
+  .bar { display: flex; gap: 1.5em; flex-wrap: wrap; align-items: center; margin-bottom: 1em; }
+  .stat b { font-size: 1.2em; }
+  .kv { width: 220px; height: 14px; background: #ddd; border-radius: 3px; overflow: hidden; display: inline-block;
+        vertical-align: middle; }
+  .kv > div { height: 100%; background: #3b82f6; width: 0; transition: width .3s; }
+  table { border-collapse: collapse; width: 100%; background: white; }
+  th, td { padding: 4px 8px; border-bottom: 1px solid #e5e5e5; text-align: right; white-space: nowrap; }
+  th { background: #f0f0f0; position: sticky; top: 0; }
+  td.l, th.l { text-align: left; }
+  tr[data-state="running"] td.state { color: #15803d; font-weight: 600; }
+  tr[data-state="finished"] { color: #777; }
+  tr[data-state="failed"] td.state, tr[data-state="cancelled"] td.state { color: #b91c1c; }
+  #error { color: #b91c1c; }
+  #keyform { display: none; }
+  .muted { color: #888; }
+</style>
+</head>
+<body>
+<h1>agentrt <span class="muted" id="model"></span></h1>
+<div class="bar">
+  <span class="stat">programs running <b id="count-running">-</b></span>
+  <span class="stat">ended <b id="count-ended">-</b></span>
+  <span class="stat">calls running <b id="calls-running">-</b> / waiting <b id="calls-waiting">-</b></span>
+  <span class="stat">KV <span class="kv"><div id="kv-fill"></div></span> <b id="kv-usage">-</b></span>
+  <span class="stat">prefix hits <b id="prefix-hits">-</b></span>
+  <span class="stat">preemptions <b id="preemptions">-</b></span>
+  <span class="muted" id="updated"></span>
+  <span id="error"></span>
+  <form id="keyform">API key <input id="key" type="password" autocomplete="off"> <button>use</button></form>
+</div>
+<table>
+  <thead><tr>
+    <th class="l">program</th><th class="l">name</th><th class="l">state</th><th>calls w/r/done</th>
+    <th>threads</th><th>service s</th><th>wait s</th><th>queue level</th><th>KV blocks</th>
+    <th>prefix hit tokens</th><th>tokens in/out</th><th>age s</th>
+  </tr></thead>
+  <tbody id="programs"></tbody>
+</table>
+<script>
+"use strict";
+const params = new URLSearchParams(location.search);
+if (params.get("key")) localStorage.setItem("agentrt-key", params.get("key"));
+let key = localStorage.getItem("agentrt-key") || "";
+const $ = (id) => document.getElementById(id);
+$("keyform").addEventListener("submit", (e) => {
+  e.preventDefault(); key = $("key").value.trim(); localStorage.setItem("agentrt-key", key); poll();
+});
+async function get(path) {
+  const r = await fetch(path, {headers: key ? {"Authorization": "Bearer " + key} : {}, cache: "no-store"});
+  if (r.status === 401) { $("keyform").style.display = "inline"; throw new Error("this server needs an API key"); }
+  if (!r.ok) throw new Error(path + ": HTTP " + r.status);
+  return r;
+}
+function metrics(text) {
+  const m = {};
+  for (const line of text.split("\\n")) {
+    if (!line || line[0] === "#") continue;
+    const i = line.lastIndexOf(" ");
+    const name = line.slice(0, i).replace(/\\{.*\\}$/, "");
+    m[name] = (m[name] || 0) + Number(line.slice(i + 1));
+  }
+  return m;
+}
+function cell(text, cls) {
+  const td = document.createElement("td"); td.textContent = text; if (cls) td.className = cls; return td;
+}
+function render(programs) {
+  const body = $("programs");
+  const rows = [];
+  const now = Date.now() / 1000;
+  for (const p of programs) {
+    const tr = document.createElement("tr");
+    tr.dataset.programId = p.id; tr.dataset.state = p.state; tr.dataset.name = p.name;
+    tr.append(cell(p.id, "l"), cell(p.name, "l"), cell(p.state, "l state"),
+      cell(p.calls_waiting + "/" + p.calls_running + "/" + p.calls_done), cell(p.num_threads),
+      cell(p.service_s.toFixed(2)), cell(p.wait_s.toFixed(2)), cell(p.queue_level ?? "-"), cell(p.kv_blocks_pinned == null ? p.kv_blocks : p.kv_blocks + " (" + p.kv_blocks_pinned + " pinned)"),
+      cell(p.num_prefix_hit_tokens ?? "-"), cell(p.num_prompt_tokens + "/" + p.num_output_tokens),
+      cell(((p.ended_at ?? now) - p.created_at).toFixed(1)));
+    rows.push(tr);
+  }
+  body.replaceChildren(...rows);
+  const running = programs.filter((p) => p.state === "running").length;
+  $("count-running").textContent = running;
+  $("count-ended").textContent = programs.length - running;
+}
+async function poll() {
+  try {
+    const [progs, met] = await Promise.all([get("/v1/programs?limit=200"), get("/metrics")]);
+    render((await progs.json()).data);
+    const m = metrics(await met.text());
+    const usage = m["agentrt:kv_cache_usage_perc"] || 0;
+    $("kv-usage").textContent = (100 * usage).toFixed(1) + "%";
+    $("kv-fill").style.width = (100 * usage) + "%";
+    $("calls-running").textContent = m["agentrt:num_requests_running"] ?? "-";
+    $("calls-waiting").textContent = m["agentrt:num_requests_waiting"] ?? "-";
+    const q = m["agentrt:prefix_cache_queries_total"] || 0, h = m["agentrt:prefix_cache_hits_total"] || 0;
+    $("prefix-hits").textContent = q ? (100 * h / q).toFixed(0) + "% of " + q + " tokens" : "-";
+    $("preemptions").textContent = m["agentrt:num_preemptions_total"] ?? "-";
+    $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+    $("error").textContent = ""; $("keyform").style.display = key ? "none" : $("keyform").style.display;
+  } catch (e) {
+    $("error").textContent = String(e.message || e);
+  }
+}
+get("/v1/models").then((r) => r.json()).then((d) => { $("model").textContent = d.data[0].id; }).catch(() => {});
+poll();
+setInterval(poll, 1000);
+</script>
+</body>
+</html>
+"""
+
+
+async def ui(request: Request) -> Response:
+    return HTMLResponse(PAGE, headers={"Cache-Control": "no-store"})
+
+
+async def root(request: Request) -> Response:
+    return RedirectResponse("/ui" + (f"?{request.url.query}" if request.url.query else ""))
+
+
+ROUTES = [
+    Route("/ui", ui, methods=["GET"]),
+    Route("/", root, methods=["GET"]),
+]
+
+OPERATIONS = [
+    Operation("get", "/ui", "the live page: process table and KV usage", None, media_type="text/html", errors=(),
+              auth=False),
+]

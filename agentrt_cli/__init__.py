@@ -1,0 +1,74 @@
+"""The `agentrt` command: serve | generate | run FILE | demo | bench NAME | simulate (= bench simulate).
+
+The top floor of the house: it may start example programs (`programs/`) and benchmarks (`bench/`),
+which the runtime library `agentrt` never imports. `serve` and `generate` are the library's own
+commands (`agentrt.cli`, also `python -m agentrt.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from agentrt import cli as lib_cli
+
+BENCHES = {
+    "throughput": "bench.throughput",
+    "kernels": "bench.kernels",
+    "prefix": "bench.prefix",
+    "programs": "bench.programs",
+    "simulate": "bench.simulate",
+    "serve": "bench.serve",
+    "countdown": "bench.countdown",
+}
+
+
+def _run(a: argparse.Namespace) -> int:
+    from agentrt_cli.run import run_file
+
+    args = a.args[1:] if a.args[:1] == ["--"] else a.args
+    return run_file(a.file, args, url=a.url, api_key=a.api_key, model=a.model, policy=a.policy)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:
+        argv = ["bench", *argv]
+    if argv[:1] == ["demo"]:
+        return importlib.import_module("programs.demo").main(argv[1:])
+    if argv[:1] == ["bench"]:
+        if len(argv) < 2 or argv[1] not in BENCHES:
+            print(f"usage: agentrt bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
+            return 2
+        return importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
+    ap = argparse.ArgumentParser(prog="agentrt", description="agent-program runtime with its own LLM engine")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    lib_cli.add_commands(sub)
+    sub.add_parser("demo", help="serve the default model and run the example programs against it, with a live "
+                   "table (agentrt demo --help)")
+    r = sub.add_parser("run", help="run a program file: its `async def main(argv)` inside an in-process runtime, "
+                       "or against a server with --url", description=_RUN_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--url", default=None, help="run against this `agentrt serve` server (agentrt.connect)")
+    r.add_argument("--api-key", default=None, help="API key for --url (default: $AGENTRT_API_KEY)")
+    r.add_argument("--model", default=None, help="in-process: HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    r.add_argument("--policy", default="plas", choices=["plas", "atlas", "mlfq", "fcfs"], help="in-process policy")
+    r.add_argument("file")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the file's main (after --)")
+    r.set_defaults(fn=_run)
+    sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHES)} (agentrt bench NAME --help)")
+    sub.add_parser("simulate", help="the program-scheduling benchmark in virtual time (agentrt simulate --help)")
+    return lib_cli.dispatch(ap.parse_args(argv))
+
+
+_RUN_HELP = """\
+Run FILE with agentrt:
+
+  agentrt run programs/mcts.py -- --budget 8                 # in-process engine
+  agentrt run --url http://127.0.0.1:8000 programs/mcts.py   # the same code against agentrt serve
+
+When FILE defines `async def main(argv)`, it is awaited with the arguments after `--` inside the
+runtime this command enters (agentrt.Runtime, or agentrt.connect(URL) with --url); its return value
+is the exit code. A FILE without such a main runs as a plain script (`__name__ == "__main__"`).
+"""

@@ -1,0 +1,3 @@
+from agentrt_cli import main
+
+raise SystemExit(main())
