@@ -54,7 +54,7 @@ async def _mcts(puzzle: Puzzle, budget: int, width: int, max_tokens: int, temper
             "proposals": r.proposals}
 
 
-async def run_method(name: str, puzzles: list[Puzzle], a: argparse.Namespace) -> dict:
+async def run_method(name: str, budget: int, puzzles: list[Puzzle], a: argparse.Namespace) -> dict:
     results: list[dict] = [{}] * len(puzzles)
     rt = agentrt.current_runtime()
     kv0 = rt.kv_stats()
@@ -64,18 +64,18 @@ async def run_method(name: str, puzzles: list[Puzzle], a: argparse.Namespace) ->
         if name == "greedy":
             results[i] = await greedy(p, a.max_tokens)
         elif name == "best_of_n":
-            results[i] = await best_of_n(p, a.budget, a.max_tokens, a.temperature, a.seed)
+            results[i] = await best_of_n(p, budget, a.max_tokens, a.temperature, a.seed)
         else:
-            results[i] = await _mcts(p, a.budget, a.width, a.step_tokens, a.temperature, a.seed)
+            results[i] = await _mcts(p, budget, a.width, a.step_tokens, a.temperature, a.seed)
 
     async with anyio.create_task_group() as tg:
         for i, p in enumerate(puzzles):
             tg.start_soon(one, i, p)
     wall = time.perf_counter() - t
     kv1 = rt.kv_stats()
-    infos = [p for p in rt.programs if p.name == name]
+    infos = [p for p in rt.programs if p.name == name][-len(puzzles):]
     return {
-        "method": name, "solved": sum(r["solved"] for r in results), "puzzles": len(puzzles),
+        "method": name, "budget": 1 if name == "greedy" else budget, "solved": sum(r["solved"] for r in results), "puzzles": len(puzzles),
         "calls": sum(r["calls"] for r in results), "output_tokens": sum(p.num_output_tokens for p in infos),
         "prompt_tokens": kv1.prefix_queries_tokens - kv0.prefix_queries_tokens,
         "prefix_hit_tokens": kv1.prefix_hit_tokens - kv0.prefix_hit_tokens, "wall_s": wall,
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--puzzles", type=int, default=len(PUZZLES), help=f"the first N of the {len(PUZZLES)} puzzles")
-    ap.add_argument("--budget", type=int, default=8, help="LLM calls per puzzle for best-of-N and MCTS")
+    ap.add_argument("--budgets", default="8,16", help="LLM calls per puzzle for best-of-N and MCTS (a row pair each)")
     ap.add_argument("--width", type=int, default=4, help="MCTS proposals per expansion")
     ap.add_argument("--max-tokens", type=int, default=40, help="tokens per whole-solution call")
     ap.add_argument("--step-tokens", type=int, default=16, help="tokens per MCTS step proposal")
@@ -117,8 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     methods = a.methods.split(",")
     if bad := [m for m in methods if m not in ("greedy", "best_of_n", "mcts")]:
         ap.error(f"unknown methods {bad}; choose from greedy, best_of_n, mcts")
-    if a.budget < 1 or a.width < 1:
-        ap.error("--budget and --width must be >= 1")
+    try:
+        budgets = [int(b) for b in a.budgets.split(",")]
+    except ValueError:
+        ap.error(f"--budgets must be comma-separated integers, got {a.budgets!r}")
+    if min(budgets) < 1 or a.width < 1:
+        ap.error("--budgets and --width must be >= 1")
 
     import torch
 
@@ -131,15 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     async def run_all() -> list[dict]:
         async with agentrt.Runtime(a.model, "plas"):
             await agentrt.generate("warm up", max_tokens=2, temperature=0)
-            return [await run_method(m, puzzles, a) for m in methods]
+            rows = [await run_method("greedy", 1, puzzles, a)] if "greedy" in methods else []
+            for b in budgets:
+                rows += [await run_method(m, b, puzzles, a) for m in methods if m != "greedy"]
+            return rows
 
     rows = anyio.run(run_all)
     if a.json:
-        print(json.dumps({"budget": a.budget, "width": a.width, "rows": rows}, indent=2))
-    headers = ["method", "solved", "solve rate", "calls / puzzle", "output tokens / puzzle", "prefix hit rate",
+        print(json.dumps({"budgets": budgets, "width": a.width, "rows": rows}, indent=2))
+    headers = ["method", "budget", "solved", "solve rate", "calls / puzzle", "output tokens / puzzle", "prefix hit rate",
                "wall s"]
     table = markdown_table(headers, [
-        [r["method"], f"{r['solved']}/{r['puzzles']}", f"{r['solved'] / r['puzzles']:.0%}",
+        [r["method"], r["budget"], f"{r['solved']}/{r['puzzles']}", f"{r['solved'] / r['puzzles']:.0%}",
          f"{r['calls'] / r['puzzles']:.1f}", f"{r['output_tokens'] / r['puzzles']:.0f}",
          f"{r['prefix_hit_tokens'] / max(1, r['prompt_tokens']):.0%}", f"{r['wall_s']:.0f}"]
         for r in rows
@@ -150,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         body = (
             f"CPU flags: {cpu_flags()}; load average at the end {os.getloadavg()[0]:.1f}.  \n"
             f"Model: {a.model or 'SmolLM2-135M-Instruct (default)'}; {len(puzzles)} puzzles of `programs/countdown.py`; "
-            f"budget {a.budget} calls per puzzle for best-of-N and MCTS (MCTS width {a.width}), greedy one call; "
+            f"budgets {', '.join(map(str, budgets))} calls per puzzle for best-of-N and MCTS (MCTS width {a.width}), "
+            "greedy one call; "
             f"whole solutions up to {a.max_tokens} tokens, MCTS steps up to {a.step_tokens}; "
             f"temperature {a.temperature}, seed {a.seed}. One verifier judges all three.\n\n{table}\n"
         )

@@ -136,7 +136,7 @@ def render(rows: list[Row], totals: dict[str, float], elapsed_s: float, where: s
     t = Table(title=f"agentrt demo ({where}), {elapsed_s:.0f} s", title_justify="left")
     for col in ("program", "name", "state", "calls w/r/done", "threads", "service s", "wait s", "queue", "KV held",
                 "KV pinned", "prefix hits"):
-        t.add_column(col, justify="left" if col in ("program", "name", "state") else "right")
+        t.add_column(col, justify="left" if col in ("program", "name", "state") else "right", no_wrap=True)
     for r in rows:
         style = {"running": "green", "failed": "red", "cancelled": "red"}.get(r.state, "dim")
         t.add_row(r.id, r.name, Text(r.state, style=style), r.calls, str(r.threads), f"{r.service_s:.2f}",
@@ -169,7 +169,8 @@ def mix(a: argparse.Namespace) -> list[tuple[str, Callable[[], Any]]]:
 
 def describe(result: Any) -> str:
     if hasattr(result, "solved"):  # MCTSResult
-        return (f"{'solved' if result.solved else 'not solved'} (verified): {result.text or '-'}  "
+        steps = "; ".join(f"{s.a} {s.op} {s.b} = {s.result}" for s in result.steps) or "-"
+        return (f"{'solved' if result.solved else 'not solved'} (verified): {steps}  "
                 f"[{result.calls} calls, {result.expansions} expansions, {result.pruned} malformed proposals]")
     if hasattr(result, "tool_calls"):  # ReActResult
         tools = ", ".join(f"{t}[{arg}]" for t, arg, _ in result.tool_calls) or "no tool"
@@ -219,7 +220,7 @@ async def run_mix(a: argparse.Namespace, view: InProcessView | ServerView, where
     for i, (label, _) in enumerate(jobs):
         r = results.get(i)
         failed += isinstance(r, BaseException) or r is None
-        console.print(f"  {label}\n    -> {describe(r)}", highlight=False)
+        console.print(f"  {label}\n    -> {describe(r)}", highlight=False, markup=False, soft_wrap=True)
     return 1 if failed else 0
 
 
@@ -298,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(a.mcts, a.react, a.chat) < 0 or a.mcts + a.react + a.chat == 0:
         ap.error("give at least one program (--mcts, --react, --chat are counts >= 0)")
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=150)  # a log or a pipe: room for every column
     if a.in_process:
         return anyio.run(_in_process, a, console)
     if a.url:

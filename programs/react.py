@@ -88,7 +88,9 @@ _ANSWER = re.compile(r"Final\s*Answer\s*:\s*(.*)", re.I)
 
 def parse_reply(text: str) -> Action | Answer | None:
     """The first Action or Final Answer in a reply, whichever comes first; None when neither is there
-    or the action names no known tool."""
+    or the action has no argument. An action naming no known tool (a small model invents
+    `multiplication[17 * 23]`, `height[Mount Everest]`) goes to the calculator when its argument is
+    arithmetic, else to search with the name and the argument as the query."""
     if not isinstance(text, str):
         return None
     act, ans = _ACTION.search(text), _ANSWER.search(text)
@@ -99,9 +101,15 @@ def parse_reply(text: str) -> Action | Answer | None:
         return None
     name = act.group(1).lower()
     arg = (act.group(2) if act.group(2) is not None else act.group(3) or "").strip().strip("\"'")
-    tool = next((t for t in TOOLS if name == t or (len(name) >= 4 and (t.startswith(name) or name.startswith(t)))), None)
-    if tool is None or not arg:
+    if not arg:
         return None
+    tool = next((t for t in TOOLS if name == t or (len(name) >= 4 and (t.startswith(name) or name.startswith(t)))), None)
+    if tool is None:
+        try:
+            safe_eval(arg)
+            tool = "calculator"
+        except CalcError:
+            tool, arg = "search", f"{name} {arg}"
     return Action(tool, arg[:200])
 
 

@@ -107,7 +107,9 @@ def test_select_backprop_and_exhaustion():
     ("Action: calc[2^10", Action("calculator", "2^10")),
     ("Thought: easy.\nFinal Answer: 391\nAction: search[x]", Answer("391")),
     ("final answer:  42 metres \nmore", Answer("42 metres")),
-    ("Action: browse[x]", None), ("Action: search[]", None), ("Final Answer:", None), ("", None),
+    ("Action: multiplication[17 * 23]", Action("calculator", "17 * 23")),  # invented tools: read the intent
+    ("Action: height[Mount Everest]", Action("search", "height Mount Everest")),
+    ("Action: search[]", None), ("Final Answer:", None), ("", None),
     ("Thought: hmm", None),
 ])
 def test_parse_reply(text, expected):
