@@ -273,9 +273,7 @@ def plan_call(tools: Any = None, tool_choice: Any = None, output: Constraint | N
     specs = normalize_tools(tools, tools_param) if tools else []
     mode, name = tool_choice_of(tool_choice, specs)
     plan = ChatPlan(specs, mode, output)
-    if mode == "required":
-        if output is not None:
-            raise _bad("a forced tool call and a response format cannot both constrain the output", "tool_choice")
+    if mode == "required":  # the output is the call: a response format governs text, which it has none of
         plan.constraint, plan.forced_call = call_constraint(specs, name), True
     return plan
 
