@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from kernels import cpu
 
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # HF directory (safetensors) or .gguf file; None = default SmolLM2-135M-Instruct
-    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = $AGENTRT_DTYPE, else float32 on CPU
-    # and bfloat16 on GPU
+    dtype: str | None = None  # "auto" | "float32" | "bfloat16" | "float16"; None = $AGENTRT_DTYPE, else "auto":
+    # bfloat16 on GPU and on CPUs that compute it natively (AVX512-BF16, AMX), float32 on other CPUs.
+    # After validation the chosen dtype's name, never "auto"
     device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = $AGENTRT_DEVICE, else cuda if available
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV budget; None = 1 GiB on CPU, 90% of free memory on GPU
@@ -30,6 +33,7 @@ class EngineConfig:
     prompt_lookup_min: int = 1  # shortest suffix n-gram to look up
     speculative_disable_by_batch_size: int | None = 8  # no drafts while more requests run (drafts cost
     # compute, and a big batch has no idle bandwidth for them); None = always draft
+    dtype_reason: str = field(default="", init=False)  # how `dtype` was chosen, for the start-up line
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -47,18 +51,22 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min!r} "
                              f"and {self.prompt_lookup_max!r}")
-        if self.dtype is None:
-            self.dtype = os.environ.get("AGENTRT_DTYPE") or None
+        source = "dtype"
+        if self.dtype is None and os.environ.get("AGENTRT_DTYPE"):
+            self.dtype, source = os.environ["AGENTRT_DTYPE"], "$AGENTRT_DTYPE"
         if self.device is None:
             self.device = os.environ.get("AGENTRT_DEVICE") or None
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r} ({source})")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
-        if self.dtype is None:
-            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        if self.dtype in (None, "auto"):
+            self.dtype, why = auto_dtype(self.device)
+            self.dtype_reason = f"auto: {why}"
+        else:
+            self.dtype_reason = f"set by {source}"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -66,3 +74,15 @@ class EngineConfig:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def auto_dtype(device: str) -> tuple[str, str]:
+    """The fastest dtype on `device` and why: bf16 on GPUs and on CPUs with native bf16 arithmetic
+    (AVX512-BF16 or AMX, detected at run time), where it halves the bytes each token reads and the
+    library GEMMs run 3-5x faster than fp32; fp32 on other CPUs, where bf16 is converted in software."""
+    if device != "cpu":
+        return "bfloat16", "GPU"
+    names = [name for flag, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")) if flag in cpu.cpu_flags()]
+    if names:
+        return "bfloat16", f"CPU has {' and '.join(names)}"
+    return "float32", "CPU has no native bf16 (AVX512-BF16 or AMX)"

@@ -75,6 +75,10 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, config.device)
         if config.device == "cpu":
             kernels.cpu.ops()  # build (first time, ~30 s) or load the C++ CPU kernels now, not mid-request
+        self.startup_line = (f"agentrt engine: {self.model_path.name} on {config.device}, {config.dtype} "
+                             f"({config.dtype_reason}), {num_blocks} KV blocks of {config.block_size} tokens"
+                             + (f", kernels: {kernels.cpu.describe()}" if config.device == "cpu" else ""))
+        logger.info("%s", self.startup_line)
         self.policy = make_policy(config.policy, **(config.policy_kwargs or {}))
         self.scheduler = Scheduler(config, self.kv, self.policy)
         self.requests: dict[str, Request] = {}  # unfinished, by id (forked children included)

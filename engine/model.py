@@ -5,6 +5,11 @@ Q/K/V and gate/up projections are fused into one matmul each; q/k projection row
 at load time to adjacent (x1, x2) pairs, so RoPE on q and k together is one complex multiply (the
 KV cache holds K in that order; q.k is unchanged). Attention goes through
 `kernels` (Triton on CUDA, vectorized torch on CPU), so the GPU path is this same code.
+
+On CPU in fp32 or bf16 with the C++ kernels built (kernels/cpu.py), a layer is nine calls: the
+residual add fused into each RMSNorm (vLLM's `(hidden, residual)` layer interface), RoPE fused with
+the KV-cache write, decode attention and small-row projections in C++, SiLU-and-mul in one pass.
+In bf16 they round where HF's bf16 model rounds (kernels/csrc/elementwise.h).
 """
 
 from __future__ import annotations
@@ -65,8 +70,8 @@ def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 def _cpu_ops(x: torch.Tensor):
-    """The C++ CPU kernels (kernels.cpu) when they apply to x (2-D contiguous fp32 on CPU), else None."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+    """The C++ CPU kernels (kernels.cpu) when they apply to x (2-D contiguous fp32 or bf16 on CPU), else None."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.is_contiguous():
         return kernels.cpu.ops()
     return None
 
@@ -77,10 +82,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, same math as below
-            if (ops := _cpu_ops(x)) is not None:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with `residual`: (norm(x + residual), x + residual), the sum rounded to x's dtype."""
+        if (ops := _cpu_ops(x)) is not None and x.dtype == self.weight.dtype:
+            if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)
+            if residual.is_contiguous():
+                return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+            return self.forward(x), x
+        if x.dtype == torch.float32:  # one fused op, same math as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -109,6 +121,15 @@ def apply_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * cis).view(T, heads, D).to(x.dtype)
 
 
+@dataclass(slots=True)
+class Rope:
+    """The rotary angles of one forward's tokens, in the form the attention path wants."""
+
+    positions: torch.Tensor  # [T] int64
+    cos_sin: torch.Tensor | None  # C++ path: the whole table [max_position, head_dim / 2, 2] fp32
+    cis: torch.Tensor | None  # torch path: [T, 1, head_dim / 2] complex64, this forward's rows
+
+
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -118,15 +139,19 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, a.hidden_size, bias=False)
         self.scale = a.head_dim**-0.5
 
-    def forward(self, x, cis, k_cache, v_cache, meta, slot_mapping):
+    def forward(self, x, rope: Rope, k_cache, v_cache, meta, slot_mapping):
         # x: [T, hidden]
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        qk_size = self.q_size + self.kv_size
-        qk = apply_rope(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cis)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
-        kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        if (rope.cos_sin is not None and self.head_dim % 8 == 0 and (ops := _cpu_ops(qkv)) is not None
+                and k_cache.dtype == qkv.dtype and k_cache.is_contiguous()):
+            q = ops.rope_store_kv(qkv, rope.positions, rope.cos_sin, k_cache, v_cache, slot_mapping, self.num_heads)
+        else:
+            qk_size = self.q_size + self.kv_size
+            qk = apply_rope(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), rope.cis)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
+            kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
         o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -154,9 +179,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
 
-    def forward(self, x, cis, k_cache, v_cache, meta, slot_mapping):
-        x = x + self.self_attn(self.input_layernorm(x), cis, k_cache, v_cache, meta, slot_mapping)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, k_cache, v_cache, meta, slot_mapping):
+        # x: [T, hidden], the previous layer's output, and residual its input stream (None at layer 0)
+        # -> (this layer's output, its residual stream); the stream is x + residual, summed in the norm
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, k_cache, v_cache, meta, slot_mapping)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -171,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
         # rotary table cos + i sin, complex64 whatever the model dtype: [max_position, head_dim / 2].
         # A plain attribute, not a buffer, so that `model.to(dtype)` leaves it complex; set by init_rope.
         self.rope_cis: torch.Tensor | None = None
+        self.rope_cos_sin: torch.Tensor | None = None
 
     @torch.no_grad()
     def init_rope(self, inv_freq: torch.Tensor, scaling: float) -> None:
@@ -178,14 +211,19 @@ class LlamaForCausalLM(nn.Module):
         is on its device)."""
         freqs = torch.outer(torch.arange(self.args.max_position, dtype=torch.float32), inv_freq.float())
         self.rope_cis = torch.complex(freqs.cos() * scaling, freqs.sin() * scaling).to(self.embed_tokens.weight.device)
+        self.rope_cos_sin = torch.view_as_real(self.rope_cis)  # [max_position, head_dim / 2, 2] fp32, same storage
 
     def forward(self, input_ids, positions, kv_cache, meta, slot_mapping) -> torch.Tensor:
         # input_ids, positions, slot_mapping: [T]; kv_cache: [L, 2, num_blocks, block_size, kv_heads, D]
         x = self.embed_tokens(input_ids)
-        cis = self.rope_cis[positions].unsqueeze(1)
+        if _cpu_ops(x) is not None:
+            rope = Rope(positions, self.rope_cos_sin, None)
+        else:
+            rope = Rope(positions, None, self.rope_cis[positions].unsqueeze(1))
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cis, kv_cache[i, 0], kv_cache[i, 1], meta, slot_mapping)
-        return x  # [T, hidden], before the final norm
+            x, residual = layer(x, residual, rope, kv_cache[i, 0], kv_cache[i, 1], meta, slot_mapping)
+        return x + residual  # [T, hidden], before the final norm
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] rows to sample from -> [N, vocab]

@@ -2,11 +2,11 @@
 
 Ops (each module holds the kernel, its launcher `*_triton` and its reference `*_ref`):
 `store_kv`, `paged_attention`, `copy_blocks`, `rms_norm`, `silu_and_mul`; plus `linear` (library GEMMs
-picked per device, no Triton kernel). `kernels.cpu` builds the C++ CPU kernels (small-row linear,
-decode attention straight from the paged cache) that the CPU paths use when a compiler is there.
-The dispatching functions
-exported here pick Triton for CUDA tensors and the torch reference on CPU; see `kernels._dispatch`
-for the backend switch.
+or C++ packed kernels picked per device, dtype and row count, no Triton kernel). `kernels.cpu` builds
+the C++ CPU kernels (small-row linear, decode attention straight from the paged cache, fused norms,
+RoPE with the cache write; fp32 and bf16) for the CPU it runs on; `kernels.paged_attention_cpu` is
+paged attention's CPU production path. The dispatching functions exported here pick Triton for CUDA
+tensors and the torch path on CPU; see `kernels._dispatch` for the backend switch.
 
 Note: the op names here are the dispatching functions, which shadow the submodules of the same
 name: reach a submodule with `from kernels.<module> import ...`, not `import kernels.<module> as m`.
@@ -15,7 +15,6 @@ Depends on torch and triton only (plus a C++ compiler for `kernels.cpu`, optiona
 """
 
 from kernels import cpu
-
 from kernels._dispatch import (
     copy_blocks,
     get_backend,
@@ -35,6 +34,7 @@ from kernels.paged_attention import (
     paged_attention_ref,
     paged_attention_triton,
 )
+from kernels.paged_attention_cpu import paged_attention_cpu
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
@@ -52,6 +52,7 @@ __all__ = [
     "linear",
     "linear_ref",
     "paged_attention",
+    "paged_attention_cpu",
     "paged_attention_ref",
     "paged_attention_triton",
     "rms_norm",

@@ -1,8 +1,9 @@
 """Backend selection: which implementation the public ops run.
 
-- "auto" (default): Triton for CUDA tensors, the torch reference otherwise.
+- "auto" (default): Triton for CUDA tensors, the torch reference otherwise (for paged attention, the
+  CPU production path `paged_attention_cpu`: C++ on CPU, pure torch elsewhere).
 - "triton": always Triton; on CPU tensors that means the Triton interpreter (TRITON_INTERPRET=1).
-- "torch": always the torch reference.
+- "torch": always the torch reference (`paged_attention_cpu` for paged attention).
 
 Chosen by `set_backend(name)`, the context manager `use_backend(name)`, or the environment variable
 AGENTRT_KERNEL_BACKEND (read on first use). The setting is process-wide, not per thread: the engine
@@ -18,7 +19,8 @@ from contextlib import contextmanager
 import torch
 
 from kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
-from kernels.paged_attention import AttentionMetadata, paged_attention_ref, paged_attention_triton
+from kernels.paged_attention import AttentionMetadata, paged_attention_triton
+from kernels.paged_attention_cpu import paged_attention_cpu
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
@@ -81,7 +83,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     if _use_triton(q):
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:

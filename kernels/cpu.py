@@ -1,27 +1,34 @@
-"""C++ CPU kernels (kernels/csrc/cpu_ops.cpp), compiled on first use and cached.
+"""C++ CPU kernels (kernels/csrc/), compiled on first use for the CPU they run on, one build per CPU kind.
 
-The engine's fp32 decode on CPU is memory-bound: a one-row projection should cost one read of its
-weight, and decode attention one read of each sequence's K and V. Library GEMMs reach about half the
-read bandwidth for one row (and, on this AMD CPU, 60-70% of what a register-tiled kernel gets for
-decode batches of 16-64 rows), and the torch attention path first gathers a sequence's blocks into
-a copy. So:
+The engine on CPU is memory-bound in decode: a one-row projection should cost one read of its
+weight, decode attention one read of each sequence's K and V, and a layer a handful of calls rather
+than dozens of small torch ops. So, in fp32 and bf16 (`torch.ops.agentrt_cpu_<kind>`):
 
-- `packed_linear(x, w_packed, bias, N)`: `x @ w.T + bias` in fp32 from the panel-packed weight
-  (kernels/linear.py);
-- `paged_attention_small_q(...)`: attention of sequences with 1-16 query rows read straight from
-  the paged cache through the block tables;
-- `rms_norm(x, w, eps)` and `silu_and_mul(x)`: one pass each (the model calls them on CPU fp32).
+- `packed_linear(x, w_packed, bias, N)` (fp32) and `packed_linear_bf16(...)`: `x @ w.T + bias` from
+  the panel-packed weight (kernels/linear.py);
+- `paged_attention_small_q(...)`: attention of sequences with 1-16 query rows read straight from the
+  paged cache through the block tables;
+- `rms_norm(x, w, eps)`, `add_rms_norm(x, residual, w, eps)`, `silu_and_mul(x)`, and
+  `rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, H)` (rotary embedding of q and
+  k fused with the cache write): one pass each, rounding in bf16 where HF's bf16 model rounds.
 
-Built with torch's cpp_extension (a C++ compiler and ninja), `-O3 -march=native`, into torch's
-extension cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR): the first build takes ~30 s,
-later processes load the cached library. When no compiler is there, or AGENTRT_CPU_KERNELS=0, `ops()`
-returns None (with one warning) and callers keep their torch paths; `use_cpu_kernels(False)` (a
-context manager, process-wide like the kernel backend) turns them off for a block, e.g. to measure or
-test the torch paths.
+CPU kinds, best first: "avx512_bf16" (AVX512-BF16's bf16 dot products for the bf16 GEMM), "avx512",
+"avx2" (x86), and "generic" elsewhere. The CPU's flags are read at run time; `kind()` is the best
+kind it supports unless one is forced (`AGENTRT_CPU_ISA=avx2`, or `use_kind("avx2")` for a block),
+so each path this CPU supports can be run and tested on it. The best kind is compiled with
+`-march=native`, a lower one with `-march=native` minus the instructions it must not use. Each kind
+is its own library and op namespace (several load side by side), cached in torch's extension cache
+(~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR) under a name holding the kind, a hash of the
+CPU's flags and a hash of the sources: the first build takes ~30-60 s, later processes load it.
+
+When no compiler is there, or AGENTRT_CPU_KERNELS=0, `ops()` returns None (with one warning) and
+callers keep their torch paths; `use_cpu_kernels(False)` (a context manager, process-wide like the
+kernel backend) turns them off for a block, e.g. to measure or test the torch paths.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -38,25 +45,86 @@ import torch
 log = logging.getLogger(__name__)
 
 ENV_VAR = "AGENTRT_CPU_KERNELS"  # "0" disables the C++ kernels
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+ISA_ENV_VAR = "AGENTRT_CPU_ISA"  # force a CPU kind: avx512_bf16, avx512, avx2 or generic
+KINDS = ("avx512_bf16", "avx512", "avx2", "generic")  # best first
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCE = _CSRC / "cpu_ops.cpp"
+_FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp"]
+# What a kind needs from the CPU, and what to switch off when building it for a better CPU.
+_REQUIRES = {
+    "avx512_bf16": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    "avx512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl"),
+    "avx2": ("avx2", "fma"),
+    "generic": (),
+}
+_DISABLE = {"avx512_bf16": [], "avx512": ["-mno-avx512bf16"], "avx2": ["-mno-avx512f"], "generic": []}
 
 _lock = threading.Lock()
-_state: dict = {"enabled": True}  # "ops": the loaded namespace or None once tried
+_state: dict = {"enabled": True, "kind": None, "ops": {}}  # "ops": kind -> loaded namespace or None once tried
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (/proc/cpuinfo); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 dot products or AMX tiles)."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def supported_kinds() -> tuple[str, ...]:
+    """The CPU kinds this machine can run, best first ("generic" off x86)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("generic",)
+    flags = cpu_flags()
+    return tuple(k for k in KINDS[:-1] if all(f in flags for f in _REQUIRES[k])) or ("generic",)
+
+
+def native_kind() -> str:
+    return supported_kinds()[0]
+
+
+def _validated_kind(name: str, source: str) -> str:
+    if name not in KINDS:
+        raise ValueError(f"unknown CPU kind {name!r} ({source}); expected one of {', '.join(KINDS)}")
+    if name not in supported_kinds():
+        raise ValueError(f"CPU kind {name!r} ({source}) needs CPU flags {', '.join(_REQUIRES[name])}; this CPU "
+                         f"supports {', '.join(supported_kinds())}")
+    return name
+
+
+def kind() -> str:
+    """The CPU kind whose kernels `ops()` returns: forced by `use_kind` or $AGENTRT_CPU_ISA, else the best."""
+    if _state["kind"] is not None:
+        return _state["kind"]
+    forced = os.environ.get(ISA_ENV_VAR)
+    return _validated_kind(forced, f"environment variable {ISA_ENV_VAR}") if forced else native_kind()
 
 
 def _cpu_tag() -> str:
-    """A short tag of this CPU's instruction-set flags: `-march=native` builds are cached per CPU kind,
-    so a shared cache directory never hands a library to a CPU that lacks its instructions."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = platform.processor()
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:8]
+    """A short tag of this CPU's flags: `-march=native` builds are cached per CPU, so a shared cache
+    directory never hands a library to a CPU that lacks its instructions."""
+    return hashlib.sha1(f"{platform.machine()} {' '.join(sorted(cpu_flags())) or platform.processor()}".encode()
+                        ).hexdigest()[:8]
 
 
-def _build():
+@functools.cache
+def _source_tag() -> str:
+    digest = hashlib.sha1()
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
+def _build(kind_name: str):
     if os.environ.get(ENV_VAR, "1") == "0":
         return None
     from torch.utils import cpp_extension
@@ -64,29 +132,34 @@ def _build():
     bindir = str(Path(sys.executable).parent)  # ninja installed into a venv that is not activated
     if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    namespace = f"agentrt_cpu_{kind_name}"
+    flags = [*_FLAGS, "-march=native", *_DISABLE[kind_name], f"-DAGENTRT_NS={namespace}"]
     try:
-        cpp_extension.load(name=f"agentrt_cpu_ops_{_cpu_tag()}", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        cpp_extension.load(name=f"{namespace}_{_cpu_tag()}_{_source_tag()}", sources=[str(_SOURCE)],
+                           extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler or ninja, or a build error: keep the torch paths
-        log.warning("agentrt C++ CPU kernels unavailable (%s: %s); using torch paths", type(e).__name__,
-                    str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        log.warning("agentrt C++ CPU kernels (%s) unavailable (%s: %s); using torch paths", kind_name,
+                    type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
-    return torch.ops.agentrt_cpu
+    return getattr(torch.ops, namespace)
 
 
-def ops():
-    """The compiled ops (`torch.ops.agentrt_cpu`), or None when they cannot be built or are disabled."""
+def ops(kind_name: str | None = None):
+    """The compiled ops of `kind_name` (default: `kind()`), e.g. `torch.ops.agentrt_cpu_avx2`, or None when
+    they cannot be built or are disabled."""
     if not _state["enabled"]:
         return None
-    if "ops" not in _state:
+    kind_name = kind() if kind_name is None else _validated_kind(kind_name, "ops")
+    loaded = _state["ops"]
+    if kind_name not in loaded:
         with _lock:
-            if "ops" not in _state:
-                _state["ops"] = _build()
-    return _state["ops"]
+            if kind_name not in loaded:
+                loaded[kind_name] = _build(kind_name)
+    return loaded[kind_name]
 
 
-def available() -> bool:
-    return ops() is not None
+def available(kind_name: str | None = None) -> bool:
+    return ops(kind_name) is not None
 
 
 @contextmanager
@@ -98,3 +171,20 @@ def use_cpu_kernels(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _state["enabled"] = previous
+
+
+@contextmanager
+def use_kind(kind_name: str) -> Iterator[None]:
+    """Run the kernels of CPU kind `kind_name` inside a `with` block (process-wide, like `use_cpu_kernels`)."""
+    previous = _state["kind"]
+    _state["kind"] = _validated_kind(kind_name, "use_kind")
+    try:
+        yield
+    finally:
+        _state["kind"] = previous
+
+
+def describe() -> str:
+    """One line for logs: the kernels in use, e.g. "C++ avx512_bf16" or "torch (no C++ kernels)"."""
+    o = ops()
+    return f"C++ {o.isa()}" if o is not None else "torch (no C++ kernels)"

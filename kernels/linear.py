@@ -1,17 +1,23 @@
-"""linear: `x @ weight.T (+ bias)` for the engine's projections, fastest path per device.
+"""linear: `x @ weight.T (+ bias)` for the engine's projections, fastest path per device, dtype and row count.
 
-No Triton kernel here: on a GPU cuBLAS (through `F.linear`) is the right GEMM. On CPU in fp32 our
-C++ `packed_linear` (kernels/cpu.py) runs every projection from a copy of the weight packed in panels
-of 16 rows ([N/16, K, 16], made once per weight, rebuilt if the weight changes; it costs the
-weight's memory a second time). Measured on a 2-core AMD EPYC (Zen 3, AVX2) over the projections of
-SmolLM2-135M: 1 row streams the weight at ~17 GB/s (oneDNN ~10, MKL's sgemm ~7); 32 / 64 / 512
-rows run at 82 / 108 / 128 GFLOP/s vs oneDNN's 56 / 66 / 113 (`torch.ops.mkldnn._linear_pointwise`,
-the op inductor uses for CPU linears; MKL's sgemm is slower still on this AMD CPU).
-Without the C++ kernels (no compiler): oneDNN, and for 2-8 rows `W @ x.T` (the weight as the
-streamed operand, about one row's cost). Other dtypes and devices: `F.linear`.
+No Triton kernel here: on a GPU cuBLAS (through `F.linear`) is the right GEMM. On CPU our C++
+kernels (kernels/cpu.py) run from a copy of the weight packed once (rebuilt if the weight changes;
+it costs the weight's memory a second time):
 
-All compute the same fp32 dot products in a different summation order (differences ~1e-6
-relative), the usual GEMM-library freedom.
+- fp32: `packed_linear` for every row count, over panels of 16 weight rows ([N/16, K, 16]).
+  Measured on a 2-core AMD EPYC (Zen 3, AVX2) over the projections of SmolLM2-135M: 1 row streams
+  the weight at ~17 GB/s (oneDNN ~10, MKL's sgemm ~7); 32 / 64 / 512 rows run at 82 / 108 / 128
+  GFLOP/s vs oneDNN's 56 / 66 / 113 (`torch.ops.mkldnn._linear_pointwise`, the op inductor uses for
+  CPU linears; MKL's sgemm is slower still on this AMD CPU).
+- bf16: `packed_linear_bf16` up to `BF16_PACKED_MAX_ROWS` rows (decode), over panels of 32 weight
+  rows holding k in pairs ([N/32, K/2, 32, 2], the operand layout of AVX512-BF16's dot product);
+  more rows (prefill) go to the library's bf16 GEMM (`F.linear`: oneDNN, with AVX512-BF16 or AMX
+  where the CPU has them). Output rounded to bf16 once, from an fp32 accumulator, as the library does.
+
+Without the C++ kernels (no compiler): fp32 through oneDNN, and for 2-8 rows `W @ x.T` (the weight as
+the streamed operand, about one row's cost); bf16 and other dtypes and devices through `F.linear`.
+All compute the same dot products in a different summation order (differences ~1e-6 relative in
+fp32), the usual GEMM-library freedom.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ def _has_onednn_linear() -> bool:
 
 _ONEDNN = _has_onednn_linear()
 SMALL_M_MAX = 8  # without the C++ kernels: rows up to which `W @ x.T` beats the libraries' x @ W.T
-PANEL = 16  # weight rows per panel of the packed layout (kernels/csrc/cpu_ops.cpp)
+PANEL = 16  # weight rows per panel of the fp32 packed layout (kernels/csrc/linear.h)
+PANEL_BF16 = 32  # weight rows per panel of the bf16 packed layout
+BF16_PACKED_MAX_ROWS = 64  # bf16 rows up to which the packed kernel beats the library GEMM (measured, docs/benchmarks.md)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 16), K, 16]: panels of 16 weight rows, each transposed (rows past N are
+    """fp32 [N, K] -> [ceil(N / 16), K, 16]: panels of 16 weight rows, each transposed (rows past N are
     zero), the layout `packed_linear` streams."""
     n, k = weight.shape
     panels = -(-n // PANEL)
@@ -43,21 +51,41 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
-class PackCache:
-    """A weight's packed copy for `packed_linear`, rebuilt when the weight tensor changes
-    (new storage or an in-place write since packing; inference tensors track no versions, so for
-    them only new storage counts)."""
+def pack_linear_weight_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] -> [ceil(N / 32), ceil(K / 2), 32, 2]: panels of 32 weight rows, k in pairs (rows past
+    N and a last odd k are zero), the layout `packed_linear_bf16` streams."""
+    n, k = weight.shape
+    panels, pairs = -(-n // PANEL_BF16), -(-k // 2)
+    w = F.pad(weight.detach(), (0, 2 * pairs - k, 0, panels * PANEL_BF16 - n))
+    return w.view(panels, PANEL_BF16, pairs, 2).permute(0, 2, 1, 3).contiguous()
 
-    __slots__ = ("key", "packed")
+
+class PackCache:
+    """A weight's packed copy for the C++ linear kernels (and its bias in fp32), rebuilt when the
+    weight tensor changes (new storage or an in-place write since packing; inference tensors track
+    no versions, so for them only new storage counts)."""
+
+    __slots__ = ("bias", "bias_key", "key", "packed")
 
     def __init__(self):
-        self.key, self.packed = None, None
+        self.key, self.packed, self.bias_key, self.bias = None, None, None, None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), None if weight.is_inference() else weight._version, tuple(weight.shape))
+        key = _version_key(weight)
         if key != self.key:
-            self.packed, self.key = pack_linear_weight(weight), key
+            pack = pack_linear_weight_bf16 if weight.dtype == torch.bfloat16 else pack_linear_weight
+            self.packed, self.key = pack(weight), key
         return self.packed
+
+    def get_bias_f32(self, bias: torch.Tensor) -> torch.Tensor:
+        key = _version_key(bias)
+        if key != self.bias_key:
+            self.bias, self.bias_key = bias.detach().float().contiguous(), key
+        return self.bias
+
+
+def _version_key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, None if t.is_inference() else t._version, tuple(t.shape)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,6 +98,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x: [..., K], weight: [N, K] (nn.Linear layout), bias: [N] or None -> [..., N].
 
     `pack_cache` (owned by the caller, one per weight) enables the C++ path on CPU."""
+    if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == x.dtype and pack_cache is not None
+            and x.numel() and not torch.is_grad_enabled()):
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] <= BF16_PACKED_MAX_ROWS and (ops := cpu.ops()) is not None:
+            b = None if bias is None else pack_cache.get_bias_f32(bias)
+            out = ops.packed_linear_bf16(x2.contiguous(), pack_cache.get(weight), b, weight.shape[0])
+            return out.view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == x.dtype and weight.is_contiguous()
             and x.numel() and not torch.is_grad_enabled()):
         lead = x.shape[:-1]

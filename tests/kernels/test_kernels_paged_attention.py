@@ -6,9 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu, paged_attention_ref, paged_attention_triton
-from kernels.paged_attention import CPP_MAX_QUERY_ROWS, _auto_num_splits
-
+from kernels import (
+    cpu,
+    paged_attention_cpu,
+    paged_attention_triton,
+)
+from kernels.paged_attention import _auto_num_splits
+from kernels.paged_attention_cpu import CPP_MAX_QUERY_ROWS
 from tests.paged_batch import ATOL, check_rule, make_paged_batch
 
 # (query lengths, sequence lengths): decode rows, prefill chunks over cached context, fresh prefill;
@@ -44,7 +48,7 @@ def torch_only():
 def test_torch_path_matches_dense(paged_batch, cpu_kernels, scenario, heads, block_size, dtype):
     batch = paged_batch(*SCENARIOS[scenario], *heads, 64, block_size, dtype)
     scale = 64 ** -0.5
-    out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    out = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
     assert not out.isnan().any()
     gold = batch.dense(scale)
     same_dtype_dense = batch.dense(scale, dtype)  # fp32 math, output rounded to dtype
@@ -55,15 +59,15 @@ def test_torch_path_matches_dense(paged_batch, cpu_kernels, scenario, heads, blo
 
 def test_torch_path_caches_its_plan(paged_batch, cpu_kernels):
     batch = paged_batch(*MIXED, 9, 3, 64, 16, torch.float32)
-    first = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
-    plan = batch.meta._torch_plan
+    first = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    plan = batch.meta._cpu_plan
     assert plan is not None and plan.prefill is not None and plan.use_cpp == cpu_kernels
     if cpu_kernels:  # the rows of 1 and 5 queries: C++; 20 rows: SDPA
         assert plan.small_seqs.tolist() == [0, 1, 2] and not plan.decode
     else:
         assert plan.decode
-    second = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
-    assert batch.meta._torch_plan is plan
+    second = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    assert batch.meta._cpu_plan is plan
     assert torch.equal(first, second)
 
 
@@ -72,15 +76,15 @@ def test_torch_path_caches_its_plan(paged_batch, cpu_kernels):
 def test_torch_path_decode_plan(paged_batch, torch_only, scenario, equal_len, in_order):
     """Decode-only batches skip the row gather/scatter; equal lengths skip the mask and padding."""
     batch = paged_batch(*SCENARIOS[scenario], 9, 3, 64, 16, torch.float32)
-    paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
-    (part,) = batch.meta._torch_plan.decode
+    paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    (part,) = batch.meta._cpu_plan.decode
     assert (part.equal_len, part.in_order) == (equal_len, in_order)
 
 
 def test_torch_path_groups_decode_rows_by_length(paged_batch, torch_only):
     batch = paged_batch(*DECODE_SPREAD, 9, 3, 64, 16, torch.float32)
-    paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
-    groups = batch.meta._torch_plan.decode
+    paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    groups = batch.meta._cpu_plan.decode
     lens = DECODE_SPREAD[1]
     got = sorted(sorted(lens[int(r)] for r in g.rows) for g in groups)  # rows == sequence index here
     assert got == [[3, 40], [290, 300], [620]]
@@ -91,7 +95,7 @@ def test_torch_path_empty_batch(paged_batch, cpu_kernels):
     batch = paged_batch(*DECODE, 4, 4, 64, 16, torch.float32)
     q = batch.q[:0]
     meta = type(batch.meta)(batch.meta.query_start_loc[:1], batch.meta.seq_lens[:0], batch.meta.block_tables[:0], 0, 0)
-    assert paged_attention_ref(q, batch.k_cache, batch.v_cache, meta, 0.125).shape == (0, 4, 64)
+    assert paged_attention_cpu(q, batch.k_cache, batch.v_cache, meta, 0.125).shape == (0, 4, 64)
     assert paged_attention_triton(q, batch.k_cache, batch.v_cache, meta, 0.125).shape == (0, 4, 64)
 
 
@@ -180,7 +184,7 @@ def test_torch_path_property(case, use_cpp):
     q_lens, seq_lens, heads, block_size, seed = case
     batch = make_paged_batch(q_lens, seq_lens, *heads, 64, block_size, torch.float32, seed=seed)
     with cpu.use_cpu_kernels(use_cpp):
-        out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+        out = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
     torch.testing.assert_close(out, batch.dense(0.125), rtol=1e-5, atol=1e-5)
 
 
@@ -196,8 +200,8 @@ def test_cpp_kernel_query_rows_and_head_dims(paged_batch, head_dim, heads):
     q_lens = [1, 2, 7, CPP_MAX_QUERY_ROWS, CPP_MAX_QUERY_ROWS + 1]
     batch = paged_batch(q_lens, [1, 19, 50, 33, 81], *heads, head_dim, 16, torch.float32, seed=3)
     scale = head_dim ** -0.5
-    out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
-    assert batch.meta._torch_plan.small_seqs.tolist() == [0, 1, 2, 3]
+    out = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    assert batch.meta._cpu_plan.small_seqs.tolist() == [0, 1, 2, 3]
     torch.testing.assert_close(out, batch.dense(scale), rtol=1e-5, atol=1e-5)
 
 
@@ -209,7 +213,7 @@ def test_cpp_kernel_strided_query_and_thread_split(paged_batch, num_seqs):
     batch = paged_batch([1] * num_seqs, lens, 9, 3, 64, 16, torch.float32, seed=num_seqs)
     wide = torch.randn(num_seqs, 12, 64)
     wide[:, :9] = batch.q
-    out = paged_attention_ref(wide[:, :9], batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    out = paged_attention_cpu(wide[:, :9], batch.k_cache, batch.v_cache, batch.meta, 0.125)
     torch.testing.assert_close(out, batch.dense(0.125), rtol=1e-5, atol=1e-5)
 
 

@@ -1,0 +1,263 @@
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias) from a copy of the weight packed in panels (kernels/linear.py
+// packs it once per weight): for one row a single sequential pass over the weight (what bounds
+// decode), for many rows a BLIS-style register-tiled GEMM that keeps a panel in L2 while all row
+// tiles pass over it. Threads split the panels.
+//
+// fp32: panels of 16 weight rows, [ceil(N / 16), K, 16]; broadcast x[m, k], two 8-lane FMAs per row
+// (the BLIS Haswell micro-kernel shape).
+// bf16: panels of 32 weight rows holding k in pairs, [ceil(N / 32), ceil(K / 2), 32, 2]: the layout of
+// AVX512-BF16's `vdpbf16ps`, which multiplies 16 pairs of bf16 and adds both products to 16 fp32
+// lanes; x[m, k:k+2] is broadcast as one 32-bit pair. Without AVX512-BF16 the same layout is read
+// as fp32 (a pair's low half is w[k], its high half w[k + 1]: one shift and one mask). Accumulation
+// is fp32 either way; the output is rounded to bf16 once, after the bias.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "vec.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace agentrt {
+
+// -------------------------------------------------------------------------------------------- fp32
+
+constexpr int64_t kPanel = 16;   // output columns (weight rows) per fp32 panel
+constexpr int kMaxTileRows = 6;  // rows of x per fp32 register tile: 6 x 16 outputs = 12 accumulators
+
+template <int MR>
+inline void linear_tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t ldy,
+                        int64_t ncols) {
+  v8 c0[MR], c1[MR];
+  for (int m = 0; m < MR; ++m) c0[m] = c1[m] = splat(0.f);
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+    const v8 b0 = load8(panel + k * kPanel), b1 = load8(panel + k * kPanel + 8);
+    for (int m = 0; m < MR; ++m) {
+      const v8 a = splat(x[m * K + k]);
+      c0[m] += a * b0;
+      c1[m] += a * b1;
+    }
+  }
+  if (bias) {
+    float b[kPanel] = {};
+    for (int64_t j = 0; j < ncols; ++j) b[j] = bias[j];
+    for (int m = 0; m < MR; ++m) {
+      c0[m] += load8(b);
+      c1[m] += load8(b + 8);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float* row = y + m * ldy;
+    if (ncols == kPanel) {
+      store8(row, c0[m]);
+      store8(row + 8, c1[m]);
+    } else {
+      for (int64_t j = 0; j < ncols; ++j) row[j] = j < 8 ? c0[m][j] : c1[m][j - 8];
+    }
+  }
+}
+
+inline void packed_linear_f32(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y,
+                              int64_t N) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = p * kPanel, ncols = std::min(kPanel, N - n);
+      const float* panel = w + p * K * kPanel;
+      const float* bn = bias ? bias + n : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
+        const float* xm = x + m0 * K;
+        float* ym = y + m0 * N + n;
+        switch (std::min<int64_t>(kMaxTileRows, M - m0)) {
+          case 1: linear_tile<1>(xm, K, panel, bn, ym, N, ncols); break;
+          case 2: linear_tile<2>(xm, K, panel, bn, ym, N, ncols); break;
+          case 3: linear_tile<3>(xm, K, panel, bn, ym, N, ncols); break;
+          case 4: linear_tile<4>(xm, K, panel, bn, ym, N, ncols); break;
+          case 5: linear_tile<5>(xm, K, panel, bn, ym, N, ncols); break;
+          default: linear_tile<6>(xm, K, panel, bn, ym, N, ncols); break;
+        }
+      }
+    }
+  });
+}
+
+// -------------------------------------------------------------------------------------------- bf16
+
+constexpr int64_t kPanelBf16 = 32;  // output columns per bf16 panel
+
+inline void store_row_bf16(bf16* row, const float* acc, int64_t ncols) {
+  for (int64_t j = 0; j < ncols; ++j) row[j] = f32_to_bf16(acc[j]);
+}
+
+#if defined(__AVX512BF16__)
+
+constexpr int kMaxTileRowsBf16 = 12;  // 12 rows x 2 vectors = 24 of the 32 zmm registers
+
+inline int32_t load_pair(const bf16* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// MR rows of x times one panel; KU independent accumulator sets over alternating k pairs (few rows
+// would otherwise wait on the dot product's latency).
+template <int MR, int KU>
+inline void linear_tile_bf16(const bf16* x, int64_t K, const bf16* panel, const float* bias, bf16* y, int64_t ldy,
+                             int64_t ncols) {
+  const int64_t pairs = K / 2;
+  __m512 acc[KU][MR][2];
+  for (int u = 0; u < KU; ++u)
+    for (int m = 0; m < MR; ++m) acc[u][m][0] = acc[u][m][1] = _mm512_setzero_ps();
+  int64_t kk = 0;
+  for (; kk + KU <= pairs; kk += KU) {
+    for (int u = 0; u < KU; ++u) {
+      const bf16* wp = panel + (kk + u) * 2 * kPanelBf16;
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(load_pair(x + m * K + 2 * (kk + u)));
+        acc[u][m][0] = _mm512_dpbf16_ps(acc[u][m][0], a, w0);
+        acc[u][m][1] = _mm512_dpbf16_ps(acc[u][m][1], a, w1);
+      }
+    }
+  }
+  for (; kk < pairs + (K & 1); ++kk) {  // leftover pairs, then a last odd k paired with zero
+    const bf16* wp = panel + kk * 2 * kPanelBf16;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+    for (int m = 0; m < MR; ++m) {
+      const int32_t pair = kk < pairs ? load_pair(x + m * K + 2 * kk) : int32_t(x[m * K + 2 * kk]);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[0][m][0] = _mm512_dpbf16_ps(acc[0][m][0], a, w0);
+      acc[0][m][1] = _mm512_dpbf16_ps(acc[0][m][1], a, w1);
+    }
+  }
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (bias) {
+    float b[kPanelBf16] = {};
+    for (int64_t j = 0; j < ncols; ++j) b[j] = bias[j];
+    b0 = _mm512_loadu_ps(b);
+    b1 = _mm512_loadu_ps(b + 16);
+  }
+  for (int m = 0; m < MR; ++m) {
+    __m512 s0 = acc[0][m][0], s1 = acc[0][m][1];
+    for (int u = 1; u < KU; ++u) {
+      s0 = _mm512_add_ps(s0, acc[u][m][0]);
+      s1 = _mm512_add_ps(s1, acc[u][m][1]);
+    }
+    s0 = _mm512_add_ps(s0, b0);
+    s1 = _mm512_add_ps(s1, b1);
+    bf16* row = y + m * ldy;
+    if (ncols == kPanelBf16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), (__m256i)_mm512_cvtneps_pbh(s0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16), (__m256i)_mm512_cvtneps_pbh(s1));
+    } else {
+      float out[kPanelBf16];
+      _mm512_storeu_ps(out, s0);
+      _mm512_storeu_ps(out + 16, s1);
+      store_row_bf16(row, out, ncols);
+    }
+  }
+}
+
+inline void linear_rows_bf16(const bf16* x, int64_t rows, int64_t K, const bf16* panel, const float* bias, bf16* y,
+                             int64_t N, int64_t ncols) {
+  for (int64_t m0 = 0; m0 < rows; m0 += kMaxTileRowsBf16) {
+    const bf16* xm = x + m0 * K;
+    bf16* ym = y + m0 * N;
+    switch (std::min<int64_t>(kMaxTileRowsBf16, rows - m0)) {
+      case 1: linear_tile_bf16<1, 4>(xm, K, panel, bias, ym, N, ncols); break;
+      case 2: linear_tile_bf16<2, 2>(xm, K, panel, bias, ym, N, ncols); break;
+      case 3: linear_tile_bf16<3, 2>(xm, K, panel, bias, ym, N, ncols); break;
+      case 4: linear_tile_bf16<4, 2>(xm, K, panel, bias, ym, N, ncols); break;
+      case 5: linear_tile_bf16<5, 1>(xm, K, panel, bias, ym, N, ncols); break;
+      case 6: linear_tile_bf16<6, 1>(xm, K, panel, bias, ym, N, ncols); break;
+      case 7: linear_tile_bf16<7, 1>(xm, K, panel, bias, ym, N, ncols); break;
+      case 8: linear_tile_bf16<8, 1>(xm, K, panel, bias, ym, N, ncols); break;
+      case 9: linear_tile_bf16<9, 1>(xm, K, panel, bias, ym, N, ncols); break;
+      case 10: linear_tile_bf16<10, 1>(xm, K, panel, bias, ym, N, ncols); break;
+      case 11: linear_tile_bf16<11, 1>(xm, K, panel, bias, ym, N, ncols); break;
+      default: linear_tile_bf16<12, 1>(xm, K, panel, bias, ym, N, ncols); break;
+    }
+  }
+}
+
+#else  // no AVX512-BF16: read the pair layout as fp32, 8 lanes at a time
+
+constexpr int kMaxTileRowsBf16 = 2;  // 2 rows x 4 vectors = 8 accumulators (16 AVX2 registers)
+
+template <int MR>
+inline void linear_tile_bf16(const float* xf, int64_t K, const bf16* panel, const float* bias, bf16* y,
+                             int64_t ldy, int64_t ncols) {
+  const int64_t pairs = (K + 1) / 2;  // xf holds K + 1 floats per row, the last one zero
+  v8 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = splat(0.f);
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    const bf16* wp = panel + kk * 2 * kPanelBf16;
+    v8 lo[4], hi[4];
+    for (int c = 0; c < 4; ++c) {
+      const v8w u = *reinterpret_cast<const v8wu*>(wp + 16 * c);
+      lo[c] = (v8)(u << 16);          // w[n, 2kk] of 8 columns
+      hi[c] = (v8)(u & 0xffff0000u);  // w[n, 2kk + 1]
+    }
+    for (int m = 0; m < MR; ++m) {
+      const v8 a = splat(xf[m * (K + 1) + 2 * kk]), b = splat(xf[m * (K + 1) + 2 * kk + 1]);
+      for (int c = 0; c < 4; ++c) acc[m][c] += a * lo[c] + b * hi[c];
+    }
+  }
+  float bv[kPanelBf16] = {};
+  if (bias)
+    for (int64_t j = 0; j < ncols; ++j) bv[j] = bias[j];
+  for (int m = 0; m < MR; ++m) {
+    float out[kPanelBf16];
+    for (int c = 0; c < 4; ++c) store8(out + 8 * c, acc[m][c] + load8(bv + 8 * c));
+    if (ncols == kPanelBf16) {
+      for (int c = 0; c < 4; ++c) store8(y + m * ldy + 8 * c, load8(out + 8 * c));
+    } else {
+      store_row_bf16(y + m * ldy, out, ncols);
+    }
+  }
+}
+
+#endif
+
+// x [M, K] bf16, w packed as above, bias fp32 [N] or null -> y [M, N] bf16.
+inline void packed_linear_bf16(const bf16* x, int64_t M, int64_t K, const bf16* w, const float* bias, bf16* y,
+                               int64_t N) {
+  const int64_t panels = (N + kPanelBf16 - 1) / kPanelBf16, panel_elems = ((K + 1) / 2) * 2 * kPanelBf16;
+#if !defined(__AVX512BF16__)
+  std::vector<float> xf(M * (K + 1), 0.f);  // x in fp32, each row padded with a zero to whole pairs
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xf[m * (K + 1) + k] = to_f32(x[m * K + k]);
+#endif
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = p * kPanelBf16, ncols = std::min(kPanelBf16, N - n);
+      const bf16* panel = w + p * panel_elems;
+      const float* bn = bias ? bias + n : nullptr;
+#if defined(__AVX512BF16__)
+      linear_rows_bf16(x, M, K, panel, bn, y + n, N, ncols);
+#else
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRowsBf16) {
+        const float* xm = xf.data() + m0 * (K + 1);
+        bf16* ym = y + m0 * N + n;
+        if (M - m0 >= 2) {
+          linear_tile_bf16<2>(xm, K, panel, bn, ym, N, ncols);
+        } else {
+          linear_tile_bf16<1>(xm, K, panel, bn, ym, N, ncols);
+        }
+      }
+#endif
+    }
+  });
+}
+
+}  // namespace agentrt

@@ -1,0 +1,200 @@
+"""The C++ CPU kernels of every CPU kind this machine supports (forced one at a time), fp32 and bf16.
+
+bf16 kernels follow the kernel rule against an fp32 reference on the same bf16 inputs:
+err(kernel) <= 2 * err(torch in bf16) + atol, where torch in bf16 is what HF's bf16 model computes.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import (
+    cpu,
+    paged_attention_cpu,
+    paged_attention_ref,
+    rms_norm_ref,
+    store_kv_ref,
+)
+from kernels.linear import PackCache, linear, pack_linear_weight_bf16
+from tests.paged_batch import make_paged_batch
+
+ATOL_BF16 = 1e-6  # the bf16 rule's atol: the kernels are at least as close as torch, up to float noise
+
+
+def check_rule(out: torch.Tensor, torch_same_dtype: torch.Tensor, gold: torch.Tensor, atol: float = ATOL_BF16) -> None:
+    assert out.dtype == torch_same_dtype.dtype and out.shape == gold.shape
+    assert not out.isnan().any()
+    err = (out.double() - gold.double()).abs().max().item()
+    err_torch = (torch_same_dtype.double() - gold.double()).abs().max().item()
+    assert err <= 2 * err_torch + atol, f"err {err:.3g} vs torch {err_torch:.3g}"
+
+
+def test_kind_is_compiled_for(cpu_kind):
+    assert cpu.kind() == cpu_kind and cpu.ops().isa() == cpu_kind
+    assert cpu.describe() == f"C++ {cpu_kind}"
+
+
+def test_kinds_of_this_cpu():
+    kinds = cpu.supported_kinds()
+    assert kinds and set(kinds) <= set(cpu.KINDS) and cpu.native_kind() == kinds[0]
+    assert ("avx512_bf16" in kinds) == ("avx512_bf16" in cpu.cpu_flags())
+
+
+def test_unsupported_or_unknown_kind_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="'sse9'"), cpu.use_kind("sse9"):
+        pass
+    monkeypatch.setenv(cpu.ISA_ENV_VAR, "sse9")
+    with pytest.raises(ValueError, match="AGENTRT_CPU_ISA"):
+        cpu.kind()
+    missing = [k for k in cpu.KINDS if k not in cpu.supported_kinds()]
+    if missing:
+        with pytest.raises(ValueError, match="this CPU supports"):
+            cpu.ops(missing[0])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 30, 64])  # every tile height of each kind, and more
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (13, 7), (96, 577)])  # n not a multiple of 32, odd k
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_bf16(cpu_kind, rows, n, k, bias):
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    cache = PackCache()
+    with torch.inference_mode():
+        out = linear(x, w, b, cache)
+    assert cache.packed is not None and cache.packed.shape == (-(-n // 32), -(-k // 2), 32, 2)  # the C++ path ran
+    gold = F.linear(x.double(), w.double(), None if b is None else b.double())
+    check_rule(out, F.linear(x, w, b), gold)
+
+
+def test_packed_linear_bf16_layout_and_rejects_bad_input(cpu_kind):
+    w = torch.arange(6 * 3, dtype=torch.float32).view(6, 3).bfloat16()
+    packed = pack_linear_weight_bf16(w)
+    assert packed.shape == (1, 2, 32, 2)
+    assert packed[0, 0, 1].tolist() == [3, 4] and packed[0, 1, 1].tolist() == [5, 0]  # row 1, k pairs (0,1), (2, pad)
+    assert packed[0, :, 6:].abs().sum() == 0  # rows past N
+    ops = cpu.ops()
+    with pytest.raises(RuntimeError, match="packed weight"):
+        ops.packed_linear_bf16(torch.randn(2, 3).bfloat16(), w, None, 6)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.packed_linear_bf16(torch.randn(2, 3), packed, None, 6)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_packed_linear_fp32(cpu_kind, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 100, generator=gen), torch.randn(50, 100, generator=gen), torch.randn(50, generator=gen)
+    with torch.inference_mode():
+        out = linear(x, w, b, PackCache())
+    torch.testing.assert_close(out.double(), F.linear(x.double(), w.double(), b.double()), rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_rows_past_the_packed_kernel_take_the_library():
+    from kernels.linear import BF16_PACKED_MAX_ROWS
+
+    x, w = torch.randn(BF16_PACKED_MAX_ROWS + 1, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    cache = PackCache()
+    with torch.inference_mode():
+        out = linear(x, w, None, cache)
+    assert cache.packed is None and torch.equal(out, F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("q_lens", "seq_lens"), [([1, 1, 1], [1, 45, 300]), ([1, 5, 16, 17], [33, 17, 70, 40])])
+@pytest.mark.parametrize(("heads", "head_dim"), [((9, 3), 64), ((8, 1), 128), ((4, 4), 32)])
+def test_paged_attention(cpu_kind, dtype, q_lens, seq_lens, heads, head_dim):
+    """Decode and draft rows from the paged cache in C++, prefill rows (17) through SDPA; in bf16 the cache is read as bf16."""
+    batch = make_paged_batch(q_lens, seq_lens, *heads, head_dim, 16, dtype, seed=len(q_lens) + head_dim)
+    scale = head_dim ** -0.5
+    out = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    assert batch.meta._cpu_plan.use_cpp
+    gold = batch.dense(scale)  # fp32 math on the same (bf16-valued) inputs
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, gold, rtol=1e-5, atol=1e-5)
+    else:
+        check_rule(out, paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale), gold)
+
+
+def test_paged_attention_reference_matches_dense():
+    batch = make_paged_batch([1, 5, 0, 20], [33, 17, 9, 40], 9, 3, 64, 16, torch.float32, seed=7)
+    out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    torch.testing.assert_close(out, batch.dense(0.125), rtol=1e-5, atol=1e-5)
+
+
+def hf_rms_norm(x, w, eps):
+    """HF LlamaRMSNorm in x's dtype."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (5, 13), (33, 1536)])
+def test_rms_norms(cpu_kind, rows, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x32, r32 = 3 * torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
+    w32 = 1 + 0.2 * torch.randn(hidden, generator=gen)
+    ops = cpu.ops()
+    torch.testing.assert_close(ops.rms_norm(x32, w32, 1e-5), rms_norm_ref(x32, w32, 1e-5), rtol=1e-5, atol=1e-5)
+    y, s = ops.add_rms_norm(x32, r32, w32, 1e-5)
+    torch.testing.assert_close(s, x32 + r32, rtol=0, atol=0)
+    torch.testing.assert_close(y, rms_norm_ref(x32 + r32, w32, 1e-5), rtol=1e-5, atol=1e-5)
+    x, r, w = x32.bfloat16(), r32.bfloat16(), w32.bfloat16()
+    gold = rms_norm_ref(x.double(), w.double(), 1e-5)
+    out = ops.rms_norm(x, w, 1e-5)
+    check_rule(out, hf_rms_norm(x, w, 1e-5), gold)
+    assert (out.float() - hf_rms_norm(x, w, 1e-5).float()).abs().max() <= 2 ** -7 * out.float().abs().max()
+    y, s = ops.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(s, x + r)  # the residual stream rounded to bf16, as HF's bf16 add
+    check_rule(y, hf_rms_norm(x + r, w, 1e-5), rms_norm_ref((x + r).double(), w.double(), 1e-5))
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (5, 13)])
+def test_silu_and_mul(cpu_kind, rows, inter):
+    gen = torch.Generator().manual_seed(inter)
+    x32 = 5 * torch.randn(rows, 2 * inter, generator=gen)
+    x32[0, 0], x32[0, 1] = -200.0, 200.0  # exp clamps: silu(-200) ~ 0, silu(200) = 200
+    ops = cpu.ops()
+    gate, up = x32.double().chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x32).double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    x = x32.bfloat16()
+    g, u = x.chunk(2, dim=-1)
+    check_rule(ops.silu_and_mul(x), F.silu(g) * u, F.silu(g.double()) * u.double())
+
+
+def rope_ref(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """HF's `q * cos + rotate_half(q) * sin` in x's dtype, in the adjacent-pair layout. x: [T, heads, D]."""
+    cs = cos_sin[positions].to(x.dtype)  # [T, D/2, 2]
+    cos, sin = cs[..., 0].repeat_interleave(2, -1)[:, None], cs[..., 1].repeat_interleave(2, -1)[:, None]
+    pairs = x.unflatten(-1, (-1, 2))
+    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], -1).flatten(-2)
+    return x * cos + rotated * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv(cpu_kind, dtype):
+    H, KVH, D, T, BS, blocks = 9, 3, 64, 7, 4, 6
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(T, (H + 2 * KVH) * D + 5, generator=gen).to(dtype)[:, 5:]  # a strided view, as a bias-free slice
+    positions = torch.tensor([0, 1, 2, 30, 31, 99, 5])
+    angles = torch.outer(torch.arange(128, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, D, 2) / D))
+    cos_sin = torch.stack([angles.cos(), angles.sin()], -1).contiguous()  # [128, D/2, 2]
+    slots = torch.tensor([3, 0, 17, -1, 22, 8, 9])
+    k_cache = torch.full((blocks, BS, KVH, D), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    q = cpu.ops().rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, slots, H)
+    heads = qkv.reshape(T, H + 2 * KVH, D)
+    want = rope_ref(heads[:, : H + KVH], cos_sin, positions)
+    gold = rope_ref(heads[:, : H + KVH].double(), cos_sin.double(), positions)
+    k_want, v_want = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
+    store_kv_ref(want[:, H:], heads[:, H + KVH:], k_want, v_want, slots)
+    if dtype == torch.float32:
+        torch.testing.assert_close(q, want[:, :H], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k_cache, k_want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    else:
+        assert torch.equal(q, want[:, :H])  # bf16: rounded exactly where HF rounds
+        assert torch.equal(k_cache.isnan(), k_want.isnan())
+        assert torch.equal(k_cache.nan_to_num(), k_want.nan_to_num())
+        check_rule(q, want[:, :H], gold[:, :H])
+    assert torch.equal(v_cache.nan_to_num(), v_want.nan_to_num())  # values copied as they are
+    with pytest.raises(RuntimeError, match="position 200"):
+        cpu.ops().rope_store_kv(qkv, torch.full((T,), 200), cos_sin, k_cache, v_cache, slots, H)
