@@ -160,7 +160,14 @@ def main(argv: list[str] | None = None) -> int:
             f"budgets {', '.join(map(str, budgets))} calls per puzzle for best-of-N and MCTS (MCTS width {a.width}), "
             "greedy one call; "
             f"whole solutions up to {a.max_tokens} tokens, MCTS steps up to {a.step_tokens}; "
-            f"temperature {a.temperature}, seed {a.seed}. One verifier judges all three.\n\n{table}\n"
+            f"temperature {a.temperature}, seed {a.seed}. One verifier judges all three.\n\n{table}\n\n"
+            "MCTS calls write one step (at most --step-tokens) that the verifier checks and recomputes before "
+            "the search goes on from it, so MCTS generates about half the tokens of best-of-N at equal calls; "
+            "best-of-N's whole solutions fail at their first wrong step (the model's arithmetic slips). MCTS "
+            "stops early when it solves a puzzle or runs out of branches (calls / puzzle below the budget). "
+            "Prefix hit rate: prompt tokens served from the prefix cache (every call starts with the same "
+            f"few-shot prompt). Wall s: each method's {len(puzzles)} puzzles run concurrently on one in-process engine; "
+            "a shared machine, so times are indicative.\n"
         )
         write_section("Countdown", body)
     return 0
