@@ -9,6 +9,9 @@ One bad request never hurts the others: `add_request` checks everything before i
 anything (a refused request leaves no trace), the core fails a request that errors while being
 served alone, and the loop below survives any exception. Every per-request entry is dropped when
 its stream ends, and a stream dropped unread (garbage-collected) aborts its request.
+
+Program operations (`engine.program_ops`: start, reserve, pin, release, end) take the same road:
+`program_op` applies one now, or queues it behind the adds and aborts received during a step.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from anyio.abc import TaskGroup
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats, family_ids
 from engine.outputs import CompletionOutput, RequestOutput, StreamDelta
+from engine.program_ops import ProgramOp
 from engine.request import Request
 from engine.sampling import SamplingParams
 
@@ -121,7 +125,7 @@ class AsyncEngine:
         self._streams: dict[str, _Sink] = {}  # root request id -> its stream's engine side, until it ends
         self._roots: dict[str, str] = {}  # request id (forks included) -> its root's id, until the stream ends
         self._root_reqs: dict[str, Request] = {}  # root id -> its Request once in the core, until the stream ends
-        self._queued: list[_Add | str] = []  # adds and aborts (by id) received during a step
+        self._queued: list[_Add | str | ProgramOp] = []  # adds, aborts (by id), program ops received during a step
         # streams collected unread; a finalizer may run on any thread, so a thread-safe queue. Drained
         # before every step: a request still in the core keeps the loop stepping, so no wake-up is needed.
         self._abandoned: queue.SimpleQueue[_Sink] = queue.SimpleQueue()
@@ -208,6 +212,13 @@ class AsyncEngine:
             self._queued.append(request_id)
         else:
             self._abort_now(request_id)
+
+    def program_op(self, op: ProgramOp) -> None:
+        """Apply a program operation between steps, in order with this engine's adds and aborts."""
+        if self._stepping:
+            self._queued.append(op)
+        else:
+            self.core.program_op(op)
 
     def kv_stats(self) -> KVStats:
         return self.core.kv_stats()
@@ -333,10 +344,12 @@ class AsyncEngine:
                 try:
                     if isinstance(item, _Add):
                         self._add_now(item)
-                    else:
+                    elif isinstance(item, str):
                         self._abort_now(item)
+                    else:
+                        self.core.program_op(item)
                 except Exception as e:
                     rid = item.sink.request_id if isinstance(item, _Add) else item
-                    logger.exception("applying a queued add/abort of request %r failed", rid)
+                    logger.exception("applying a queued add/abort/program op %r failed", rid)
                     if isinstance(item, _Add):
                         self._fail(rid, e)

@@ -30,6 +30,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model, load_tokenizer, resolve_model
 from engine.outputs import CompletionOutput, Detokenizer, RequestMetrics, RequestOutput, StreamDelta
 from engine.policy import make_policy
+from engine.program_ops import ProgramOp
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
@@ -54,6 +55,13 @@ class KVStats:
     evictions: int
     cow_copies: int
     num_preemptions: int
+    num_pinned_blocks: int = 0  # blocks held only or also by programs' pins (engine.kv_cache_manager)
+    num_reserved_blocks: int = 0  # blocks set aside by programs' reservations
+    ttl_hits: int = 0  # calls admitted while their program's pin held its prefix
+    ttl_misses: int = 0  # calls admitted after their program's pin expired or gave way
+    pin_expiries: int = 0  # pins dropped at their deadline
+    pin_blocks_given_way: int = 0  # pinned blocks released under memory pressure
+    recomputed_prefill_tokens: int = 0  # prompt tokens a program had computed in its previous call, again
 
 
 class EngineCore:
@@ -301,6 +309,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def program_op(self, op: ProgramOp) -> None:
+        """Apply a program operation (engine.program_ops: start, reserve, pin, release, end)."""
+        self.scheduler.program_op(op)
+
     def num_tracked(self) -> dict[str, int]:
         """Entries of each per-request map (debugging, leak tests): all 0 once every output is taken."""
         s = self.scheduler
@@ -441,10 +453,12 @@ class EngineCore:
         return RequestOutput(req.request_id, list(req.prompt_token_ids), comps, metrics)
 
     def kv_stats(self) -> KVStats:
-        s = self.kv.stats
+        s, r = self.kv.stats, self.kv.retention
         return KVStats(
             self.kv.num_blocks, self.kv.num_free_blocks, self.kv.block_size, self.kv.num_shared_blocks(),
             s.queries_tokens, s.hit_tokens, s.dedup_merges, s.evictions, s.cow_copies, self.scheduler.num_preemptions,
+            self.kv.num_pinned_blocks, self.kv.num_reserved_blocks, r.ttl_hits, r.ttl_misses, r.expiries,
+            r.pin_blocks_given_way, r.recomputed_prefill_tokens,
         )
 
 

@@ -1,7 +1,21 @@
-"""Paged KV-cache bookkeeping: block pool, prefix cache, dedup, fork and copy-on-write.
+"""Paged KV-cache bookkeeping: prefix cache, dedup, fork and copy-on-write, and per-program
+reservations and pins (the block pool itself is `engine.block_pool`).
 
 The scheduler talks to `KVCacheManager` through `get_computed_blocks`, `allocate_slots`,
-`cache_blocks` and `free` (plus `fork`); it never touches free lists or hashes.
+`cache_blocks` and `free` (plus `fork`, `admitted`, `expire_pins` and the program operations of
+`engine.program_ops`); it never touches free lists or hashes.
+
+Retention (per program, "owner"): with a TTL set (`Pin`), a finished call's full cached blocks stay
+pinned (the pin holds a reference) until `now + ttl_s`; the program's next admitted call dissolves the
+pin (its hits now hold what it needs); `expire_pins` (every step) drops expired pins unless the program
+has a call waiting; `Release` and program end drop them at once.
+
+Pressure: when a request does not fit, the pool gives way in this order, before anyone is preempted or
+has to wait: (1) pinned blocks no one else holds, the latest-started program's pin first, each pin from
+its tail (the deepest blocks; its prefix stays useful); (2) only where the scheduler allows it (a
+running request that would otherwise be preempted, or an otherwise idle engine), other programs'
+unused reservations, the latest made first. A pin never blocks a request that could otherwise run;
+a reservation never deadlocks the engine.
 
 Invariants (checked by tests/engine/test_kv_cache_manager*.py):
 - ref_cnt[b] == number of block tables holding b; a block is in the free queue iff ref_cnt == 0.
@@ -13,74 +27,67 @@ Invariants (checked by tests/engine/test_kv_cache_manager*.py):
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
-from collections.abc import Iterable
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
+from engine.block_pool import BlockPool, PrefixCacheStats
+from engine.program_ops import EndProgram, Pin, ProgramOp, Release, Reserve, StartProgram
 from engine.request import Request
+
+__all__ = ["BlockPool", "KVCacheManager", "OwnerKV", "PrefixCacheStats", "RetentionStats", "hash_block"]
 
 
 @dataclass(slots=True)
-class PrefixCacheStats:
-    queries_tokens: int = 0  # prompt tokens looked up on admission
-    hit_tokens: int = 0  # of those, served from cache
-    dedup_merges: int = 0  # full blocks merged into an identical cached block
-    evictions: int = 0  # cached blocks whose hash was dropped to reuse them
-    cow_copies: int = 0  # shared partial blocks copied before a write
+class RetentionStats:
+    pins: int = 0  # calls that ended with their blocks pinned
+    ttl_hits: int = 0  # admitted calls whose program's pin was still there
+    ttl_misses: int = 0  # admitted calls whose program had pinned, but the pin had expired or given way
+    expiries: int = 0  # pins dropped at their deadline
+    pin_blocks_given_way: int = 0  # pinned blocks released under pressure
+    reserved_blocks_given_way: int = 0  # unused reserved blocks taken by others under pressure
+    recomputed_prefill_tokens: int = 0  # prompt tokens a program had computed in its last call, computed again
 
 
-class BlockPool:
-    """Ref-counted blocks, an O(1) LRU free queue and the hash index."""
+@dataclass(slots=True)
+class _Owner:
+    seq: int  # start order: pins give way latest first
+    ttl_s: float = 0.0  # pin a finished call's blocks this long (0: no pins)
+    pin: dict[int, None] = field(default_factory=dict)  # pinned blocks, prefix order
+    deadline: float = math.inf
+    armed: bool = False  # a pin was made at its last call's end: hit or miss is told at its next admission
+    last_tokens: list[int] | None = None  # token ids of its last finished call ...
+    last_len: int = 0  # ... of which this many were computed
+    stats: RetentionStats = field(default_factory=RetentionStats)
 
-    def __init__(self, num_blocks: int, stats: PrefixCacheStats):
-        self.num_blocks = num_blocks
-        self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = next victim
-        self.cached: dict[bytes, int] = {}
-        self.stats = stats
 
-    @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
+@dataclass(slots=True)
+class OwnerKV:
+    """One program's KV, as the runtime shows it."""
 
-    def allocate(self, n: int) -> list[int] | None:
-        if n > len(self.free_queue):
-            return None
-        out = []
-        for _ in range(n):
-            block, _ = self.free_queue.popitem(last=False)
-            h = self.block_hash[block]
-            if h is not None:
-                del self.cached[h]
-                self.block_hash[block] = None
-                self.stats.evictions += 1
-            self.ref_cnt[block] = 1
-            out.append(block)
-        return out
+    held: int  # blocks in use taken for its calls (pins included)
+    pinned: int  # blocks its pin holds
+    reserved: int  # blocks set aside for it
+    reserved_used: int  # of those, in use
+    ttl_s: float  # its retention TTL (0: none)
+    ttl_hits: int
+    ttl_misses: int
+    expiries: int
+    recomputed_prefill_tokens: int
 
-    def touch(self, blocks: Iterable[int]) -> None:
-        for b in blocks:
-            if self.ref_cnt[b] == 0:
-                del self.free_queue[b]
-            self.ref_cnt[b] += 1
 
-    def release(self, blocks: Iterable[int]) -> None:
-        """Drop one reference of each block, in eviction order (first released = first evicted)."""
-        for b in blocks:
-            self.ref_cnt[b] -= 1
-            assert self.ref_cnt[b] >= 0, f"block {b} released more often than held"
-            if self.ref_cnt[b] == 0:
-                self.free_queue[b] = None
-                if self.block_hash[b] is None:
-                    self.free_queue.move_to_end(b, last=False)
-
-    def lookup(self, h: bytes) -> int | None:
-        return self.cached.get(h)
-
-    def register(self, block: int, h: bytes) -> None:
-        self.block_hash[block] = h
-        self.cached[h] = block
+def _common_prefix(prompt: list[int], last: list[int], last_len: int) -> int:
+    """Length of the common prefix of `prompt` (less its last token, always computed) and `last[:last_len]`,
+    by slice comparisons (C speed; contexts run to tens of thousands of tokens)."""
+    lo, hi = 0, min(len(prompt) - 1, last_len)
+    if prompt[:hi] == last[:hi]:
+        return hi
+    while lo < hi:  # prompt[:lo] matches, prompt[:hi] does not
+        mid = (lo + hi + 1) // 2
+        if prompt[lo:mid] == last[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes) -> bytes:
@@ -96,12 +103,20 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes) -> byte
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model_key: str = ""):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model_key: str = "",
+                 max_reserved_fraction: float = 0.5):
+        if not 0 <= max_reserved_fraction < 1:
+            raise ValueError(f"max_reserved_fraction must be in [0, 1), got {max_reserved_fraction!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.model_key = model_key
+        self.max_reserved_blocks = int(num_blocks * max_reserved_fraction)  # all reservations together
         self.stats = PrefixCacheStats()
+        self.retention = RetentionStats()
         self.pool = BlockPool(num_blocks, self.stats)
+        self.owners: dict[str, _Owner] = {}  # programs started (StartProgram or any op), until they end
+        self._pinned: dict[str, _Owner] = {}  # owners with a non-empty pin
+        self._owner_seq = 0
         self._pending_copies: list[tuple[int, int]] = []
 
     # ---- queries -------------------------------------------------------------------------
@@ -112,6 +127,28 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len({b for o in self._pinned.values() for b in o.pin})
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(r.size for r in self.pool.reservations.values())
+
+    def num_allocatable(self, owner: str | None) -> int:
+        """Blocks a request of `owner` could get now: free and not reserved by others, plus pinned blocks
+        that would give way."""
+        return self.pool.available_to(owner) + sum(1 for _ in self._pin_victims(owner, ()))
+
+    def owner_kv(self, owner: str) -> OwnerKV:
+        o = self.owners.get(owner)
+        r = self.pool.reservations.get(owner)
+        st = o.stats if o is not None else RetentionStats()
+        return OwnerKV(
+            self.pool.held.get(owner, 0), len(o.pin) if o is not None else 0, r.size if r else 0, r.used if r else 0,
+            o.ttl_s if o is not None else 0.0, st.ttl_hits, st.ttl_misses, st.expiries, st.recomputed_prefill_tokens,
+        )
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -144,9 +181,11 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     # ---- mutations -----------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = (),
+                       may_take_reserved: bool = False) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the given hit
-        blocks, for a request being admitted). False = does not fit; then nothing changed."""
+        blocks, for a request being admitted). Pins give way if needed; others' unused reservations
+        too when `may_take_reserved` (module docstring). False = does not fit; then nothing changed."""
         bs = self.block_size
         num_hit_tokens = len(new_computed_blocks) * bs
         total = req.num_computed_tokens + num_hit_tokens + num_new_tokens
@@ -156,21 +195,23 @@ class KVCacheManager:
         write_block = (req.num_computed_tokens + num_hit_tokens) // bs
         cow = write_block < len(req.block_ids) and self.pool.ref_cnt[req.block_ids[write_block]] > 1
         reclaimable = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
-        if need + cow > self.pool.num_free - reclaimable:
+        owner = req.program_id
+        short = need + cow + reclaimable - self.pool.available_to(owner)
+        if short > 0 and not self._give_way(short, owner, new_computed_blocks, may_take_reserved):
             return False
         if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
+            self.pool.touch(new_computed_blocks, owner)
             req.block_ids.extend(new_computed_blocks)
         if cow:
             src = req.block_ids[write_block]
-            (dst,) = self.pool.allocate(1)
+            (dst,) = self.pool.allocate(1, owner)
             if (req.num_computed_tokens + num_hit_tokens) % bs:
                 self._pending_copies.append((src, dst))
                 self.stats.cow_copies += 1
             req.block_ids[write_block] = dst
             self.pool.release([src])
         if need:
-            req.block_ids.extend(self.pool.allocate(need))
+            req.block_ids.extend(self.pool.allocate(need, owner))
         return True
 
     def cache_blocks(self, req: Request) -> None:
@@ -190,14 +231,31 @@ class KVCacheManager:
             if existing is None:
                 self.pool.register(block, h)
             elif existing != block:
-                self.pool.touch([existing])
+                # merging a free cached block takes it from the free queue and gives `block` back: no
+                # net change, unless `block` is shared (then skip: others' reservations must stay whole)
+                if self.pool.ref_cnt[existing] == 0 and self.pool.ref_cnt[block] > 1:
+                    continue
+                self.pool.touch([existing], req.program_id)
                 req.block_ids[i] = existing
                 self.pool.release([block])
                 self.stats.dedup_merges += 1
         req.num_cached_blocks = num_full
 
-    def free(self, req: Request) -> None:
-        """Release a request's blocks, tail first so tails are evicted first."""
+    def free(self, req: Request, now: float = 0.0, retain: bool = True) -> None:
+        """Release a request's blocks, tail first so tails are evicted first. A finished call
+        (`retain`) of a program with a TTL leaves its full cached blocks pinned until `now + ttl_s`."""
+        o = self.owners.get(req.program_id) if req.program_id is not None else None
+        if retain and o is not None:
+            o.last_tokens, o.last_len = req.all_token_ids, req.num_computed_tokens  # a finished call's ids stay put
+            if o.ttl_s > 0:
+                keep = [b for b in req.block_ids if self.pool.block_hash[b] is not None and b not in o.pin]
+                self.pool.touch(keep)
+                o.pin.update(dict.fromkeys(keep))
+                o.deadline = now + o.ttl_s
+                o.armed = True
+                self.retention.pins += 1
+                if o.pin:
+                    self._pinned[req.program_id] = o
         self.pool.release(reversed(req.block_ids))
         req.block_ids = []
         req.num_cached_blocks = 0
@@ -214,3 +272,105 @@ class KVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         out, self._pending_copies = self._pending_copies, []
         return out
+
+    # ---- retention -----------------------------------------------------------------------
+    def admitted(self, req: Request, num_hit_tokens: int) -> None:
+        """A request was admitted for the first time with `num_hit_tokens` from the cache: its program's
+        pin has done its job (hit) or is gone (miss); count what it computes again."""
+        o = self.owners.get(req.program_id) if req.program_id is not None else None
+        if o is None:
+            return
+        if o.pin:
+            o.stats.ttl_hits += 1
+            self.retention.ttl_hits += 1
+            self._unpin(req.program_id, o)
+        elif o.armed:
+            o.stats.ttl_misses += 1
+            self.retention.ttl_misses += 1
+        o.armed = False
+        if o.last_tokens is not None:
+            lost = max(0, _common_prefix(req.prompt_token_ids, o.last_tokens, o.last_len) - num_hit_tokens)
+            o.stats.recomputed_prefill_tokens += lost
+            self.retention.recomputed_prefill_tokens += lost
+
+    def expire_pins(self, now: float, waiting_owners: set[str | None]) -> None:
+        """Drop pins past their deadline, except those of programs with a call waiting (every step)."""
+        for pid, o in list(self._pinned.items()):
+            if o.deadline <= now and pid not in waiting_owners:
+                o.stats.expiries += 1
+                self.retention.expiries += 1
+                self._unpin(pid, o)
+
+    def program_op(self, op: ProgramOp, now: float) -> None:
+        """Apply one program operation (engine.program_ops) at engine time `now`."""
+        pid = op.program_id
+        if isinstance(op, EndProgram):
+            o = self.owners.pop(pid, None)
+            if o is not None:
+                self._unpin(pid, o)
+            self.pool.unreserve(pid)
+            return
+        o = self.owners.get(pid)
+        if o is None:
+            self._owner_seq += 1
+            o = self.owners[pid] = _Owner(self._owner_seq)
+        if isinstance(op, StartProgram):
+            return
+        if isinstance(op, Reserve):
+            blocks = self.blocks_for(op.num_tokens)
+            if blocks == 0:
+                self.pool.unreserve(pid)
+                return
+            others = self.num_reserved_blocks - self.pool.reservations[pid].size if pid in self.pool.reservations else self.num_reserved_blocks
+            self.pool.reserve(pid, min(blocks, max(0, self.max_reserved_blocks - others)))
+        elif isinstance(op, Pin):
+            o.ttl_s = float(op.ttl_s)
+            if o.ttl_s == 0:
+                self._unpin(pid, o)
+            else:
+                o.deadline = now + o.ttl_s
+        elif isinstance(op, Release):
+            o.ttl_s = 0.0
+            self._unpin(pid, o)
+        else:
+            raise TypeError(f"not a program operation: {op!r}")
+
+    def _unpin(self, pid: str, o: _Owner) -> None:
+        blocks, o.pin = o.pin, {}
+        self._pinned.pop(pid, None)
+        self.pool.release(reversed(list(blocks)))
+
+    def _pin_victims(self, owner: str | None, protect) -> list[tuple[str, int]]:
+        """(pin owner, block) pairs that would free a block for `owner` if unpinned, in give-way order."""
+        pool = self.pool
+        out = []
+        for pid, o in sorted(self._pinned.items(), key=lambda kv: -kv[1].seq):
+            for b in reversed(o.pin):
+                if pool.ref_cnt[b] == 1 and b not in protect and pool.reserved_by[b] in (None, owner):
+                    out.append((pid, b))
+        return out
+
+    def _give_way(self, short: int, owner: str | None, protect, may_take_reserved: bool) -> bool:
+        """Free `short` blocks for `owner` from pins (then others' unused reservations) if that suffices."""
+        protect = set(protect)
+        victims = self._pin_victims(owner, protect)
+        others = sorted(((pid, r) for pid, r in self.pool.reservations.items() if pid != owner and r.unused),
+                        key=lambda kv: -kv[1].seq) if may_take_reserved else []
+        if len(victims) + sum(r.unused for _, r in others) < short:
+            return False
+        for pid, b in victims[:short]:
+            o = self._pinned[pid]
+            del o.pin[b]
+            if not o.pin:
+                del self._pinned[pid]
+            self.pool.release([b])
+            self.retention.pin_blocks_given_way += 1
+        short -= min(short, len(victims))
+        for pid, r in others:
+            if short <= 0:
+                break
+            n = min(short, r.unused)
+            self.pool.shrink_reservation(pid, n)
+            self.retention.reserved_blocks_given_way += n
+            short -= n
+        return True

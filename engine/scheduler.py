@@ -2,8 +2,10 @@
 
 Each step: running requests in policy order get `min(remaining, budget)` tokens (chunked prefill
 falls out of this); then waiting requests are admitted in policy order with their cached prefix.
-When blocks run out, the policy's victim among the not-yet-served running requests is preempted
-(recompute: its full blocks stay in the prefix cache). A request that could never fit fails alone.
+When blocks run out, pinned blocks give way first, then others' unused reservations (for a running
+request, or an otherwise idle engine), and only then is the policy's victim among the not-yet-served
+running requests preempted (recompute: its full blocks stay in the prefix cache). A request that could
+never fit fails alone. Expired pins are dropped at the start of every step (engine.kv_cache_manager).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.policy import SchedulingPolicy
+from engine.program_ops import EndProgram, ProgramOp
 from engine.request import Request, RequestStatus
 
 
@@ -72,15 +75,21 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        req.finish_time = self.clock()
+        self.kv.free(req, req.finish_time)
         req.status = status
         req.finish_reason = reason or status.value
-        req.finish_time = self.clock()
         self.policy.on_finish(req, req.finish_time)
+
+    def program_op(self, op: ProgramOp) -> None:
+        """A program operation (engine.program_ops), between steps, on this scheduler's clock."""
+        self.kv.program_op(op, self.clock())
+        if isinstance(op, EndProgram):
+            self.policy.end_program(op.program_id)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req)
+        self.kv.free(req, retain=False)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.status = RequestStatus.WAITING
@@ -93,6 +102,7 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
+        self.kv.expire_pins(now, {r.program_id for r in self.waiting})
         self.policy.before_schedule(self.waiting, self.running, now)
         key = self.policy.priority
         self.running.sort(key=key)
@@ -114,7 +124,7 @@ class Scheduler:
                 scheduled.add(id(req))
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, n):
+            while not self.kv.allocate_slots(req, n, may_take_reserved=True):
                 victims = [r for r in self.running if id(r) not in scheduled and r is not req]
                 victim = self.policy.pick_victim(victims) if victims else req
                 self._preempt(victim, out)
@@ -143,7 +153,8 @@ class Scheduler:
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            idle = not self.running  # nobody would free blocks: reservations must give way
+            if not self.kv.allocate_slots(req, n, hits, may_take_reserved=idle):
                 break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
             self.waiting.pop(0)
             if req.num_preemptions:
@@ -152,6 +163,7 @@ class Scheduler:
                 req.num_prefix_hit_tokens = num_hit
                 self.kv.stats.queries_tokens += req.num_prompt_tokens
                 self.kv.stats.hit_tokens += num_hit
+                self.kv.admitted(req, num_hit)
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -172,7 +184,7 @@ class Scheduler:
                 return
             need = self.kv.blocks_for(min(w.num_tokens, self.config.max_num_batched_tokens))
             while self.running and (
-                len(self.running) >= self.config.max_num_seqs or need > self.kv.num_free_blocks
+                len(self.running) >= self.config.max_num_seqs or need > self.kv.num_allocatable(w.program_id)
             ):
                 worst = self.policy.pick_victim(self.running)
                 if not self.policy.displaces(w, worst):

@@ -86,7 +86,7 @@ def test_sweep_over_loads(capsys):
 
 
 def test_command_line_entry(capsys):
-    from agentrt import cli
+    import agentrt_cli as cli
 
     assert cli.main(["simulate", "--programs", "6", "--rate", "1", "--policies", "fcfs,atlas"]) == 0
     assert "| atlas |" in capsys.readouterr().out
