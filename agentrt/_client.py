@@ -142,7 +142,7 @@ class RemoteRuntime:
             return {}
         handle, thread_id = cur
         self._remote.add(handle.program_id)
-        return {"X-Program-Id": handle.program_id, "X-Thread-Id": thread_id}
+        return {"X-Program-Id": handle.program_id, "X-Thread-Id": thread_id, "X-Program-Name": handle.info.name}
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         headers = self._headers()

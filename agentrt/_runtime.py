@@ -265,9 +265,10 @@ class Runtime:
         owner: str | None = None,
         cache_salt: str | None = None,
         kind: str = "generate",
+        name: str = "program",
     ) -> Call:
-        """Submit one call for the program `program_id` (started if unknown; None: a one-call
-        program). Bad input raises `InvalidCallError` here; see `agentrt._call.Call`."""
+        """Submit one call for the program `program_id` (started if unknown, named `name`; None: a
+        one-call program). Bad input raises `InvalidCallError` here; see `agentrt._call.Call`."""
         if program_id is None:
             info = self.start_program(name=kind, owner=owner)
             return self._submit(self._keyed[info.program_id], None, prompt, params, kind, cache_salt, one_call=True)
@@ -275,7 +276,7 @@ class Runtime:
         if handle is None or handle.info.owner != owner:
             if handle is not None or (program_id in self.programs and self.programs[program_id].state == "running"):
                 raise ProgramNotFoundError("no such program", program_id=program_id)  # another owner's
-            self.start_program(program_id, name="program", owner=owner)
+            self.start_program(program_id, name=name, owner=owner)
             handle = self._keyed[program_id]
         return self._submit(handle, thread_id, prompt, params, kind, cache_salt)
 

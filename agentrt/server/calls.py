@@ -51,6 +51,16 @@ def program_keys(request: Request, program_id: str | None, thread_id: str | None
     return out[0], out[1]
 
 
+def program_name(request: Request) -> str:
+    """The name a call gives the program it starts: the `X-Program-Name` header, else "program"."""
+    name = request.headers.get("x-program-name")
+    if name is None:
+        return "program"
+    if not 0 < len(name) <= 128 or not name.isprintable():
+        raise bad_request(f"header x-program-name {name[:40]!r} must be 1-128 printable characters", "program_name")
+    return name
+
+
 def sampling_params(
     st: ServerState, *, max_tokens: int | None, prompt_len: int, temperature: float | None, top_p: float | None,
     top_k: int | None, n: int, stop: str | list[str] | None, stop_token_ids: list[int] | None, seed: int | None,

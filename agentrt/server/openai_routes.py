@@ -31,6 +31,7 @@ from agentrt.server.calls import (
     new_id,
     plan_chat,
     program_keys,
+    program_name,
     results,
     sampling_params,
     submit,
@@ -84,7 +85,7 @@ async def chat_completions(request: Request) -> Response:
     )
     st.check_capacity()
     call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                  kind="chat")
+                  kind="chat", name=program_name(request))
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
@@ -222,7 +223,7 @@ async def completions(request: Request) -> Response:
     try:
         for i, p in zip(ids, params):
             calls.append(submit(st, i, p, "prompt", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                                kind="completion"))
+                                kind="completion", name=program_name(request)))
     except BaseException:
         for c in calls:
             c.close()

@@ -30,6 +30,7 @@ from agentrt.server.app import ServerState, read_body, state_of
 from agentrt.server.calls import (
     plan_chat,
     program_keys,
+    program_name,
     results,
     sampling_params,
     submit,
@@ -168,7 +169,8 @@ async def create_response(request: Request) -> Response:
     )
     st.check_capacity()
     if pid is None:  # a new chain: its own program, ended by the idle timeout or DELETE
-        pid = st.runtime.start_program(name="responses", owner=owner).program_id
+        name = program_name(request) if "x-program-name" in request.headers else "responses"
+        pid = st.runtime.start_program(name=name, owner=owner).program_id
     call = submit(st, prompt_ids, params, "input", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
                   kind="responses")
     base = ResponseObject(
