@@ -172,6 +172,11 @@ class EngineCore:
             raise InvalidRequestError(
                 f"SamplingParams.stop_token_ids must be < the vocabulary size {vocab}, got {show_value(bad[:5], False)}"
             )
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"SamplingParams.logit_bias keys must be < the vocabulary size {vocab}, got {show_value(bad[:5], False)}"
+            )
         return params
 
     def check_request(
@@ -251,7 +256,7 @@ class EngineCore:
         self.requests[request_id] = req
         self._families[request_id] = req
         for r in (req, *req.children):  # every id of the family is taken until its output is
-            self._detok[r.request_id] = Detokenizer(self.tokenizer, list(params.stop))
+            self._detok[r.request_id] = Detokenizer(self.tokenizer, list(params.stop), min_tokens=params.min_tokens)
         try:
             self.scheduler.add_request(req)
         except BaseException:
@@ -348,6 +353,8 @@ class EngineCore:
         self.scheduler.update_from_output(out, result.step_time_s, result.num_rejected)
         if result.num_rejected is not None:
             self.num_rejected_tokens += sum(result.num_rejected)
+        for p in result.prompt_logprobs or ():
+            _add_prompt_logprobs(p.req, p.first_token, p.logprobs, p.top)
         self.num_steps += 1
         now = time.monotonic()
         for i, req in enumerate(result.sampled_reqs):
@@ -450,7 +457,12 @@ class EngineCore:
             req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finish_time,
             sum(r.service_s for r in [req, *req.children]), req.num_prefix_hit_tokens, req.num_preemptions,
         )
-        return RequestOutput(req.request_id, list(req.prompt_token_ids), comps, metrics)
+        out = RequestOutput(req.request_id, list(req.prompt_token_ids), comps, metrics)
+        if req.sampling.prompt_logprobs is not None:
+            out.prompt_logprobs = list(req.prompt_logprobs)
+            if req.sampling.prompt_logprobs:
+                out.prompt_top_logprobs = list(req.prompt_top_logprobs)
+        return out
 
     def kv_stats(self) -> KVStats:
         s, r = self.kv.stats, self.kv.retention
@@ -460,6 +472,20 @@ class EngineCore:
             self.kv.num_pinned_blocks, self.kv.num_reserved_blocks, r.ttl_hits, r.ttl_misses, r.expiries,
             r.pin_blocks_given_way, r.recomputed_prefill_tokens,
         )
+
+
+def _add_prompt_logprobs(req: Request, first: int, lps: list[float], top: list | None) -> None:
+    """Record prompt tokens' log-probs from `first` on; positions already recorded (computed again
+    after a preemption) are skipped."""
+    if not req.prompt_logprobs:
+        req.prompt_logprobs.append(None)
+        req.prompt_top_logprobs.append(None)
+    skip = len(req.prompt_logprobs) - first
+    if skip < 0:
+        raise RuntimeError(f"prompt log-probs of request {req.request_id!r} from token {first} skip tokens")
+    req.prompt_logprobs.extend(lps[skip:])
+    if top is not None:
+        req.prompt_top_logprobs.extend(top[skip:])
 
 
 def family_ids(request_id: str, n: int) -> list[str]:

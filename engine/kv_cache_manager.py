@@ -170,8 +170,8 @@ class KVCacheManager:
         """Longest cached prefix of a request that holds no blocks: (block ids, tokens covered).
 
         At least the last token is always left to compute (its logits are needed)."""
-        if not self.enable_prefix_caching or req.block_ids:
-            return [], 0
+        if not self.enable_prefix_caching or req.block_ids or req.sampling.prompt_logprobs is not None:
+            return [], 0  # prompt_logprobs: every prompt position's logits are needed
         hits: list[int] = []
         for h in self.block_hashes(req, (req.num_tokens - 1) // self.block_size):
             b = self.pool.lookup(h)

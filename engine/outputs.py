@@ -38,6 +38,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[float | None] | None = None  # per prompt token, its log-prob given the tokens
+    # before it (None for the first); None unless SamplingParams.prompt_logprobs is set
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # per prompt position, the
+    # prompt_logprobs most likely (token id, log-prob) (None for the first); None unless prompt_logprobs > 0
 
     @property
     def text(self) -> str:
@@ -91,9 +95,11 @@ class Detokenizer:
     prefix_offset: int = 0
     read_offset: int = 0
     emitted: int = 0  # characters of `text` already handed out
+    min_tokens: int = 0  # SamplingParams.min_tokens: no stop string ends the output before
 
     def add(self, token_ids: list[int]) -> bool:
-        """Append tokens; True when a stop string appeared (the text is cut before it)."""
+        """Append tokens; True when a stop string appeared (the text is cut before it). Stop strings
+        are looked for once there are more than `min_tokens` tokens (vLLM's rule)."""
         self.ids.extend(token_ids)
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
@@ -103,7 +109,7 @@ class Detokenizer:
         old_len = len(self.text)
         self.text += full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        if self.stop:
+        if self.stop and len(self.ids) > self.min_tokens:
             start = max(0, old_len - max(len(s) for s in self.stop) + 1)
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:

@@ -67,6 +67,11 @@ class Request:
     policy_state: dict[str, Any] = field(default_factory=dict)  # scratch owned by the scheduling policy
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens for this step (spec_decode)
     matcher: Any = None  # grammar matcher of a constrained request (engine.structured), its own per fork
+    history: Any = None  # engine.sampling.TokenHistory of all_token_ids, for penalties (made on first use)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # per prompt token (the first's is
+    # None), when sampling.prompt_logprobs is set; filled as prefill chunks are computed
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)  # per prompt
+    # position, the sampling.prompt_logprobs most likely (token id, log-prob) (None for the first)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from engine.request import Request
-from engine.sampling import SamplerOutput, SamplingParams, sample
+from engine.sampling import RowContext, SamplerOutput, SamplingParams, TokenHistory, sample
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
 from engine.structured import apply_constraints
@@ -27,6 +27,16 @@ class ModelOutput:
     num_rejected: list[int] | None = None  # per scheduled request (SchedulerOutput order): rejected drafts
     top_logprobs: list[list[list[tuple[int, float]] | None]] | None = None  # same shape as token_ids: per token,
     # its request's top_logprobs best (token id, log-prob), or None where the request asked for none
+    prompt_logprobs: list[PromptLogprobs] | None = None  # for requests with sampling.prompt_logprobs whose
+    # prompt positions were computed this step
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    req: Request
+    first_token: int  # index in the prompt of the token the first log-prob is for (>= 1)
+    logprobs: list[float]  # of prompt tokens first_token, first_token + 1, ...
+    top: list[list[tuple[int, float]]] | None  # per such position, the prompt_logprobs most likely tokens
 
 
 class ModelRunner:
@@ -47,6 +57,7 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput):
         bs = self.block_size
         ids, positions, slots, qsl, seq_lens, tables, sample_rows, sample_reqs = [], [], [], [0], [], [], [], []
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # (request, first position, first row, rows)
         for req, n in zip(out.reqs, out.num_tokens):
             start = req.num_computed_tokens
             base = min(n, req.num_tokens - start)  # known tokens; the rest are draft tokens
@@ -57,6 +68,9 @@ class ModelRunner:
             table = np.asarray(req.block_ids, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
             tables.append(table)
+            if req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                # row of position p predicts prompt token p + 1
+                prompt_rows.append((req, start, qsl[-1], min(start + base, req.num_prompt_tokens - 1) - start))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             if start + base == req.num_tokens:  # reaches the end: sample at the last row and each draft's row
@@ -81,6 +95,7 @@ class ModelRunner:
             meta,
             torch.tensor(sample_rows, dtype=torch.long, device=dev),
             sample_reqs,
+            prompt_rows,
         )
 
     @torch.inference_mode()
@@ -90,9 +105,10 @@ class ModelRunner:
             kernels.copy_blocks(self.kv_cache, torch.tensor(out.block_copies, dtype=torch.long, device=self.device))
         if not out.reqs:
             return ModelOutput([], [], None, time.perf_counter() - t0)
-        input_ids, positions, slot_mapping, meta, sample_rows, sample_reqs = self._prepare(out)
+        input_ids, positions, slot_mapping, meta, sample_rows, sample_reqs, prompt_rows = self._prepare(out)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, slot_mapping)
         tokens, logprobs, tops, rejected = [], None, None, None
+        prompt_lps = [self._prompt_logprobs(hidden, *p) for p in prompt_rows] if prompt_rows else None
         if sample_reqs:
             logits = self.model.compute_logits(hidden[sample_rows])
             # Per logits row, the requests sampling from it: a request with n > 1 samples its first
@@ -113,7 +129,8 @@ class ModelRunner:
             if any(r.matcher is not None for r in flat):
                 logits = logits.float()  # the masks write -inf into these rows
                 apply_constraints(logits, [r.matcher for r in flat])
-            s = sample(logits, params, [r.generator for r in flat])
+            contexts = [_context(r) for r in flat] if any(p.reads_history for p in params) else None
+            s = sample(logits, params, [r.generator for r in flat], contexts)
             t = s.token_ids.tolist()
             lp = s.logprobs.tolist() if s.logprobs is not None else None
             top = _top_lists(s, params) if s.top_token_ids is not None else None
@@ -133,7 +150,30 @@ class ModelRunner:
                         if tops is not None:
                             tops[i] = tops[i][: len(tokens[i])]
                 rejected = [num_rejected.get(id(r), 0) for r in out.reqs]
-        return ModelOutput(sample_reqs, tokens, logprobs, time.perf_counter() - t0, rejected, tops)
+        return ModelOutput(sample_reqs, tokens, logprobs, time.perf_counter() - t0, rejected, tops, prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, start: int, row: int, count: int) -> PromptLogprobs:
+        """Log-probs of prompt tokens start + 1 .. start + count from their rows' raw logits."""
+        logp = self.model.compute_logits(hidden[row : row + count]).float().log_softmax(dim=-1)  # [count, V]
+        targets = torch.tensor(req.all_token_ids[start + 1 : start + 1 + count], device=logp.device)
+        lps = logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        n = req.sampling.prompt_logprobs
+        top = None
+        if n:
+            vals, ids = logp.topk(n, dim=-1)
+            top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        return PromptLogprobs(req, start + 1, lps, top)
+
+
+def _context(req: Request) -> RowContext | None:
+    """A row's history for penalties and min_tokens (None when its request uses neither)."""
+    p = req.sampling
+    if not p.reads_history:
+        return None
+    if req.history is None:
+        req.history = TokenHistory()
+    stops = list(p.stop_token_ids) if p.ignore_eos else [*req.eos_token_ids, *p.stop_token_ids]
+    return RowContext(req.history.update(req.all_token_ids), req.num_prompt_tokens, stops)
 
 
 def _top_lists(s: SamplerOutput, params: list[SamplingParams]) -> list[list[tuple[int, float]] | None]:

@@ -1,7 +1,20 @@
 """Sampling parameters, the errors for input the engine refuses, and the batched sampler.
 
 `sample` is a module-level hot-path function: one call per step for the whole batch, no Python
-loop over requests except to build the per-row parameter tensors (done once per step).
+loop over requests except to build the per-row parameter tensors (done once per step), and none
+over the vocabulary. The processors follow vLLM's semantics and order:
+
+    raw logits -> log-probs returned (logprobs / top_logprobs: from the raw logits)
+      -> min_tokens (EOS and stop_token_ids masked while the output is shorter)
+      -> logit_bias (added)
+      -> repetition_penalty (prompt and output tokens: logit / p if > 0 else logit * p)
+      -> frequency_penalty (- f * count in the output), presence_penalty (- p if in the output)
+      -> greedy: argmax | random: temperature -> min_p -> top_k -> top_p -> draw
+
+Penalties touch only the (row, token) pairs a request has seen (`torch.unique` over its history,
+kept per request as a tensor grown in place: `TokenHistory`), never a [B, V] count tensor.
+Requests that use penalties or min_tokens carry no speculative drafts (engine.spec_decode): each
+draft row would need the history up to that draft.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ import torch
 MAX_TOP_LOGPROBS = 20  # most alternatives per token `top_logprobs` may ask for
 MAX_N = 128  # most completions per prompt: each is a request of its own in the batch
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI's API
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (dividing by them overflows fp32)
 
 
@@ -48,6 +62,16 @@ class SamplingParams:
     # (with their log-probs, best first), and the sampled tokens' log-probs
     n: int = 1  # completions per prompt (forks sharing the prompt's KV), 1..MAX_N
     constraint: Any = None  # engine.structured.Constraint: the output must match this grammar (None = free)
+    min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p x the top token's probability
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence of a token in the output
+    repetition_penalty: float = 1.0  # > 0: tokens in the prompt or output get logit / p (> 0) or logit * p
+    min_tokens: int = 0  # in [0, max_tokens]: EOS, stop_token_ids and stop strings cannot end the
+    # request before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit
+    prompt_logprobs: int | None = None  # None = off; N in 0..MAX_TOP_LOGPROBS: each prompt token's
+    # log-prob (the first's is None) and the N most likely tokens at each prompt position; the request
+    # then reads no cached prefix (every prompt position is computed)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,6 +100,18 @@ class SamplingParams:
             if not isinstance(self.constraint, Constraint):
                 raise InvalidRequestTypeError(
                     f"SamplingParams.constraint must be an engine.structured.Constraint or None, got {show_value(self.constraint)}")
+        self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
+        self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, 0.0, what="a finite number > 0")
+        if self.repetition_penalty == 0.0:
+            raise InvalidRequestError("SamplingParams.repetition_penalty must be a finite number > 0, got 0.0")
+        self.min_tokens = _int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                               what=f"an int in [0, max_tokens={self.max_tokens}]")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS,
+                                        what=f"None or an int in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +121,15 @@ class SamplingParams:
     def wants_logprobs(self) -> bool:
         """Whether the sampled tokens' log-probs are returned."""
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling depends on the tokens so far (penalties, min_tokens): no drafts then."""
+        return self.uses_penalties or self.min_tokens > 0
 
 
 def show_value(value: Any, with_type: bool = True) -> str:
@@ -159,12 +204,63 @@ def _token_ids(ids: Any) -> list[int]:
     return [int(t) for t in ids]
 
 
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequestTypeError(f"SamplingParams.logit_bias must be a dict of token id -> bias or None, got {show_value(bias)}")
+    out = {}
+    for t, b in bias.items():
+        if isinstance(t, str) and t.strip().isdigit():  # JSON object keys are strings (OpenAI's API)
+            t = int(t)
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            raise InvalidRequestError(f"SamplingParams.logit_bias keys must be token ids >= 0, got {show_value(t)}")
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"SamplingParams.logit_bias values must be numbers in [-100, 100], got {show_value(b)} for token {t}")
+        out[int(t)] = float(b)
+    return out or None
+
+
 def _encodable(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         return False
     return True
+
+
+class TokenHistory:
+    """A request's prompt then output token ids as a CPU int64 tensor, grown in place as tokens are
+    appended (capacity doubles), so a step's penalties never convert a whole Python list."""
+
+    __slots__ = ("buf", "size")
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.long)
+        self.size = 0
+
+    def update(self, token_ids: list[int]) -> torch.Tensor:
+        """The tensor of `token_ids`, which extends the ids of the last call (all_token_ids only grows)."""
+        n = len(token_ids)
+        if n > self.buf.numel():
+            buf = torch.empty(max(n, 2 * self.buf.numel(), 64), dtype=torch.long)
+            buf[: self.size] = self.buf[: self.size]
+            self.buf = buf
+        if n > self.size:
+            self.buf[self.size : n] = torch.tensor(token_ids[self.size : n], dtype=torch.long)
+            self.size = n
+        return self.buf[:n]
+
+
+@dataclass(slots=True)
+class RowContext:
+    """What the history-dependent processors (penalties, min_tokens) read about one row's request."""
+
+    token_ids: torch.Tensor  # [L] int64 (CPU): the prompt, then the output so far
+    num_prompt_tokens: int
+    stop_token_ids: list[int]  # masked while the output is shorter than min_tokens (EOS unless
+    # ignore_eos, and stop_token_ids)
 
 
 @dataclass(slots=True)
@@ -176,36 +272,26 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [B, N] fp32: their log-probs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SamplerOutput:
-    """Sample one token per row; log-probs (of the sampled and of the top-N tokens) come from the raw
-    logits' log_softmax, before temperature, top-k and top-p.
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    contexts: list[RowContext | None] | None = None,
+) -> SamplerOutput:
+    """Sample one token per row (order of the processors: module docstring); log-probs (of the
+    sampled and of the top-N tokens) come from the raw logits' log_softmax, before any processor.
 
-    logits: [B, V] (any float dtype; computed in fp32).
+    logits: [B, V] (any float dtype; computed in fp32). contexts: per row, needed for the rows whose
+    params use penalties or min_tokens (None elsewhere).
     """
-    logits = logits.float()
-    vocab = logits.shape[1]
+    raw = logits.float()
+    vocab = raw.shape[1]
+    logits = process_logits(raw, params, contexts)
     greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         tokens = greedy_tokens
     else:
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
-        scaled = logits / temps.unsqueeze(1)
-        top_ks = [p.top_k for p in params]
-        if any(0 < k < vocab for k in top_ks):
-            k_t = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=logits.device)
-            sorted_vals = scaled.sort(dim=-1, descending=True).values
-            kth = sorted_vals.gather(1, (k_t - 1).unsqueeze(1))
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        top_ps = [p.top_p for p in params]
-        if any(p < 1.0 for p in top_ps):
-            p_t = torch.tensor(top_ps, device=logits.device).unsqueeze(1)
-            sorted_logits, order = scaled.sort(dim=-1, descending=True)
-            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            # drop a token when the mass before it already reaches top_p (the top token always stays)
-            drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= p_t
-            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-            scaled = scaled.masked_fill(drop, float("-inf"))
-        probs = scaled.softmax(dim=-1)
+        probs = warp(logits, params).softmax(dim=-1)
         # exponential-race sampling: argmax(p / E) with E ~ Exp(1); per-row generators keep seeds reproducible
         # (a seeded request's generator lives on the CPU: its row is drawn there, so a seed gives the same
         # tokens on any device)
@@ -221,8 +307,104 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     out = SamplerOutput(tokens, None, None, None)
     num_top = min(max(p.top_logprobs for p in params), vocab)
     if num_top > 0 or any(p.logprobs for p in params):
-        logp = logits.log_softmax(dim=-1)
+        logp = raw.log_softmax(dim=-1)
         out.logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         if num_top > 0:
             out.top_logprobs, out.top_token_ids = logp.topk(num_top, dim=-1)
     return out
+
+
+def warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then min_p, top_k, top_p as -inf: the logits the random draw softmaxes. [B, V] fp32."""
+    dev, vocab = logits.device, logits.shape[1]
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
+    scaled = logits / temps.unsqueeze(1)
+    if any(p.min_p > 0.0 for p in params):
+        # p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p): no softmax needed
+        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=dev)
+        floor = scaled.amax(dim=-1) + log_min_p
+        scaled = scaled.masked_fill(scaled < floor.unsqueeze(1), float("-inf"))
+    top_ks = [p.top_k for p in params]
+    if any(0 < k < vocab for k in top_ks):
+        k_t = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=dev)
+        sorted_vals = scaled.sort(dim=-1, descending=True).values
+        kth = sorted_vals.gather(1, (k_t - 1).unsqueeze(1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    top_ps = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_ps):
+        # rows at 1.0 drop nothing (a float cumsum can reach 1.0 before the tail: batched rows stay as alone)
+        p_t = torch.tensor([p if p < 1.0 else math.inf for p in top_ps], device=dev).unsqueeze(1)
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p_t
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def process_logits(
+    logits: torch.Tensor, params: list[SamplingParams], contexts: list[RowContext | None] | None
+) -> torch.Tensor:
+    """The logits after min_tokens, logit_bias and the penalties (a new tensor when any applies,
+    `logits` itself otherwise). logits: [B, V] fp32."""
+    minimum = [i for i, p in enumerate(params) if p.min_tokens > 0]
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    penalized = [i for i, p in enumerate(params) if p.uses_penalties]
+    if not (minimum or biased or penalized):
+        return logits
+    logits = logits.clone()
+    dev, vocab = logits.device, logits.shape[1]
+    if minimum or biased:
+        rows, toks, vals = [], [], []
+        for i in minimum:
+            ctx = contexts[i]
+            if ctx.token_ids.numel() - ctx.num_prompt_tokens < params[i].min_tokens:
+                stops = [t for t in ctx.stop_token_ids if t < vocab]
+                rows += [i] * len(stops)
+                toks += stops
+                vals += [-math.inf] * len(stops)
+        for i in biased:
+            bias = params[i].logit_bias
+            rows += [i] * len(bias)
+            toks += bias.keys()
+            vals += bias.values()
+        if rows:
+            index = (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev))
+            logits.index_put_(index, torch.tensor(vals, device=dev), accumulate=True)
+    if penalized:
+        apply_penalties(logits, [params[i] for i in penalized], [contexts[i] for i in penalized], penalized)
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], contexts: list[RowContext], rows: list[int]
+) -> None:
+    """Repetition, frequency and presence penalties, in place, on `rows` of logits [B, V] (fp32).
+    Only the distinct (row, token) pairs of the rows' histories are read and written."""
+    dev, vocab = logits.device, logits.shape[1]
+    lengths = torch.tensor([c.token_ids.numel() for c in contexts])
+    tokens = torch.cat([c.token_ids for c in contexts]).clamp_(0, vocab - 1)  # [T]
+    row_of = torch.repeat_interleave(torch.tensor(rows), lengths)  # [T]
+    starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    num_prompt = torch.repeat_interleave(torch.tensor([c.num_prompt_tokens for c in contexts]), lengths)
+    is_output = torch.arange(tokens.numel()) - starts >= num_prompt  # [T]
+    keys = row_of * vocab + tokens
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = torch.unique(keys).to(dev)
+        r, t = seen // vocab, seen % vocab
+        penalty = torch.ones(logits.shape[0], device=dev)
+        penalty[torch.tensor(rows, device=dev)] = torch.tensor([p.repetition_penalty for p in params], device=dev)
+        vals, pen = logits[r, t], penalty[r]
+        logits[r, t] = torch.where(vals > 0, vals / pen, vals * pen)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        out_keys, counts = torch.unique(keys[is_output], return_counts=True)
+        if out_keys.numel():
+            out_keys, counts = out_keys.to(dev), counts.to(dev)
+            r, t = out_keys // vocab, out_keys % vocab
+            freq = torch.zeros(logits.shape[0], device=dev)
+            pres = torch.zeros(logits.shape[0], device=dev)
+            index = torch.tensor(rows, device=dev)
+            freq[index] = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            pres[index] = torch.tensor([p.presence_penalty for p in params], device=dev)
+            logits[r, t] -= freq[r] * counts + pres[r]

@@ -14,7 +14,8 @@ drafts are almost free. Agent contexts repeat themselves (tool outputs quoted ba
 loops of a small model), which is where prompt lookup finds drafts. Rejected drafts cost their
 share of the step; their KV slots are simply overwritten later.
 
-Only greedy requests without logprobs and without n > 1 forks speculate; others decode as usual.
+Only greedy requests without logprobs, n > 1 forks, penalties or min_tokens speculate (a draft
+row's penalties would need the history up to that draft); others decode as usual.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
 
 
 def speculates(req: Request) -> bool:
-    """Whether a request may carry drafts: greedy, no logprobs, no forks, no grammar, in its decode phase."""
+    """Whether a request may carry drafts: greedy, no logprobs, no forks, no grammar, no penalties or
+    min_tokens, in its decode phase."""
     p = req.sampling
     return (
         p.greedy
         and req.matcher is None
         and not p.logprobs
+        and not p.reads_history
         and p.n == 1
         and req.parent is None
         and not req.children
