@@ -35,7 +35,8 @@ from agentrt._runtime import (
 )
 from agentrt._client import RemoteRuntime, connect
 from agentrt._tool import tool
-from agentrt._toolcalls import ChatReply, ToolCall, function_spec, run_tool_calls
+from agentrt._results import ChatReply, Choice, Chunk, Result, TokenLogprob, TopLogprob, Usage
+from agentrt._toolcalls import ToolCall, function_spec, run_tool_calls
 
 __all__ = [
     "ATLAS",
@@ -44,6 +45,8 @@ __all__ = [
     "CallError",
     "CallFailedError",
     "ChatReply",
+    "Choice",
+    "Chunk",
     "ConfigError",
     "InvalidCallError",
     "MLFQ",
@@ -54,8 +57,12 @@ __all__ = [
     "ProgramInfo",
     "ProgramNotFoundError",
     "RemoteRuntime",
+    "Result",
     "Runtime",
+    "TokenLogprob",
     "ToolCall",
+    "TopLogprob",
+    "Usage",
     "UsageError",
     "chat",
     "chat_stream",

@@ -30,11 +30,13 @@ from agentrt._errors import (
     ProgramNotFoundError,
 )
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
-from agentrt._toolcalls import ChatReply, ToolCall, tool_specs
+from agentrt._results import Choice, Chunk, Result, TokenLogprob, TopLogprob, Usage, remote_logprobs, wants_result
+from agentrt._toolcalls import ToolCall, tool_specs
 from agentrt._program import ProgramHandle, current
 from engine.sampling import SamplingParams
 
-_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "n")
+_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "n", "logprobs", "top_logprobs")
+_DEFAULTS = SamplingParams()
 
 
 class RemoteRuntime:
@@ -89,36 +91,55 @@ class RemoteRuntime:
     # --- calls --------------------------------------------------------------------------------
     async def chat(
         self, messages: Sequence[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
-        response_format: Any = None, **sampling: Any,
-    ) -> Any:
+        response_format: Any = None, full: bool = False, **sampling: Any,
+    ) -> str | Result:
         body = {"messages": list(messages), **self._sampling(sampling)}
         extra = {"tools": tool_specs(tools), "tool_choice": tool_choice, "response_format": response_format}
         body.update({k: v for k, v in extra.items() if v is not None})
         data = await self._post("/v1/chat/completions", body)
-        choice = data["choices"][0]
-        if not any(v is not None for v in extra.values()):
-            return choice["message"]["content"] or ""
-        calls = [ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
-                 for c in choice["message"].get("tool_calls") or []]
-        return ChatReply(choice["message"].get("content"), calls, choice.get("finish_reason"))
+        if not any(v is not None for v in extra.values()) and not wants_result(sampling, full):
+            return data["choices"][0]["message"]["content"] or ""
+        choices = []
+        for c in data["choices"]:
+            calls = [ToolCall(t["id"], t["function"]["name"], t["function"]["arguments"])
+                     for t in c["message"].get("tool_calls") or []]
+            choices.append(Choice(c["index"], c["message"].get("content"), c.get("finish_reason"), calls,
+                                  remote_logprobs(c.get("logprobs"))))
+        return Result(choices, _usage(data))
 
-    async def generate(self, prompt: str | list[int], **sampling: Any) -> str:
-        data = await self._post("/v1/completions", {"prompt": prompt, **self._sampling(sampling)})
-        return data["choices"][0]["text"]
+    async def generate(self, prompt: str | list[int], *, full: bool = False, **sampling: Any) -> str | Result:
+        data = await self._post("/v1/completions", {"prompt": prompt, **self._sampling(sampling, completions=True)})
+        if not wants_result(sampling, full):
+            return data["choices"][0]["text"]
+        choices = [Choice(c["index"], c["text"], c.get("finish_reason"), [], _completion_logprobs(c.get("logprobs")))
+                   for c in data["choices"]]
+        return Result(choices, _usage(data))
 
-    async def chat_stream(self, messages: Sequence[dict[str, Any]], **sampling: Any) -> AsyncIterator[str]:
+    async def chat_stream(
+        self, messages: Sequence[dict[str, Any]], *, full: bool = False, **sampling: Any
+    ) -> AsyncIterator[str | Chunk]:
         body = {"messages": list(messages), "stream": True, **self._sampling(sampling)}
+        chunks = wants_result(sampling, full)
         async for chunk in self._stream("/v1/chat/completions", body):
             for choice in chunk.get("choices", ()):
-                text = choice.get("delta", {}).get("content")
-                if text:
+                text = choice.get("delta", {}).get("content") or ""
+                if chunks and (text or choice.get("finish_reason")):
+                    yield Chunk(choice["index"], text, choice.get("finish_reason"), remote_logprobs(choice.get("logprobs")))
+                elif text and not chunks:
                     yield text
 
-    async def generate_stream(self, prompt: str | list[int], **sampling: Any) -> AsyncIterator[str]:
-        async for chunk in self._stream("/v1/completions", {"prompt": prompt, "stream": True, **self._sampling(sampling)}):
+    async def generate_stream(
+        self, prompt: str | list[int], *, full: bool = False, **sampling: Any
+    ) -> AsyncIterator[str | Chunk]:
+        body = {"prompt": prompt, "stream": True, **self._sampling(sampling, completions=True)}
+        chunks = wants_result(sampling, full)
+        async for chunk in self._stream("/v1/completions", body):
             for choice in chunk.get("choices", ()):
-                if choice.get("text"):
-                    yield choice["text"]
+                text = choice.get("text") or ""
+                if chunks and (text or choice.get("finish_reason")):
+                    yield Chunk(choice["index"], text, choice.get("finish_reason"), _completion_logprobs(choice.get("logprobs")))
+                elif text and not chunks:
+                    yield text
 
     # --- plumbing -----------------------------------------------------------------------------
     def _http(self) -> httpx.AsyncClient:
@@ -126,15 +147,23 @@ class RemoteRuntime:
             raise NoRuntimeError("the connection is not open: use `async with agentrt.connect(url)`")
         return self._client
 
-    def _sampling(self, sampling: dict[str, Any]) -> dict[str, Any]:
+    def _sampling(self, sampling: dict[str, Any], completions: bool = False) -> dict[str, Any]:
         try:
             params = SamplingParams(**sampling)
         except (TypeError, ValueError) as e:
             raise InvalidCallError(f"bad sampling arguments {sampling!r}: {e}", program_id=_pid()) from None
+        unsent = [f for f in params.__slots__ if f not in (*_FIELDS, "stop_token_ids")
+                  and getattr(params, f) != getattr(_DEFAULTS, f)]
+        if unsent:  # refused rather than silently dropped
+            raise InvalidCallError(f"sampling arguments {unsent} are not supported through agentrt.connect",
+                                   program_id=_pid())
         body = {f: getattr(params, f) for f in _FIELDS if f in sampling}
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
-        return body
+        if completions:  # /v1/completions: logprobs is the number of alternatives
+            body.pop("top_logprobs", None)
+            body["logprobs"] = params.top_logprobs if params.wants_logprobs else None
+        return {k: v for k, v in body.items() if v is not None}
 
     def _headers(self) -> dict[str, str]:
         cur = current()
@@ -178,6 +207,20 @@ class RemoteRuntime:
 def _pid() -> str | None:
     cur = current()
     return None if cur is None else cur[0].program_id
+
+
+def _usage(data: dict[str, Any]) -> Usage | None:
+    u = data.get("usage")
+    return Usage(u["prompt_tokens"], u["completion_tokens"]) if u else None
+
+
+def _completion_logprobs(data: dict[str, Any] | None) -> list[TokenLogprob] | None:
+    """A completions choice's `logprobs` object (tokens, token_logprobs, top_logprobs) as TokenLogprobs."""
+    if not data or data.get("tokens") is None:
+        return None
+    tops = data.get("top_logprobs") or [None] * len(data["tokens"])
+    return [TokenLogprob(t, lp, None, [TopLogprob(a, b) for a, b in (top or {}).items()])
+            for t, lp, top in zip(data["tokens"], data["token_logprobs"], tops)]
 
 
 def _error(status: int, body: bytes, program_id: str | None) -> AgentrtError:

