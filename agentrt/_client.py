@@ -75,6 +75,9 @@ class RemoteRuntime:
     def _program_started(self, info: ProgramInfo) -> None:
         self.programs.start(info)
 
+    def tool_started(self, info: ProgramInfo | None, tool: str, ttl_s: float | None = None) -> None:
+        """Nothing to do here: the server times the gap between a program's calls itself."""
+
     def _end_program(self, handle: ProgramHandle, state: ProgramStatus, error: str | None) -> None:
         self.programs.end(handle.info, state, error)
         pid = handle.program_id

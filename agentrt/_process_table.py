@@ -11,7 +11,7 @@ import collections
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from agentrt._errors import ProgramNotFoundError
 
@@ -57,6 +57,9 @@ class ProgramInfo:
     num_threads: int = 1  # threads (parallel branches) that made calls, the main one included
     children: list[str] = field(default_factory=list)  # ids of programs it called
     owner: str | None = None  # the client (API-key fingerprint) that started it, for programs started by id
+    kv_reserve_tokens: int | None = None  # KV declared for it (`@agentrt.program(kv_reserve_tokens=...)`)
+    kv: Any = None  # engine.kv_cache_manager.OwnerKV at its latest call's end (and at its end): blocks held,
+    # pinned, reserved, TTL hits / misses / expiries, recomputed prefill tokens; Runtime.program_kv for now
 
     @property
     def calls_active(self) -> int:

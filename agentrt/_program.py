@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import itertools
 import time
 import uuid
@@ -24,6 +25,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 import anyio
 
 from agentrt._context import Host, current_runtime
+from agentrt._errors import UsageError
 from agentrt._process_table import ProgramInfo
 
 P = ParamSpec("P")
@@ -80,7 +82,9 @@ def current_program_id() -> str | None:
     return None if cur is None else cur[0].program_id
 
 
-def enter_program(name: str, make_current: bool = True) -> tuple[ProgramHandle, contextvars.Token | None]:
+def enter_program(
+    name: str, make_current: bool = True, kv_reserve_tokens: int | None = None
+) -> tuple[ProgramHandle, contextvars.Token | None]:
     """Register a new program (child of the current one, if any) and make it current."""
     parent = _current.get()
     runtime = current_runtime(required=False)
@@ -89,6 +93,7 @@ def enter_program(name: str, make_current: bool = True) -> tuple[ProgramHandle, 
         name=name,
         parent_id=parent[0].program_id if parent is not None else None,
         start_time=time.monotonic(),
+        kv_reserve_tokens=kv_reserve_tokens,
     )
     handle = ProgramHandle(info, runtime)
     if runtime is not None:
@@ -116,23 +121,37 @@ def exit_program(handle: ProgramHandle, token: contextvars.Token | None, exc: Ba
 @overload
 def program(fn: Callable[P, Awaitable[T]], /) -> Callable[P, Coroutine[Any, Any, T]]: ...
 @overload
-def program(*, name: str | None = None) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Coroutine[Any, Any, T]]]: ...
+def program(
+    *, name: str | None = None, kv_reserve_tokens: int | None = None
+) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Coroutine[Any, Any, T]]]: ...
 
 
-def program(fn: Callable[P, Awaitable[T]] | None = None, /, *, name: str | None = None) -> Any:
-    """Make an async function a program: `@agentrt._program` or `@agentrt._program(name="react")`.
+def program(
+    fn: Callable[P, Awaitable[T]] | None = None, /, *, name: str | None = None, kv_reserve_tokens: int | None = None
+) -> Any:
+    """Make an async function a program: `@agentrt.program` or `@agentrt.program(name="react")`.
+
+    `kv_reserve_tokens`: KV blocks for this many tokens are set aside for each run of it, used by its
+    calls first and by no one else's (capped with all reservations; agentrt._retention).
 
     Each call runs as a new program (a child of the calling program, if any). Its LLM calls carry
     its id; when it returns, raises or is cancelled it ends, and the runtime aborts whatever calls
     of it are still in flight and releases what the engine holds for it.
     """
 
+    if kv_reserve_tokens is not None and (
+        isinstance(kv_reserve_tokens, bool) or not isinstance(kv_reserve_tokens, int) or kv_reserve_tokens < 0
+    ):
+        raise UsageError(f"@agentrt.program(kv_reserve_tokens=...) must be an int >= 0, got {kv_reserve_tokens!r}")
+
     def decorate(f: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+        if not inspect.iscoroutinefunction(f):
+            raise UsageError(f"@agentrt.program needs an async function (async def), got {f!r}")
         prog_name = name if name is not None else getattr(f, "__name__", repr(f))
 
         @functools.wraps(f)
         async def run_program(*args: P.args, **kwargs: P.kwargs) -> T:
-            handle, token = enter_program(prog_name)
+            handle, token = enter_program(prog_name, kv_reserve_tokens=kv_reserve_tokens)
             try:
                 result = await f(*args, **kwargs)
             except BaseException as exc:

@@ -30,9 +30,12 @@ from agentrt._errors import (
     ProgramNotFoundError,
 )
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
+from agentrt._retention import RetentionConfig, RetentionPolicy
 from agentrt._program import ProgramHandle, current, enter_program, exit_program, new_program_id
 from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
+from engine.kv_cache_manager import OwnerKV
 from engine.outputs import RequestOutput, StreamDelta
+from engine.program_ops import ProgramOp
 from agentrt._results import Chunk, Choice, Result, Usage, token_logprobs, wants_result
 from agentrt._toolcalls import plan_call, response_format_constraint, tool_specs
 from engine.structured import Constraint
@@ -66,9 +69,15 @@ class Runtime:
         *,
         policy_kwargs: dict[str, Any] | None = None,
         program_idle_timeout_s: float | None = None,
+        retention: RetentionConfig | bool = True,
         **engine_config: Any,
     ) -> None:
         try:
+            if isinstance(retention, bool):
+                retention = RetentionConfig(ttl=retention)
+            if not isinstance(retention, RetentionConfig):
+                raise TypeError(f"retention must be a RetentionConfig or a bool, got {retention!r}")
+            self.retention_config = retention  # KV pins across tool calls, reservations (agentrt._retention)
             if program_idle_timeout_s is not None and not (
                 isinstance(program_idle_timeout_s, (int, float)) and 0 < program_idle_timeout_s < math.inf
             ):
@@ -82,8 +91,11 @@ class Runtime:
         self.program_idle_timeout_s = program_idle_timeout_s  # programs keyed by id end after this long idle
         self.programs = ProcessTable()
         self.engine: AsyncEngine | None = None
+        self.retention: RetentionPolicy | None = None  # while the engine runs
         self.observers: list[RuntimeObserver] = []  # told of program starts / ends and call ends
         self._inflight: dict[str, set[str]] = {}  # program id -> request ids in the engine
+        self._convs: dict[str, tuple[str, list[int]]] = {}  # program id -> (text, ids): its last chat prompt + reply
+        self._chat_prompts: dict[str, tuple[str, list[int]]] = {}  # program id -> its latest chat prompt (text, ids)
         self._keyed: dict[str, ProgramHandle] = {}  # running programs started by id (`start_program`, the server)
         self._thread_ids: dict[str, set[str]] = {}  # keyed program id -> thread ids its calls named (num_threads)
         self._num_waiting = 0  # calls submitted that have produced no token yet
@@ -96,6 +108,8 @@ class Runtime:
         try:
             engine = AsyncEngine(self.engine_config)
             self.engine = await stack.enter_async_context(engine)
+            kv = engine.core.kv
+            self.retention = RetentionPolicy(self.retention_config, self._program_op, kv.num_blocks * kv.block_size)
             if self.program_idle_timeout_s is not None:
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)  # runs before the group exits
@@ -130,8 +144,14 @@ class Runtime:
         return self.engine
 
     # --- programs ---------------------------------------------------------------------------
+    def _program_op(self, op: ProgramOp) -> None:
+        if self.engine is not None:
+            self.engine.program_op(op)
+
     def _program_started(self, info: ProgramInfo) -> None:
         self.programs.start(info)
+        if self.retention is not None:
+            self.retention.program_started(info.program_id, info.kv_reserve_tokens)
         for o in self.observers:
             o.program_started(info)
 
@@ -141,10 +161,16 @@ class Runtime:
         if self._keyed.get(pid) is handle:
             del self._keyed[pid]
         self._thread_ids.pop(pid, None)
+        self._convs.pop(pid, None)
+        self._chat_prompts.pop(pid, None)
         for rid in self._inflight.pop(pid, ()):
             if self.engine is not None:
                 self.engine.abort(rid)
-        self.policy.end_program(pid)
+        if self.retention is not None and self.engine is not None:
+            handle.info.kv = self.program_kv(pid)
+            self.retention.program_ended(pid)  # the engine releases its KV and tells the policy
+        else:
+            self.policy.end_program(pid)
         self.programs.end(handle.info, state, error)
         for o in self.observers:
             o.program_ended(handle.info)
@@ -211,6 +237,18 @@ class Runtime:
                 blocks.update(list(req.block_ids))
         return len(blocks)
 
+    def program_kv(self, program_id: str) -> OwnerKV | None:
+        """The program's KV in the engine now: blocks held, pinned, reserved; its TTL hits, misses,
+        expiries and recomputed prefill tokens (None when the engine is not running)."""
+        if self.engine is None:
+            return None
+        return self.engine.core.kv.owner_kv(program_id)
+
+    def tool_started(self, info: ProgramInfo | None, tool: str, ttl_s: float | None = None) -> None:
+        """The program runs `tool` now: its KV is pinned for the tool's TTL (`ttl_s` if given)."""
+        if info is not None and self.retention is not None and info.state == "running":
+            self.retention.tool_started(info.program_id, tool, ttl_s)
+
     def num_waiting_calls(self) -> int:
         """Calls submitted that have produced no token yet (queued or in prefill)."""
         return self._num_waiting
@@ -244,9 +282,26 @@ class Runtime:
         tok = self.tokenizer
         try:
             text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-            return tok(text, add_special_tokens=False)["input_ids"]
+            conv = self._convs.get(program_id) if program_id is not None else None
+            if conv is not None and text.startswith(conv[0]):  # the program's last prompt + reply, then more
+                ids = conv[1] + tok(text[len(conv[0]) :], add_special_tokens=False)["input_ids"]
+            else:
+                ids = tok(text, add_special_tokens=False)["input_ids"]
         except (TypeError, ValueError, UnicodeError) as e:  # e.g. a lone surrogate in a message
             raise InvalidCallError(f"messages cannot be tokenized: {e}", program_id=program_id) from None
+        if program_id is not None:
+            self._chat_prompts[program_id] = (text, ids)
+        return ids
+
+    def _remember_reply(self, program_id: str, out: RequestOutput | None) -> None:
+        """Keep a chat call's prompt and reply as (text, ids) so the program's next prompt reuses the ids
+        the engine generated instead of re-tokenizing their text: a re-tokenization that differs at the
+        reply boundary would end the prefix hit there."""
+        prompt = self._chat_prompts.pop(program_id, None)
+        if prompt is None or out is None or not out.outputs or list(out.prompt_token_ids) != prompt[1]:
+            return
+        ids = list(out.outputs[0].token_ids)
+        self._convs[program_id] = (prompt[0] + self.tokenizer.decode(ids), prompt[1] + ids)
 
     def compile_constraint(self, constraint: Constraint, param: str | None = None) -> None:
         """Compile (and cache) an output grammar now, so a bad one fails here, naming `param`, and a good
@@ -266,10 +321,13 @@ class Runtime:
         owner: str | None = None,
         cache_salt: str | None = None,
         kind: str = "generate",
+        last_call: bool = False,
         name: str = "program",
     ) -> Call:
-        """Submit one call for the program `program_id` (started if unknown, named `name`; None: a
-        one-call program). Bad input raises `InvalidCallError` here; see `agentrt._call.Call`."""
+        """Submit one call for the program `program_id` (started if unknown; None: a one-call
+        program). Bad input raises `InvalidCallError` here; see `agentrt._call.Call`. `last_call`: the
+        program makes no more calls, so nothing of it is pinned when this one ends. `name`: the name of
+        a program this call starts."""
         if program_id is None:
             info = self.start_program(name=kind, owner=owner)
             return self._submit(self._keyed[info.program_id], None, prompt, params, kind, cache_salt, one_call=True)
@@ -279,11 +337,11 @@ class Runtime:
                 raise ProgramNotFoundError("no such program", program_id=program_id)  # another owner's
             self.start_program(program_id, name=name, owner=owner)
             handle = self._keyed[program_id]
-        return self._submit(handle, thread_id, prompt, params, kind, cache_salt)
+        return self._submit(handle, thread_id, prompt, params, kind, cache_salt, last_call=last_call)
 
     def _submit(
         self, handle: ProgramHandle, thread_id: str | None, prompt: str | list[int], params: SamplingParams,
-        kind: str, cache_salt: str | None, one_call: bool = False,
+        kind: str, cache_salt: str | None, one_call: bool = False, last_call: bool = False,
     ) -> Call:
         engine = self._engine()
         pid = handle.program_id
@@ -292,6 +350,8 @@ class Runtime:
         try:
             if isinstance(prompt, str):
                 prompt = self.tokenizer(prompt)["input_ids"]
+            if self.retention is not None:  # before the add: the TTL its end pins for is in place first
+                self.retention.call_submitted(pid, time.monotonic(), last=last_call or one_call)
             stream = engine.add_request(prompt, params, request_id=rid, program_id=pid, thread_id=thread_id,
                                         cache_salt=cache_salt)
         except (TypeError, ValueError, UnicodeError) as e:
@@ -310,6 +370,8 @@ class Runtime:
         return call
 
     def _call_closed(self, call: Call) -> None:
+        if call.kind == "chat":
+            self._remember_reply(call.program_id, call._output)
         inflight = self._inflight.get(call.program_id)
         if inflight is not None:
             inflight.discard(call.request_id)
@@ -317,6 +379,13 @@ class Runtime:
                 del self._inflight[call.program_id]
 
     def _notify_call(self, summary: CallSummary, handle: ProgramHandle | None) -> None:
+        if self.retention is not None:
+            tokens = summary.num_prompt_tokens + summary.num_output_tokens
+            self.retention.call_ended(summary.program_id, time.monotonic(), tokens=tokens, computed_tokens=tokens,
+                                      service_s=summary.service_s, wait_s=summary.wait_s)
+            info = self.programs.get(summary.program_id)
+            if info is not None and info.state == "running":
+                info.kv = self.program_kv(summary.program_id)
         for o in self.observers:
             o.call_ended(summary)
         if handle is not None:  # a one-call program ends with its call

@@ -330,8 +330,9 @@ class AsyncEngine:
             except Exception:
                 logger.exception("aborting abandoned requests failed")
             if not core.has_work():
-                await self._wake.wait()
-                self._wake = anyio.Event()
+                with anyio.move_on_after(core.expire_pins()):  # idle: no steps, so pins expire from here
+                    await self._wake.wait()
+                    self._wake = anyio.Event()
                 continue
             self._stepping = True
             try:

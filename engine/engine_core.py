@@ -314,6 +314,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def expire_pins(self) -> float:
+        """Drop expired pins now (an idle engine takes no steps); seconds until the next deadline (inf: none)."""
+        return self.scheduler.expire_pins() - time.monotonic()
+
     def program_op(self, op: ProgramOp) -> None:
         """Apply a program operation (engine.program_ops: start, reserve, pin, release, end)."""
         self.scheduler.program_op(op)

@@ -301,6 +301,9 @@ class KVCacheManager:
                 self.retention.expiries += 1
                 self._unpin(pid, o)
 
+    def next_pin_deadline(self) -> float:
+        return min((o.deadline for o in self._pinned.values()), default=math.inf)
+
     def program_op(self, op: ProgramOp, now: float) -> None:
         """Apply one program operation (engine.program_ops) at engine time `now`."""
         pid = op.program_id

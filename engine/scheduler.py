@@ -76,10 +76,16 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.finish_time = self.clock()
-        self.kv.free(req, req.finish_time)
+        done = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)  # not aborted or failed
+        self.kv.free(req, req.finish_time, retain=done)
         req.status = status
         req.finish_reason = reason or status.value
         self.policy.on_finish(req, req.finish_time)
+
+    def expire_pins(self) -> float:
+        """Drop expired pins (unless their program waits); the next pin deadline (inf: none)."""
+        self.kv.expire_pins(self.clock(), {r.program_id for r in self.waiting})
+        return self.kv.next_pin_deadline()
 
     def program_op(self, op: ProgramOp) -> None:
         """A program operation (engine.program_ops), between steps, on this scheduler's clock."""
@@ -102,7 +108,7 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
-        self.kv.expire_pins(now, {r.program_id for r in self.waiting})
+        self.expire_pins()
         self.policy.before_schedule(self.waiting, self.running, now)
         key = self.policy.priority
         self.running.sort(key=key)

@@ -266,6 +266,8 @@ def _engine_state(runtime: Runtime) -> EngineState:
         programs_active=len(runtime.programs.running()), calls_per_level=levels,
     )
 
+        kv_pinned_blocks=kv.num_pinned_blocks, kv_reserved_blocks=kv.num_reserved_blocks, ttl_hits=kv.ttl_hits,
+        ttl_misses=kv.ttl_misses, pin_expiries=kv.pin_expiries, recomputed_prefill_tokens=kv.recomputed_prefill_tokens,
 
 def env_api_keys() -> list[str]:
     return [k for k in os.environ.get("AGENTRT_API_KEYS", "").replace(",", " ").split() if k]

@@ -43,6 +43,12 @@ class EngineState:
     num_preemptions: int  # running total
     programs_active: int
     calls_per_level: dict[int, int] = field(default_factory=dict)  # queue level -> calls in it
+    kv_pinned_blocks: int = 0  # blocks programs' pins keep across tool calls
+    kv_reserved_blocks: int = 0  # blocks set aside by programs' reservations
+    ttl_hits: int = 0  # running total: calls admitted while their program's pin held its prefix
+    ttl_misses: int = 0  # running total: calls admitted after their program's pin expired or gave way
+    pin_expiries: int = 0  # running total: pins dropped at their deadline
+    recomputed_prefill_tokens: int = 0  # running total: prompt tokens a program had computed before, again
 
 
 class Metrics:
@@ -52,7 +58,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._state_fn = state_fn
         self._lock = threading.Lock()  # one engine-state report at a time: the running totals
-        self._last_totals = [0, 0, 0]  # prefix queries, prefix hits, preemptions
+        self._last_totals = [0] * 7  # prefix queries, prefix hits, preemptions, TTL hits, misses, expiries, recomputed
         self._levels_seen: set[int] = set()
         r = self.registry
 
@@ -70,6 +76,17 @@ class Metrics:
         self.prefix_cache_hits = Counter("agentrt:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                          registry=r)
         self.num_preemptions = Counter("agentrt:num_preemptions", "Preemptions of running requests.", registry=r)
+        self.kv_pinned_blocks = Gauge("agentrt:kv_pinned_blocks", "KV blocks pinned for programs in a tool call.",
+                                      registry=r)
+        self.kv_reserved_blocks = Gauge("agentrt:kv_reserved_blocks", "KV blocks reserved for programs.", registry=r)
+        self.kv_ttl_hits = Counter("agentrt:kv_ttl_hits", "Calls whose program's pinned prefix was still there.",
+                                   registry=r)
+        self.kv_ttl_misses = Counter("agentrt:kv_ttl_misses", "Calls whose program's pin had expired or given way.",
+                                     registry=r)
+        self.kv_pin_expiries = Counter("agentrt:kv_pin_expiries", "Pins dropped at their TTL deadline.", registry=r)
+        self.recomputed_prefill_tokens = Counter(
+            "agentrt:recomputed_prefill_tokens", "Prompt tokens a program had computed in an earlier call, computed again.",
+            registry=r)
         self.prompt_tokens = Counter("agentrt:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("agentrt:generation_tokens", "Generated tokens of finished requests.",
                                          registry=r)
@@ -147,8 +164,12 @@ class Metrics:
         self.num_requests_waiting.set(s.waiting)
         self.kv_cache_usage_perc.set(s.kv_usage)
         self.programs_active.set(s.programs_active)
-        totals = (s.prefix_queries_tokens, s.prefix_hit_tokens, s.num_preemptions)
-        counters = (self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions)
+        self.kv_pinned_blocks.set(s.kv_pinned_blocks)
+        self.kv_reserved_blocks.set(s.kv_reserved_blocks)
+        totals = (s.prefix_queries_tokens, s.prefix_hit_tokens, s.num_preemptions, s.ttl_hits, s.ttl_misses,
+                  s.pin_expiries, s.recomputed_prefill_tokens)
+        counters = (self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions, self.kv_ttl_hits,
+                    self.kv_ttl_misses, self.kv_pin_expiries, self.recomputed_prefill_tokens)
         for i, (total, counter) in enumerate(zip(totals, counters)):
             if total > self._last_totals[i]:
                 counter.inc(total - self._last_totals[i])

@@ -63,6 +63,29 @@ from engine.structured import Constraint
 
 
 # --- chat -------------------------------------------------------------------------------------
+def _last_call(request: Request) -> bool:
+    """`X-Last-Call: true`: the program makes no more calls, so its KV is not pinned after this one."""
+    return request.headers.get("x-last-call", "").strip().lower() in ("1", "true", "yes")
+
+
+def _note_tool(st: Any, pid: str | None, owner: str | None, messages: list[Any]) -> None:
+    """A call answering a tool (its last message has role "tool") names the tool the program ran since its
+    previous call: by the message's name, else the function its tool_call_id answers. The gap is
+    the tool's duration (agentrt._retention)."""
+    if pid is None or not messages or messages[-1].role != "tool":
+        return
+    last = messages[-1]
+    name = last.name
+    if name is None and last.tool_call_id is not None:
+        for m in reversed(messages[:-1]):
+            for c in m.tool_calls or ():
+                if c.id == last.tool_call_id:
+                    name = c.function.name
+    info = st.runtime.programs.get(pid)
+    if name and info is not None and info.owner == owner and info.state == "running":
+        st.runtime.tool_started(info, name)
+
+
 @api
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
@@ -84,8 +107,9 @@ async def chat_completions(request: Request) -> Response:
         top_logprobs=req.top_logprobs or 0, constraint=plan.constraint,
     )
     st.check_capacity()
+    _note_tool(st, pid, owner, req.messages)
     call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                  kind="chat", name=program_name(request))
+                  kind="chat", name=program_name(request), last_call=_last_call(request))
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage

@@ -25,6 +25,11 @@ from agentrt.server.store import ProgramRecord
 def live_view(st: ServerState, info: ProgramInfo) -> Program:
     rt = st.runtime
     pid = info.program_id
+    kv = rt.program_kv(pid) if info.state == "running" else info.kv
+    retention = {} if kv is None else {
+        "kv_blocks_pinned": kv.pinned, "kv_blocks_reserved": kv.reserved, "ttl_s": kv.ttl_s, "ttl_hits": kv.ttl_hits,
+        "ttl_misses": kv.ttl_misses, "ttl_expiries": kv.expiries, "recomputed_prefill_tokens": kv.recomputed_prefill_tokens,
+    }
     return Program(
         id=pid, name=info.name, state=info.state, created_at=wall_time(info.start_time),
         ended_at=None if info.end_time is None else wall_time(info.end_time), calls_waiting=info.calls_waiting,
@@ -32,7 +37,7 @@ def live_view(st: ServerState, info: ProgramInfo) -> Program:
         critical_path_s=info.critical_path_s, wait_s=info.wait_s, num_prompt_tokens=info.num_prompt_tokens,
         num_output_tokens=info.num_output_tokens, queue_level=rt.program_queue_level(pid),
         kv_blocks=rt.program_kv_blocks(pid) if info.state == "running" else 0, num_threads=info.num_threads,
-        num_prefix_hit_tokens=info.num_prefix_hit_tokens, error=info.error,
+        num_prefix_hit_tokens=info.num_prefix_hit_tokens, error=info.error, **retention,
     )
 
 
