@@ -53,7 +53,7 @@ class ProgramExistsError(AgentrtError, ValueError):
 
 
 class UsageError(AgentrtError, TypeError):
-    """The agentrt API was used wrongly, e.g. `@agentrt._tool` on a function that is not async."""
+    """The agentrt API was used wrongly, e.g. `@agentrt.tool` on a function that is not async."""
 
 
 class CallError(AgentrtError):

@@ -37,7 +37,7 @@ from engine.kv_cache_manager import OwnerKV
 from engine.outputs import RequestOutput, StreamDelta
 from engine.program_ops import ProgramOp
 from agentrt._results import Chunk, Choice, Result, Usage, token_logprobs, wants_result
-from agentrt._toolcalls import plan_call, response_format_constraint, tool_specs
+from agentrt._toolcalls import plan_call, render_messages, response_format_constraint, tool_specs
 from engine.structured import Constraint
 
 ANY_OWNER: Any = object()  # `owner=` default of the program look-ups: any client's program
@@ -427,7 +427,7 @@ class Runtime:
         `tool_choice`, `response_format`, or `full=True` (agentrt._results). Tools are specs or Python
         functions (`@agentrt.tool`); see `agentrt._toolcalls`."""
         if tools is None and tool_choice is None and response_format is None:
-            ids = self.chat_token_ids(messages, _pid())
+            ids = self.chat_token_ids(_rendered(messages), _pid())
             out = await self._collect(ids, sampling, "chat")
             return self._result(out) if wants_result(sampling, full) else out.text
         plan = plan_call(tool_specs(tools), tool_choice, response_format_constraint(response_format))
@@ -447,7 +447,7 @@ class Runtime:
         self, messages: Sequence[dict[str, Any]], *, full: bool = False, **sampling: Any
     ) -> AsyncIterator[str | Chunk]:
         """Text pieces as generated; `Chunk`s (with their choice's index) under `chat`'s rule for a `Result`."""
-        ids = self.chat_token_ids(messages, _pid())
+        ids = self.chat_token_ids(_rendered(messages), _pid())
         async with contextlib.aclosing(self._pieces(ids, sampling, "chat", wants_result(sampling, full))) as gen:
             async for piece in gen:
                 yield piece
@@ -501,6 +501,14 @@ class RuntimeObserver:
     def program_ended(self, info: ProgramInfo) -> None: ...
 
     def call_ended(self, summary: CallSummary) -> None: ...
+
+
+def _rendered(messages: Any) -> Any:
+    """Earlier tool calls and tool results in a conversation written as the model reads them."""
+    if isinstance(messages, (list, tuple)) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+                                                   for m in messages):
+        return render_messages(list(messages), [], "none")
+    return messages
 
 
 def _pid() -> str | None:

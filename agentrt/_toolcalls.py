@@ -148,7 +148,11 @@ def render_messages(messages: list[dict[str, Any]], tools: list[FunctionTool], t
     the system message, assistant tool calls and tool results written in the Hermes format."""
     out: list[dict[str, str]] = []
     for m in messages:
-        role, content = m["role"], m.get("content") or ""
+        if not isinstance(m, dict):
+            out.append(m)  # the caller's validation names it
+            continue
+        role, content = m.get("role"), m.get("content")
+        content = "" if content is None else content
         if role == "assistant" and m.get("tool_calls"):
             calls = [f"{OPEN}\n{json.dumps({'name': f['name'], 'arguments': _loads(f['arguments'])})}\n{CLOSE}"
                      for f in (c.get("function", c) for c in m["tool_calls"])]

@@ -12,6 +12,9 @@ Why xgrammar (measured on this project's CPU machine, SmolLM2 vocab of 49,152, b
 JSON schema): compile 13 ms; mask fill ~3 us a row; mask apply 9-15 ms for 32 rows. llguidance
 1.9: compile similar, fill ~50 us a row, and its CPU mask apply took 1.1 s for the same 32 rows.
 
+JSON is compact (`{"a": 1, "b": [2, 3]}`): with free whitespace between tokens a small model can
+spend its whole budget on blank lines inside an otherwise valid object (seen with SmolLM2-135M).
+
 Under preemption a request's matcher keeps its state (recompute re-reads tokens the matcher has
 already accepted); forks (`n > 1`) each get a matcher of their own; speculative drafts are not
 proposed for constrained requests (the drafts would have to be checked against the grammar).
@@ -82,9 +85,9 @@ class GrammarCache:
         t = time.perf_counter()
         try:
             if c.kind == "json_schema":
-                compiled = self.compiler.compile_json_schema(c.spec, strict_mode=True)
+                compiled = self.compiler.compile_json_schema(c.spec, strict_mode=True, any_whitespace=False)
             elif c.kind == "json_object":
-                compiled = self.compiler.compile_builtin_json_grammar()
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=False)
             elif c.kind == "regex":
                 compiled = self.compiler.compile_regex(c.spec)
             else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import anyio
 import pytest
 
@@ -212,3 +214,22 @@ def test_run_entry_point(tiny_model_path):
         return len(await agentrt.generate("hi", max_tokens=n, ignore_eos=True)) >= 0 and n
 
     assert agentrt.run(hello, 3, model=str(tiny_model_path), num_blocks=32) == 3
+
+
+async def test_a_conversation_with_tool_calls_continues_without_tools(tiny_model_path):
+    """`reply.message()` (content None, tool_calls) and tool results go back into a plain chat."""
+
+    @agentrt.tool
+    async def lookup(key: Literal["k", "j"]) -> str:  # an enum: a random model's call ends quickly
+        """Look a key up."""
+        return f"value of {key}"
+
+    async with runtime(tiny_model_path):
+        msgs = [{"role": "user", "content": "look up k"}]
+        reply = await agentrt.chat(msgs, tools=[lookup], tool_choice="required", max_tokens=64, temperature=0)
+        assert reply.tool_calls and reply.message()["content"] is None
+        msgs += [reply.message(), *await agentrt.run_tool_calls(reply.tool_calls, [lookup])]
+        assert msgs[-1]["content"].startswith("value of")
+        text = await agentrt.chat(msgs, max_tokens=3, temperature=0)
+        streamed = "".join([t async for t in agentrt.chat_stream(msgs, max_tokens=3, temperature=0)])
+        assert isinstance(text, str) and text == streamed
