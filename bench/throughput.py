@@ -1,12 +1,19 @@
-"""Throughput: this engine vs HF transformers `generate`, same model, same dtype, same run.
+"""Throughput: this engine vs HF transformers `generate`, same model, same run.
 
 Workload: N requests (default 64), prompt lengths uniform in [16, 512], output lengths uniform in
 [16, 256], ignore_eos, greedy, fixed seed. Measured:
-- engine: all requests through `LLM.generate` (continuous batching);
-- HF batched: left-padded `generate` in batches of 8/16/32/64 (best reported); a batch decodes until
-  its longest request is done, so only each request's own output tokens count as useful;
-- single request, one at a time, on a subset: decode tokens/s of HF and of the engine, as
-  (out - 1) / (t(out tokens) - t(1 token)), i.e. prefill excluded.
+- engine: all requests through `LLM.generate` (continuous batching), in the engine's dtype (default
+  "auto": bf16 on CPUs with AVX512-BF16 or AMX, fp32 on other CPUs; the start-up line says which);
+- HF batched: left-padded `generate` in batches of 8/16/32/64, in each of `--hf-dtypes` (default: the
+  engine's dtype, and fp32 too when that is bf16 on CPU, so the engine meets HF in HF's best dtype);
+  a batch decodes until its longest request is done, so only each request's own output tokens count;
+- compute: the batched run's model FLOPs (projections per computed token, attention per position
+  attended, the LM head per sampled row) per second of its wall time, and the same for a prefill-only
+  pass over the same prompts (1 output token each), against a GEMM probe of the same run (torch's
+  GEMM 512 x 576 x 1536 in the engine's dtype, the median of 7 timings of 10 calls);
+- single request, one at a time, on a subset: decode tokens/s of HF (each dtype), of the engine, and,
+  when the engine is not fp32, of the engine in fp32, as (out - 1) / (t(out tokens) - t(1 token)),
+  i.e. prefill excluded; the systems are interleaved so drift hits them alike.
 - with `--speculative K` (default 3; 0 = skip), the engine again with n-gram speculative decoding
   (K drafts per step, exact for greedy), reported in separate rows: plain decoding stays the
   headline comparison. Prompts of random token ids make a small model loop, which prompt lookup
@@ -22,11 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from bench._common import markdown_table, write_section
 
@@ -39,6 +49,56 @@ def workload(n: int, seed: int, vocab_lo: int = 100, vocab_hi: int = 40000):
         o = rng.randint(16, 256)
         reqs.append(([rng.randrange(vocab_lo, vocab_hi) for _ in range(p)], o))
     return reqs
+
+
+def linear_flops_per_token(args) -> int:
+    """Projection FLOPs of one token through all layers (the LM head not included)."""
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    per_layer = args.hidden_size * (q + 2 * kv) + q * args.hidden_size + 3 * args.hidden_size * args.intermediate_size
+    return 2 * args.num_layers * per_layer
+
+
+def model_flops(args, reqs) -> float:
+    """Useful FLOPs of serving `reqs` [(prompt, output tokens)]: every prompt and output token but the
+    last goes through the layers (attention over all positions up to its own), every output token is
+    sampled from one LM-head row."""
+    attn_per_pos = 4 * args.num_layers * args.num_heads * args.head_dim  # q.k and p.v per attended position
+    total = 0.0
+    for p, o in reqs:
+        n = len(p) + o - 1
+        total += n * linear_flops_per_token(args) + attn_per_pos * n * (n + 1) / 2
+        total += o * 2 * args.vocab_size * args.hidden_size
+    return total
+
+
+def gemm_probe(dtype: torch.dtype, device: str) -> float:
+    """GFLOP/s of torch's GEMM at 512 x 576 x 1536 (x [512, 1536] @ w [576, 1536].T) in `dtype`: the
+    median of 7 timings of 10 calls, after a warm-up."""
+    x = torch.randn(512, 1536, device=device).to(dtype)
+    w = torch.randn(576, 1536, device=device).to(dtype)
+    times = []
+    for i in range(8):
+        t = time.perf_counter()
+        for _ in range(10):
+            F.linear(x, w)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        if i:
+            times.append((time.perf_counter() - t) / 10)
+    return 2 * 512 * 576 * 1536 / statistics.median(times) / 1e9
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cpu_flags_note() -> str:
+    from kernels import cpu
+
+    flags = cpu.cpu_flags()
+    shown = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16",
+                         "amx_tile") if f in flags]
+    return f"CPU flags: {' '.join(shown) or 'unknown'} (C++ kernels: {cpu.describe()})"
 
 
 def run_engine(llm, reqs) -> float:
@@ -114,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
     ap.add_argument("--single-requests", type=int, default=4, help="requests timed one at a time (0 = skip)")
-    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--dtype", default=None, help="engine dtype (default: the engine's, \"auto\" on CPU)")
+    ap.add_argument("--hf-dtypes", default=None,
+                    help="comma-separated dtypes HF runs in (default: the engine's, plus float32 when that is bf16 on CPU)")
+    ap.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=None,
+                    help="time the engine in fp32 too in the single-request rows (default: when the engine is not fp32)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--speculative", type=int, default=3, help="n-gram drafts per step for the extra rows (0 = skip)")
@@ -150,109 +214,174 @@ def main(argv: list[str] | None = None) -> int:
     if a.kv_cache_gb is not None:
         kw["kv_cache_bytes"] = int(a.kv_cache_gb * 2**30)
     llm = LLM(a.model, **kw)
+    config = llm.core.config
+    print(llm.core.startup_line, file=sys.stderr)
     spec = LLM(a.model, num_speculative_tokens=a.speculative, **kw) if a.speculative else None
-    dtype = llm.core.config.torch_dtype
-    if hf is None:
-        hf = AutoModelForCausalLM.from_pretrained(str(llm.core.model_path), dtype=dtype)
-    hf = hf.to(llm.core.config.device).eval()
+    dtype, device = config.torch_dtype, config.device
+    fp32_ref = a.fp32_reference if a.fp32_reference is not None else dtype != torch.float32
+    ref32 = LLM(a.model, **{**kw, "dtype": "float32"}) if fp32_ref and a.single_requests else None
+    if a.hf_dtypes:
+        hf_dtypes = [getattr(torch, d) for d in a.hf_dtypes.split(",") if d]
+    else:
+        hf_dtypes = [dtype] + ([torch.float32] if device == "cpu" and dtype != torch.float32 and hf is None else [])
+    hfs = {}
+    for d in hf_dtypes:
+        model = hf if hf is not None and d == dtype else AutoModelForCausalLM.from_pretrained(
+            str(llm.core.model_path), dtype=d)
+        hfs[d] = model.to(device).eval()
+    hf = hfs[hf_dtypes[0]]
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
     reqs = workload(a.num_requests, a.seed)
     useful = sum(o for _, o in reqs)
+    args = llm.core.model.args
 
     warm = workload(2, a.seed + 1)
-    run_engine(llm, [(p[:32], 4) for p, _ in warm])
-    if spec is not None:
-        run_engine(spec, [(p[:32], 4) for p, _ in warm])
-    run_hf_batched(hf, [(p[:32], 4) for p, _ in warm], 2, pad_id)
+    for e in (llm, spec, ref32):
+        if e is not None:
+            run_engine(e, [(p[:32], 4) for p, _ in warm])
+            run_engine(e, [(p[:300], 4) for p, _ in reqs[:4]])  # pack the weights, warm the prefill path
+    for model in hfs.values():
+        run_hf_batched(model, [(p[:32], 4) for p, _ in warm], 2, pad_id)
 
     results: dict = {"num_requests": a.num_requests, "output_tokens": useful, "dtype": str(dtype),
-                     "model": a.random_weights or str(llm.core.model_path), "device": llm.core.config.device}
+                     "dtype_reason": config.dtype_reason, "model": a.random_weights or str(llm.core.model_path),
+                     "device": device, "startup_line": llm.core.startup_line,
+                     "load_average_start": os.getloadavg()[0]}
+    if device == "cpu":
+        results["cpu"] = cpu_flags_note()
     if a.check_requests:
         results["check"] = check_against_hf(llm, hf, [(p, 0) for p, _ in reqs[: a.check_requests]],
                                             a.check_tokens, pad_id)
         print(f"check vs HF: {results['check']}", file=sys.stderr)
+    probes = [gemm_probe(dtype, device)]
     t_engine = run_engine(llm, reqs)
     print(f"engine: {t_engine:.1f} s", file=sys.stderr)
     results["engine_tok_s"] = useful / t_engine
     results["engine_s"] = t_engine
+    results["engine_gflop_s"] = model_flops(args, reqs) / t_engine / 1e9
+    prefill_reqs = [([p[0] + 1, *p[1:]], 1) for p, _ in reqs]  # new first token: no prefix-cache hits
+    t_prefill = run_engine(llm, prefill_reqs)
+    probes.append(gemm_probe(dtype, device))
+    results["prefill_tok_s"] = sum(len(p) for p, _ in reqs) / t_prefill
+    results["prefill_gflop_s"] = model_flops(args, prefill_reqs) / t_prefill / 1e9
+    results["gemm_probe_gflop_s"] = probes
+    results["prefill_vs_probe"] = results["prefill_gflop_s"] / statistics.mean(probes)
+    print(f"prefill: {t_prefill:.1f} s, {results['prefill_gflop_s']:.0f} GFLOP/s; GEMM probe {probes}", file=sys.stderr)
     if spec is not None:
         t_spec = run_engine(spec, reqs)
         print(f"engine + speculation: {t_spec:.1f} s", file=sys.stderr)
         results["spec_tok_s"], results["spec_s"] = useful / t_spec, t_spec
-    hf_rows = {}
-    for bsz in [int(x) for x in a.hf_batch_sizes.split(",") if x]:
-        t = run_hf_batched(hf, reqs, bsz, pad_id)
-        print(f"HF batch {bsz}: {t:.1f} s", file=sys.stderr)
-        hf_rows[bsz] = {"s": t, "tok_s": useful / t}
-    best_bsz = max(hf_rows, key=lambda b: hf_rows[b]["tok_s"])
-    results["hf_batched"] = hf_rows
-    results["hf_best_batch_size"] = best_bsz
-    results["ratio_vs_hf_batched"] = results["engine_tok_s"] / hf_rows[best_bsz]["tok_s"]
+    hf_rows = {}  # "dtype, batch B" -> {"s", "tok_s"}
+    by_dtype: dict[str, dict[int, dict]] = {}
+    for d, model in hfs.items():
+        for bsz in [int(x) for x in a.hf_batch_sizes.split(",") if x]:
+            t = run_hf_batched(model, reqs, bsz, pad_id)
+            print(f"HF {d} batch {bsz}: {t:.1f} s", file=sys.stderr)
+            hf_rows[f"{_name(d)}, batch {bsz}"] = by_dtype.setdefault(_name(d), {})[bsz] = {"s": t, "tok_s": useful / t}
+    best_hf = max(hf_rows, key=lambda k: hf_rows[k]["tok_s"])
+    results["hf_batched"] = by_dtype[_name(hf_dtypes[0])]  # HF in the engine's dtype, by batch size
+    results["hf_batched_by_dtype"] = by_dtype
+    results["hf_best"] = best_hf
+    results["ratio_vs_hf_batched"] = results["engine_tok_s"] / hf_rows[best_hf]["tok_s"]
 
     singles = reqs[: a.single_requests]
-    hf_dec = eng_dec = spec_dec = 0.0
+    hf_dec = dict.fromkeys(hfs, 0.0)
+    eng_dec = spec_dec = ref_dec = 0.0
     dec_tokens = 0
-    for p, o in singles:  # the three systems interleaved, so drift hits them alike
-        hf_dec += hf_single(hf, p, o, pad_id) - hf_single(hf, p, 1, pad_id)
+    for p, o in singles:  # the systems interleaved, so drift hits them alike
+        for d, model in hfs.items():
+            hf_dec[d] += hf_single(model, p, o, pad_id) - hf_single(model, p, 1, pad_id)
         eng_dec += engine_single(llm, p, o) - engine_single(llm, p, 1)
+        if ref32 is not None:
+            ref_dec += engine_single(ref32, p, o) - engine_single(ref32, p, 1)
         if spec is not None:
             spec_dec += engine_single(spec, p, o) - engine_single(spec, p, 1)
         dec_tokens += o - 1
     if singles:
-        results["hf_single_decode_tok_s"] = dec_tokens / hf_dec
+        results["hf_single_decode_tok_s"] = dec_tokens / hf_dec[hf_dtypes[0]]  # HF in the engine's dtype
+        results["hf_single_decode_tok_s_by_dtype"] = {_name(d): dec_tokens / t for d, t in hf_dec.items()}
+        best_hf_dec = min(hf_dec.values())
         results["engine_single_decode_tok_s"] = dec_tokens / eng_dec
-        results["ratio_single_decode"] = hf_dec / eng_dec
+        results["ratio_single_decode"] = best_hf_dec / eng_dec
+        if ref32 is not None:
+            results["engine_fp32_single_decode_tok_s"] = dec_tokens / ref_dec
+            results["ratio_single_decode_vs_fp32"] = ref_dec / eng_dec
     if spec is not None:
         if singles:
             results["spec_single_decode_tok_s"] = dec_tokens / spec_dec
-            results["ratio_single_decode_spec"] = hf_dec / spec_dec
+            results["ratio_single_decode_spec"] = best_hf_dec / spec_dec
         results["spec_draft_tokens"] = spec.core.num_draft_tokens
         results["spec_acceptance"] = 1 - spec.core.num_rejected_tokens / max(1, spec.core.num_draft_tokens)
+    results["load_average_end"] = os.getloadavg()[0]
 
-    rows = [["agentrt engine (continuous batching)", f"{results['engine_s']:.1f}", results["engine_tok_s"], 1.0]]
+    name = _name(dtype)
+    rows = [[f"agentrt engine (continuous batching), {name}", f"{results['engine_s']:.1f}", results["engine_tok_s"], 1.0]]
     if spec is not None:
         rows.append([f"agentrt engine + n-gram speculation (k={a.speculative})", f"{results['spec_s']:.1f}",
                      results["spec_tok_s"], results["spec_tok_s"] / results["engine_tok_s"]])
-    for b, r in hf_rows.items():
-        rows.append([f"HF generate, batch {b}", f"{r['s']:.1f}", r["tok_s"], r["tok_s"] / results["engine_tok_s"]])
+    for k, r in hf_rows.items():
+        rows.append([f"HF generate, {k}", f"{r['s']:.1f}", r["tok_s"], r["tok_s"] / results["engine_tok_s"]])
     table = markdown_table(["system", "wall s", "output tok/s", "vs engine"], rows)
     single_note = ""
     if singles:
-        single_rows = [["agentrt engine", results["engine_single_decode_tok_s"], results["ratio_single_decode"]]]
+        single_rows = [[f"agentrt engine, {name}", results["engine_single_decode_tok_s"],
+                        results["ratio_single_decode"]]]
+        if ref32 is not None:
+            single_rows.append(["agentrt engine, float32", results["engine_fp32_single_decode_tok_s"],
+                                best_hf_dec / ref_dec])
         if spec is not None:
             single_rows.append([f"agentrt engine + n-gram speculation (k={a.speculative})",
                                 results["spec_single_decode_tok_s"], results["ratio_single_decode_spec"]])
-        single_rows.append(["HF generate", results["hf_single_decode_tok_s"], 1.0])
-        single = markdown_table(["single request (decode only)", "tok/s", "vs HF"], single_rows)
-        single_note = (f"{single}\n\nSingle-request decode, engine / HF: **{results['ratio_single_decode']:.2f}x** "
-                       f"(target >= 1.5x; {len(singles)} requests, prefill excluded)\n\n")
+        for d, t in hf_dec.items():
+            single_rows.append([f"HF generate, {_name(d)}", dec_tokens / t, best_hf_dec / t])
+        single = markdown_table(["single request (decode only)", "tok/s", "vs best HF"], single_rows)
+        vs32 = (f"; engine {name} / engine float32: **{results['ratio_single_decode_vs_fp32']:.2f}x** (target >= 1.8x)"
+                if ref32 is not None else "")
+        single_note = (f"{single}\n\nSingle-request decode, engine / best HF: **{results['ratio_single_decode']:.2f}x** "
+                       f"(target >= 2x){vs32}; {len(singles)} requests, prefill excluded\n\n")
+    compute_note = (
+        f"Compute: the batched run above did {results['engine_gflop_s']:.0f} GFLOP/s of model work; a prefill-only "
+        f"pass over the same {a.num_requests} prompts (1 output token each) {results['prefill_tok_s']:.0f} tok/s = "
+        f"{results['prefill_gflop_s']:.0f} GFLOP/s, **{results['prefill_vs_probe']:.0%}** of the GEMM probe "
+        f"(torch GEMM 512 x 576 x 1536 in {name}: {probes[0]:.0f} GFLOP/s before the batched run, {probes[1]:.0f} "
+        f"after the prefill pass; target >= 50%).\n\n"
+    )
     spec_note = (
         f"Speculation: {results['spec_draft_tokens']} drafts over all engine + speculation runs, "
-        f"{results['spec_acceptance']:.0%} accepted (drafts are off while more than 8 requests run).\n"
+        f"{results['spec_acceptance']:.0%} accepted (drafts are off while more than 8 requests run).\n\n"
         if spec is not None else ""
     )
     check = results.get("check")
     check_note = (
-        f"Same weights, greedy, one request at a time, {check['tokens']} tokens: engine's first token = HF's for "
-        f"{check['first_token_match']:.0%} of {check['requests']} requests, all tokens for "
-        f"{check['all_tokens_match']:.0%} (mean {check['mean_tokens_before_divergence']:.1f} tokens before the "
-        f"first difference).\n" if check else ""
+        f"Same weights, greedy, one request at a time, {check['tokens']} tokens: engine's first token = HF's "
+        f"({_name(hf_dtypes[0])}) for {check['first_token_match']:.0%} of {check['requests']} "
+        f"requests, all tokens for {check['all_tokens_match']:.0%} (mean {check['mean_tokens_before_divergence']:.1f} "
+        f"tokens before the first difference).\n\n" if check else ""
     )
     model_note = f"Model: random weights of {a.random_weights}'s shape. " if a.random_weights else ""
+    machine_note = (f"{results['cpu']}. Load average {results['load_average_start']:.1f} at the start, "
+                    f"{results['load_average_end']:.1f} at the end.  \n" if device == "cpu" else "")
     summary = (
-        f"{model_note}{a.num_requests} requests, prompts 16-512, outputs 16-256 ({useful} output tokens), ignore_eos, greedy, "
-        f"{dtype}.\n\n{table}\n\nEngine / best HF batched (batch {best_bsz}): **{results['ratio_vs_hf_batched']:.2f}x** "
-        f"(target >= 3x)\n\n{single_note}{spec_note}{check_note}"
+        f"{machine_note}Engine: `{llm.core.startup_line}`\n\n"
+        f"{model_note}{a.num_requests} requests, prompts 16-512, outputs 16-256 ({useful} output tokens), ignore_eos, "
+        f"greedy.\n\n{table}\n\nEngine / best HF batched ({best_hf}): **{results['ratio_vs_hf_batched']:.2f}x** "
+        f"(target >= 3x)\n\n{compute_note}{single_note}{spec_note}{check_note}"
     )
     if a.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps(results, indent=2, default=str))
     else:
         print(summary)
     if not a.no_docs:
-        title = "Throughput" if a.random_weights is None else f"Throughput ({a.random_weights}, random weights, {results['device']})"
+        if a.random_weights is not None:
+            title = f"Throughput ({a.random_weights}, random weights, {results['device']})"
+        elif device == "cpu" and dtype != torch.float32:
+            from kernels import cpu
+
+            title = f"Throughput ({name}, CPU {cpu.kind()})"
+        else:
+            title = "Throughput"
         write_section(title, summary)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -7,7 +7,8 @@ than dozens of small torch ops. So, in fp32 and bf16 (`torch.ops.agentrt_cpu_<ki
 - `packed_linear(x, w_packed, bias, N)` (fp32) and `packed_linear_bf16(...)`: `x @ w.T + bias` from
   the panel-packed weight (kernels/linear.py);
 - `paged_attention_small_q(...)`: attention of sequences with 1-16 query rows read straight from the
-  paged cache through the block tables;
+  paged cache through the block tables; `paged_attention_prefill(...)`: tiled attention of longer
+  query runs (bf16, AVX512-BF16 build only);
 - `rms_norm(x, w, eps)`, `add_rms_norm(x, residual, w, eps)`, `silu_and_mul(x)`, and
   `rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, H)` (rotary embedding of q and
   k fused with the cache write): one pass each, rounding in bf16 where HF's bf16 model rounds.
@@ -60,7 +61,9 @@ _REQUIRES = {
 _DISABLE = {"avx512_bf16": [], "avx512": ["-mno-avx512bf16"], "avx2": ["-mno-avx512f"], "generic": []}
 
 _lock = threading.Lock()
-_state: dict = {"enabled": True, "kind": None, "ops": {}}  # "ops": kind -> loaded namespace or None once tried
+# "kind": forced by use_kind; "env_kind": $AGENTRT_CPU_ISA or the best kind, resolved on first use;
+# "ops": kind -> loaded namespace, or None once a build failed
+_state: dict = {"enabled": True, "kind": None, "env_kind": None, "ops": {}}
 
 
 @functools.cache
@@ -80,6 +83,7 @@ def has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+@functools.cache
 def supported_kinds() -> tuple[str, ...]:
     """The CPU kinds this machine can run, best first ("generic" off x86)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -102,11 +106,14 @@ def _validated_kind(name: str, source: str) -> str:
 
 
 def kind() -> str:
-    """The CPU kind whose kernels `ops()` returns: forced by `use_kind` or $AGENTRT_CPU_ISA, else the best."""
+    """The CPU kind whose kernels `ops()` returns: forced by `use_kind` or $AGENTRT_CPU_ISA (read on first
+    use), else the best this CPU supports."""
     if _state["kind"] is not None:
         return _state["kind"]
-    forced = os.environ.get(ISA_ENV_VAR)
-    return _validated_kind(forced, f"environment variable {ISA_ENV_VAR}") if forced else native_kind()
+    if _state["env_kind"] is None:
+        forced = os.environ.get(ISA_ENV_VAR)
+        _state["env_kind"] = _validated_kind(forced, f"environment variable {ISA_ENV_VAR}") if forced else native_kind()
+    return _state["env_kind"]
 
 
 def _cpu_tag() -> str:
@@ -149,13 +156,27 @@ def ops(kind_name: str | None = None):
     they cannot be built or are disabled."""
     if not _state["enabled"]:
         return None
-    kind_name = kind() if kind_name is None else _validated_kind(kind_name, "ops")
+    kind_name = kind_name or _state["kind"] or _state["env_kind"] or kind()  # the model calls this per op: no work
     loaded = _state["ops"]
     if kind_name not in loaded:
+        _validated_kind(kind_name, "ops")
         with _lock:
             if kind_name not in loaded:
                 loaded[kind_name] = _build(kind_name)
     return loaded[kind_name]
+
+
+def compiled_isa(kind_name: str | None = None) -> str | None:
+    """What the kernels of `kind_name` (default: `kind()`) were compiled for, e.g. "avx512_bf16" (a compiler
+    without AVX512-BF16 support builds that kind as "avx512"); None without kernels."""
+    o = ops(kind_name)
+    if o is None:
+        return None
+    kind_name = kind_name or kind()
+    isas = _state.setdefault("isa", {})
+    if kind_name not in isas:
+        isas[kind_name] = o.isa()
+    return isas[kind_name]
 
 
 def available(kind_name: str | None = None) -> bool:

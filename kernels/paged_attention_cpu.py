@@ -53,6 +53,10 @@ class _CpuPlan:
     decode: list[_Part]  # torch path: sequences with exactly one query row, in groups of similar length
     prefill: _Part | None  # sequences with more query rows (C++ path: more than CPP_MAX_QUERY_ROWS)
     small_seqs: torch.Tensor | None = None  # C++ path: [S] int64, sequences with 1..CPP_MAX_QUERY_ROWS rows
+    cpp_prefill: bool = False  # longer sequences go to the C++ prefill kernel (bf16 on AVX512-BF16)
+    prefill_seqs: torch.Tensor | None = None  # C++ prefill: [S] int64, sequences with more rows
+    prefill_each: list[tuple[_Part, int, int, bool]] | None = None  # torch path, SDPA per prefill sequence:
+    # (its part, first and end row of q, whether it is a fresh prompt: q_len == seq_len, so plainly causal)
 
 
 def _build_part(meta: AttentionMetadata, seqs: torch.Tensor, block_size: int, decode: bool) -> _Part:
@@ -119,7 +123,22 @@ CPP_MAX_QUERY_ROWS = 16  # query rows per sequence up to which the C++ kernel ta
 _CPP_HEAD_DIMS = (32, 64, 128, 256)
 
 
-def _cpu_plan(meta: AttentionMetadata, block_size: int, use_cpp: bool) -> _CpuPlan:
+def _prefill_parts(meta: AttentionMetadata, seqs: torch.Tensor, block_size: int) -> tuple[_Part | None, list | None]:
+    """The torch path's prefill rows: one padded SDPA call for all sequences, or one call per sequence
+    when padding to the longest would more than double the work (SDPA's CPU kernel runs a padded
+    masked batch at about the rate of separate unpadded calls)."""
+    if not seqs.numel():
+        return None, None
+    qsl = meta.query_start_loc.long()
+    q_lens, lens = (qsl[seqs + 1] - qsl[seqs]).tolist(), meta.seq_lens.long()[seqs].tolist()
+    if len(q_lens) > 1 and 2 * sum(q * n for q, n in zip(q_lens, lens)) < len(q_lens) * max(q_lens) * max(lens):
+        starts = qsl[seqs].tolist()
+        return None, [(_build_part(meta, seqs[i : i + 1], block_size, False), starts[i], starts[i] + q_lens[i],
+                       q_lens[i] == lens[i]) for i in range(len(q_lens))]
+    return _build_part(meta, seqs, block_size, False), None
+
+
+def _cpu_plan(meta: AttentionMetadata, block_size: int, use_cpp: bool, cpp_prefill: bool) -> _CpuPlan:
     plan = meta._cpu_plan
     if plan is None:
         qsl = meta.query_start_loc.long()
@@ -127,9 +146,12 @@ def _cpu_plan(meta: AttentionMetadata, block_size: int, use_cpp: bool) -> _CpuPl
         if use_cpp:
             small = ((q_lens >= 1) & (q_lens <= CPP_MAX_QUERY_ROWS)).nonzero().squeeze(1)
             prefill_seqs = (q_lens > CPP_MAX_QUERY_ROWS).nonzero().squeeze(1)
-            plan = _CpuPlan(block_size=block_size, use_cpp=True, decode=[],
-                              prefill=_build_part(meta, prefill_seqs, block_size, False) if prefill_seqs.numel() else None,
-                              small_seqs=small)
+            plan = _CpuPlan(block_size=block_size, use_cpp=True, decode=[], prefill=None, small_seqs=small,
+                            cpp_prefill=cpp_prefill)
+            if cpp_prefill:
+                plan.prefill_seqs = prefill_seqs
+            else:
+                plan.prefill, plan.prefill_each = _prefill_parts(meta, prefill_seqs, block_size)
         else:
             decode_seqs = (q_lens == 1).nonzero().squeeze(1)
             prefill_seqs = (q_lens > 1).nonzero().squeeze(1)
@@ -137,11 +159,12 @@ def _cpu_plan(meta: AttentionMetadata, block_size: int, use_cpp: bool) -> _CpuPl
                 block_size=block_size,
                 use_cpp=False,
                 decode=_decode_groups(meta, decode_seqs, block_size) if decode_seqs.numel() else [],
-                prefill=_build_part(meta, prefill_seqs, block_size, False) if prefill_seqs.numel() else None,
+                prefill=None,
             )
+            plan.prefill, plan.prefill_each = _prefill_parts(meta, prefill_seqs, block_size)
         meta._cpu_plan = plan
     assert plan.block_size == block_size, f"metadata planned for block size {plan.block_size}, cache has {block_size}"
-    assert plan.use_cpp == use_cpp, "metadata planned for another attention path"
+    assert (plan.use_cpp, plan.cpp_prefill) == (use_cpp, cpp_prefill), "metadata planned for another attention path"
     return plan
 
 
@@ -197,7 +220,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Paged attention without Triton (the production CPU path). q: [T, H, D] -> out [T, H, D].
 
     On CPU in fp32 or bf16, sequences with up to `CPP_MAX_QUERY_ROWS` query rows go to the C++ kernel
-    when it is built (kernels/cpu.py), longer ones to SDPA over gathered blocks; otherwise pure torch."""
+    when it is built (kernels/cpu.py), longer ones to the C++ prefill kernel in bf16 on AVX512-BF16
+    and to SDPA over gathered blocks otherwise; without the C++ kernels, pure torch."""
     _check(q, k_cache, v_cache, meta)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -205,10 +229,15 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    plan = _cpu_plan(meta, k_cache.shape[1], _cpp_applies(q, k_cache, v_cache))
+    use_cpp = _cpp_applies(q, k_cache, v_cache)
+    plan = _cpu_plan(meta, k_cache.shape[1], use_cpp, use_cpp and q.dtype == torch.bfloat16
+                     and cpu.compiled_isa() == "avx512_bf16")
     if plan.use_cpp and plan.small_seqs.numel():
         cpu.ops().paged_attention_small_q(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                           meta.block_tables, plan.small_seqs, scale, out)
+    if plan.prefill_seqs is not None and plan.prefill_seqs.numel():
+        cpu.ops().paged_attention_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                          meta.block_tables, plan.prefill_seqs, scale, out)
     for part in plan.decode:
         num_seqs = part.rows.shape[0]
         q_dec = q if part.in_order else q.index_select(0, part.rows)
@@ -229,4 +258,11 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                            attn_mask=part.mask, scale=scale, enable_gqa=group > 1)
         o = o.transpose(1, 2).reshape(num_seqs * part.max_q, num_heads, head_dim)
         out.index_copy_(0, part.rows, o.index_select(0, part.out_index))
+    for part, start, end, fresh in plan.prefill_each or ():
+        # a fresh prompt's row i sits at position i: SDPA's causal mask (keys past the prompt, the
+        # block's padding, are then never visible) instead of an explicit one
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], _gather(k_cache, part),
+                                           _gather(v_cache, part), attn_mask=None if fresh else part.mask,
+                                           is_causal=fresh, scale=scale, enable_gqa=group > 1)
+        out[start:end] = o[0].transpose(0, 1)
     return out

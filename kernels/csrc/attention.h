@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -18,67 +19,146 @@ namespace agentrt {
 constexpr int64_t kMaxQueryRows = 16;  // query rows per sequence this kernel takes
 constexpr int64_t kMaxHeads = 64;       // query heads
 
+// Scores of `nq` queries (fp32 rows of qs, stride D) against m positions of one kv head (rows of kb,
+// `stride` elements apart): s[i * L + j] = q_i . k_j. Queries two at a time and positions four at a
+// time, so each loaded K row serves two queries and eight FMA chains run side by side.
+template <int ND>
+inline void block_scores(const float* qs, int64_t nq, const float* kb, int64_t stride, int64_t m, float* s, int64_t L) {
+  constexpr int64_t D = ND * 8;
+  int64_t i = 0;
+  for (; i + 2 <= nq; i += 2) {
+    const float *q0 = qs + i * D, *q1 = q0 + D;
+    float *s0 = s + i * L, *s1 = s0 + L;
+    int64_t j = 0;
+    for (; j + 4 <= m; j += 4) {
+      const float* kp = kb + j * stride;
+      v8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      for (int d = 0; d < ND; ++d) {
+        const v8 k0 = load8(kp + 8 * d), k1 = load8(kp + stride + 8 * d), k2 = load8(kp + 2 * stride + 8 * d),
+                 k3 = load8(kp + 3 * stride + 8 * d);
+        const v8 x = load8(q0 + 8 * d), y = load8(q1 + 8 * d);
+        a0 += x * k0, a1 += x * k1, a2 += x * k2, a3 += x * k3;
+        b0 += y * k0, b1 += y * k1, b2 += y * k2, b3 += y * k3;
+      }
+      hsum4(a0, a1, a2, a3, s0 + j);
+      hsum4(b0, b1, b2, b3, s1 + j);
+    }
+    for (; j < m; ++j) {
+      const float* kp = kb + j * stride;
+      v8 a = splat(0.f), b = a;
+      for (int d = 0; d < ND; ++d) {
+        const v8 k = load8(kp + 8 * d);
+        a += load8(q0 + 8 * d) * k;
+        b += load8(q1 + 8 * d) * k;
+      }
+      s0[j] = hsum(a);
+      s1[j] = hsum(b);
+    }
+  }
+  if (i < nq) {
+    const float* q0 = qs + i * D;
+    float* s0 = s + i * L;
+    int64_t j = 0;
+    for (; j + 4 <= m; j += 4) {
+      const float* kp = kb + j * stride;
+      v8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0;
+      for (int d = 0; d < ND; ++d) {
+        const v8 x = load8(q0 + 8 * d);
+        a0 += x * load8(kp + 8 * d), a1 += x * load8(kp + stride + 8 * d), a2 += x * load8(kp + 2 * stride + 8 * d),
+            a3 += x * load8(kp + 3 * stride + 8 * d);
+      }
+      hsum4(a0, a1, a2, a3, s0 + j);
+    }
+    for (; j < m; ++j) {
+      const float* kp = kb + j * stride;
+      v8 a = splat(0.f);
+      for (int d = 0; d < ND; ++d) a += load8(q0 + 8 * d) * load8(kp + 8 * d);
+      s0[j] = hsum(a);
+    }
+  }
+}
+
+// acc_i += sum_j p_i[j] v_j for `nq` queries (accumulators in acc, stride D; probabilities p + i * L)
+// over m positions of one kv head (rows of vb, `stride` apart, in L1 by now).
+template <int ND>
+inline void block_values(const float* p, int64_t nq, const float* vb, int64_t stride, int64_t m, float* acc, int64_t L) {
+  constexpr int64_t D = ND * 8;
+  for (int64_t i = 0; i < nq; ++i) {
+    v8 a[ND];
+    for (int d = 0; d < ND; ++d) a[d] = load8(acc + i * D + 8 * d);
+    const float* pi = p + i * L;
+    for (int64_t j = 0; j < m; ++j) {
+      const v8 pj = splat(pi[j]);
+      const float* vp = vb + j * stride;
+      for (int d = 0; d < ND; ++d) a[d] += pj * load8(vp + 8 * d);
+    }
+    for (int d = 0; d < ND; ++d) store8(acc + i * D + 8 * d, a[d]);
+  }
+}
+
+// Converts the block's rows of kv heads [kvh0, kvh1) to fp32 (bf16 caches: each element is converted
+// once instead of once per query head reading it); fp32 caches are read in place.
+template <typename T, int ND>
+inline const float* block_f32(const T* block, int64_t m, int64_t KVH, int64_t kvh0, int64_t kvh1, float* scratch) {
+  constexpr int64_t D = ND * 8;
+  if constexpr (std::is_same_v<T, float>) {
+    return block;
+  } else {
+    const int64_t width = (kvh1 - kvh0) * D;  // converted row: this item's kv heads only
+    for (int64_t j = 0; j < m; ++j) {
+      const T* src = block + (j * KVH + kvh0) * D;
+      for (int64_t e = 0; e < width; e += 8) store8(scratch + j * KVH * D + kvh0 * D + e, load8(src + e));
+    }
+    return scratch;
+  }
+}
+
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
 // One sequence, kv heads [kvh0, kvh1): R query rows x G heads each, against the sequence's L cached
 // positions. Row r sits at position L - R + r and sees positions [0, L - R + r] (causal). Blocks
-// outer, queries inner: a block's K (then V) is read from memory once, whole, and stays in L1 for
-// all the queries reading it. ND = head_dim / 8.
+// outer, kv heads and their queries inner: a block's K (then V) is read from memory once, whole,
+// converted to fp32 once (bf16), and stays in L1 for all the query heads reading it; the next block
+// is prefetched meanwhile. ND = head_dim / 8.
 template <typename T, int ND>
 void attend_one(const T* q, int64_t q_row_stride, T* out, const T* k_cache, const T* v_cache, const int32_t* table,
                 int64_t q0, int64_t R, int64_t L, int64_t kvh0, int64_t kvh1, int64_t H, int64_t KVH, int64_t G,
                 int64_t block_size, float scale, std::vector<float>& buf) {
   constexpr int64_t D = ND * 8;
-  const int64_t nq = R * G * (kvh1 - kvh0);  // query i: head h0 + i / R, row i % R
+  const int64_t nq = R * G * (kvh1 - kvh0);  // query i: head h0 + i / R, row i % R; kv head kvh0 + i / (R G)
+  const int64_t per_kvh = R * G;
   const int64_t h0 = kvh0 * G;
   const int64_t pos_stride = KVH * D;  // elements between consecutive positions of one block
-  buf.resize(nq * D + nq * L);
+  const bool convert = !std::is_same_v<T, float>;
+  buf.resize(nq * D + nq * L + (convert ? block_size * pos_stride : 0));
   float* qs = buf.data();       // [nq, D] scaled queries, later the output accumulators
   float* scores = qs + nq * D;  // [nq, L]
-  int64_t vis[kMaxQueryRows * kMaxHeads];
-  int64_t koff[kMaxQueryRows * kMaxHeads];  // offset of the query's kv head within a position
+  float* scratch = scores + nq * L;  // bf16: one block converted to fp32
   for (int64_t i = 0; i < nq; ++i) {
-    const int64_t h = h0 + i / R, r = i % R;
-    vis[i] = L - R + r + 1;
-    koff[i] = (h / G) * D;
-    const T* src = q + (q0 + r) * q_row_stride + h * D;
+    const T* src = q + (q0 + i % R) * q_row_stride + (h0 + i / R) * D;
     for (int d = 0; d < ND; ++d) store8(qs + i * D + 8 * d, load8(src + 8 * d) * splat(scale));
   }
-  // scores = q . k over every visible position, 4 positions at a time (independent FMA chains)
-  const int64_t block_elems = block_size * pos_stride;
-  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-    const T* kblock = k_cache + (int64_t)table[t0 / block_size] * block_elems;
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t m = std::min(block_size, vis[i] - t0);
-      if (m <= 0) continue;
-      const T* kb = kblock + koff[i];
-      v8 qv[ND];
-      for (int d = 0; d < ND; ++d) qv[d] = load8(qs + i * D + 8 * d);
-      float* s = scores + i * L + t0;
-      int64_t j = 0;
-      for (; j + 4 <= m; j += 4) {
-        const T* kp = kb + j * pos_stride;
-        v8 a0 = qv[0] * load8(kp), a1 = qv[0] * load8(kp + pos_stride), a2 = qv[0] * load8(kp + 2 * pos_stride),
-           a3 = qv[0] * load8(kp + 3 * pos_stride);
-        for (int d = 1; d < ND; ++d) {
-          a0 += qv[d] * load8(kp + 8 * d);
-          a1 += qv[d] * load8(kp + pos_stride + 8 * d);
-          a2 += qv[d] * load8(kp + 2 * pos_stride + 8 * d);
-          a3 += qv[d] * load8(kp + 3 * pos_stride + 8 * d);
-        }
-        hsum4(a0, a1, a2, a3, s + j);
-      }
-      for (; j < m; ++j) {
-        const T* kp = kb + j * pos_stride;
-        v8 a = qv[0] * load8(kp);
-        for (int d = 1; d < ND; ++d) a += qv[d] * load8(kp + 8 * d);
-        s[j] = hsum(a);
-      }
+  const int64_t block_elems = block_size * pos_stride, nblocks = (L + block_size - 1) / block_size;
+  const int64_t first_row = L - R;  // position of query row 0; rows see up to first_row + r
+  // Scores of positions a row cannot see are computed too (a block of at most R - 1 of them) and
+  // skipped by the softmax below, which stops at each row's own last position.
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t t0 = b * block_size, m = std::min(block_size, L - t0);
+    if (b + 1 < nblocks) prefetch_block(k_cache + (int64_t)table[b + 1] * block_elems, block_elems * sizeof(T));
+    const float* kf = block_f32<T, ND>(k_cache + (int64_t)table[b] * block_elems, m, KVH, kvh0, kvh1, scratch);
+    for (int64_t kvh = kvh0; kvh < kvh1; ++kvh) {
+      const int64_t i0 = (kvh - kvh0) * per_kvh;
+      block_scores<ND>(qs + i0 * D, per_kvh, kf + kvh * D, pos_stride, m, scores + i0 * L + t0, L);
     }
   }
-  // softmax numerators in place; 1 / denominators
+  // softmax numerators in place over each row's visible positions; 1 / denominators
   float inv_sum[kMaxQueryRows * kMaxHeads];
   for (int64_t i = 0; i < nq; ++i) {
     float* s = scores + i * L;
-    const int64_t n = vis[i], n8 = n & ~int64_t(7);
+    const int64_t n = first_row + i % R + 1, n8 = n & ~int64_t(7);
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
     v8 sum8 = splat(0.f);
@@ -97,26 +177,19 @@ void attend_one(const T* q, int64_t q_row_stride, T* out, const T* k_cache, cons
         sum += e[t - n8];
       }
     }
+    for (int64_t t = n; t < L; ++t) s[t] = 0.f;  // invisible positions weigh nothing
     inv_sum[i] = 1.f / sum;
   }
   // out = p @ v, accumulated in qs's place (the scaled queries are no longer needed)
   float* acc = qs;
   for (int64_t j = 0; j < nq * D; ++j) acc[j] = 0.f;
-  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-    const T* vblock = v_cache + (int64_t)table[t0 / block_size] * block_elems;
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t m = std::min(block_size, vis[i] - t0);
-      if (m <= 0) continue;
-      const T* vb = vblock + koff[i];
-      v8 a[ND];
-      for (int d = 0; d < ND; ++d) a[d] = load8(acc + i * D + 8 * d);
-      const float* p = scores + i * L + t0;
-      for (int64_t j = 0; j < m; ++j) {
-        const v8 pj = splat(p[j]);
-        const T* vp = vb + j * pos_stride;
-        for (int d = 0; d < ND; ++d) a[d] += pj * load8(vp + 8 * d);
-      }
-      for (int d = 0; d < ND; ++d) store8(acc + i * D + 8 * d, a[d]);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t t0 = b * block_size, m = std::min(block_size, L - t0);
+    if (b + 1 < nblocks) prefetch_block(v_cache + (int64_t)table[b + 1] * block_elems, block_elems * sizeof(T));
+    const float* vf = block_f32<T, ND>(v_cache + (int64_t)table[b] * block_elems, m, KVH, kvh0, kvh1, scratch);
+    for (int64_t kvh = kvh0; kvh < kvh1; ++kvh) {
+      const int64_t i0 = (kvh - kvh0) * per_kvh;
+      block_values<ND>(scores + i0 * L + t0, per_kvh, vf + kvh * D, pos_stride, m, acc + i0 * D, L);
     }
   }
   for (int64_t i = 0; i < nq; ++i) {

@@ -5,6 +5,7 @@
 //
 // - linear.h: packed_linear (fp32) and packed_linear_bf16, x @ w^T from a panel-packed weight;
 // - attention.h: paged_attention_small_q, attention of few-row sequences from the paged cache;
+// - attention_prefill.h: paged_attention_prefill, tiled attention of prefill chunks (AVX512-BF16, bf16);
 // - elementwise.h: rms_norm (optionally after the residual add), silu_and_mul, rope_store_kv.
 
 #include <ATen/ATen.h>
@@ -15,6 +16,7 @@
 #include <type_traits>
 
 #include "attention.h"
+#include "attention_prefill.h"
 #include "elementwise.h"
 #include "linear.h"
 #include "vec.h"
@@ -136,6 +138,42 @@ void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, con
   });
 }
 
+// Like paged_attention_small_q for sequences with any number of query rows (prefill chunks), bf16 only,
+// in the AVX512-BF16 build only (attention_prefill.h).
+void paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                             const at::Tensor& block_tables, const at::Tensor& seqs, double scale, at::Tensor& out) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "paged_attention_prefill: bf16 only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && out.sizes() == q.sizes(),
+              "paged_attention_prefill: contiguous heads of q, contiguous out and caches");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.scalar_type() == at::kInt && seqs.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous() && seqs.is_contiguous(),
+              "paged_attention_prefill: int32 metadata, int64 seqs, contiguous");
+  const int64_t H = q.size(1), D = q.size(2), block_size = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && (D == 64 || D == 128 || D == 32 || D == 256) && H % KVH == 0,
+              "paged_attention_prefill: head_dim 32, 64, 128 or 256, whole GQA groups");
+  const int64_t max_blocks = block_tables.size(1), S = seqs.numel();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* sp = seqs.data_ptr<int64_t>();
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t b = sp[i], R = qsl[b + 1] - qsl[b];
+    TORCH_CHECK(R >= 1 && lens[b] >= R && (lens[b] + block_size - 1) / block_size <= max_blocks,
+                "paged_attention_prefill: sequence ", b, " has ", R, " query rows and ", lens[b], " positions");
+  }
+  agentrt::paged_attention_prefill(ptr<bf16>(q), q.stride(0), ptr<bf16>(out), ptr<bf16>(k_cache), ptr<bf16>(v_cache),
+                                   qsl, lens, block_tables.data_ptr<int32_t>(), max_blocks, sp, S, H, KVH, D,
+                                   block_size, static_cast<float>(scale));
+#else
+  TORCH_CHECK(false, "paged_attention_prefill: needs the avx512_bf16 build, this is ", agentrt::compiled_isa());
+#endif
+}
+
 void check_norm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && is_float_or_bf16(x) && x.is_contiguous() && w.scalar_type() == x.scalar_type() &&
                   w.is_contiguous() && w.numel() == x.size(1),
@@ -230,6 +268,9 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
       "paged_attention_small_q(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out) -> ()");
   m.def(
+      "paged_attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
+      "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out) -> ()");
+  m.def(
       "rope_store_kv(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, int num_heads) -> Tensor");
 }
@@ -241,5 +282,6 @@ AGENTRT_LIBRARY_IMPL(AGENTRT_NS, CPU, m) {
   m.impl("packed_linear", packed_linear);
   m.impl("packed_linear_bf16", packed_linear_bf16);
   m.impl("paged_attention_small_q", paged_attention_small_q);
+  m.impl("paged_attention_prefill", paged_attention_prefill);
   m.impl("rope_store_kv", rope_store_kv);
 }

@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace agentrt {
 
 using bf16 = uint16_t;  // storage of at::BFloat16
@@ -50,8 +54,12 @@ inline float round_as(float x) { return to_f32(from_f32<T>(x)); }
 
 inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline v8 load8(const bf16* p) {
+#if defined(__AVX2__)
+  return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
   const v8h h = *reinterpret_cast<const v8h*>(p);
   return (v8)(__builtin_convertvector(h, v8w) << 16);
+#endif
 }
 
 inline v8w round_bits(v8 x) {  // bf16 bits in the high half of each lane
@@ -62,7 +70,13 @@ inline v8w round_bits(v8 x) {  // bf16 bits in the high half of each lane
 }
 
 inline void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
-inline void store8(bf16* p, v8 x) { *reinterpret_cast<v8h*>(p) = __builtin_convertvector(round_bits(x) >> 16, v8h); }
+inline void store8(bf16* p, v8 x) {
+#if defined(__AVX512BF16__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh((__m256)x));
+#else
+  *reinterpret_cast<v8h*>(p) = __builtin_convertvector(round_bits(x) >> 16, v8h);
+#endif
+}
 
 template <typename T>
 inline v8 round_as(v8 x);

@@ -44,6 +44,7 @@ def test_unsupported_or_unknown_kind_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="'sse9'"), cpu.use_kind("sse9"):
         pass
     monkeypatch.setenv(cpu.ISA_ENV_VAR, "sse9")
+    monkeypatch.setitem(cpu._state, "env_kind", None)  # read again
     with pytest.raises(ValueError, match="AGENTRT_CPU_ISA"):
         cpu.kind()
     missing = [k for k in cpu.KINDS if k not in cpu.supported_kinds()]
@@ -101,14 +102,20 @@ def test_bf16_rows_past_the_packed_kernel_take_the_library():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("q_lens", "seq_lens"), [([1, 1, 1], [1, 45, 300]), ([1, 5, 16, 17], [33, 17, 70, 40])])
+@pytest.mark.parametrize(("q_lens", "seq_lens"), [
+    ([1, 1, 1], [1, 45, 300]),  # decode
+    ([1, 5, 16, 17], [33, 17, 70, 40]),  # decode, drafts, one prefill chunk over cached context
+    ([130, 33, 1, 70], [130, 100, 9, 70]),  # prefill: fresh prompts and a chunk after 67 cached positions
+])
 @pytest.mark.parametrize(("heads", "head_dim"), [((9, 3), 64), ((8, 1), 128), ((4, 4), 32)])
 def test_paged_attention(cpu_kind, dtype, q_lens, seq_lens, heads, head_dim):
-    """Decode and draft rows from the paged cache in C++, prefill rows (17) through SDPA; in bf16 the cache is read as bf16."""
+    """Rows of up to 16 per sequence from the paged cache in C++; longer ones through the C++ prefill
+    kernel in bf16 on AVX512-BF16, SDPA otherwise; in bf16 the cache is read as bf16."""
     batch = make_paged_batch(q_lens, seq_lens, *heads, head_dim, 16, dtype, seed=len(q_lens) + head_dim)
     scale = head_dim ** -0.5
     out = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
-    assert batch.meta._cpu_plan.use_cpp
+    plan = batch.meta._cpu_plan
+    assert plan.use_cpp and plan.cpp_prefill == (dtype == torch.bfloat16 and cpu_kind == "avx512_bf16")
     gold = batch.dense(scale)  # fp32 math on the same (bf16-valued) inputs
     if dtype == torch.float32:
         torch.testing.assert_close(out, gold, rtol=1e-5, atol=1e-5)

@@ -23,8 +23,9 @@ DECODE = ([1, 1, 1], [1, 45, 64])
 DECODE_EQUAL = ([1, 1, 1], [45, 45, 45])  # torch path: no mask, no padding (slots past 45 are NaN)
 DECODE_ONE = ([1], [37])
 DECODE_SPREAD = ([1, 1, 1, 1, 1, 2], [3, 300, 40, 620, 290, 45])  # torch path: 3 decode groups + prefill
+PREFILL_RAGGED = ([60, 3, 40, 1], [60, 80, 75, 9])  # torch path: SDPA per prefill sequence (fresh and not)
 SCENARIOS = {"mixed": MIXED, "prefill": PREFILL, "decode": DECODE, "decode_equal": DECODE_EQUAL,
-             "decode_one": DECODE_ONE, "decode_spread": DECODE_SPREAD}
+             "decode_one": DECODE_ONE, "decode_spread": DECODE_SPREAD, "prefill_ragged": PREFILL_RAGGED}
 GQA = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): ratios 1, 3, 8
 @pytest.fixture(params=[True, False], ids=["cpp", "torch"])
 def cpu_kernels(request):
@@ -79,6 +80,15 @@ def test_torch_path_decode_plan(paged_batch, torch_only, scenario, equal_len, in
     paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
     (part,) = batch.meta._cpu_plan.decode
     assert (part.equal_len, part.in_order) == (equal_len, in_order)
+
+
+def test_torch_path_prefill_per_sequence_when_padding_would_double_the_work(paged_batch, torch_only):
+    batch = paged_batch(*PREFILL_RAGGED, 9, 3, 64, 16, torch.float32)
+    out = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    plan = batch.meta._cpu_plan
+    assert plan.prefill is None and [(a, b, fresh) for _, a, b, fresh in plan.prefill_each] == [
+        (0, 60, True), (60, 63, False), (63, 103, False)]
+    torch.testing.assert_close(out, batch.dense(0.125), rtol=1e-5, atol=1e-5)
 
 
 def test_torch_path_groups_decode_rows_by_length(paged_batch, torch_only):

@@ -1,0 +1,220 @@
+// Causal attention of prefill chunks from a bf16 paged cache on AVX512-BF16 (flash-attention's tiling
+// on CPU registers). Per (sequence, kv head) the visible K and V are first packed into the operand
+// layouts of `vdpbf16ps` (which multiplies pairs of bf16 and adds both products to an fp32 lane):
+//   K^T in pairs: kt[dd][n] = (k[n][2dd], k[n][2dd + 1])     [D / 2][Lp] 32-bit pairs
+//   V in pairs:   vp[nn][d] = (v[2nn][d], v[2nn + 1][d])     [Lp / 2][D]
+// Then each group of MR query rows (the rows of one kv head: query positions x the heads of its GQA
+// group) walks the KV positions it can see in tiles of 32: S = q k^T (2 x MR accumulators of 16
+// lanes), online softmax in fp32 (exp in 16 lanes), P rounded to bf16 (as torch's bf16 flash
+// attention does), O += P v (MR x D / 16 accumulators, in registers for the whole walk).
+// Traffic: K and V of a sequence read once per kv head to pack; packed tiles are L1/L2-resident.
+// FLOPs: 4 D per (row, visible position), rounded up to whole tiles of 32 positions on the diagonal.
+
+#pragma once
+
+#if defined(__AVX512BF16__)
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace agentrt {
+
+constexpr int64_t kPrefillTile = 32;  // KV positions per tile
+constexpr int64_t kRowsPerItem = 64;  // query rows (position x head) per work item
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline v16 splat16(float x) { return v16{} + x; }
+
+// 2^x in 16 lanes: split x = n + f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial (~1 ulp); x at or
+// below -126 gives 0 (masked scores are -inf).
+inline v16 exp2_16(v16 x) {
+  x = x < splat16(-126.f) ? splat16(-126.f) : x;
+  x = x > splat16(126.f) ? splat16(126.f) : x;
+  const v16 n = (v16)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const v16 f = x - n;
+  v16 p = splat16(1.535336188319500e-4f);
+  p = p * f + splat16(1.339887440266574e-3f);
+  p = p * f + splat16(9.618437357674640e-3f);
+  p = p * f + splat16(5.550332471162809e-2f);
+  p = p * f + splat16(2.402264791363012e-1f);
+  p = p * f + splat16(6.931472028550421e-1f);
+  p = p * f + splat16(1.f);
+  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  return x <= splat16(-126.f) ? splat16(0.f) : p * (v16)bits;
+}
+
+// Packs the K and V of positions [0, L) of kv head `kvh` of one sequence (blocks through `table`).
+inline void pack_kv(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t L, int64_t kvh,
+                    int64_t KVH, int64_t D, int64_t block_size, uint32_t* kt, uint32_t* vp, int64_t Lp) {
+  const int64_t half = D / 2;
+  for (int64_t n = 0; n < Lp; ++n) {
+    if (n >= L) {
+      for (int64_t dd = 0; dd < half; ++dd) kt[dd * Lp + n] = 0;
+      continue;
+    }
+    const int64_t off = ((int64_t)table[n / block_size] * block_size + n % block_size) * KVH * D + kvh * D;
+    const uint32_t* k = reinterpret_cast<const uint32_t*>(k_cache + off);
+    for (int64_t dd = 0; dd < half; ++dd) kt[dd * Lp + n] = k[dd];
+  }
+  for (int64_t nn = 0; nn < Lp / 2; ++nn) {
+    uint32_t* dst = vp + nn * D;
+    const bf16* rows[2] = {nullptr, nullptr};
+    for (int e = 0; e < 2; ++e) {
+      const int64_t n = 2 * nn + e;
+      if (n < L) rows[e] = v_cache + ((int64_t)table[n / block_size] * block_size + n % block_size) * KVH * D + kvh * D;
+    }
+    for (int64_t d = 0; d < D; ++d)
+      dst[d] = (rows[0] ? uint32_t(rows[0][d]) : 0u) | (rows[1] ? uint32_t(rows[1][d]) << 16 : 0u);
+  }
+}
+
+// MR query rows (bf16 pairs qp[m][dd], positions pos[m]) against packed K/V; writes out rows.
+template <int MR, int NC>  // NC = D / 16
+inline void prefill_rows(const uint32_t* qp, const int64_t* pos, const uint32_t* kt, const uint32_t* vp, int64_t Lp,
+                         float scale_log2e, bf16* const* out) {
+  constexpr int64_t D = NC * 16, half = D / 2;
+  __m512 o[MR][NC];
+  float m_run[MR], l_run[MR];
+  for (int m = 0; m < MR; ++m) {
+    for (int c = 0; c < NC; ++c) o[m][c] = _mm512_setzero_ps();
+    m_run[m] = -std::numeric_limits<float>::infinity();
+    l_run[m] = 0.f;
+  }
+  int64_t last = 0;
+  for (int m = 0; m < MR; ++m) last = std::max(last, pos[m]);
+  alignas(64) uint32_t pbuf[MR][kPrefillTile / 2];
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t n0 = 0; n0 <= last; n0 += kPrefillTile) {
+    __m512 s[MR][2];
+    for (int m = 0; m < MR; ++m) s[m][0] = s[m][1] = _mm512_setzero_ps();
+    for (int64_t dd = 0; dd < half; ++dd) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(kt + dd * Lp + n0);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(kt + dd * Lp + n0 + 16);
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(qp[m * half + dd]);
+        s[m][0] = _mm512_dpbf16_ps(s[m][0], a, w0);
+        s[m][1] = _mm512_dpbf16_ps(s[m][1], a, w1);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      v16 s0 = (v16)s[m][0] * scale_log2e, s1 = (v16)s[m][1] * scale_log2e;
+      if (n0 + kPrefillTile > pos[m]) {  // the diagonal tile (or past it): hide positions after the row's own
+        const float lim = static_cast<float>(pos[m] - n0);
+        const v16 inf = splat16(-std::numeric_limits<float>::infinity());
+        s0 = lane > lim ? inf : s0;
+        s1 = lane + 16.f > lim ? inf : s1;
+      }
+      const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps((__m512)s0, (__m512)s1));
+      const float m_new = std::max(m_run[m], tile_max);
+      const float alpha = std::exp2(m_run[m] - m_new);
+      const v16 p0 = exp2_16(s0 - m_new), p1 = exp2_16(s1 - m_new);
+      l_run[m] = l_run[m] * alpha + _mm512_reduce_add_ps((__m512)(p0 + p1));
+      m_run[m] = m_new;
+      const __m512 av = _mm512_set1_ps(alpha);
+      for (int c = 0; c < NC; ++c) o[m][c] = _mm512_mul_ps(o[m][c], av);
+      _mm512_store_si512(pbuf[m], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+    }
+    const uint32_t* vt = vp + (n0 / 2) * D;
+    for (int64_t nn = 0; nn < kPrefillTile / 2; ++nn) {
+      __m512bh v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + nn * D + 16 * c);
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pbuf[m][nn]);
+        for (int c = 0; c < NC; ++c) o[m][c] = _mm512_dpbf16_ps(o[m][c], a, v[c]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m512 inv = _mm512_set1_ps(1.f / l_run[m]);
+    for (int c = 0; c < NC; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[m] + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[m][c], inv)));
+  }
+}
+
+template <int NC>
+void prefill_item(const bf16* q, int64_t q_row_stride, bf16* out, int64_t H, int64_t G, int64_t kvh, int64_t q0,
+                  int64_t R, int64_t L, int64_t row0, int64_t row1, const uint32_t* kt, const uint32_t* vp,
+                  int64_t Lp, float scale_log2e) {
+  constexpr int64_t D = NC * 16, half = D / 2;
+  constexpr int MR = NC <= 4 ? 4 : 2;  // o: MR x NC accumulators of the 32 registers
+  // Item rows i in [row0, row1): query row r = i / G, head kvh * G + i % G.
+  alignas(64) uint32_t qp[MR * half];
+  int64_t pos[MR];
+  bf16* dst[MR];
+  alignas(64) bf16 sink[MR][D];
+  for (int64_t i0 = row0; i0 < row1; i0 += MR) {
+    for (int m = 0; m < MR; ++m) {
+      const int64_t i = std::min(i0 + m, row1 - 1);  // a short last group repeats its last row into `sink`
+      const int64_t r = i / G, h = kvh * G + i % G;
+      std::memcpy(qp + m * half, q + (q0 + r) * q_row_stride + h * D, D * sizeof(bf16));
+      pos[m] = L - R + r;
+      dst[m] = i0 + m < row1 ? out + ((q0 + r) * H + h) * D : sink[m];
+    }
+    prefill_rows<MR, NC>(qp, pos, kt, vp, Lp, scale_log2e, dst);
+  }
+}
+
+// Sequences `seqs` of the batch (each with its query rows q[qsl[b]:qsl[b+1]], seq_lens[b] positions);
+// writes their rows of out [T, H, D].
+inline void paged_attention_prefill(const bf16* q, int64_t q_row_stride, bf16* out, const bf16* k_cache,
+                                    const bf16* v_cache, const int32_t* qsl, const int32_t* lens,
+                                    const int32_t* tables, int64_t max_blocks, const int64_t* seqs, int64_t S,
+                                    int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale) {
+  const int64_t G = H / KVH, half = D / 2;
+  // 1. pack K and V per (sequence, kv head)
+  std::vector<int64_t> offset(S + 1, 0), lp(S);
+  for (int64_t i = 0; i < S; ++i) {
+    lp[i] = (lens[seqs[i]] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
+    offset[i + 1] = offset[i] + KVH * lp[i] * D;  // uint32 per (kv head): Lp * D / 2 (K) + Lp / 2 * D (V)
+  }
+  std::vector<uint32_t> packed(offset[S]);
+  at::parallel_for(0, S * KVH, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t i = w / KVH, kvh = w % KVH, b = seqs[i];
+      uint32_t* kt = packed.data() + offset[i] + kvh * lp[i] * D;
+      pack_kv(k_cache, v_cache, tables + b * max_blocks, lens[b], kvh, KVH, D, block_size, kt, kt + half * lp[i],
+              lp[i]);
+    }
+  });
+  // 2. attention, work items of kRowsPerItem rows of one (sequence, kv head)
+  std::vector<int64_t> item_start(S + 1, 0);
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t rows = (qsl[seqs[i] + 1] - qsl[seqs[i]]) * G;
+    item_start[i + 1] = item_start[i] + KVH * ((rows + kRowsPerItem - 1) / kRowsPerItem);
+  }
+  const float scale_log2e = scale * 1.4426950408889634f;
+  at::parallel_for(0, item_start[S], 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t i = std::upper_bound(item_start.begin(), item_start.end(), w) - item_start.begin() - 1;
+      const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b], chunks = (R * G + kRowsPerItem - 1) / kRowsPerItem;
+      const int64_t kvh = (w - item_start[i]) / chunks, chunk = (w - item_start[i]) % chunks;
+      const uint32_t* kt = packed.data() + offset[i] + kvh * lp[i] * D;
+      const int64_t row0 = chunk * kRowsPerItem, row1 = std::min(R * G, row0 + kRowsPerItem);
+      auto run = [&](auto fn) {
+        fn(q, q_row_stride, out, H, G, kvh, qsl[b], R, lens[b], row0, row1, kt, kt + half * lp[i], lp[i],
+           scale_log2e);
+      };
+      switch (D) {
+        case 32: run(prefill_item<2>); break;
+        case 64: run(prefill_item<4>); break;
+        case 128: run(prefill_item<8>); break;
+        default: run(prefill_item<16>); break;
+      }
+    }
+  });
+}
+
+}  // namespace agentrt
+
+#endif  // __AVX512BF16__
