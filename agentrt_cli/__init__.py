@@ -21,6 +21,7 @@ BENCHES = {
     "simulate": "bench.simulate",
     "serve": "bench.serve",
     "countdown": "bench.countdown",
+    "retention": "bench.retention",
 }
 
 

@@ -30,11 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq)
+from agentrt._retention import RetentionConfig, RetentionPolicy
 from bench import workload as wl
 from bench.workload import Call, Parallel, ProgramSpec, Tool
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.policy import SchedulingPolicy, make_policy
+from engine.program_ops import EndProgram, ProgramOp
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -49,13 +51,26 @@ class StepCost:
     token_s: float = 0.0025
     decode_row_s: float = 0.0035
     context_s: float = 5e-6
+    prefill_attn_s: float = 0.0  # per (new token x context token) of chunks longer than one token: attention FLOPs
 
     def __call__(self, out: SchedulerOutput) -> float:
         if not out.reqs:
             return 0.0
         decode = sum(1 for n in out.num_tokens if n == 1)
         context = sum(r.num_computed_tokens + n for r, n in zip(out.reqs, out.num_tokens))
-        return self.base_s + self.token_s * out.total_tokens + self.decode_row_s * decode + self.context_s * context
+        attn = sum(n * (r.num_computed_tokens + n / 2) for r, n in zip(out.reqs, out.num_tokens) if n > 1)
+        return (self.base_s + self.token_s * out.total_tokens + self.decode_row_s * decode + self.context_s * context
+                + self.prefill_attn_s * attn)
+
+
+# Llama-3.1-8B, bf16, on one H100 SXM (80 GB), from the spec sheets, not measured here: weights 16.1 GB read
+# once a step at 3.35 TB/s HBM (4.8 ms) + ~2 ms launch/sampling overhead; 2 x 8.03 GFLOP per token at
+# ~50% of 989 dense bf16 TFLOP/s (32.5 us/token); KV 128 KiB/token (32 layers x 8 KV heads x 128 x K,V x
+# 2 B) read per step per context token (39 ns); prefill attention 4 x 32 x 4096 FLOP per (query, key)
+# pair at the same rate (1.06 ns). KV memory: 80 GB - 16 GB weights - ~4 GB activations = ~60 GB =
+# ~458k tokens.
+H100_LLAMA8B = StepCost(base_s=0.0068, token_s=3.25e-5, decode_row_s=0.0, context_s=3.9e-8, prefill_attn_s=1.06e-9)
+H100_KV_TOKENS = 458_000
 
 
 class SimEngine:
@@ -77,7 +92,10 @@ class SimEngine:
         self._done: dict[str, Callable[[list[int]], None]] = {}
         self._ids = itertools.count()
 
-    def add(self, call: Call, program_id: str, thread_id: str, on_done: Callable[[list[int]], None]) -> None:
+    def program_op(self, op: ProgramOp) -> None:
+        self.scheduler.program_op(op)
+
+    def add(self, call: Call, program_id: str, thread_id: str, on_done: Callable[[Request], None]) -> None:
         rid = f"sim-{next(self._ids)}"
         req = Request(rid, list(call.prompt), SamplingParams(max_tokens=call.max_tokens, ignore_eos=True),
                       program_id=program_id, thread_id=thread_id, arrival_time=self.now)
@@ -103,14 +121,19 @@ class SimEngine:
             req.append_token(self.rng.randrange(*wl.VOCAB))
             if req.num_output_tokens >= req.sampling.max_tokens:
                 self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH, "length")
-                self._done.pop(req.request_id)(list(req.output_token_ids))
+                self._done.pop(req.request_id)(req)
 
 
 def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, policy_kwargs: dict[str, Any] | None = None,
-             engine: dict[str, Any] | None = None, cost: StepCost | None = None) -> dict[str, Any]:
-    """Run the workload's plans to completion; per-program latencies and engine counters (virtual seconds)."""
+             engine: dict[str, Any] | None = None, cost: StepCost | None = None,
+             retention: RetentionConfig | None = None) -> dict[str, Any]:
+    """Run the workload's plans to completion; per-program latencies and engine counters (virtual seconds).
+    `retention`: run agentrt's retention policy (TTL pins, reservations) over the engine's own pin code."""
     pol = make_policy(policy, **(policy_kwargs or {}))
     eng = SimEngine(pol, **{**_ENGINE, **(engine or {})}, cost=cost)
+    ret = None
+    if retention is not None:
+        ret = RetentionPolicy(retention, eng.program_op, eng.kv.num_blocks * eng.kv.block_size)
     timers: list[tuple[float, int, Callable[[], None]]] = []
     seq = itertools.count()
     results: list[dict[str, Any] | None] = [None] * len(workload)
@@ -121,31 +144,42 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
     def start(spec: ProgramSpec) -> None:
         pid, gen = f"prog-{spec.index}", wl.plan(spec)
         stats = {"calls": 0, "output_tokens": 0}
+        if ret is not None:
+            ret.program_started(pid, None)
 
         def advance(value: Any) -> None:
             try:
                 action = gen.send(value)
             except StopIteration:
-                end = getattr(pol, "end_program", None)
-                if end is not None:
-                    end(pid)
+                if ret is not None:
+                    ret.program_ended(pid)
+                else:
+                    eng.program_op(EndProgram(pid))
                 results[spec.index] = {"kind": spec.kind, "latency_s": eng.now - spec.arrival_s, **stats}
                 return
             if isinstance(action, Tool):
+                if ret is not None:
+                    ret.tool_started(pid, spec.kind, None)
                 at(eng.now + action.seconds, lambda: advance(action.observation))
                 return
             calls = action.calls if isinstance(action, Parallel) else (action,)
             outs: list[list[int] | None] = [None] * len(calls)
 
-            def done(i: int, ids: list[int]) -> None:
-                outs[i] = ids
+            def done(i: int, req: Request) -> None:
+                outs[i] = ids = list(req.output_token_ids)
                 stats["calls"] += 1
                 stats["output_tokens"] += len(ids)
+                if ret is not None:
+                    wait = (req.first_scheduled_time or eng.now) - req.arrival_time
+                    ret.call_ended(pid, eng.now, tokens=req.num_tokens, computed_tokens=req.num_tokens,
+                                   service_s=req.service_s, wait_s=wait)
                 if all(o is not None for o in outs):
                     advance(outs if isinstance(action, Parallel) else outs[0])
 
+            if ret is not None:
+                ret.call_submitted(pid, eng.now)
             for i, call in enumerate(calls):
-                eng.add(call, pid, f"{pid}.t{i}", lambda ids, i=i: done(i, ids))
+                eng.add(call, pid, f"{pid}.t{i}", lambda req, i=i: done(i, req))
 
         advance(None)
 
@@ -169,6 +203,10 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
         "steps": eng.num_steps,
         "computed_tokens": eng.num_computed_tokens,
         "preemptions": eng.scheduler.num_preemptions,
+        "prefix_hit_rate": eng.kv.stats.hit_tokens / max(1, eng.kv.stats.queries_tokens),
+        "recomputed_prefill_tokens": eng.kv.retention.recomputed_prefill_tokens,
+        "ttl_hits": eng.kv.retention.ttl_hits,
+        "ttl_misses": eng.kv.retention.ttl_misses,
         "programs": done,
     }
 

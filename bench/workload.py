@@ -22,8 +22,9 @@ behaves as with real agents).
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,3 +128,68 @@ PLANS = {"chat": chat_plan, "react": react_plan, "tree": tree_plan}
 
 def plan(spec: ProgramSpec) -> Plan:
     return PLANS[spec.kind](random.Random(spec.seed))
+
+
+# ---- agents whose KV is worth keeping across tool calls (issue 14: retention) ----------------------
+# A ReAct / coding agent: a system prompt shared by its kind, a task, then turns of (call, tool), the
+# context growing by the call's output and the tool's observation each turn. Sources of the shapes:
+# - tool latency: median ~0.1-0.6 s with a heavy tail to minutes (Continuum, arXiv 2511.02230, §2-3, on
+#   SWE-bench and BFCL agent traces, as summarized in ALGORITHMS.md and issue 14): a log-normal with
+#   median `tool_median_s` and shape `tool_sigma`, cut at `tool_max_s`;
+# - coding agents (SWE-bench-like, Continuum §2): tens of turns, context growing by ~2k tokens a turn
+#   (file contents and command output) to tens of thousands of tokens;
+# - ReAct (BFCL-like, Autellix §6 / DESIGN.md §6): ~10 calls, ~735 prompt / ~34 output tokens a call.
+# Sizes here are ours, chosen to match those shapes; `AGENT_SMALL` scales them to the 2-core CPU.
+AGENT_SMALL = {"turns": (4, 6), "system": 32, "task": 160, "max_tokens": 16, "observation": (16, 32),
+               "tool_median_s": 0.4, "tool_sigma": 1.0, "tool_max_s": 6.0}
+CODING_FULL = {"turns": (10, 40), "system": 1000, "task": 3000, "max_tokens": 150, "observation": (1500, 2500),
+               "tool_median_s": 0.5, "tool_sigma": 1.5, "tool_max_s": 120.0}
+REACT_FULL = {"turns": (6, 15), "system": 500, "task": 235, "max_tokens": 34, "observation": (100, 400),
+              "tool_median_s": 0.3, "tool_sigma": 1.2, "tool_max_s": 60.0}
+
+
+def tool_seconds(rng: random.Random, size: dict[str, Any]) -> float:
+    return min(size["tool_max_s"], rng.lognormvariate(math.log(size["tool_median_s"]), size["tool_sigma"]))
+
+
+def agent_plan(rng: random.Random, size: dict[str, Any], fresh: Callable[[int], list[int]], prefix: list[int]) -> Plan:
+    """Turns of (call, tool) over a growing context; `fresh(n)` makes n new token ids (the simulator's are
+    cheap ranges, the real engine's random ids), `prefix` is the kind's shared system prompt."""
+    turns = rng.randint(*size["turns"])
+    history = prefix + fresh(size["task"])
+    for i in range(turns):
+        history = history + (yield Call(history, size["max_tokens"]))
+        if i + 1 < turns:
+            observation = fresh(rng.randint(*size["observation"]))
+            history = history + (yield Tool(tool_seconds(rng, size), observation))
+
+
+def _ranges(rng: random.Random) -> Callable[[int], list[int]]:
+    """Fresh token ids as consecutive ranges from a random base: as unique as random ids for the prefix
+    cache, at C speed (full-size contexts run to tens of thousands of tokens; simulator only)."""
+    counter = [rng.randrange(1 << 20) << 24]
+
+    def fresh(n: int) -> list[int]:
+        start = counter[0]
+        counter[0] += n
+        return list(range(start, start + n))
+
+    return fresh
+
+
+_FULL_PREFIX = {"coding": list(range(1 << 50, (1 << 50) + CODING_FULL["system"])),
+                "react_full": list(range(1 << 51, (1 << 51) + REACT_FULL["system"]))}
+PLANS["coding"] = lambda rng: agent_plan(rng, CODING_FULL, _ranges(rng), _FULL_PREFIX["coding"])
+PLANS["react_full"] = lambda rng: agent_plan(rng, REACT_FULL, _ranges(rng), _FULL_PREFIX["react_full"])
+AGENT_MIX = {"coding": 0.5, "react_full": 0.5}
+
+
+def make_agent_workload(n: int, rate: float, seed: int, mix: dict[str, float] = AGENT_MIX) -> list[ProgramSpec]:
+    """`n` full-size agents (coding / ReAct), Poisson arrivals at `rate` programs/s."""
+    rng = random.Random(seed)
+    kinds, weights = zip(*mix.items())
+    t, specs = 0.0, []
+    for i in range(n):
+        specs.append(ProgramSpec(i, rng.choices(kinds, weights)[0], t, rng.randrange(1 << 30)))
+        t += rng.expovariate(rate)
+    return specs

@@ -57,6 +57,8 @@ class _Owner:
     armed: bool = False  # a pin was made at its last call's end: hit or miss is told at its next admission
     last_tokens: list[int] | None = None  # token ids of its last finished call ...
     last_len: int = 0  # ... of which this many were computed
+    last_hashes: list[bytes] = field(default_factory=list)  # ... and its block hashes (reused by the next call)
+    last_salt: str | None = None
     stats: RetentionStats = field(default_factory=RetentionStats)
 
 
@@ -172,6 +174,12 @@ class KVCacheManager:
         At least the last token is always left to compute (its logits are needed)."""
         if not self.enable_prefix_caching or req.block_ids or req.sampling.prompt_logprobs is not None:
             return [], 0  # prompt_logprobs: every prompt position's logits are needed
+        o = self.owners.get(req.program_id) if req.program_id is not None else None
+        if o is not None and o.last_tokens is not None and not req.block_hashes and o.last_salt == req.cache_salt:
+            # the program's next prompt extends its last call: reuse those hashes instead of rehashing a
+            # context of tens of thousands of tokens every call
+            n = _common_prefix(req.prompt_token_ids, o.last_tokens, o.last_len) // self.block_size
+            req.block_hashes = o.last_hashes[:n]
         hits: list[int] = []
         for h in self.block_hashes(req, (req.num_tokens - 1) // self.block_size):
             b = self.pool.lookup(h)
@@ -247,6 +255,7 @@ class KVCacheManager:
         o = self.owners.get(req.program_id) if req.program_id is not None else None
         if retain and o is not None:
             o.last_tokens, o.last_len = req.all_token_ids, req.num_computed_tokens  # a finished call's ids stay put
+            o.last_hashes, o.last_salt = req.block_hashes, req.cache_salt
             if o.ttl_s > 0:
                 keep = [b for b in req.block_ids if self.pool.block_hash[b] is not None and b not in o.pin]
                 self.pool.touch(keep)

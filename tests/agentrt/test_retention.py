@@ -181,3 +181,16 @@ async def test_chat_reuses_generated_ids_for_a_stable_prefix(tiny_model_path):
     generated = outputs["first"][len(first):]
     assert len(generated) == 12
     assert second[: len(first) + 12] == first + generated  # the generated ids, not a re-tokenization
+
+
+def test_simulator_runs_the_engine_pin_code_in_virtual_time():
+    from bench import simulate as sim
+    from bench import workload as wl
+
+    work = wl.make_workload(16, 0.5, 3)
+    engine = {"num_blocks": 48, "max_num_seqs": 4, "max_num_batched_tokens": 256}
+    lru = sim.simulate("plas", work, engine=engine, retention=RetentionConfig(ttl=False))
+    ttl = sim.simulate("plas", work, engine=engine, retention=RetentionConfig(ttl=True))
+    # both end with every block free (simulate asserts it); TTL pins across the ReAct programs' tool gaps
+    assert lru["ttl_hits"] == 0 and ttl["ttl_hits"] > 0
+    assert ttl["recomputed_prefill_tokens"] < lru["recomputed_prefill_tokens"]
