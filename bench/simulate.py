@@ -25,6 +25,7 @@ import heapq
 import itertools
 import json
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -221,8 +222,113 @@ def capacity(workload: list[ProgramSpec], *, engine: dict[str, Any] | None = Non
     return len(burst) / simulate("fcfs", burst, engine=engine, cost=cost)["makespan_s"]
 
 
+AGENT_CONFIGS = {  # name -> (policy, TTL pins): vLLM-like, Continuum-like, Autellix-like, ours
+    "fcfs": ("fcfs", False), "fcfs+ttl": ("fcfs", True), "plas": ("plas", False), "plas+ttl": ("plas", True),
+}
+
+
+def agents_sweep(n: int, rates: list[float], seed: int, configs: list[str], block_size: int = 256,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192) -> list[dict[str, Any]]:
+    """Full-size agents (bench/workload.py CODING_FULL / REACT_FULL) on the Llama-3.1-8B / H100 cost model:
+    each config at each arrival rate. Blocks of `block_size` tokens (coarser than the engine's 16, so a
+    thousand programs of tens of thousands of tokens simulate in minutes; hits are at that granularity)."""
+    import time as _time
+
+    engine = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+              "num_blocks": H100_KV_TOKENS // block_size, "block_size": block_size}
+    rows = []
+    for rate in rates:
+        work = wl.make_agent_workload(n, rate, seed)
+        for name in configs:
+            policy, ttl = AGENT_CONFIGS[name]
+            t0 = _time.perf_counter()
+            res = simulate(policy, work, engine=engine, cost=H100_LLAMA8B, retention=RetentionConfig(ttl=ttl))
+            lat = sorted(p["latency_s"] for p in res["programs"])
+            rows.append({"config": name, "rate": rate, "programs": n, "wall_s": _time.perf_counter() - t0,
+                         "latency_mean_s": sum(lat) / len(lat), "latency_p95_s": lat[int(0.95 * (len(lat) - 1))],
+                         "recomputed_prefill_tokens": res["recomputed_prefill_tokens"],
+                         "prefix_hit_rate": res["prefix_hit_rate"], "ttl_hits": res["ttl_hits"],
+                         "ttl_misses": res["ttl_misses"], "preemptions": res["preemptions"]})
+            print(f"rate {rate} {name}: mean {rows[-1]['latency_mean_s']:.0f} s, wall {rows[-1]['wall_s']:.0f} s",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def rate_at_latency(rows: list[dict[str, Any]], config: str, latency_s: float) -> float | None:
+    """The arrival rate at which `config`'s mean program latency reaches `latency_s` (linear interpolation
+    between swept rates); None if it never does within the sweep (or is above it from the start)."""
+    pts = sorted((r["rate"], r["latency_mean_s"]) for r in rows if r["config"] == config)
+    if not pts or pts[0][1] > latency_s:
+        return None
+    for (r0, l0), (r1, l1) in zip(pts, pts[1:]):
+        if l1 >= latency_s:
+            return r0 + (r1 - r0) * (latency_s - l0) / (l1 - l0) if l1 > l0 else r1
+    return None
+
+
+def plot_agents(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["config"] for r in rows):
+        pts = sorted((r["rate"], r["latency_mean_s"], r["recomputed_prefill_tokens"]) for r in rows if r["config"] == name)
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        axes[1].plot([p[0] for p in pts], [p[2] / 1e6 for p in pts], marker="o", label=name)
+    axes[0].set(xlabel="arrival rate (programs/s)", ylabel="mean program latency (s)", yscale="log",
+                title="Full-size agents, Llama-3.1-8B / H100 cost model")
+    axes[1].set(xlabel="arrival rate (programs/s)", ylabel="recomputed prefill tokens (M)",
+                title="Prefill recomputed after tool calls")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def agents_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="agentrt simulate agents", description="full-size agents: fcfs / fcfs+ttl / "
+                                 "plas / plas+ttl program latency vs arrival rate (Llama-3.1-8B on one H100, modeled)")
+    ap.add_argument("--programs", type=int, default=200)
+    ap.add_argument("--rates", default="0.02,0.04,0.06,0.08")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--configs", default=",".join(AGENT_CONFIGS))
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--plot", default=None, metavar="PNG", help="write the latency / recompute plot here")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        rates = [float(x) for x in args.rates.split(",")]
+    except ValueError:
+        raise SystemExit(f"--rates must be numbers such as 0.02,0.04, got {args.rates!r}") from None
+    configs = args.configs.split(",")
+    bad = [c for c in configs if c not in AGENT_CONFIGS]
+    if bad:
+        raise SystemExit(f"unknown config {bad[0]!r}; known: {', '.join(AGENT_CONFIGS)}")
+    rows = agents_sweep(args.programs, rates, args.seed, configs, args.block_size)
+    if args.plot:
+        plot_agents(rows, args.plot)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print("| rate (programs/s) | config | mean s | p95 s | recomputed prefill tokens | hit rate | TTL hits / misses "
+          "| preemptions | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rate']} | {r['config']} | {r['latency_mean_s']:.0f} | {r['latency_p95_s']:.0f} "
+              f"| {r['recomputed_prefill_tokens']:,} | {r['prefix_hit_rate']:.0%} | {r['ttl_hits']} / {r['ttl_misses']} "
+              f"| {r['preemptions']} | {r['wall_s']:.0f} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench import programs as real  # the report format and the policy-entry syntax of the real benchmark
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["agents"]:
+        return agents_main(argv[1:])
 
     ap = argparse.ArgumentParser(prog="agentrt bench simulate", description=__doc__.split("\n\n")[0])
     real.add_common_args(ap)

@@ -194,3 +194,12 @@ def test_simulator_runs_the_engine_pin_code_in_virtual_time():
     # both end with every block free (simulate asserts it); TTL pins across the ReAct programs' tool gaps
     assert lru["ttl_hits"] == 0 and ttl["ttl_hits"] > 0
     assert ttl["recomputed_prefill_tokens"] < lru["recomputed_prefill_tokens"]
+
+
+def test_rate_at_equal_latency_interpolates_between_swept_rates():
+    from bench.simulate import rate_at_latency
+
+    rows = [{"config": "a", "rate": r, "latency_mean_s": lat} for r, lat in ((0.1, 50.0), (0.2, 100.0), (0.3, 400.0))]
+    assert rate_at_latency(rows, "a", 75.0) == pytest.approx(0.15)
+    assert rate_at_latency(rows, "a", 250.0) == pytest.approx(0.25)
+    assert rate_at_latency(rows, "a", 40.0) is None and rate_at_latency(rows, "a", 500.0) is None
