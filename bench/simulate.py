@@ -280,7 +280,7 @@ def plot_agents(rows: list[dict[str, Any]], path: str) -> None:
     axes[0].set(xlabel="arrival rate (programs/s)", ylabel="mean program latency (s)", yscale="log",
                 title="Full-size agents, Llama-3.1-8B / H100 cost model")
     axes[1].set(xlabel="arrival rate (programs/s)", ylabel="recomputed prefill tokens (M)",
-                title="Prefill recomputed after tool calls")
+                title="Prompt tokens recomputed across a program's calls")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
