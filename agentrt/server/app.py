@@ -176,7 +176,7 @@ async def openapi(request: Request) -> Response:
 
 
 def _operations() -> list[Operation]:
-    from agentrt.server import openai_routes, program_routes
+    from agentrt.server import openai_routes, program_routes, responses_routes
 
     return [
         Operation("get", "/health", "liveness", Health, errors=(503,), auth=False),
@@ -184,6 +184,7 @@ def _operations() -> list[Operation]:
         Operation("get", "/metrics", "Prometheus metrics", None, media_type="text/plain", errors=(401,)),
         Operation("get", "/openapi.json", "this document", None, media_type="application/json", errors=(401,)),
         *openai_routes.OPERATIONS,
+        *responses_routes.OPERATIONS,
         *program_routes.OPERATIONS,
         *ui.OPERATIONS,
     ]
@@ -192,7 +193,7 @@ def _operations() -> list[Operation]:
 def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = None) -> Starlette:
     """The server app. `runtime`: an existing (not yet entered) Runtime to serve, e.g. for tests;
     by default one is made from `config`."""
-    from agentrt.server import openai_routes, program_routes
+    from agentrt.server import openai_routes, program_routes, responses_routes
 
     config = config or ServerConfig()
     if runtime is None:
@@ -234,6 +235,7 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *openai_routes.ROUTES,
+        *responses_routes.ROUTES,
         *program_routes.ROUTES,
         *ui.ROUTES,
     ]
@@ -264,10 +266,10 @@ def _engine_state(runtime: Runtime) -> EngineState:
         kv_usage=1.0 - kv.num_free_blocks / kv.num_blocks, prefix_queries_tokens=kv.prefix_queries_tokens,
         prefix_hit_tokens=kv.prefix_hit_tokens, num_preemptions=kv.num_preemptions,
         programs_active=len(runtime.programs.running()), calls_per_level=levels,
-    )
-
         kv_pinned_blocks=kv.num_pinned_blocks, kv_reserved_blocks=kv.num_reserved_blocks, ttl_hits=kv.ttl_hits,
         ttl_misses=kv.ttl_misses, pin_expiries=kv.pin_expiries, recomputed_prefill_tokens=kv.recomputed_prefill_tokens,
+    )
+
 
 def env_api_keys() -> list[str]:
     return [k for k in os.environ.get("AGENTRT_API_KEYS", "").replace(",", " ").split() if k]
