@@ -127,7 +127,8 @@ PLANS = {"chat": chat_plan, "react": react_plan, "tree": tree_plan}
 
 
 def plan(spec: ProgramSpec) -> Plan:
-    return PLANS[spec.kind](random.Random(spec.seed))
+    plans = PLANS if spec.kind in PLANS else AGENT_PLANS
+    return plans[spec.kind](random.Random(spec.seed))
 
 
 # ---- agents whose KV is worth keeping across tool calls (issue 14: retention) ----------------------
@@ -179,8 +180,10 @@ def _ranges(rng: random.Random) -> Callable[[int], list[int]]:
 
 _FULL_PREFIX = {"coding": list(range(1 << 50, (1 << 50) + CODING_FULL["system"])),
                 "react_full": list(range(1 << 51, (1 << 51) + REACT_FULL["system"]))}
-PLANS["coding"] = lambda rng: agent_plan(rng, CODING_FULL, _ranges(rng), _FULL_PREFIX["coding"])
-PLANS["react_full"] = lambda rng: agent_plan(rng, REACT_FULL, _ranges(rng), _FULL_PREFIX["react_full"])
+AGENT_PLANS = {  # full-size agents, simulator only (not in MIX / PLANS, the real benchmarks' kinds)
+    "coding": lambda rng: agent_plan(rng, CODING_FULL, _ranges(rng), _FULL_PREFIX["coding"]),
+    "react_full": lambda rng: agent_plan(rng, REACT_FULL, _ranges(rng), _FULL_PREFIX["react_full"]),
+}
 AGENT_MIX = {"coding": 0.5, "react_full": 0.5}
 
 
