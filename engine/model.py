@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels.linear import Linear, PackCache, linear
+from kernels.linear import BF16_PACKED_MAX_ROWS, Linear, PackCache, linear
+from kernels.paged_attention_cpu import CPP_MAX_QUERY_ROWS
 
 
 @dataclass(slots=True)
@@ -204,6 +205,7 @@ class LlamaForCausalLM(nn.Module):
         # A plain attribute, not a buffer, so that `model.to(dtype)` leaves it complex; set by init_rope.
         self.rope_cis: torch.Tensor | None = None
         self.rope_cos_sin: torch.Tensor | None = None
+        self._decode_cache: tuple | None = None  # see _decode_weights
 
     @torch.no_grad()
     def init_rope(self, inv_freq: torch.Tensor, scaling: float) -> None:
@@ -216,7 +218,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_cache, meta, slot_mapping) -> torch.Tensor:
         # input_ids, positions, slot_mapping: [T]; kv_cache: [L, 2, num_blocks, block_size, kv_heads, D]
         x = self.embed_tokens(input_ids)
-        if _cpu_ops(x) is not None:
+        if (ops := _cpu_ops(x)) is not None and self._decode_fusable(x, kv_cache, meta):
+            a = self.args
+            return ops.decode_forward(x, *self._decode_weights(), kv_cache, positions, slot_mapping, self.rope_cos_sin,
+                                      meta.query_start_loc, meta.seq_lens, meta.block_tables, a.num_heads,
+                                      a.intermediate_size, a.rms_norm_eps, self.layers[0].self_attn.scale)
+        if ops is not None:
             rope = Rope(positions, self.rope_cos_sin, None)
         else:
             rope = Rope(positions, None, self.rope_cis[positions].unsqueeze(1))
@@ -224,6 +231,38 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, kv_cache[i, 0], kv_cache[i, 1], meta, slot_mapping)
         return x + residual  # [T, hidden], before the final norm
+
+    def _decode_fusable(self, x: torch.Tensor, kv_cache: torch.Tensor, meta) -> bool:
+        """Whether this step can run as one `decode_forward` call: decode rows (at most 16 per sequence,
+        the C++ attention's), few enough for the packed projections, a head_dim and layout the C++
+        kernels take."""
+        return (meta.max_query_len <= CPP_MAX_QUERY_ROWS and x.shape[0] <= BF16_PACKED_MAX_ROWS
+                and self.args.head_dim in (32, 64, 128, 256) and self.args.num_heads <= 64
+                and kv_cache.dtype == x.dtype == self.embed_tokens.weight.dtype and kv_cache.is_contiguous())
+
+    def _decode_weights(self) -> tuple:
+        """Per-layer weight lists of `decode_forward`, packed; built on the first decode step and dropped
+        when weights are loaded or the model is moved (the engine never changes them in between)."""
+        if self._decode_cache is None:
+            bf16 = self.embed_tokens.weight.dtype == torch.bfloat16
+
+            def packed(lin: Linear) -> torch.Tensor:
+                return lin.pack_cache.get(lin.weight)
+
+            def bias(lin: Linear) -> torch.Tensor | None:
+                return None if lin.bias is None else (lin.pack_cache.get_bias_f32(lin.bias) if bf16 else lin.bias)
+
+            ls = self.layers
+            self._decode_cache = (
+                [layer.input_layernorm.weight for layer in ls], [packed(layer.self_attn.qkv_proj) for layer in ls],
+                [bias(layer.self_attn.qkv_proj) for layer in ls], [packed(layer.self_attn.o_proj) for layer in ls],
+                [layer.post_attention_layernorm.weight for layer in ls], [packed(layer.mlp.gate_up_proj) for layer in ls],
+                [packed(layer.mlp.down_proj) for layer in ls])
+        return self._decode_cache
+
+    def _apply(self, fn, recurse=True):
+        self._decode_cache = None
+        return super()._apply(fn, recurse)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] rows to sample from -> [N, vocab]
@@ -241,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
             except KeyError:
                 raise ValueError(f"checkpoint is missing weight {name!r}") from None
 
+        self._decode_cache = None
         self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
         if self.lm_head is not None:

@@ -7,7 +7,7 @@ than dozens of small torch ops. So, in fp32 and bf16 (`torch.ops.agentrt_cpu_<ki
 - `packed_linear(x, w_packed, bias, N)` (fp32) and `packed_linear_bf16(...)`: `x @ w.T + bias` from
   the panel-packed weight (kernels/linear.py);
 - `paged_attention_small_q(...)`: attention of sequences with 1-16 query rows read straight from the
-  paged cache through the block tables; `paged_attention_prefill(...)`: tiled attention of longer
+  paged cache through the block tables; `paged_attention_bf16(...)`: tiled attention of longer
   query runs (bf16, AVX512-BF16 build only);
 - `rms_norm(x, w, eps)`, `add_rms_norm(x, residual, w, eps)`, `silu_and_mul(x)`, and
   `rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, H)` (rotary embedding of q and

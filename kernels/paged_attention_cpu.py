@@ -1,11 +1,13 @@
 """paged_attention_cpu: the production path of `paged_attention` off the GPU (kernels.paged_attention holds
 the batch layout, the Triton kernel and the reference).
 
-Runs on any device in pure torch; on CPU in fp32 or bf16 with the C++ kernels built (kernels/cpu.py),
-sequences with at most `CPP_MAX_QUERY_ROWS` query rows (decode, draft verification) go to
-`paged_attention_small_q`, which reads each sequence's blocks once straight from the cache (a bf16
-cache is read as bf16: half the bytes of fp32), and longer query runs (prefill chunks) take SDPA as
-below.
+Runs on any device in pure torch; on CPU with the C++ kernels built (kernels/cpu.py):
+- bf16 on AVX512-BF16: every sequence goes to the tiled kernel `paged_attention_bf16` (bf16 dot
+  products, K and V packed per sequence and kv head, online softmax; decode and prefill alike);
+- otherwise (fp32, or bf16 without AVX512-BF16), sequences with at most `CPP_MAX_QUERY_ROWS` query
+  rows (decode, draft verification) go to `paged_attention_small_q`, which reads each sequence's
+  blocks once straight from the cache (a bf16 cache is read as bf16: half the bytes of fp32), and
+  longer query runs (prefill chunks) take SDPA as below.
 
 The torch path (no C++ kernels, or other dtypes): per call one gather of whole KV blocks and one
 attention per group of decode rows of similar length, and one of each for all prefill rows (padded
@@ -53,8 +55,8 @@ class _CpuPlan:
     decode: list[_Part]  # torch path: sequences with exactly one query row, in groups of similar length
     prefill: _Part | None  # sequences with more query rows (C++ path: more than CPP_MAX_QUERY_ROWS)
     small_seqs: torch.Tensor | None = None  # C++ path: [S] int64, sequences with 1..CPP_MAX_QUERY_ROWS rows
-    cpp_prefill: bool = False  # longer sequences go to the C++ prefill kernel (bf16 on AVX512-BF16)
-    prefill_seqs: torch.Tensor | None = None  # C++ prefill: [S] int64, sequences with more rows
+    tiled: bool = False  # bf16 on AVX512-BF16: every sequence goes to the tiled C++ kernel
+    tiled_seqs: torch.Tensor | None = None  # tiled C++ kernel: [S] int64, sequences with query rows
     prefill_each: list[tuple[_Part, int, int, bool]] | None = None  # torch path, SDPA per prefill sequence:
     # (its part, first and end row of q, whether it is a fresh prompt: q_len == seq_len, so plainly causal)
 
@@ -138,19 +140,19 @@ def _prefill_parts(meta: AttentionMetadata, seqs: torch.Tensor, block_size: int)
     return _build_part(meta, seqs, block_size, False), None
 
 
-def _cpu_plan(meta: AttentionMetadata, block_size: int, use_cpp: bool, cpp_prefill: bool) -> _CpuPlan:
+def _cpu_plan(meta: AttentionMetadata, block_size: int, use_cpp: bool, tiled: bool) -> _CpuPlan:
     plan = meta._cpu_plan
     if plan is None:
         qsl = meta.query_start_loc.long()
         q_lens = qsl[1:] - qsl[:-1]
         if use_cpp:
-            small = ((q_lens >= 1) & (q_lens <= CPP_MAX_QUERY_ROWS)).nonzero().squeeze(1)
-            prefill_seqs = (q_lens > CPP_MAX_QUERY_ROWS).nonzero().squeeze(1)
-            plan = _CpuPlan(block_size=block_size, use_cpp=True, decode=[], prefill=None, small_seqs=small,
-                            cpp_prefill=cpp_prefill)
-            if cpp_prefill:
-                plan.prefill_seqs = prefill_seqs
+            if tiled:  # the tiled bf16 kernel takes every row
+                plan = _CpuPlan(block_size=block_size, use_cpp=True, decode=[], prefill=None, tiled=True,
+                                small_seqs=q_lens[:0], tiled_seqs=(q_lens >= 1).nonzero().squeeze(1))
             else:
+                small = ((q_lens >= 1) & (q_lens <= CPP_MAX_QUERY_ROWS)).nonzero().squeeze(1)
+                prefill_seqs = (q_lens > CPP_MAX_QUERY_ROWS).nonzero().squeeze(1)
+                plan = _CpuPlan(block_size=block_size, use_cpp=True, decode=[], prefill=None, small_seqs=small)
                 plan.prefill, plan.prefill_each = _prefill_parts(meta, prefill_seqs, block_size)
         else:
             decode_seqs = (q_lens == 1).nonzero().squeeze(1)
@@ -164,7 +166,7 @@ def _cpu_plan(meta: AttentionMetadata, block_size: int, use_cpp: bool, cpp_prefi
             plan.prefill, plan.prefill_each = _prefill_parts(meta, prefill_seqs, block_size)
         meta._cpu_plan = plan
     assert plan.block_size == block_size, f"metadata planned for block size {plan.block_size}, cache has {block_size}"
-    assert (plan.use_cpp, plan.cpp_prefill) == (use_cpp, cpp_prefill), "metadata planned for another attention path"
+    assert (plan.use_cpp, plan.tiled) == (use_cpp, tiled), "metadata planned for another attention path"
     return plan
 
 
@@ -219,9 +221,10 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Paged attention without Triton (the production CPU path). q: [T, H, D] -> out [T, H, D].
 
-    On CPU in fp32 or bf16, sequences with up to `CPP_MAX_QUERY_ROWS` query rows go to the C++ kernel
-    when it is built (kernels/cpu.py), longer ones to the C++ prefill kernel in bf16 on AVX512-BF16
-    and to SDPA over gathered blocks otherwise; without the C++ kernels, pure torch."""
+    On CPU in bf16 on AVX512-BF16 every sequence goes to the tiled C++ kernel (`paged_attention_bf16`);
+    otherwise, with the C++ kernels built (kernels/cpu.py), sequences with up to `CPP_MAX_QUERY_ROWS`
+    query rows go to `paged_attention_small_q` and longer ones to SDPA over gathered blocks; without
+    them, pure torch."""
     _check(q, k_cache, v_cache, meta)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -235,9 +238,9 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if plan.use_cpp and plan.small_seqs.numel():
         cpu.ops().paged_attention_small_q(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                           meta.block_tables, plan.small_seqs, scale, out)
-    if plan.prefill_seqs is not None and plan.prefill_seqs.numel():
-        cpu.ops().paged_attention_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                          meta.block_tables, plan.prefill_seqs, scale, out)
+    if plan.tiled_seqs is not None and plan.tiled_seqs.numel():
+        cpu.ops().paged_attention_bf16(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                          meta.block_tables, plan.tiled_seqs, scale, out)
     for part in plan.decode:
         num_seqs = part.rows.shape[0]
         q_dec = q if part.in_order else q.index_select(0, part.rows)

@@ -5,8 +5,9 @@
 //
 // - linear.h: packed_linear (fp32) and packed_linear_bf16, x @ w^T from a panel-packed weight;
 // - attention.h: paged_attention_small_q, attention of few-row sequences from the paged cache;
-// - attention_prefill.h: paged_attention_prefill, tiled attention of prefill chunks (AVX512-BF16, bf16);
-// - elementwise.h: rms_norm (optionally after the residual add), silu_and_mul, rope_store_kv.
+// - attention_bf16.h: paged_attention_bf16, tiled attention of any rows on AVX512-BF16 (bf16 only);
+// - elementwise.h: rms_norm (optionally after the residual add), silu_and_mul, rope_store_kv;
+// - decode_forward (here): all decoder layers of a decode step in one call.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -14,9 +15,10 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "attention.h"
-#include "attention_prefill.h"
+#include "attention_bf16.h"
 #include "elementwise.h"
 #include "linear.h"
 #include "vec.h"
@@ -138,25 +140,25 @@ void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, con
   });
 }
 
-// Like paged_attention_small_q for sequences with any number of query rows (prefill chunks), bf16 only,
-// in the AVX512-BF16 build only (attention_prefill.h).
-void paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+// Like paged_attention_small_q for sequences with any number of query rows, bf16 only, in the
+// AVX512-BF16 build only (attention_bf16.h).
+void paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                              const at::Tensor& block_tables, const at::Tensor& seqs, double scale, at::Tensor& out) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "paged_attention_prefill: bf16 only");
+              "paged_attention_bf16: bf16 only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && out.sizes() == q.sizes(),
-              "paged_attention_prefill: contiguous heads of q, contiguous out and caches");
+              "paged_attention_bf16: contiguous heads of q, contiguous out and caches");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt && seqs.scalar_type() == at::kLong &&
                   block_tables.is_contiguous() && seqs.is_contiguous(),
-              "paged_attention_prefill: int32 metadata, int64 seqs, contiguous");
+              "paged_attention_bf16: int32 metadata, int64 seqs, contiguous");
   const int64_t H = q.size(1), D = q.size(2), block_size = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && (D == 64 || D == 128 || D == 32 || D == 256) && H % KVH == 0,
-              "paged_attention_prefill: head_dim 32, 64, 128 or 256, whole GQA groups");
+              "paged_attention_bf16: head_dim 32, 64, 128 or 256, whole GQA groups");
   const int64_t max_blocks = block_tables.size(1), S = seqs.numel();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -164,13 +166,13 @@ void paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache, con
   for (int64_t i = 0; i < S; ++i) {
     const int64_t b = sp[i], R = qsl[b + 1] - qsl[b];
     TORCH_CHECK(R >= 1 && lens[b] >= R && (lens[b] + block_size - 1) / block_size <= max_blocks,
-                "paged_attention_prefill: sequence ", b, " has ", R, " query rows and ", lens[b], " positions");
+                "paged_attention_bf16: sequence ", b, " has ", R, " query rows and ", lens[b], " positions");
   }
-  agentrt::paged_attention_prefill(ptr<bf16>(q), q.stride(0), ptr<bf16>(out), ptr<bf16>(k_cache), ptr<bf16>(v_cache),
+  agentrt::paged_attention_bf16(ptr<bf16>(q), q.stride(0), ptr<bf16>(out), ptr<bf16>(k_cache), ptr<bf16>(v_cache),
                                    qsl, lens, block_tables.data_ptr<int32_t>(), max_blocks, sp, S, H, KVH, D,
                                    block_size, static_cast<float>(scale));
 #else
-  TORCH_CHECK(false, "paged_attention_prefill: needs the avx512_bf16 build, this is ", agentrt::compiled_isa());
+  TORCH_CHECK(false, "paged_attention_bf16: needs the avx512_bf16 build, this is ", agentrt::compiled_isa());
 #endif
 }
 
@@ -252,6 +254,62 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions, con
   return q;
 }
 
+// The decoder layers of a decode step in one call (every op above, no Python between them): x [T, hidden]
+// embeddings of T rows, sequences of 1-16 rows each; per layer the input norm, packed weights (fp32:
+// [N / 16, K, 16]; bf16: [N / 32, K / 2, 32, 2] with fp32 biases), post-attention norm; kv_cache
+// [layers, 2, blocks, block_size, KVH, D]. Returns the residual stream after the last layer (before
+// the final norm), the same numbers as the module-by-module path.
+at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::TensorList qkv,
+                          const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList o_proj,
+                          at::TensorList post_norms, at::TensorList gate_up, at::TensorList down, at::Tensor& kv_cache,
+                          const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& cos_sin,
+                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                          const at::Tensor& block_tables, int64_t num_heads, int64_t intermediate, double eps,
+                          double scale) {
+  const int64_t layers = input_norms.size();
+  TORCH_CHECK(qkv.size() == layers && qkv_bias.size() == layers && o_proj.size() == layers &&
+                  post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
+                  kv_cache.dim() == 6 && kv_cache.size(0) == layers && kv_cache.size(1) == 2,
+              "decode_forward: one weight of each kind per layer and kv_cache [layers, 2, blocks, block_size, KVH, D]");
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  const int64_t hidden = x.size(1), KVH = kv_cache.size(4), D = kv_cache.size(5);
+  const int64_t qkv_n = (num_heads + 2 * KVH) * D;
+  auto linear = [&](const at::Tensor& in, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t n) {
+    return bf ? packed_linear_bf16(in, w, b, n) : packed_linear(in, w, b, n);
+  };
+  std::vector<int64_t> with_rows;  // sequences with query rows (a batch may hold some without)
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  for (int64_t b = 0; b < seq_lens.size(0); ++b)
+    if (qsl[b + 1] > qsl[b]) with_rows.push_back(b);
+  const at::Tensor seqs = at::tensor(with_rows, query_start_loc.options().dtype(at::kLong));
+  at::Tensor h = x, residual;
+  for (int64_t i = 0; i < layers; ++i) {
+    at::Tensor k_cache = kv_cache.select(0, i).select(0, 0), v_cache = kv_cache.select(0, i).select(0, 1);
+    if (i == 0) {
+      residual = h;
+      h = rms_norm(h, input_norms[i], eps);
+    } else {
+      std::tie(h, residual) = add_rms_norm(h, residual, input_norms[i], eps);
+    }
+    const at::Tensor q = rope_store_kv(linear(h, qkv[i], qkv_bias.get(i), qkv_n), positions, cos_sin, k_cache, v_cache,
+                                       slot_mapping, num_heads);
+    at::Tensor attn = at::empty_like(q);
+#if defined(__AVX512BF16__)
+    if (bf) {
+      paged_attention_bf16(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, seqs, scale, attn);
+    } else {
+      paged_attention_small_q(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, seqs, scale, attn);
+    }
+#else
+    paged_attention_small_q(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, seqs, scale, attn);
+#endif
+    std::tie(h, residual) = add_rms_norm(linear(attn.view({q.size(0), -1}), o_proj[i], std::nullopt, hidden),
+                                         residual, post_norms[i], eps);
+    h = linear(silu_and_mul(linear(h, gate_up[i], std::nullopt, 2 * intermediate)), down[i], std::nullopt, hidden);
+  }
+  return layers ? h + residual : h;
+}
+
 }  // namespace
 
 #define AGENTRT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
@@ -268,8 +326,13 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
       "paged_attention_small_q(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out) -> ()");
   m.def(
-      "paged_attention_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
+      "paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out) -> ()");
+  m.def(
+      "decode_forward(Tensor x, Tensor[] input_norms, Tensor[] qkv, Tensor?[] qkv_bias, Tensor[] o_proj, "
+      "Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor(a!) kv_cache, Tensor positions, "
+      "Tensor slot_mapping, Tensor cos_sin, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
+      "int num_heads, int intermediate, float eps, float scale) -> Tensor");
   m.def(
       "rope_store_kv(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, int num_heads) -> Tensor");
@@ -282,6 +345,7 @@ AGENTRT_LIBRARY_IMPL(AGENTRT_NS, CPU, m) {
   m.impl("packed_linear", packed_linear);
   m.impl("packed_linear_bf16", packed_linear_bf16);
   m.impl("paged_attention_small_q", paged_attention_small_q);
-  m.impl("paged_attention_prefill", paged_attention_prefill);
+  m.impl("paged_attention_bf16", paged_attention_bf16);
   m.impl("rope_store_kv", rope_store_kv);
+  m.impl("decode_forward", decode_forward);
 }

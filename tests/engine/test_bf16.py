@@ -154,6 +154,27 @@ def test_fp32_engine_matches_hf_fp32_on_each_cpu_kind(head64_model, head64_hf, k
         assert list(o.token_ids) == hf_greedy(hf32, p, 10)
 
 
+@needs_cpp
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_step_in_one_call_matches_layer_by_layer(head64_model, dtype, monkeypatch):
+    """`decode_forward` (all layers of a decode step in one C++ call) computes exactly what the modules do."""
+    import kernels
+
+    prompts = prompts_of([5, 40, 17], seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+    llm = LLM(str(head64_model), dtype=dtype, num_blocks=32, block_size=16, enable_prefix_caching=False)
+    ops, calls = kernels.cpu.ops(), []
+    real = ops.decode_forward
+    monkeypatch.setattr(ops, "decode_forward", lambda *a: (calls.append(1), real(*a))[1])
+    fused = llm.generate(prompts, params)
+    assert len(calls) == 7  # every step after the prefill
+    monkeypatch.setattr(llm.core.model, "_decode_fusable", lambda *a: False)
+    modular = llm.generate(prompts, params)
+    assert len(calls) == 7
+    for a, b in zip(fused, modular, strict=True):
+        assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_bf16_engine_without_cpp_kernels(head64_model, head64_hf):
     """The torch fallback in bf16 (no compiler): same rule."""
     hf32, hf16 = head64_hf

@@ -115,7 +115,7 @@ def test_paged_attention(cpu_kind, dtype, q_lens, seq_lens, heads, head_dim):
     scale = head_dim ** -0.5
     out = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
     plan = batch.meta._cpu_plan
-    assert plan.use_cpp and plan.cpp_prefill == (dtype == torch.bfloat16 and cpu_kind == "avx512_bf16")
+    assert plan.use_cpp and plan.tiled == (dtype == torch.bfloat16 and cpu_kind == "avx512_bf16")
     gold = batch.dense(scale)  # fp32 math on the same (bf16-valued) inputs
     if dtype == torch.float32:
         torch.testing.assert_close(out, gold, rtol=1e-5, atol=1e-5)
@@ -205,3 +205,14 @@ def test_rope_store_kv(cpu_kind, dtype):
     assert torch.equal(v_cache.nan_to_num(), v_want.nan_to_num())  # values copied as they are
     with pytest.raises(RuntimeError, match="position 200"):
         cpu.ops().rope_store_kv(qkv, torch.full((T,), 200), cos_sin, k_cache, v_cache, slots, H)
+
+
+@pytest.mark.parametrize("block_size", [4, 32])
+def test_tiled_bf16_attention_block_sizes(block_size):
+    """The AVX512-BF16 tiled kernel: packing 16 positions at a time over blocks smaller and larger than that."""
+    if cpu.compiled_isa() != "avx512_bf16":
+        pytest.skip("needs the avx512_bf16 kernels")
+    batch = make_paged_batch([1, 7, 90], [61, 7, 200], 8, 2, 64, block_size, torch.bfloat16, seed=block_size)
+    out = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    assert batch.meta._cpu_plan.tiled
+    check_rule(out, paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125), batch.dense(0.125))
