@@ -83,9 +83,6 @@ def sampling_params(
         raise bad_request(str(e), _param_of(str(e))) from None
 
 
-# Prompts up to this many characters (~550 tokens, ~1.5 ms on a busy 2-core CPU) are tokenized on the
-# event loop: the hop to a worker thread and back cost ~2 ms of low-load TTFT there (`agentrt bench serve`).
-INLINE_TOKENIZE_CHARS = 4096
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
@@ -179,15 +176,11 @@ async def plan_chat(
     st: Any, messages: list[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
     output: Constraint | None = None, program_id: str | None = None,
 ) -> tuple[ChatPlan, list[int]]:
-    """The plan and the prompt's token ids; tokenizing a long prompt and compiling the grammar (cached)
+    """The plan and the prompt's token ids; rendering, tokenizing and compiling the grammar (cached)
     run off the event loop. Bad input raises InvalidCallError naming the field."""
     rt = st.runtime
     plan = plan_call(tools, tool_choice, output)
-    rendered = plan.render(messages)
-    if sum(len(m["content"]) for m in rendered) <= INLINE_TOKENIZE_CHARS:
-        ids = rt.chat_token_ids(rendered, program_id)
-    else:
-        ids = await anyio.to_thread.run_sync(rt.chat_token_ids, rendered, program_id)
+    ids = await anyio.to_thread.run_sync(rt.chat_token_ids, plan.render(messages), program_id)
     if plan.constraint is not None:
         param = "tool_choice" if plan.forced_call else "response_format"
         await anyio.to_thread.run_sync(lambda: rt.compile_constraint(plan.constraint, param))
