@@ -22,6 +22,7 @@ BENCHES = {
     "serve": "bench.serve",
     "countdown": "bench.countdown",
     "retention": "bench.retention",
+    "sampling": "bench.sampling",
 }
 
 
@@ -37,12 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["simulate"]:
         argv = ["bench", *argv]
     if argv[:1] == ["demo"]:
-        return importlib.import_module("programs.demo").main(argv[1:])
+        return _user_errors("agentrt demo", lambda: importlib.import_module("programs.demo").main(argv[1:]))
     if argv[:1] == ["bench"]:
         if len(argv) < 2 or argv[1] not in BENCHES:
             print(f"usage: agentrt bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
             return 2
-        return importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
+        return _user_errors(f"agentrt bench {argv[1]}", lambda: importlib.import_module(BENCHES[argv[1]]).main(argv[2:]))
     ap = argparse.ArgumentParser(prog="agentrt", description="agent-program runtime with its own LLM engine")
     sub = ap.add_subparsers(dest="cmd", required=True)
     lib_cli.add_commands(sub)
@@ -61,6 +62,23 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHES)} (agentrt bench NAME --help)")
     sub.add_parser("simulate", help="the program-scheduling benchmark in virtual time (agentrt simulate --help)")
     return lib_cli.dispatch(ap.parse_args(argv))
+
+
+def _user_errors(prog: str, run) -> int:
+    """Run a command; a user error (a `SystemExit` with a message, an `InvalidRequestError`) prints one
+    line and exits 2, never a traceback."""
+    from engine.sampling import InvalidRequestError
+
+    try:
+        return run()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(f"{prog}: error: {e.code}", file=sys.stderr)
+            return 2
+        raise
+    except InvalidRequestError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
 
 
 _RUN_HELP = """\

@@ -189,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache size (default: the engine's)")
     ap.add_argument("--check-requests", type=int, default=8, help="requests compared with HF token by token")
     ap.add_argument("--check-tokens", type=int, default=32)
+    ap.add_argument("--sampling-steps", type=int, default=8,
+                    help="decode steps per run of the sampling-processors row (bench.sampling; 0 = skip)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
+                    help="write this benchmark's section of docs/benchmarks.md (default: no)")
     a = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM
@@ -312,6 +315,13 @@ def main(argv: list[str] | None = None) -> int:
             results["ratio_single_decode_spec"] = best_hf_dec / spec_dec
         results["spec_draft_tokens"] = spec.core.num_draft_tokens
         results["spec_acceptance"] = 1 - spec.core.num_rejected_tokens / max(1, spec.core.num_draft_tokens)
+    sampling_note = ""
+    if a.sampling_steps > 0:
+        from bench import sampling
+
+        results["sampling"] = sampling.measure(llm, 32, a.sampling_steps, 3, seed=a.seed)
+        print(f"sampling processors: {results['sampling']['overhead']}", file=sys.stderr)
+        sampling_note = f"{sampling.table(results['sampling'])}\n\n"
     results["load_average_end"] = os.getloadavg()[0]
 
     name = _name(dtype)
@@ -365,13 +375,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{machine_note}Engine: `{llm.core.startup_line}`\n\n"
         f"{model_note}{a.num_requests} requests, prompts 16-512, outputs 16-256 ({useful} output tokens), ignore_eos, "
         f"greedy.\n\n{table}\n\nEngine / best HF batched ({best_hf}): **{results['ratio_vs_hf_batched']:.2f}x** "
-        f"(target >= 3x)\n\n{compute_note}{single_note}{spec_note}{check_note}"
+        f"(target >= 3x)\n\n{compute_note}{single_note}{spec_note}{sampling_note}{check_note}"
     )
     if a.json:
         print(json.dumps(results, indent=2, default=str))
     else:
         print(summary)
-    if not a.no_docs:
+    if a.docs:
         if a.random_weights is not None:
             title = f"Throughput ({a.random_weights}, random weights, {results['device']})"
         elif device == "cpu" and dtype != torch.float32:

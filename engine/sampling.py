@@ -10,6 +10,7 @@ over the vocabulary. The processors follow vLLM's semantics and order:
       -> repetition_penalty (prompt and output tokens: logit / p if > 0 else logit * p)
       -> frequency_penalty (- f * count in the output), presence_penalty (- p if in the output)
       -> greedy: argmax | random: temperature -> min_p -> top_k -> top_p -> draw
+         (on the top CANDIDATES tokens when the kept set lies within them: `sample_random`)
 
 Penalties touch only the (row, token) pairs a request has seen (`torch.unique` over its history,
 kept per request as a tensor grown in place: `TokenHistory`), never a [B, V] count tensor.
@@ -19,6 +20,7 @@ draft row would need the history up to that draft.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ MAX_TOP_LOGPROBS = 20  # most alternatives per token `top_logprobs` may ask for
 MAX_N = 128  # most completions per prompt: each is a request of its own in the batch
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI's API
+CANDIDATES = 256  # random rows whose kept tokens lie among their top this many are drawn among them
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (dividing by them overflows fp32)
 
 
@@ -284,34 +287,112 @@ def sample(
     logits: [B, V] (any float dtype; computed in fp32). contexts: per row, needed for the rows whose
     params use penalties or min_tokens (None elsewhere).
     """
+    with _one_thread(logits.device):
+        return _sample(logits, params, generators, contexts)
+
+
+@contextlib.contextmanager
+def _one_thread(device: torch.device):
+    """The sampler on one intra-op CPU thread: its ops are small ([B, V] at most, mostly [B, CANDIDATES]),
+    and waking a second thread costs more than it saves (measured on the shared 2-core machine:
+    logsumexp over [32, 256] 4 ms with 2 threads, 0.06 ms with 1; argmax over [32, 49152] 16 vs 3 ms)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sample(logits, params, generators, contexts) -> SamplerOutput:
     raw = logits.float()
     vocab = raw.shape[1]
-    logits = process_logits(raw, params, contexts)
-    greedy_tokens = logits.argmax(dim=-1)
-    if all(p.greedy for p in params):
-        tokens = greedy_tokens
-    else:
-        probs = warp(logits, params).softmax(dim=-1)
-        # exponential-race sampling: argmax(p / E) with E ~ Exp(1); per-row generators keep seeds reproducible
-        # (a seeded request's generator lives on the CPU: its row is drawn there, so a seed gives the same
-        # tokens on any device)
-        noise = torch.empty_like(probs)
-        for i, g in enumerate(generators):
-            if g is None or g.device == noise.device:
-                noise[i].exponential_(generator=g)
-            else:
-                noise[i].copy_(torch.empty(noise.shape[1], dtype=noise.dtype, device=g.device).exponential_(generator=g))
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        tokens = torch.where(is_greedy, greedy_tokens, sampled)
-    out = SamplerOutput(tokens, None, None, None)
     num_top = min(max(p.top_logprobs for p in params), vocab)
-    if num_top > 0 or any(p.logprobs for p in params):
-        logp = raw.log_softmax(dim=-1)
+    logp = raw.log_softmax(dim=-1) if num_top > 0 or any(p.logprobs for p in params) else None
+    # a private fp32 copy (the input was not fp32) is processed in place: the raw log-probs are taken
+    logits = process_logits(raw, params, contexts, inplace=raw is not logits)
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        tokens = logits.argmax(dim=-1)
+    else:
+        rows = [i for i, g in enumerate(greedy) if not g]
+        tokens = logits.argmax(dim=-1) if any(greedy) else torch.empty(len(params), dtype=torch.long, device=logits.device)
+        sub = logits if len(rows) == len(params) else logits[rows]
+        tokens[rows] = sample_random(sub, [params[i] for i in rows], [generators[i] for i in rows])
+    out = SamplerOutput(tokens, None, None, None)
+    if logp is not None:
         out.logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         if num_top > 0:
             out.top_logprobs, out.top_token_ids = logp.topk(num_top, dim=-1)
     return out
+
+
+def sample_random(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of non-greedy rows: temperature, min_p, top_k, top_p, then the draw.
+
+    A row whose kept tokens all lie among its top CANDIDATES (top_k <= CANDIDATES, or a top_p / min_p
+    set that ends within them: the usual case) is warped and drawn on those candidates alone, from one
+    `topk` instead of full-vocabulary sorts; the others go through `warp` over the whole row. Both
+    draw from the same distribution, and which one a row takes depends on its own logits only, so a
+    seeded request draws the same tokens whatever it is batched with.
+
+    logits: [R, V] fp32 after process_logits. Returns [R] int64.
+    """
+    dev, vocab = logits.device, logits.shape[1]
+    c = min(CANDIDATES, vocab)
+    temps = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+    k_t = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    vals, idx = logits.topk(c, dim=-1)  # [R, c], best first (temperature > 0 keeps the order)
+    vals = vals / temps
+    vals = vals.masked_fill(torch.arange(c, device=dev) >= k_t.unsqueeze(1), float("-inf"))
+    log_min_p = None
+    if any(p.min_p > 0.0 for p in params):
+        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=dev)
+        vals = vals.masked_fill(vals < vals[:, :1] + log_min_p.unsqueeze(1), float("-inf"))
+    within_k = k_t <= c
+    norm = vals.logsumexp(dim=-1, keepdim=True)  # the kept set's mass where it lies within the candidates
+    if not bool(within_k.all()):
+        full = logits / temps
+        if log_min_p is not None:
+            full = full.masked_fill(full < vals[:, :1] + log_min_p.unsqueeze(1), float("-inf"))
+        norm = torch.where(within_k.unsqueeze(1), norm, full.logsumexp(dim=-1, keepdim=True))
+    probs = (vals - norm).exp()  # [R, c]: the candidates' probabilities under the row's whole distribution
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params], device=dev)
+    before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)
+    mass = before[:, -1] + probs[:, -1]
+    fits = within_k | torch.isinf(vals[:, -1]) | (mass >= top_p)  # no kept token past the candidates
+    fits_list = fits.tolist()
+    tokens = torch.empty(len(params), dtype=torch.long, device=dev)
+    near = [i for i, f in enumerate(fits_list) if f]
+    far = [i for i, f in enumerate(fits_list) if not f]
+    if near:
+        pick = _race(probs[near], [generators[i] for i in near])
+        tokens[near] = idx[near].gather(1, pick.unsqueeze(1)).squeeze(1)
+    if far:
+        whole = warp(logits[far], [params[i] for i in far]).softmax(dim=-1)
+        tokens[far] = _race(whole, [generators[i] for i in far])
+    return tokens
+
+
+def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Exponential-race sampling: argmax(p / E) with E ~ Exp(1), one draw per row. Per-row generators
+    keep seeds reproducible (a seeded request's generator lives on the CPU: its row is drawn there, so a
+    seed gives the same tokens on any device). probs: [R, N]."""
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()
+    for i, g in enumerate(generators):
+        if g is None:
+            continue
+        if g.device == noise.device:
+            noise[i].exponential_(generator=g)
+        else:
+            noise[i].copy_(torch.empty(noise.shape[1], dtype=noise.dtype, device=g.device).exponential_(generator=g))
+    return (probs / noise).argmax(dim=-1)
 
 
 def warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -344,16 +425,18 @@ def warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def process_logits(
-    logits: torch.Tensor, params: list[SamplingParams], contexts: list[RowContext | None] | None
+    logits: torch.Tensor, params: list[SamplingParams], contexts: list[RowContext | None] | None,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """The logits after min_tokens, logit_bias and the penalties (a new tensor when any applies,
-    `logits` itself otherwise). logits: [B, V] fp32."""
+    unless `inplace`; `logits` itself when none does). logits: [B, V] fp32."""
     minimum = [i for i, p in enumerate(params) if p.min_tokens > 0]
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     penalized = [i for i, p in enumerate(params) if p.uses_penalties]
     if not (minimum or biased or penalized):
         return logits
-    logits = logits.clone()
+    if not inplace:
+        logits = logits.clone()
     dev, vocab = logits.device, logits.shape[1]
     if minimum or biased:
         rows, toks, vals = [], [], []

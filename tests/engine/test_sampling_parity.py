@@ -131,6 +131,34 @@ def test_repetition_penalty_and_min_tokens_match_hf():
         assert torch.equal(got, hf)
 
 
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.02),  # drawn among the top CANDIDATES
+    dict(temperature=1.3, top_p=0.6),  # top-p set within the candidates: drawn among them
+    dict(temperature=1.0, min_p=0.3),
+    dict(temperature=0.9),  # no cut: the whole row
+])
+def test_draws_follow_the_warped_distribution(kw):
+    g = torch.Generator().manual_seed(11)
+    row = torch.randn(1, 600, generator=g) * 2
+    p = SamplingParams(**kw)
+    want = warp(row, [p]).softmax(-1)[0]
+    draws = 40000
+    tokens = sample(row.expand(draws, -1).contiguous(), [p] * draws, [None] * draws).token_ids
+    freq = torch.bincount(tokens, minlength=600).float() / draws
+    assert (freq[want == 0] == 0).all()  # nothing outside the kept set
+    assert (freq - want).abs().max() < 0.012
+
+
+def test_a_seeded_row_draws_the_same_whatever_its_batch():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 600, generator=g) * 2
+    seeded = SamplingParams(temperature=0.8, top_k=40, seed=3)
+    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_p=0.3)]
+    alone = sample(logits[:1], [seeded], [torch.Generator().manual_seed(3)]).token_ids
+    batched = sample(logits, [seeded, *others], [torch.Generator().manual_seed(3), None, None, None]).token_ids
+    assert batched[0] == alone[0]
+
+
 def test_greedy_reads_the_processed_logits_and_logprobs_the_raw_ones():
     logits = torch.tensor([[0.0, 5.0, 1.0, -1.0]])
     p = SamplingParams(temperature=0, logprobs=True, logit_bias={2: 10.0})
