@@ -13,20 +13,44 @@ import time
 
 
 def _generate(a: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
+    from engine.config import EngineConfig
 
-    llm = LLM(a.model)
+    # every argument is checked before the model loads (seconds)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            seed=a.seed, stop=a.stop, n=a.n)
+    config = EngineConfig(model=a.model, dtype=a.dtype, device=a.device)
+    if not a.prompt:
+        raise ValueError("the prompt is empty")
+    from engine import LLM
+    from engine.loader import resolve_model
+
+    resolve_model(a.model)  # an unknown path fails here, before any conversion or load
+    llm = LLM(config)
     prompt = a.prompt
     if a.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                    add_generation_prompt=True)
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
     t = time.perf_counter()
-    out = llm.generate([prompt], params)[0]
+    if a.stream:
+        core = llm.core
+        req = core.add_request(prompt, params)
+        while core.has_work():
+            for d in core.step():
+                if d.new_text:
+                    print(d.new_text if params.n == 1 else f"[{d.index}] {d.new_text!r}", end="" if params.n == 1 else "\n",
+                          flush=True)
+        out = core.finished_output(req)
+        if params.n == 1:
+            print()
+    else:
+        out = llm.generate([prompt], params, progress=False)[0]
+        for c in out.outputs:
+            print(c.text if params.n == 1 else f"--- completion {c.index} ({c.finish_reason})\n{c.text}")
     dt = time.perf_counter() - t
-    print(out.text)
+    reasons = ",".join(str(c.finish_reason) for c in out.outputs)
     print(f"[{out.num_prompt_tokens} prompt + {out.num_output_tokens} output tokens in {dt:.2f}s, "
-          f"finish_reason={out.finish_reason}]", file=sys.stderr)
+          f"finish_reason={reasons}]", file=sys.stderr)
     return 0
 
 
@@ -53,8 +77,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("prompt")
     g.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--n", type=int, default=1, help="completions")
+    g.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    g.add_argument("--dtype", default=None)
+    g.add_argument("--device", default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(fn=_generate)
     s = sub.add_parser("serve", help="serve the runtime over an OpenAI-compatible HTTP API keyed by program id")

@@ -11,8 +11,8 @@ verifier checks (operands available, exact results, the target produced):
   proposals per expansion, the verifier prunes malformed steps and scores the rest.
 
 All puzzles of a method run concurrently as programs of one in-process runtime (so the engine
-batches them); the methods run one after the other. Output: a table (or `--json`) and, unless
-`--no-docs`, the "Countdown" section of docs/benchmarks.md.
+batches them); the methods run one after the other. Output: a table (or `--json`) and, with
+`--docs`, the "Countdown" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="greedy,best_of_n,mcts")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 on a shared 2-core machine)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
+                    help="write this benchmark's section of docs/benchmarks.md (default: no)")
     a = ap.parse_args(argv)
     if not 1 <= a.puzzles <= len(PUZZLES):
         ap.error(f"--puzzles must be in [1, {len(PUZZLES)}], got {a.puzzles}")
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ])
     if not a.json:
         print(table)
-    if not a.no_docs:
+    if a.docs:
         body = (
             f"CPU flags: {cpu_flags()}; load average at the end {os.getloadavg()[0]:.1f}.  \n"
             f"Model: {a.model or 'SmolLM2-135M-Instruct (default)'}; {len(puzzles)} puzzles of `programs/countdown.py`; "

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch CPU threads (default 1: on a shared 2-core machine two OpenMP threads "
                          "spin-waiting on each other are several times slower)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
+                    help="write this benchmark's section of docs/benchmarks.md (default: no)")
     a = ap.parse_args(argv)
     if not 1 <= a.turns <= len(QUESTIONS):
         ap.error(f"--turns must be in [1, {len(QUESTIONS)}], got {a.turns}")
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results, indent=2))
     else:
         print(summary)
-    if not a.no_docs:
+    if a.docs:
         write_section("Prefix caching", summary)
     return 0 if not mismatches else 1
 

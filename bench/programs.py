@@ -209,11 +209,16 @@ _KNOBS: dict[str, Any] = {"first_boundary": float, "quantum": float, "beta": flo
                           "live": _flag}
 
 
+_POLICIES = ("fcfs", "mlfq", "plas", "atlas")
+
+
 def policy_spec(policy: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """"NAME[:np][:KEY=VALUE...]" -> (name, policy kwargs): `np` = without preemption; KEY is one of
     first_boundary, quantum, beta, num_queues, order, live (plas/atlas; quantum also mlfq), overriding
     the command-line value for this entry only, e.g. `plas:beta=2` or `plas:order=call:live=0`."""
     name, *variants = policy.split(":")
+    if name not in _POLICIES:
+        raise SystemExit(f"unknown policy {name!r} in --policies: choose from {', '.join(_POLICIES)}")
     given = {"first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta}
     allowed = {"plas": set(_KNOBS), "atlas": set(_KNOBS), "mlfq": {"quantum"}}.get(name, set())
     kwargs = {k: v for k, v in given.items() if k in allowed and v is not None}
@@ -263,6 +268,12 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
 
 def setup(args: argparse.Namespace) -> tuple[list[ProgramSpec], dict[str, Any]]:
     """Apply the workload options; the workload and the engine settings they name."""
+    if not (isinstance(args.rate, float) and 0 < args.rate < float("inf")):
+        raise SystemExit(f"--rate must be a number of program arrivals per second > 0, got {args.rate!r}")
+    if args.programs < 1:
+        raise SystemExit(f"--programs must be >= 1, got {args.programs!r}")
+    for entry in args.policies.split(","):
+        policy_spec(entry, args)  # unknown names and variants fail here, before anything runs
     if args.tree is not None:
         try:
             TREE["width"], TREE["depth"] = (int(x) for x in args.tree.lower().split("x"))

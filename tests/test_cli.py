@@ -1,0 +1,144 @@
+"""The problems issue 17 found as a new user, each now doing what it says or failing at once with one
+line that names the bad value (exit 2, no traceback). `agentrt run` of a missing file and of every
+example is tested in tests/programs/test_cli.py, the README's blocks in tests/test_readme.py,
+`AsyncEngine("/path")` and the model cache in tests/engine/test_llm_api.py."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import agentrt
+from agentrt_cli import BENCHES
+from agentrt_cli import main as cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def one_line_error(capsys, *needles: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--policies", "nope"], ["'nope'", "fcfs"]),
+    (["--policies", "plas,atlas:zz"], ["'zz'"]),
+    (["--rate", "0"], ["--rate", "0.0"]),
+    (["--rate", "-1"], ["--rate", "-1.0"]),
+    (["--programs", "0"], ["--programs", "0"]),
+])
+def test_simulate_refuses_bad_arguments(args, needles, capsys):
+    assert cli(["simulate", *args]) == 2
+    one_line_error(capsys, *needles)
+
+
+def test_simulate_runs(capsys):
+    assert cli(["simulate", "--programs", "4", "--policies", "fcfs,plas", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["results"]) == {"fcfs", "plas"}
+
+
+def test_demo_takes_a_policy(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli(["demo", "--policy", "fcfs", "--help"])
+    assert e.value.code == 0 and "fcfs" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli(["demo", "--policy", "nope"])
+    assert e.value.code == 2 and "'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--n", "0"], "SamplingParams.n"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--seed", "-3"], "seed"),
+    (["--model", "/no/such/model"], "/no/such/model"),
+    (["--device", "tpu"], "tpu"),
+])
+def test_generate_checks_every_argument_before_loading(args, needle, capsys, monkeypatch):
+    import engine
+
+    monkeypatch.setattr(engine, "LLM", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli(["generate", "hi", *args]) == 2
+    one_line_error(capsys, needle)
+
+
+def test_generate_options(tiny_model_path, capsys):
+    base = ["generate", "Hello", "--model", str(tiny_model_path), "--max-tokens", "5"]
+    assert cli([*base, "--n", "2", "--temperature", "1", "--top-p", "0.9", "--seed", "1"]) == 0
+    out = capsys.readouterr()
+    assert "--- completion 0" in out.out and "--- completion 1" in out.out and "output tokens" in out.err
+    assert cli([*base, "--stream", "--stop", "zzz"]) == 0
+    streamed = capsys.readouterr().out
+    assert cli(base) == 0
+    assert capsys.readouterr().out == streamed  # greedy: the stream prints the same text
+
+
+def test_program_on_a_plain_function_fails_at_decoration():
+    def plain(x):
+        return x
+
+    with pytest.raises(agentrt.UsageError, match=r"@agentrt\.program needs an async function"):
+        agentrt.program(plain)
+    with pytest.raises(agentrt.UsageError, match=r"@agentrt\.program needs an async function"):
+        agentrt.program(name="p")(plain)
+    with pytest.raises(agentrt.UsageError, match=r"@agentrt\.tool needs an async function"):
+        agentrt.tool(plain)
+
+
+def test_messages_and_docstrings_name_the_public_decorators():
+    for path in (ROOT / "agentrt").rglob("*.py"):
+        text = path.read_text()
+        assert "agentrt._tool`" not in text and "@agentrt._tool" not in text, path
+        assert "@agentrt._program" not in text, path
+
+
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_benchmarks_write_docs_only_when_asked(name, capsys):
+    mod = importlib.import_module(BENCHES[name])
+    with pytest.raises(SystemExit):
+        mod.main(["--help"])
+    text = capsys.readouterr().out
+    assert not re.search(r"--no-docs\s+do not write", text), text  # writing is what must be asked for
+    assert "--docs" in text or "--write-docs" in text or name == "simulate", text
+
+
+def test_bench_sampling_leaves_docs_alone_without_docs(tiny_model_path, capsys):
+    from bench import sampling
+    from bench._common import DOCS
+
+    before = DOCS.read_text() if DOCS.exists() else None
+    assert sampling.main(["--model", str(tiny_model_path), "--running", "4", "--steps", "2", "--repeats", "1",
+                          "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["overhead"]) == {"every processor", "every processor + top-5 logprobs"}
+    assert (DOCS.read_text() if DOCS.exists() else None) == before
+
+
+def test_loading_says_what_it_does(capsys):
+    from engine import loader
+
+    with loader._status("converting x.gguf (first time only)", off_tty=True):
+        pass
+    assert "converting x.gguf (first time only)" in capsys.readouterr().err
+    with loader._status("loading"):
+        pass
+    assert capsys.readouterr().err == ""  # off a terminal a plain load stays quiet
+
+
+def test_run_file_main_is_awaited(tmp_path, tiny_model_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    f = tmp_path / "prog.py"
+    f.write_text("import agentrt\n\nasync def main(argv):\n"
+                 "    print('ran', argv, type(await agentrt.generate('Hi', max_tokens=2)).__name__)\n    return 3\n")
+    assert cli(["run", "--model", str(tiny_model_path), "--policy", "fcfs", str(f), "--", "a", "b"]) == 3
+    assert "ran ['a', 'b'] str" in capsys.readouterr().out
