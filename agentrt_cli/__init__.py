@@ -23,6 +23,7 @@ BENCHES = {
     "countdown": "bench.countdown",
     "retention": "bench.retention",
     "sampling": "bench.sampling",
+    "structured": "bench.structured",
 }
 
 
