@@ -65,7 +65,10 @@ def sampling_params(
     st: ServerState, *, max_tokens: int | None, prompt_len: int, temperature: float | None, top_p: float | None,
     top_k: int | None, n: int, stop: str | list[str] | None, stop_token_ids: list[int] | None, seed: int | None,
     ignore_eos: bool, logprobs: bool, top_logprobs: int, constraint: Constraint | None = None,
+    processors: Any = None,
 ) -> SamplingParams:
+    """`processors`: the request (a `schemas.Processors`) whose penalties, min_p, min_tokens and
+    logit_bias apply."""
     if n > st.config.max_n:
         raise bad_request(f"n={n} is over the server's limit of {st.config.max_n} (--max-n)", "n")
     if max_tokens is not None and max_tokens > st.max_tokens_limit:
@@ -73,7 +76,8 @@ def sampling_params(
     if max_tokens is None:
         max_tokens = max(1, min(st.max_tokens_limit, st.max_model_len - prompt_len))
     try:
-        return SamplingParams(
+        extra = processors.processor_args() if processors is not None else {}
+        return SamplingParams(**extra,
             max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k, n=n,
             stop=[] if stop is None else stop, stop_token_ids=stop_token_ids or [], seed=seed, ignore_eos=ignore_eos, logprobs=logprobs,

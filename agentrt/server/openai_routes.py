@@ -104,7 +104,7 @@ async def chat_completions(request: Request) -> Response:
         st, max_tokens=req.max_completion_tokens or req.max_tokens, prompt_len=len(prompt_ids),
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop,
         stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs or 0, constraint=plan.constraint,
+        top_logprobs=req.top_logprobs or 0, constraint=plan.constraint, processors=req,
     )
     st.check_capacity()
     _note_tool(st, pid, owner, req.messages)
@@ -238,7 +238,7 @@ async def completions(request: Request) -> Response:
         sampling_params(
             st, max_tokens=req.max_tokens, prompt_len=len(i), temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k, n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
-            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, constraint=constraint,
+            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, constraint=constraint, processors=req,
         )
         for i in ids
     ]

@@ -103,7 +103,30 @@ class ResponseFormat(Struct):
     json_schema: JSONSchemaFormat | None = None
 
 
-class ChatCompletionRequest(Struct):
+class Processors(Struct, kw_only=True):
+    """Logits processors both completion endpoints take (OpenAI's penalties and logit_bias; vLLM's
+    repetition_penalty, min_p, min_tokens); the engine checks their ranges and names a bad one."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+
+    def processor_args(self) -> dict[str, Any]:
+        bias = None
+        if self.logit_bias:
+            bad = [k for k in self.logit_bias if not k.strip().lstrip("-").isdigit()]
+            if bad:
+                raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {bad[0]!r}")
+            bias = {int(k): v for k, v in self.logit_bias.items()}
+        return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
+                "logit_bias": bias}
+
+
+class ChatCompletionRequest(Processors):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     model: str | None = None
     tools: list[Tool] | None = None
@@ -199,7 +222,7 @@ class ChatCompletionChunk(Struct):
 
 
 # --- completions ----------------------------------------------------------------------------
-class CompletionRequest(Struct):
+class CompletionRequest(Processors):
     # text, token ids, or a list of either (one choice set each); empty is a 400
     prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[str | int | list[int]], Meta(min_length=1)]
     model: str | None = None
