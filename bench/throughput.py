@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single-requests", type=int, default=4, help="requests timed one at a time (0 = skip)")
     ap.add_argument("--dtype", default=None, help="engine dtype (default: the engine's, \"auto\" on CPU)")
     ap.add_argument("--hf-dtypes", default=None,
-                    help="comma-separated dtypes HF runs in (default: the engine's, plus float32 when that is bf16 on CPU)")
+                    help="comma-separated dtypes HF runs in, each optionally with its own batch sizes (float32@16+32); "
+                         "default: the engine's, plus float32 when that is bf16 on CPU")
     ap.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=None,
                     help="time the engine in fp32 too in the single-request rows (default: when the engine is not fp32)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -223,10 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     dtype, device = config.torch_dtype, config.device
     fp32_ref = a.fp32_reference if a.fp32_reference is not None else dtype != torch.float32
     ref32 = LLM(a.model, **{**kw, "dtype": "float32"}) if fp32_ref and a.single_requests else None
+    batch_sizes = [int(x) for x in a.hf_batch_sizes.split(",") if x]
+    hf_batch_sizes = {}  # dtype -> HF batch sizes
     if a.hf_dtypes:
-        hf_dtypes = [getattr(torch, d) for d in a.hf_dtypes.split(",") if d]
+        for item in filter(None, a.hf_dtypes.split(",")):
+            name, _, sizes = item.partition("@")
+            hf_batch_sizes[getattr(torch, name)] = [int(x) for x in sizes.split("+")] if sizes else batch_sizes
     else:
-        hf_dtypes = [dtype] + ([torch.float32] if device == "cpu" and dtype != torch.float32 and hf is None else [])
+        hf_batch_sizes[dtype] = batch_sizes
+        if device == "cpu" and dtype != torch.float32 and hf is None:
+            hf_batch_sizes[torch.float32] = batch_sizes
+    hf_dtypes = list(hf_batch_sizes)
     hfs = {}
     for d in hf_dtypes:
         model = hf if hf is not None and d == dtype else AutoModelForCausalLM.from_pretrained(
@@ -277,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_rows = {}  # "dtype, batch B" -> {"s", "tok_s"}
     by_dtype: dict[str, dict[int, dict]] = {}
     for d, model in hfs.items():
-        for bsz in [int(x) for x in a.hf_batch_sizes.split(",") if x]:
+        for bsz in hf_batch_sizes[d]:
             t = run_hf_batched(model, reqs, bsz, pad_id)
             print(f"HF {d} batch {bsz}: {t:.1f} s", file=sys.stderr)
             hf_rows[f"{_name(d)}, batch {bsz}"] = by_dtype.setdefault(_name(d), {})[bsz] = {"s": t, "tok_s": useful / t}

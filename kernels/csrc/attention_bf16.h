@@ -244,7 +244,12 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
     });
   }
   const float scale_log2e = scale * 1.4426950408889634f;
-  at::parallel_for(0, item_start[S], 1, [&](int64_t w0, int64_t w1) {
+  // Little work (one decode row of a few hundred positions: ~10 us) runs inline: handing a third of it
+  // to a second thread measured slower (29 vs 17 us for 300 positions, 9 / 3 heads).
+  int64_t work = 0;  // (query row x head, position) pairs
+  for (int64_t i = 0; i < S; ++i) work += (qsl[seqs[i] + 1] - qsl[seqs[i]]) * H * lens[seqs[i]];
+  const int64_t grain = work < 16384 ? std::max<int64_t>(item_start[S], 1) : 1;
+  at::parallel_for(0, item_start[S], grain, [&](int64_t w0, int64_t w1) {
     std::vector<uint32_t> local;
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t i = std::upper_bound(item_start.begin(), item_start.end(), w) - item_start.begin() - 1;

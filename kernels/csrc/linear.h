@@ -173,7 +173,7 @@ inline void linear_rows_bf16(const bf16* x, int64_t rows, int64_t K, const bf16*
     const bf16* xm = x + m0 * K;
     bf16* ym = y + m0 * N;
     switch (std::min<int64_t>(kMaxTileRowsBf16, rows - m0)) {
-      case 1: linear_tile_bf16<1, 4>(xm, K, panel, bias, ym, N, ncols); break;
+      case 1: linear_tile_bf16<1, 2>(xm, K, panel, bias, ym, N, ncols); break;
       case 2: linear_tile_bf16<2, 2>(xm, K, panel, bias, ym, N, ncols); break;
       case 3: linear_tile_bf16<3, 2>(xm, K, panel, bias, ym, N, ncols); break;
       case 4: linear_tile_bf16<4, 2>(xm, K, panel, bias, ym, N, ncols); break;
