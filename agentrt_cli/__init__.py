@@ -19,6 +19,8 @@ BENCHES = {
     "prefix": "bench.prefix",
     "programs": "bench.programs",
     "simulate": "bench.simulate",
+    "calibrate": "bench.calibrate",
+    "simcheck": "bench.simcheck",
     "serve": "bench.serve",
     "countdown": "bench.countdown",
     "retention": "bench.retention",

@@ -16,8 +16,28 @@ def machine() -> str:
     import torch
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    cpu = platform.processor() or platform.machine()
-    return f"{platform.system()} {cpu}, {os.cpu_count()} CPU cores, {dev}, torch {torch.__version__}, Python {platform.python_version()}"
+    return (f"{platform.system()} {cpu_name()} ({cpu_flags_line()}), {os.cpu_count()} CPU cores, {dev}, "
+            f"torch {torch.__version__}, Python {platform.python_version()}")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags_line() -> str:
+    """The CPU's flags that choose kernels and dtypes here, e.g. "flags: avx2 avx512f avx512_bf16"."""
+    from kernels import cpu
+
+    flags = cpu.cpu_flags()
+    have = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags]
+    return "flags: " + (" ".join(have) or "none of avx2 / avx512")
 
 
 def command() -> str:

@@ -36,9 +36,10 @@ ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}  # few seats: the po
 
 
 async def _call(call: Call) -> list[int]:
-    rt = agentrt.current_runtime()
-    text = await agentrt.generate(call.prompt, max_tokens=call.max_tokens, ignore_eos=True, temperature=0.0)
-    return rt.tokenizer(text, add_special_tokens=False)["input_ids"][: call.max_tokens]
+    """The call's generated token ids, as the engine produced them (re-tokenizing the text could give other
+    ids, and the simulator, which runs the same plans, could then not match the real run's prompts)."""
+    res = await agentrt.generate(call.prompt, max_tokens=call.max_tokens, ignore_eos=True, temperature=0.0, full=True)
+    return list(res.choices[0].token_ids)
 
 
 @agentrt.tool(name="search")
@@ -177,7 +178,8 @@ def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
             "",
             f"- Date: {report['date']}; machine: {report['machine']}",
             f"- Command: `{command}`",
-            f"- Workload: {cfg['programs']} programs, Poisson arrivals at {cfg['rate']} programs/s, seed {cfg['seed']}: "
+            f"- Workload: {cfg['programs']} programs, Poisson arrivals at {cfg['rate']:.3f} programs/s{load_note(cfg)}, "
+            f"seed {cfg['seed']}: "
             f"{wl.describe()}; engine {cfg['engine']}, default policy settings.",
             "- Program latency = planned arrival to program end; per token = latency / tokens the program generated.",
             "",
@@ -194,6 +196,12 @@ def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def load_note(cfg: dict[str, Any]) -> str:
+    if cfg.get("load") is None:
+        return ""
+    return f" (load {cfg['load']:.2f} of the calibrated saturation, {cfg['capacity_programs_per_s']:.3f} programs/s)"
 
 
 def _flag(value: str) -> bool:
@@ -245,6 +253,10 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rate", type=float, default=0.25,
                     help="program arrivals per second (Poisson); the default mix saturates the CPU engine at "
                          "~0.27 (`agentrt bench simulate --capacity`), so 0.25 runs it near saturation")
+    ap.add_argument("--load", type=float, default=None,
+                    help="instead of --rate: the arrival rate as a fraction of this machine's saturation (programs/s "
+                         "completed when all arrive at once, simulated with the calibrated step costs of "
+                         "`agentrt simulate --calibrate`), e.g. 0.9")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="fcfs,mlfq,plas,atlas",
                     help="comma-separated NAME[:np][:KEY=VALUE...], e.g. fcfs,plas,plas:beta=2,atlas:np")
@@ -266,8 +278,9 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def setup(args: argparse.Namespace) -> tuple[list[ProgramSpec], dict[str, Any]]:
-    """Apply the workload options; the workload and the engine settings they name."""
+def setup(args: argparse.Namespace, cost: Any = None) -> tuple[list[ProgramSpec], dict[str, Any]]:
+    """Apply the workload options; the workload and the engine settings they name. With --load, the rate is
+    that fraction of the saturation rate simulated with `cost` (default: this machine's calibrated fit)."""
     if not (isinstance(args.rate, float) and 0 < args.rate < float("inf")):
         raise SystemExit(f"--rate must be a number of program arrivals per second > 0, got {args.rate!r}")
     if args.programs < 1:
@@ -302,6 +315,21 @@ def setup(args: argparse.Namespace) -> tuple[list[ProgramSpec], dict[str, Any]]:
         wl.MIX.clear()
         wl.MIX.update(mix)
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    args.capacity_programs_per_s = None
+    if args.load is not None:
+        if not (isinstance(args.load, float) and 0 < args.load < float("inf")):
+            raise SystemExit(f"--load must be a fraction of saturation > 0 such as 0.9, got {args.load!r}")
+        from bench import costs
+        from bench.simulate import capacity
+
+        if cost is None:
+            cost, line = costs.for_this_machine(getattr(args, "model", None), quiet=True)
+            print(f"agentrt bench programs: {line}", file=sys.stderr)
+        args.capacity_programs_per_s = cap = capacity(make_workload(args.programs, 1.0, args.seed), engine=engine,
+                                                      cost=cost)
+        args.rate = args.load * cap
+        print(f"load {args.load:.2f} of saturation {cap:.3f} programs/s: arrival rate {args.rate:.3f} programs/s",
+              file=sys.stderr)
     return make_workload(args.programs, args.rate, args.seed), engine
 
 
@@ -312,6 +340,7 @@ def new_report(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, An
         "config": {"mix": dict(wl.MIX), "tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": "{}-{}".format(*REACT["calls"]), "step_tokens": REACT["max_tokens"],
                    "first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta,
                    "programs": args.programs, "rate": args.rate, "seed": args.seed, "engine": engine,
+                   "load": args.load, "capacity_programs_per_s": getattr(args, "capacity_programs_per_s", None),
                    "model": getattr(args, "model", None)},
         "results": {},
     }
@@ -334,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
+        print(f"arrival rate {args.rate:.3f} programs/s{load_note(report['config'])}")
         print(table(report))
     if args.docs is not None:
         cmd = "agentrt bench programs " + " ".join(argv if argv is not None else sys.argv[1:])

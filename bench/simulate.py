@@ -1,17 +1,16 @@
 """Scheduling simulator: the benchmark's program mix against the engine's own scheduler, in virtual time.
 
-    agentrt bench simulate [--programs N] [--rate R] [--policies fcfs,plas,...] [--json]
+    agentrt simulate [--programs N] [--rate R | --load U] [--policies fcfs,plas,...] [--json]
+    agentrt simulate --calibrate                   # time this machine's engine, store the step-cost fit
+    agentrt simulate agents --cost-model NAME      # full-size agents on a named GPU cost model
 
 What is real: `engine.scheduler.Scheduler`, `engine.kv_cache_manager.KVCacheManager`, `Request` and
 the policies, exactly as the engine runs them (admission, chunked prefill, prefix hits, preemption,
-service attribution). What is modeled: the forward pass. A step that schedules `T` tokens for `R`
-requests, `D` of them decoding, over `C` context tokens takes
-
-    step_s = base_s + token_s * T + decode_row_s * D + context_s * C
-
-seconds (defaults fitted to the default model on the 2-core CPU, `agentrt bench programs`'s engine
-settings; override with --cost) and samples a random token for every request that reaches the end of
-its known tokens. Programs are the plans of `bench/workload.py`; tool calls take their planned time.
+service attribution). What is modeled: the forward pass, by a linear step-cost model over the step's
+tokens, decode rows, context, prefill attention pairs and sampled rows (`bench/costs.py`): by default the
+fit `agentrt simulate --calibrate` stored for this machine, model and dtype (a warning and a built-in
+model without one), or a named model (`--cost-model`), or `--cost`. Every request that reaches the end of
+its known tokens samples a random token. Programs are the plans of `bench/workload.py`; tool calls take their planned time.
 
 It runs the default 96-program mix in a few seconds per policy (the real engine: six minutes), so load
 sweeps, mixes and policy settings can be explored before the real run, which is what
@@ -27,12 +26,13 @@ import json
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq)
 from agentrt._retention import RetentionConfig, RetentionPolicy
+from bench import costs
 from bench import workload as wl
+from bench.costs import StepCost
 from bench.workload import Call, Parallel, ProgramSpec, Tool
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -40,38 +40,7 @@ from engine.policy import SchedulingPolicy, make_policy
 from engine.program_ops import EndProgram, ProgramOp
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-
-
-@dataclass(frozen=True, slots=True)
-class StepCost:
-    """Seconds per step as a linear model; the defaults fit SmolLM2-135M fp32 on the 2-core CPU
-    (decode 1 / 4 / 16 rows: ~56 / 77 / 148 ms; a 256-token prefill chunk: ~0.6-0.7 s)."""
-
-    base_s: float = 0.050
-    token_s: float = 0.0025
-    decode_row_s: float = 0.0035
-    context_s: float = 5e-6
-    prefill_attn_s: float = 0.0  # per (new token x context token) of chunks longer than one token: attention FLOPs
-
-    def __call__(self, out: SchedulerOutput) -> float:
-        if not out.reqs:
-            return 0.0
-        decode = sum(1 for n in out.num_tokens if n == 1)
-        context = sum(r.num_computed_tokens + n for r, n in zip(out.reqs, out.num_tokens))
-        attn = sum(n * (r.num_computed_tokens + n / 2) for r, n in zip(out.reqs, out.num_tokens) if n > 1)
-        return (self.base_s + self.token_s * out.total_tokens + self.decode_row_s * decode + self.context_s * context
-                + self.prefill_attn_s * attn)
-
-
-# Llama-3.1-8B, bf16, on one H100 SXM (80 GB), from the spec sheets, not measured here: weights 16.1 GB read
-# once a step at 3.35 TB/s HBM (4.8 ms) + ~2 ms launch/sampling overhead; 2 x 8.03 GFLOP per token at
-# ~50% of 989 dense bf16 TFLOP/s (32.5 us/token); KV 128 KiB/token (32 layers x 8 KV heads x 128 x K,V x
-# 2 B) read per step per context token (39 ns); prefill attention 4 x 32 x 4096 FLOP per (query, key)
-# pair at the same rate (1.06 ns). KV memory: 80 GB - 16 GB weights - ~4 GB activations = ~60 GB =
-# ~458k tokens.
-H100_LLAMA8B = StepCost(base_s=0.0068, token_s=3.25e-5, decode_row_s=0.0, context_s=3.9e-8, prefill_attn_s=1.06e-9)
-H100_KV_TOKENS = 458_000
+from engine.scheduler import Scheduler
 
 
 class SimEngine:
@@ -228,21 +197,25 @@ AGENT_CONFIGS = {  # name -> (policy, TTL pins): vLLM-like, Continuum-like, Aute
 
 
 def agents_sweep(n: int, rates: list[float], seed: int, configs: list[str], block_size: int = 256,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192) -> list[dict[str, Any]]:
-    """Full-size agents (bench/workload.py CODING_FULL / REACT_FULL) on the Llama-3.1-8B / H100 cost model:
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 cost_model: str = "h100-llama-3.1-8b") -> list[dict[str, Any]]:
+    """Full-size agents (bench/workload.py CODING_FULL / REACT_FULL) on a named GPU cost model (bench/costs.py):
     each config at each arrival rate. Blocks of `block_size` tokens (coarser than the engine's 16, so a
     thousand programs of tens of thousands of tokens simulate in minutes; hits are at that granularity)."""
     import time as _time
 
+    cost, kv_tokens, _ = costs.named(cost_model)
+    if kv_tokens is None:
+        raise SystemExit(f"cost model {cost_model!r} has no KV-cache size: choose a GPU model for full-size agents")
     engine = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-              "num_blocks": H100_KV_TOKENS // block_size, "block_size": block_size}
+              "num_blocks": kv_tokens // block_size, "block_size": block_size}
     rows = []
     for rate in rates:
         work = wl.make_agent_workload(n, rate, seed)
         for name in configs:
             policy, ttl = AGENT_CONFIGS[name]
             t0 = _time.perf_counter()
-            res = simulate(policy, work, engine=engine, cost=H100_LLAMA8B, retention=RetentionConfig(ttl=ttl))
+            res = simulate(policy, work, engine=engine, cost=cost, retention=RetentionConfig(ttl=ttl))
             lat = sorted(p["latency_s"] for p in res["programs"])
             rows.append({"config": name, "rate": rate, "programs": n, "wall_s": _time.perf_counter() - t0,
                          "latency_mean_s": sum(lat) / len(lat), "latency_p95_s": lat[int(0.95 * (len(lat) - 1))],
@@ -296,6 +269,8 @@ def agents_main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(AGENT_CONFIGS))
     ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--cost-model", default="h100-llama-3.1-8b", choices=[k for k, v in costs.NAMED.items() if v[1]],
+                    help="the GPU step-cost model (bench/costs.py states each one's figures and sources)")
     ap.add_argument("--plot", default=None, metavar="PNG", help="write the latency / recompute plot here")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -307,7 +282,8 @@ def agents_main(argv: list[str]) -> int:
     bad = [c for c in configs if c not in AGENT_CONFIGS]
     if bad:
         raise SystemExit(f"unknown config {bad[0]!r}; known: {', '.join(AGENT_CONFIGS)}")
-    rows = agents_sweep(args.programs, rates, args.seed, configs, args.block_size)
+    print(f"agentrt simulate agents: step costs: {args.cost_model} ({costs.named(args.cost_model)[2]})", file=sys.stderr)
+    rows = agents_sweep(args.programs, rates, args.seed, configs, args.block_size, cost_model=args.cost_model)
     if args.plot:
         plot_agents(rows, args.plot)
     if args.json:
@@ -329,11 +305,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["agents"]:
         return agents_main(argv[1:])
+    if "--calibrate" in argv:
+        from bench import calibrate
+
+        return calibrate.main([a for a in argv if a != "--calibrate"])
 
     ap = argparse.ArgumentParser(prog="agentrt bench simulate", description=__doc__.split("\n\n")[0])
     real.add_common_args(ap)
-    ap.add_argument("--cost", default=None, metavar="BASE,TOKEN,DECODE_ROW,CONTEXT",
-                    help="step-cost model in seconds (default: fitted to the default model on this CPU)")
+    ap.add_argument("--cost", default=None, metavar="BASE,TOKEN,DECODE_ROW,CONTEXT[,PREFILL_ATTN[,SAMPLE]]",
+                    help="step-cost model in seconds (default: this machine's calibrated fit, see --calibrate)")
+    ap.add_argument("--cost-model", default=None, choices=list(costs.NAMED),
+                    help="a named step-cost model instead of this machine's fit (bench/costs.py states their sources)")
     ap.add_argument("--capacity", action="store_true",
                     help="also print the saturation rate: programs/s completed when all arrive at once")
     ap.add_argument("--loads", default=None, metavar="U1,U2,...",
@@ -341,16 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                          "reports each policy's mean and p99 latency vs fcfs, averaged over --seeds")
     ap.add_argument("--seeds", type=int, default=3, help="workload seeds per load in a sweep (from --seed on)")
     args = ap.parse_args(argv)
-    cost = StepCost()
-    if args.cost is not None:
-        try:
-            values = [float(x) for x in args.cost.split(",")]
-            if len(values) != 4 or min(values) < 0:
-                raise ValueError
-            cost = StepCost(*values)
-        except ValueError:
-            raise SystemExit(f"--cost must be four numbers >= 0, BASE,TOKEN,DECODE_ROW,CONTEXT, got {args.cost!r}") from None
-    workload, engine = real.setup(args)
+    cost = resolve_cost(args)
+    workload, engine = real.setup(args, cost)
     if args.loads is not None:
         try:
             loads = [float(x) for x in args.loads.split(",")]
@@ -373,8 +347,24 @@ def main(argv: list[str] | None = None) -> int:
         report["capacity_programs_per_s"] = cap = capacity(workload, engine=engine, cost=cost)
         if not args.json:
             print(f"saturation: {cap:.3f} programs/s (this run: {args.rate / cap:.2f} of it)")
+    if not args.json:
+        print(f"arrival rate {args.rate:.3f} programs/s{real.load_note(report['config'])}")
     print(json.dumps(report, indent=2) if args.json else real.table(report))
     return 0
+
+
+def resolve_cost(args: argparse.Namespace) -> StepCost:
+    """--cost, else --cost-model, else this machine's stored fit (a warning and the built-in model without
+    one); says on stderr which it uses."""
+    if args.cost is not None:
+        cost, line = StepCost.parse(args.cost), f"step costs: --cost {args.cost}"
+    elif args.cost_model is not None:
+        cost, _, source = costs.named(args.cost_model)
+        line = f"step costs: {args.cost_model} ({source})"
+    else:
+        cost, line = costs.for_this_machine(getattr(args, "model", None), quiet=True)
+    print(f"agentrt simulate: {line}", file=sys.stderr)
+    return cost
 
 
 def sweep(args: argparse.Namespace, loads: list[float], engine: dict[str, Any], cost: StepCost) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ import logging
 import numbers
 import threading
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +34,7 @@ from engine.program_ops import ProgramOp
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import propose
 from engine.structured import Constraint, GrammarCache
 
@@ -98,6 +98,7 @@ class EngineCore:
         self.num_steps = 0
         self.busy_s = 0.0  # executor wall time summed over steps (input prep + forward + sampling)
         self.num_computed_tokens = 0  # tokens run through the model, drafts and recomputation included
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None  # sees each batch before it runs
         self.num_draft_tokens = 0  # speculative drafts scheduled
         self.num_rejected_tokens = 0  # of which rejected
 
@@ -339,6 +340,8 @@ class EngineCore:
             for req in self.scheduler.running:  # k = 0 also clears drafts of a step that skipped the request
                 propose(req, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
         out = self.scheduler.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule(out)
         self.num_draft_tokens += sum(len(r.spec_token_ids) for r in out.reqs)
         deltas: list[StreamDelta] = []
         for req in out.failed:

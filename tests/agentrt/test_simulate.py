@@ -13,6 +13,12 @@ from engine.request import Request
 from engine.sampling import SamplingParams
 
 
+@pytest.fixture(autouse=True)
+def _no_stored_fit(tmp_path, monkeypatch):
+    """The built-in step costs, whatever fit this machine has stored (tests/agentrt/test_calibrate.py covers fits)."""
+    monkeypatch.setenv("AGENTRT_CALIBRATION_DIR", str(tmp_path))
+
+
 def _calls_ok(kind: str, calls: int) -> bool:
     if kind == "react":
         return wl.REACT["calls"][0] <= calls <= wl.REACT["calls"][1]
@@ -65,7 +71,7 @@ def test_cli_reports_ratios_and_capacity(capsys):
     assert list(report["results"]) == ["fcfs", "plas:order=call"]
     assert report["results"]["plas:order=call"]["vs_fcfs"]["latency_s.mean"] > 0
     assert report["capacity_programs_per_s"] > 0
-    with pytest.raises(SystemExit, match="--cost must be four numbers"):
+    with pytest.raises(SystemExit, match="--cost must be 4 to 6 numbers"):
         sim.main(["--cost", "1,2"])
     with pytest.raises(SystemExit, match="got '1,2,3,-4'"):
         sim.main(["--cost", "1,2,3,-4"])

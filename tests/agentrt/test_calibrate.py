@@ -1,0 +1,155 @@
+"""Step-cost calibration: the fit, the store keyed by machine, the fallback, --load."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from bench import calibrate, costs
+from bench import simulate as sim
+from bench import workload as wl
+from bench.costs import StepCost, step_features
+from engine.request import Request
+from engine.sampling import SamplingParams
+from engine.scheduler import SchedulerOutput
+
+TRUE = StepCost(base_s=0.012, token_s=4e-4, decode_row_s=9e-4, context_s=2e-6, prefill_attn_s=1e-7, sample_s=1.5e-3)
+
+
+def _synthetic(noise: float, seed: int = 0) -> list[tuple[str, tuple[int, ...], float]]:
+    """Timings of the design's kind of steps, made by a known model with multiplicative noise."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(300):
+        kind = i % 3
+        if kind == 0:  # a prefill chunk, alone
+            n, done = rng.choice([16, 64, 128, 256, 512]), rng.choice([0, 0, 256, 512])
+            x = (1, n, 0, done + n, n * done + n * (n + 1) // 2, rng.random() < 0.5)
+        elif kind == 1:  # decode rows
+            rows, ctx = rng.choice([1, 2, 4, 8, 16, 32]), rng.choice([32, 256, 1024])
+            x = (1, rows, rows, rows * ctx, 0, rows)
+        else:  # decode rows + a chunk
+            rows, n = rng.choice([2, 8]), rng.choice([64, 256])
+            x = (1, rows + n, rows, rows * 130 + n, n * (n + 1) // 2, rows + 1)
+        t = sum(c * v for c, v in zip(TRUE.coefficients(), x)) * (1 + rng.uniform(-noise, noise))
+        records.append((f"s{i % 7}", tuple(int(v) for v in x), t))
+    return records
+
+
+def test_fit_recovers_known_coefficients():
+    cost, err = calibrate.fit(_synthetic(noise=0.0))
+    for got, want in zip(cost.coefficients(), TRUE.coefficients()):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert err["max_rel"] < 1e-9 and err["scenario_max_rel"] < 1e-9
+
+
+def test_fit_with_noise_stays_close_and_reports_its_error():
+    cost, err = calibrate.fit(_synthetic(noise=0.05, seed=3))
+    for name, got, want in zip(costs.FEATURES, cost.coefficients(), TRUE.coefficients()):
+        assert got == pytest.approx(want, rel=0.25), name
+    assert 0.005 < err["median_rel"] < 0.05 and err["max_rel"] < 0.12
+    assert err["scenario_max_rel"] < 0.05
+
+
+def test_nnls_keeps_coefficients_non_negative():
+    a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    b = np.array([3.0, 2.0, 1.0])  # a falling line: the slope would be negative
+    x = calibrate.nnls(a, b)
+    assert x[1] == 0 and x[0] == pytest.approx(2.0)
+
+
+def test_step_features_match_the_cost_model():
+    prefill = Request("a", [1] * 100, SamplingParams())
+    chunk = Request("c", [1] * 300, SamplingParams())
+    chunk.num_computed_tokens = 100  # 100 more of 300: no sample yet
+    decode = Request("b", [1] * 10, SamplingParams())
+    decode.num_computed_tokens = 9
+    out = SchedulerOutput([prefill, chunk, decode], [100, 100, 1], [])
+    base, tokens, rows, context, attn, sampled = step_features(out)
+    assert (base, tokens, rows, sampled) == (1, 201, 1, 2)
+    assert context == 100 + 200 + 10
+    assert attn == 100 * 101 // 2 + (100 * 100 + 100 * 101 // 2)
+    assert TRUE(out) == pytest.approx(sum(c * x for c, x in zip(TRUE.coefficients(), step_features(out))))
+
+
+def test_stored_fit_is_found_again_by_its_key(tmp_path):
+    fit = costs.Fit(key=costs.fit_key("m", "bfloat16", "avx512_bf16-2c-2t"), cost=TRUE, created="2026-12-01",
+                    error={"median_rel": 0.03}, steps=400, cpu="test CPU")
+    path = costs.store(fit, tmp_path)
+    assert path.name == "m--bfloat16--avx512_bf16-2c-2t.json" and json.loads(path.read_text())["steps"] == 400
+    assert costs.load(fit.key, tmp_path) == fit
+    assert costs.load(costs.fit_key("m", "float32", "avx512_bf16-2c-2t"), tmp_path) is None  # other dtype
+    assert costs.load(costs.fit_key("m", "bfloat16", "avx2-2c-2t"), tmp_path) is None  # other CPU kind
+
+
+def test_this_machine_uses_its_fit_else_warns_and_falls_back(tmp_path, capsys):
+    cost, line = costs.for_this_machine(directory=tmp_path)
+    assert cost == costs.DEFAULT_CPU and "warning" in line and "--calibrate" in line
+    assert "no calibrated step-cost fit for this machine" in capsys.readouterr().err
+    key = costs.fit_key(*costs.default_model_and_dtype())
+    costs.store(costs.Fit(key=key, cost=TRUE, created="today", error={"median_rel": 0.02}, steps=10), tmp_path)
+    cost, line = costs.for_this_machine(directory=tmp_path)
+    assert cost == TRUE and key in line and "warning" not in line
+    assert capsys.readouterr().err == ""
+
+
+def test_fit_key_names_the_engine_model_without_loading_it():
+    from engine.loader import resolve_model
+
+    model, dtype = costs.default_model_and_dtype(dtype="float32")
+    assert model == resolve_model(None).name and dtype == "float32"
+
+
+def test_named_gpu_models_state_their_sources():
+    for name, (cost, kv_tokens, source) in costs.NAMED.items():
+        assert cost.base_s > 0 and source
+        if name.startswith("h100"):
+            assert kv_tokens and "spec sheet" in source
+    with pytest.raises(SystemExit, match="unknown cost model 'tpu'"):
+        costs.named("tpu")
+
+
+def test_cost_arguments_are_checked():
+    assert StepCost.parse("0.01,0.001,0,0") == StepCost(0.01, 0.001, 0, 0, 0, 0)
+    assert StepCost.parse("1,2,3,4,5,6").sample_s == 6
+    for bad in ("1,2,3", "1,2,3,-4", "a,b,c,d", "1,2,3,4,5,6,7"):
+        with pytest.raises(SystemExit, match="--cost must be"):
+            StepCost.parse(bad)
+
+
+def test_load_sets_the_rate_from_the_calibrated_capacity(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AGENTRT_CALIBRATION_DIR", str(tmp_path))
+    key = costs.fit_key(*costs.default_model_and_dtype())
+    costs.store(costs.Fit(key=key, cost=TRUE, created="today", error={"median_rel": 0.02}, steps=10))
+    assert sim.main(["--programs", "6", "--policies", "fcfs,plas", "--load", "0.5", "--json", "--seed", "1"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    cap = sim.capacity(wl.make_workload(6, 1.0, 1), engine={"max_num_seqs": 4, "max_num_batched_tokens": 256},
+                       cost=TRUE)
+    assert report["config"]["capacity_programs_per_s"] == pytest.approx(cap)
+    assert report["config"]["rate"] == pytest.approx(0.5 * cap) and report["config"]["load"] == 0.5
+    assert key in captured.err
+    with pytest.raises(SystemExit, match="--load must be"):
+        sim.main(["--programs", "4", "--load", "-1"])
+
+
+@pytest.mark.slow
+def test_calibration_times_the_real_engine(tmp_path):
+    """A cut-down design on the real default model: every scenario timed, a fit with sane coefficients."""
+    from engine.engine_core import EngineCore
+
+    core = EngineCore(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=256, device="cpu")
+    scenarios = [calibrate.Scenario("prefill 100", ((100, 2, 0),)), calibrate.Scenario("decode 2 x 16", ((16, 6, 0),) * 2),
+                 calibrate.Scenario("1 decoding + prefill 40", ((16, 8, 0), (40, 2, 2)))]
+    records = calibrate.time_steps(core, scenarios, repeats=2)
+    assert core.on_schedule is None and core.kv.num_free_blocks == core.kv.num_blocks
+    assert {name for name, _, _ in records} == {s.name for s in scenarios}
+    assert all(t > 0 for _, _, t in records)
+    prefill = [x for name, x, _ in records if name == "prefill 100"]
+    assert prefill[0][1] == 100 and prefill[0][2] == 0  # 100 tokens, no decode row
+    cost, err = calibrate.fit(records)
+    assert cost(SchedulerOutput([Request("r", [1] * 8, SamplingParams())], [8], [])) > 0
+    assert err["distinct_steps"] >= 4
