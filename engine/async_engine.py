@@ -1,6 +1,7 @@
 """`AsyncEngine`: the engine behind an event loop.
 
-Model steps run in a worker thread (`anyio.to_thread`), so the event loop never waits on one.
+Model steps run in the engine's own thread (`engine/engine_thread.py`, which also builds the engine),
+so the event loop never waits on one.
 All engine state is touched by one side at a time: requests added or aborted while a step runs
 are queued and applied right after it, on the event-loop side. Each request gets a
 `RequestStream` of `StreamDelta`s; its final `RequestOutput` comes from `await stream.result()`.
@@ -29,6 +30,7 @@ from anyio.abc import TaskGroup
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats, family_ids
+from engine.engine_thread import EngineThread
 from engine.llm import make_config
 from engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from engine.program_ops import ProgramOp
@@ -124,7 +126,13 @@ class AsyncEngine:
     def __init__(self, model: str | EngineConfig | None = None, **config: Any):
         """The same arguments as `LLM`: a model path (None: the default model) and EngineConfig
         fields, or one EngineConfig."""
-        self.core = EngineCore(make_config(model, config))
+        cfg = make_config(model, config)
+        self._thread = EngineThread()  # builds the engine and runs every step of it (engine/engine_thread.py)
+        try:
+            self.core = self._thread.call(lambda: EngineCore(cfg))
+        except BaseException:
+            self._thread.close()
+            raise
         self._streams: dict[str, _Sink] = {}  # root request id -> its stream's engine side, until it ends
         self._roots: dict[str, str] = {}  # request id (forks included) -> its root's id, until the stream ends
         self._root_reqs: dict[str, Request] = {}  # root id -> its Request once in the core, until the stream ends
@@ -336,7 +344,7 @@ class AsyncEngine:
                 continue
             self._stepping = True
             try:
-                deltas = await anyio.to_thread.run_sync(core.step)
+                deltas = await self._thread.run(core.step)
             except Exception as e:
                 logger.exception("engine step failed")
                 deltas = self._fail_everything(e)
