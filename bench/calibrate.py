@@ -17,6 +17,7 @@ is what a simulation adds up).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import random
@@ -137,19 +138,57 @@ def fit(records: list[tuple[str, tuple[int, ...], float]]) -> tuple[StepCost, di
 
 def calibrate(model: str | None = None, dtype: str | None = None, repeats: int = 2, max_num_seqs: int = 32,
               max_num_batched_tokens: int = 512, seed: int = 0, log: Any = sys.stderr) -> tuple[Fit, list]:
-    """Time the real engine, fit, and return the fit (not yet stored) with the raw records."""
-    from engine.engine_core import EngineCore
+    """Time the real engine, fit, and return the fit (not yet stored) with the raw records.
 
-    core = EngineCore(model=model, dtype=dtype, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens, device="cpu")
+    The engine is an `AsyncEngine`, as programs use it: the design is timed step by step on its engine
+    thread, then `loop_overhead` (what serving adds per step: the hand-off to the event loop and back,
+    dispatching tokens) is added to the fitted base cost."""
+    from engine.async_engine import AsyncEngine
+
+    eng = AsyncEngine(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                      device="cpu")
+    core = eng.core
     print(core.startup_line, file=log, flush=True)
     warm = [Scenario("warm-up", ((64, 4, 0), (300, 4, 0)))]
-    time_steps(core, warm, 1, seed=seed + 1)
-    records = time_steps(core, design(max_num_seqs), repeats, seed=seed, log=log)
+    eng.call_on_engine_thread(lambda: time_steps(core, warm, 1, seed=seed + 1))
+    records = eng.call_on_engine_thread(lambda: time_steps(core, design(max_num_seqs), repeats, seed=seed, log=log))
     cost, error = fit(records)
+    overhead = loop_overhead(eng, seed=seed + 2)
+    error["loop_overhead_s"] = overhead
+    cost = dataclasses.replace(cost, base_s=cost.base_s + overhead)
     key = costs.fit_key(core.model_path.name, core.config.dtype)
     return Fit(key=key, cost=cost, created=costs.today(), error=error, steps=len(records),
                cpu=f"{_common.cpu_name()} ({_common.cpu_flags_line()})"), records
+
+
+def loop_overhead(eng: Any, seed: int = 0, rows: int = 4, out_tokens: int = 48, repeats: int = 3) -> float:
+    """Seconds per step that serving adds to the step itself: the same decode batch timed step by step on
+    the engine thread and served by the running `AsyncEngine`, the difference of their totals per step
+    (median over `repeats`)."""
+    from engine.sampling import SamplingParams
+
+    core = eng.core
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=out_tokens, ignore_eos=True, temperature=0.0)
+    scenario = [Scenario("loop", ((128, out_tokens, 0),) * rows)]
+
+    async def served() -> tuple[float, int]:
+        async with eng:
+            steps0 = core.num_steps
+            t0 = time.perf_counter()
+            streams = [eng.add_request([rng.randrange(*VOCAB) for _ in range(128)], params) for _ in range(rows)]
+            for s in streams:
+                await s.result()
+            return time.perf_counter() - t0, core.num_steps - steps0
+
+    import anyio
+
+    diffs = []
+    for _ in range(repeats):
+        direct = eng.call_on_engine_thread(lambda: time_steps(core, scenario, 1, seed=rng.randrange(1 << 30)))
+        wall, steps = anyio.run(served)
+        diffs.append((wall - sum(t for _, _, t in direct)) / max(1, steps))
+    return max(0.0, statistics.median(diffs))
 
 
 def describe(f: Fit) -> str:
@@ -159,7 +198,9 @@ def describe(f: Fit) -> str:
         f"fit {f.key} on {f.cpu}, {f.steps} timed steps ({e['distinct_steps']} distinct):",
         f"  step_s = {c.base_s * 1e3:.2f} ms + {c.token_s * 1e6:.1f} us/token + {c.decode_row_s * 1e6:.1f} us/decode row"
         f" + {c.context_s * 1e9:.1f} ns/context token + {c.prefill_attn_s * 1e12:.2f} ps/prefill pair"
-        f" + {c.sample_s * 1e6:.1f} us/sampled row",
+        f" + {c.sample_s * 1e6:.1f} us/sampled row"
+        + (f" (base includes {e['loop_overhead_s'] * 1e3:.2f} ms/step of serving overhead)" if "loop_overhead_s" in e
+           else ""),
         f"  error per step: median {e['median_rel']:.1%}, p90 {e['p90_rel']:.1%}, max {e['max_rel']:.1%}; "
         f"per scenario total: mean {e['scenario_mean_rel']:.1%}, max {e['scenario_max_rel']:.1%}",
     ])

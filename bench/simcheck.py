@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from typing import Any
@@ -30,31 +31,41 @@ TARGET_REL = 0.20
 TARGET_RATIO = 0.10
 
 
-def run(loads: list[float], policies: list[str], n: int, seed: int, cost: costs.StepCost, model: str | None,
+def run(loads: list[float], policies: list[str], n: int, seeds: list[int], cost: costs.StepCost, model: str | None,
         engine: dict[str, Any]) -> dict[str, Any]:
-    cap = capacity(wl.make_workload(n, 1.0, seed), engine=engine, cost=cost)
+    """Each load x policy over the workloads of `seeds` (one real and one simulated run each); latency
+    statistics over all their programs pooled."""
+    caps = {seed: capacity(wl.make_workload(n, 1.0, seed), engine=engine, cost=cost) for seed in seeds}
     rows = []
     for load in loads:
-        rate = load * cap
-        work = wl.make_workload(n, rate, seed)
         for policy in policies:
             name, kwargs = real.policy_spec(policy, argparse.Namespace(first_boundary=None, quantum=None, beta=None))
-            t0 = time.monotonic()
-            measured = real.summarize(anyio.run(real.run_policy, name, work, model, engine, kwargs))
-            wall = time.monotonic() - t0
-            predicted = real.summarize(simulate(name, work, policy_kwargs=kwargs, engine=engine, cost=cost))
-            row = {"load": load, "rate": rate, "policy": policy, "real_wall_s": wall}
-            for side, res in (("real", measured), ("sim", predicted)):
-                row[f"{side}_mean_s"] = res["latency_s"]["mean"]
-                row[f"{side}_p95_s"] = res["latency_s"]["p95"]
-                row[f"{side}_steps"] = res["steps"]
-                row[f"{side}_busy"] = res["utilization"]
+            pooled: dict[str, list[float]] = {"real": [], "sim": []}
+            busy: dict[str, list[float]] = {"real": [], "sim": []}
+            wall = 0.0
+            for seed in seeds:
+                work = wl.make_workload(n, load * caps[seed], seed)
+                t0 = time.monotonic()
+                measured = anyio.run(real.run_policy, name, work, model, engine, kwargs)
+                wall += time.monotonic() - t0
+                predicted = simulate(name, work, policy_kwargs=kwargs, engine=engine, cost=cost)
+                for side, res in (("real", measured), ("sim", predicted)):
+                    pooled[side] += [p["latency_s"] for p in res["programs"]]
+                    busy[side].append(res["utilization"])
+                print(f"load {load} seed {seed} {policy}: real mean "
+                      f"{statistics.fmean(p['latency_s'] for p in measured['programs']):.2f} s, sim mean "
+                      f"{statistics.fmean(p['latency_s'] for p in predicted['programs']):.2f} s", file=sys.stderr, flush=True)
+            row = {"load": load, "rate": load * statistics.fmean(caps.values()), "policy": policy, "real_wall_s": wall}
+            for side in ("real", "sim"):
+                summary = real.summarize({"programs": [{"kind": "", "latency_s": x, "output_tokens": 1}
+                                                       for x in pooled[side]]})["latency_s"]
+                row[f"{side}_mean_s"], row[f"{side}_p95_s"] = summary["mean"], summary["p95"]
+                row[f"{side}_busy"] = statistics.fmean(busy[side])
             for stat in ("mean", "p95"):
                 row[f"{stat}_rel_err"] = row[f"sim_{stat}_s"] / row[f"real_{stat}_s"] - 1
             rows.append(row)
-            print(f"load {load} ({rate:.3f}/s) {policy}: real mean {row['real_mean_s']:.2f} s p95 "
-                  f"{row['real_p95_s']:.2f} s | sim mean {row['sim_mean_s']:.2f} s p95 {row['sim_p95_s']:.2f} s "
-                  f"({wall:.0f} s)", file=sys.stderr, flush=True)
+            print(f"load {load} {policy}: real mean {row['real_mean_s']:.2f} s p95 {row['real_p95_s']:.2f} s | sim mean "
+                  f"{row['sim_mean_s']:.2f} s p95 {row['sim_p95_s']:.2f} s ({wall:.0f} s)", file=sys.stderr, flush=True)
     ratios = []
     if "fcfs" in policies:
         for load in loads:
@@ -66,7 +77,7 @@ def run(loads: list[float], policies: list[str], n: int, seed: int, cost: costs.
                                    "diff": sim_ratio - real_ratio})
     ok_lat = all(abs(r[f"{s}_rel_err"]) <= TARGET_REL for r in rows for s in ("mean", "p95"))
     ok_ratio = all(abs(r["diff"]) <= TARGET_RATIO for r in ratios)
-    return {"capacity_programs_per_s": cap, "rows": rows, "ratios": ratios,
+    return {"capacity_programs_per_s": statistics.fmean(caps.values()), "rows": rows, "ratios": ratios,
             "within_20pct": ok_lat, "ratios_within_0.1": ok_ratio}
 
 
@@ -95,8 +106,9 @@ def write_docs(report: dict[str, Any], fit: costs.Fit) -> None:
     fit_lines = calibrate.describe(fit).replace("\n", "\n  ")
     body = "\n".join([
         f"- Step-cost fit (`agentrt simulate --calibrate`): {fit_lines}",
-        f"- Workload: {report['programs']} programs of the default mix ({wl.describe()}), seed {report['seed']}; "
-        f"engine {report['engine']}; saturation (simulated, all programs arriving at once): "
+        f"- Workload: {report['programs']} programs of the default mix ({wl.describe()}) per seed, seeds "
+        f"{report['seeds']} (programs pooled); "
+        f"engine {report['engine']}; mean saturation (simulated, all programs arriving at once): "
         f"{report['capacity_programs_per_s']:.3f} programs/s; each load's arrival rate = load x saturation.",
         "", table(report)])
     _common.write_section("Simulator calibration", body)
@@ -108,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default="fcfs,plas")
     ap.add_argument("--programs", type=int, default=48)
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=3,
+                    help="workloads per load and policy (seeds --seed, --seed + 1, ...), their programs pooled: near "
+                         "saturation one 48-program run's mean swings by 2x between repeats (fcfs at 0.95: 2.2-5.9 s)")
     ap.add_argument("--model", default=None, help="model path; default: the default model")
     ap.add_argument("--calibrate", action="store_true", help="calibrate this machine first (and store the fit)")
     ap.add_argument("--json", action="store_true")
@@ -132,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         costs.store(fit)
     print(calibrate.describe(fit), file=sys.stderr)
     engine = dict(real.ENGINE)
-    report = run(loads, policies, args.programs, args.seed, fit.cost, args.model, engine)
-    report.update(programs=args.programs, seed=args.seed, engine=engine, fit=fit.key)
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds must be >= 1, got {args.seeds!r}")
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    report = run(loads, policies, args.programs, seeds, fit.cost, args.model, engine)
+    report.update(programs=args.programs, seeds=seeds, engine=engine, fit=fit.key)
     print(json.dumps(report, indent=2) if args.json else table(report))
     if args.docs:
         write_docs(report, fit)

@@ -21,9 +21,9 @@ import logging
 import queue
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -36,6 +36,8 @@ from engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from engine.program_ops import ProgramOp
 from engine.request import Request
 from engine.sampling import SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger("agentrt.engine")
 
@@ -230,6 +232,14 @@ class AsyncEngine:
             self._queued.append(op)
         else:
             self.core.program_op(op)
+
+    def call_on_engine_thread(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the thread that builds and steps this engine, and wait for it (blocking). For tools that
+        drive `self.core` directly while the engine is not serving (calibration): CPU steps run fastest on
+        that thread (engine/engine_thread.py)."""
+        if self._tg is not None:
+            raise EngineError("the engine is serving: stop it (leave `async with`) before driving its core directly")
+        return self._thread.call(fn)
 
     def kv_stats(self) -> KVStats:
         return self.core.kv_stats()

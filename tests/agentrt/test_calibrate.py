@@ -153,3 +153,21 @@ def test_calibration_times_the_real_engine(tmp_path):
     cost, err = calibrate.fit(records)
     assert cost(SchedulerOutput([Request("r", [1] * 8, SamplingParams())], [8], [])) > 0
     assert err["distinct_steps"] >= 4
+
+
+def test_simcheck_reports_errors_ratios_and_targets():
+    from bench import simcheck
+
+    rows = [{"load": 0.6, "rate": 0.9, "policy": p, "real_mean_s": real, "sim_mean_s": sim_, "real_p95_s": 2 * real,
+             "sim_p95_s": 2 * sim_, "real_busy": 0.6, "sim_busy": 0.6,
+             "mean_rel_err": sim_ / real - 1, "p95_rel_err": sim_ / real - 1}
+            for p, real, sim_ in (("fcfs", 2.0, 2.2), ("plas", 1.0, 1.5))]
+    report = {"rows": rows, "ratios": [{"load": 0.6, "policy": "plas", "real": 0.5, "sim": 1.5 / 2.2,
+                                        "diff": 1.5 / 2.2 - 0.5}],
+              "within_20pct": False, "ratios_within_0.1": False}
+    text = simcheck.table(report)
+    assert "| 0.60 | 0.900 | fcfs | 2.00 | 2.20 | +10% |" in text and "+50%" in text
+    assert "within 20% of the real one: NOT met" in text and "+0.18" in text
+    for bad in (["--loads", "x"], ["--loads", "0"], ["--programs", "0"], ["--policies", "lifo"]):
+        with pytest.raises(SystemExit):
+            simcheck.main(bad)
