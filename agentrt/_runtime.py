@@ -107,6 +107,7 @@ class Runtime:
         stack = contextlib.AsyncExitStack()
         try:
             engine = AsyncEngine(self.engine_config)
+            stack.callback(engine.close)  # after the engine stops serving: its thread goes (engine/engine_thread.py)
             self.engine = await stack.enter_async_context(engine)
             kv = engine.core.kv
             self.retention = RetentionPolicy(self.retention_config, self._program_op, kv.num_blocks * kv.block_size)

@@ -154,6 +154,7 @@ def calibrate(model: str | None = None, dtype: str | None = None, repeats: int =
     records = eng.call_on_engine_thread(lambda: time_steps(core, design(max_num_seqs), repeats, seed=seed, log=log))
     cost, error = fit(records)
     overhead = loop_overhead(eng, seed=seed + 2)
+    eng.close()
     error["loop_overhead_s"] = overhead
     cost = dataclasses.replace(cost, base_s=cost.base_s + overhead)
     key = costs.fit_key(core.model_path.name, core.config.dtype)

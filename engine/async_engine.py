@@ -159,6 +159,8 @@ class AsyncEngine:
         """Start serving (again, after an earlier `async with` ended: the model stays loaded)."""
         if self._tg is not None:
             raise EngineError("AsyncEngine is already running")
+        if self._thread.closed:
+            raise EngineError("AsyncEngine was closed: build a new one")
         self._closed = False
         self._wake = anyio.Event()
         self._tg = anyio.create_task_group()
@@ -232,6 +234,14 @@ class AsyncEngine:
             self._queued.append(op)
         else:
             self.core.program_op(op)
+
+    def close(self) -> None:
+        """Stop the engine's thread once it is not serving (it cannot serve again). An engine dropped without
+        `close` stops it when collected; a process that builds engines one after another (benchmarks, a
+        `Runtime` each) closes each, or their idle threads keep OpenMP pools that slow the next one's steps."""
+        if self._tg is not None:
+            raise EngineError("the engine is serving: leave `async with` before closing it")
+        self._thread.close()
 
     def call_on_engine_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the thread that builds and steps this engine, and wait for it (blocking). For tools that

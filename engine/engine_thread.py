@@ -83,6 +83,10 @@ class EngineThread:
     def ident(self) -> int | None:
         return self._thread.ident
 
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
     def close(self) -> None:
         self._finalizer()
 

@@ -89,3 +89,27 @@ def test_async_engine_is_built_and_stepped_on_one_thread():
     anyio.run(main)
     assert stepped_on == {built_on["ident"]} and built_on["ident"] != threading.get_ident()
     assert eng.core.kv.num_free_blocks == eng.core.kv.num_blocks
+
+
+def test_close_stops_the_thread_and_a_runtime_closes_its_engine(tiny_model_path):
+    import agentrt
+    from engine.async_engine import EngineError
+
+    async def main():
+        async with agentrt.Runtime(str(tiny_model_path), max_num_seqs=2, num_blocks=32) as rt:
+            await agentrt.generate([5, 6, 7], max_tokens=2, ignore_eos=True)
+            eng = rt.engine
+            with pytest.raises(EngineError, match="serving"):
+                eng.close()
+        return eng
+
+    eng = anyio.run(main)
+    eng._thread._thread.join(timeout=5)
+    assert eng._thread.closed and not eng._thread._thread.is_alive()
+
+    async def again():
+        async with eng:
+            pass
+
+    with pytest.raises(EngineError, match="closed"):
+        anyio.run(again)
