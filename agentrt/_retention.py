@@ -38,7 +38,16 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.program_ops import EndProgram, Pin, ProgramOp, Release, Reserve, StartProgram
+import numpy as np
+
+from engine.program_ops import (
+    EndProgram,
+    Pin,
+    ProgramOp,
+    Release,
+    Reserve,
+    StartProgram,
+)
 
 TOOL_HISTORY = 1000  # durations kept per tool, and pooled
 
@@ -70,15 +79,17 @@ class RetentionConfig:
 
 
 def choose_ttl(durations: list[float], gain_s: float) -> float:
-    """tau* over sorted `durations`: argmax of P(d <= tau) * gain_s - tau over {0} U durations."""
-    best, best_value, n = 0.0, 0.0, len(durations)
-    for i, tau in enumerate(durations):
-        if i + 1 < n and durations[i + 1] == tau:
-            continue  # ties: P counts them all at the last one
-        value = (i + 1) / n * gain_s - tau
-        if value > best_value:
-            best, best_value = tau, value
-    return best
+    """tau* over sorted `durations`: argmax of P(d <= tau) * gain_s - tau over {0} U durations (the
+    smallest such tau on ties; 0 unless some tau gains more than it costs). Vectorized: it runs on every
+    call and tool start, over up to `TOOL_HISTORY` durations."""
+    n = len(durations)
+    if n == 0:
+        return 0.0
+    d = np.asarray(durations, dtype=np.float64)
+    values = np.arange(1, n + 1) / n * gain_s - d
+    values[:-1][d[1:] == d[:-1]] = -np.inf  # ties: P counts them all at the last one
+    i = int(np.argmax(values))
+    return float(d[i]) if values[i] > 0.0 else 0.0
 
 
 @dataclass(slots=True)

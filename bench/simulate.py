@@ -23,75 +23,22 @@ import argparse
 import heapq
 import itertools
 import json
-import random
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq)
 from agentrt._retention import RetentionConfig, RetentionPolicy
+from agentrt.policies.autellix import TTL_SETTINGS
 from bench import costs
 from bench import workload as wl
 from bench.costs import StepCost
-from bench.workload import Call, Parallel, ProgramSpec, Tool
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
+from bench.sim_engine import SimEngine
+from bench.workload import Parallel, ProgramSpec, Tool
 from engine.policy import SchedulingPolicy, make_policy
-from engine.program_ops import EndProgram, ProgramOp
-from engine.request import Request, RequestStatus
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-
-
-class SimEngine:
-    """The engine's scheduler and KV-cache manager on a virtual clock; the model is `cost`."""
-
-    def __init__(self, policy: SchedulingPolicy, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_blocks: int = 4096, block_size: int = 16, cost: StepCost | None = None, seed: int = 0):
-        self.now = 0.0
-        self.cost = cost or StepCost()
-        config = EngineConfig(device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              num_blocks=num_blocks, block_size=block_size, policy=policy)
-        self.kv = KVCacheManager(num_blocks, block_size, True)
-        self.scheduler = Scheduler(config, self.kv, policy, clock=lambda: self.now)
-        self.policy = policy
-        self.rng = random.Random(seed)
-        self.busy_s = 0.0
-        self.num_steps = 0
-        self.num_computed_tokens = 0
-        self._done: dict[str, Callable[[list[int]], None]] = {}
-        self._ids = itertools.count()
-
-    def program_op(self, op: ProgramOp) -> None:
-        self.scheduler.program_op(op)
-
-    def add(self, call: Call, program_id: str, thread_id: str, on_done: Callable[[Request], None]) -> None:
-        rid = f"sim-{next(self._ids)}"
-        req = Request(rid, list(call.prompt), SamplingParams(max_tokens=call.max_tokens, ignore_eos=True),
-                      program_id=program_id, thread_id=thread_id, arrival_time=self.now)
-        self._done[rid] = on_done
-        self.scheduler.add_request(req)
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
-    def step(self) -> None:
-        out = self.scheduler.schedule()
-        if out.failed:
-            raise RuntimeError(f"simulated request failed: {out.failed[0].error}")
-        dt = self.cost(out)
-        self.now += dt
-        self.busy_s += dt
-        self.num_steps += 1
-        self.num_computed_tokens += out.total_tokens
-        self.scheduler.update_from_output(out, dt)
-        for req in out.reqs:
-            if req.finished or req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk short of the end samples nothing
-            req.append_token(self.rng.randrange(*wl.VOCAB))
-            if req.num_output_tokens >= req.sampling.max_tokens:
-                self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH, "length")
-                self._done.pop(req.request_id)(req)
+from engine.program_ops import EndProgram
+from engine.request import Request
 
 
 def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, policy_kwargs: dict[str, Any] | None = None,
@@ -159,7 +106,7 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
         while timers and timers[0][0] <= eng.now:
             heapq.heappop(timers)[2]()
         if eng.has_work():
-            eng.step()  # what arrives during a step is added after it, as in the AsyncEngine
+            eng.step(timers[0][0] if timers else math.inf)  # what arrives during a step is added after it
         elif timers:
             eng.now = max(eng.now, timers[0][0])
     assert eng.kv.num_free_blocks == eng.kv.num_blocks, "simulation leaked KV blocks"
@@ -191,9 +138,16 @@ def capacity(workload: list[ProgramSpec], *, engine: dict[str, Any] | None = Non
     return len(burst) / simulate("fcfs", burst, engine=engine, cost=cost)["makespan_s"]
 
 
-AGENT_CONFIGS = {  # name -> (policy, TTL pins): vLLM-like, Continuum-like, Autellix-like, ours
-    "fcfs": ("fcfs", False), "fcfs+ttl": ("fcfs", True), "plas": ("plas", False), "plas+ttl": ("plas", True),
+AGENT_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {  # name -> (policy, its kwargs, TTL pins)
+    "fcfs": ("fcfs", {}, False),  # vLLM-like: call-level FCFS, LRU prefix cache
+    # Continuum-like: pins; program-level FCFS (a one-queue PLAS orders by program start), pinned programs first
+    "fcfs+ttl": ("plas", {"num_queues": 1, "pinned_first": True}, True),
+    "plas": ("plas", {}, False),  # Autellix-like
+    "plas+ttl": ("plas", dict(TTL_SETTINGS), True),  # ours: PLAS composed with TTL (agentrt/policies/autellix.py)
+    # ablation, not in the default sweep: the Continuum-like order with our admission control
+    "fcfs+ttl+guard": ("plas", {"num_queues": 1, "pinned_first": True, "protect_pins": True}, True),
 }
+DEFAULT_AGENT_CONFIGS = ("fcfs", "fcfs+ttl", "plas", "plas+ttl")
 
 
 def agents_sweep(n: int, rates: list[float], seed: int, configs: list[str], block_size: int = 256,
@@ -213,16 +167,19 @@ def agents_sweep(n: int, rates: list[float], seed: int, configs: list[str], bloc
     for rate in rates:
         work = wl.make_agent_workload(n, rate, seed)
         for name in configs:
-            policy, ttl = AGENT_CONFIGS[name]
-            t0 = _time.perf_counter()
-            res = simulate(policy, work, engine=engine, cost=cost, retention=RetentionConfig(ttl=ttl))
+            policy, kwargs, ttl = AGENT_CONFIGS[name]
+            t0, c0 = _time.perf_counter(), _time.process_time()
+            res = simulate(policy, work, policy_kwargs=kwargs, engine=engine, cost=cost,
+                           retention=RetentionConfig(ttl=ttl))
             lat = sorted(p["latency_s"] for p in res["programs"])
             rows.append({"config": name, "rate": rate, "programs": n, "wall_s": _time.perf_counter() - t0,
+                         "cpu_s": _time.process_time() - c0,  # this process's CPU time: wall less waiting for the CPU
                          "latency_mean_s": sum(lat) / len(lat), "latency_p95_s": lat[int(0.95 * (len(lat) - 1))],
                          "recomputed_prefill_tokens": res["recomputed_prefill_tokens"],
                          "prefix_hit_rate": res["prefix_hit_rate"], "ttl_hits": res["ttl_hits"],
                          "ttl_misses": res["ttl_misses"], "preemptions": res["preemptions"]})
-            print(f"rate {rate} {name}: mean {rows[-1]['latency_mean_s']:.0f} s, wall {rows[-1]['wall_s']:.0f} s",
+            print(f"rate {rate} {name}: mean {rows[-1]['latency_mean_s']:.0f} s, wall {rows[-1]['wall_s']:.0f} s, "
+                  f"CPU {rows[-1]['cpu_s']:.0f} s",
                   file=sys.stderr, flush=True)
     return rows
 
@@ -233,7 +190,7 @@ def rate_at_latency(rows: list[dict[str, Any]], config: str, latency_s: float) -
     pts = sorted((r["rate"], r["latency_mean_s"]) for r in rows if r["config"] == config)
     if not pts or pts[0][1] > latency_s:
         return None
-    for (r0, l0), (r1, l1) in zip(pts, pts[1:]):
+    for (r0, l0), (r1, l1) in itertools.pairwise(pts):
         if l1 >= latency_s:
             return r0 + (r1 - r0) * (latency_s - l0) / (l1 - l0) if l1 > l0 else r1
     return None
@@ -267,7 +224,7 @@ def agents_main(argv: list[str]) -> int:
     ap.add_argument("--programs", type=int, default=200)
     ap.add_argument("--rates", default="0.02,0.04,0.06,0.08")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--configs", default=",".join(AGENT_CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_AGENT_CONFIGS), help=f"of {', '.join(AGENT_CONFIGS)}")
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--cost-model", default="h100-llama-3.1-8b", choices=[k for k, v in costs.NAMED.items() if v[1]],
                     help="the GPU step-cost model (bench/costs.py states each one's figures and sources)")
@@ -290,12 +247,12 @@ def agents_main(argv: list[str]) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print("| rate (programs/s) | config | mean s | p95 s | recomputed prefill tokens | hit rate | TTL hits / misses "
-          "| preemptions | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| preemptions | wall s | CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['rate']} | {r['config']} | {r['latency_mean_s']:.0f} | {r['latency_p95_s']:.0f} "
               f"| {r['recomputed_prefill_tokens']:,} | {r['prefix_hit_rate']:.0%} | {r['ttl_hits']} / {r['ttl_misses']} "
-              f"| {r['preemptions']} | {r['wall_s']:.0f} |")
+              f"| {r['preemptions']} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} |")
     return 0
 
 

@@ -100,7 +100,7 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes) -> byte
         parent = hashlib.blake2b(b"root|" + extra, digest_size=16).digest()
     m = hashlib.blake2b(digest_size=16)
     m.update(parent)
-    m.update(b",".join(str(t).encode() for t in token_ids))
+    m.update(",".join(map(str, token_ids)).encode())  # the ids' decimal digits, comma-separated
     return m.digest()
 
 
@@ -120,6 +120,7 @@ class KVCacheManager:
         self._pinned: dict[str, _Owner] = {}  # owners with a non-empty pin
         self._owner_seq = 0
         self._pending_copies: list[tuple[int, int]] = []
+        self._common_memo: tuple[Request, list[int], int, int] | None = None  # see _common_with_last
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -138,10 +139,35 @@ class KVCacheManager:
     def num_reserved_blocks(self) -> int:
         return sum(r.size for r in self.pool.reservations.values())
 
+    def holds_pin(self, owner: str | None) -> bool:
+        """Does `owner` (a program) have pinned blocks now?"""
+        return owner in self._pinned
+
     def num_allocatable(self, owner: str | None) -> int:
         """Blocks a request of `owner` could get now: free and not reserved by others, plus pinned blocks
         that would give way."""
-        return self.pool.available_to(owner) + sum(1 for _ in self._pin_victims(owner, ()))
+        return self.pool.available_to(owner) + self._num_pin_victims(owner)
+
+    def _num_pin_victims(self, owner: str | None, protect: list[int] = ()) -> int:
+        """len(_pin_victims(owner, protect)), without sorting (the scheduler asks every step)."""
+        ref_cnt, reserved_by = self.pool.ref_cnt, self.pool.reserved_by
+        if not self.pool.reservations:  # no block is drawn from a reservation: owners need no look
+            n = sum(1 for o in self._pinned.values() for b in o.pin if ref_cnt[b] == 1)
+        else:
+            n = sum(1 for o in self._pinned.values() for b in o.pin if ref_cnt[b] == 1 and reserved_by[b] in (None, owner))
+        return n - sum(1 for b in set(protect) if ref_cnt[b] == 1 and self._is_pin_victim(b, owner))
+
+    def _is_pin_victim(self, b: int, owner: str | None) -> bool:
+        return self.pool.reserved_by[b] in (None, owner) and any(b in o.pin for o in self._pinned.values())
+
+    def fits_whole(self, req: Request, hits: list[int], may_take_pinned: bool) -> bool:
+        """Would a waiting request's whole prompt and output (`sampling.max_tokens`) fit, with the given
+        hit blocks, in what its owner may take now (pins that would give way counted if `may_take_pinned`)?"""
+        total = min(req.num_tokens + req.sampling.max_tokens, req.max_model_len)
+        owner = req.program_id
+        reclaimable = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+        room = self.pool.available_to(owner) + (self._num_pin_victims(owner, hits) if may_take_pinned else 0)
+        return self.blocks_for(total) - len(hits) + reclaimable <= room
 
     def owner_kv(self, owner: str) -> OwnerKV:
         o = self.owners.get(owner)
@@ -178,7 +204,7 @@ class KVCacheManager:
         if o is not None and o.last_tokens is not None and not req.block_hashes and o.last_salt == req.cache_salt:
             # the program's next prompt extends its last call: reuse those hashes instead of rehashing a
             # context of tens of thousands of tokens every call
-            n = _common_prefix(req.prompt_token_ids, o.last_tokens, o.last_len) // self.block_size
+            n = self._common_with_last(req, o) // self.block_size
             req.block_hashes = o.last_hashes[:n]
         hits: list[int] = []
         for h in self.block_hashes(req, (req.num_tokens - 1) // self.block_size):
@@ -190,10 +216,11 @@ class KVCacheManager:
 
     # ---- mutations -----------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = (),
-                       may_take_reserved: bool = False) -> bool:
+                       may_take_reserved: bool = False, may_take_pinned: bool = True) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the given hit
-        blocks, for a request being admitted). Pins give way if needed; others' unused reservations
-        too when `may_take_reserved` (module docstring). False = does not fit; then nothing changed."""
+        blocks, for a request being admitted). Pins give way if needed (unless not `may_take_pinned`);
+        others' unused reservations too when `may_take_reserved` (module docstring). False = does not
+        fit; then nothing changed."""
         bs = self.block_size
         num_hit_tokens = len(new_computed_blocks) * bs
         total = req.num_computed_tokens + num_hit_tokens + num_new_tokens
@@ -205,7 +232,7 @@ class KVCacheManager:
         reclaimable = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
         owner = req.program_id
         short = need + cow + reclaimable - self.pool.available_to(owner)
-        if short > 0 and not self._give_way(short, owner, new_computed_blocks, may_take_reserved):
+        if short > 0 and not self._give_way(short, owner, new_computed_blocks, may_take_reserved, may_take_pinned):
             return False
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks, owner)
@@ -298,9 +325,19 @@ class KVCacheManager:
             self.retention.ttl_misses += 1
         o.armed = False
         if o.last_tokens is not None:
-            lost = max(0, _common_prefix(req.prompt_token_ids, o.last_tokens, o.last_len) - num_hit_tokens)
+            lost = max(0, self._common_with_last(req, o) - num_hit_tokens)
             o.stats.recomputed_prefill_tokens += lost
             self.retention.recomputed_prefill_tokens += lost
+
+    def _common_with_last(self, req: Request, o: _Owner) -> int:
+        """_common_prefix of `req`'s prompt and its program's last call, remembered for the admission that
+        follows the lookup (both compare contexts of tens of thousands of tokens)."""
+        memo = self._common_memo
+        if memo is not None and memo[0] is req and memo[1] is o.last_tokens and memo[2] == o.last_len:
+            return memo[3]
+        n = _common_prefix(req.prompt_token_ids, o.last_tokens, o.last_len)
+        self._common_memo = (req, o.last_tokens, o.last_len, n)
+        return n
 
     def expire_pins(self, now: float, waiting_owners: set[str | None]) -> None:
         """Drop pins past their deadline, except those of programs with a call waiting (every step)."""
@@ -362,10 +399,11 @@ class KVCacheManager:
                     out.append((pid, b))
         return out
 
-    def _give_way(self, short: int, owner: str | None, protect, may_take_reserved: bool) -> bool:
+    def _give_way(self, short: int, owner: str | None, protect, may_take_reserved: bool,
+                  may_take_pinned: bool = True) -> bool:
         """Free `short` blocks for `owner` from pins (then others' unused reservations) if that suffices."""
         protect = set(protect)
-        victims = self._pin_victims(owner, protect)
+        victims = self._pin_victims(owner, protect) if may_take_pinned else []
         others = sorted(((pid, r) for pid, r in self.pool.reservations.items() if pid != owner and r.unused),
                         key=lambda kv: -kv[1].seq) if may_take_reserved else []
         if len(victims) + sum(r.unused for _, r in others) < short:

@@ -6,6 +6,12 @@ When blocks run out, pinned blocks give way first, then others' unused reservati
 request, or an otherwise idle engine), and only then is the policy's victim among the not-yet-served
 running requests preempted (recompute: its full blocks stay in the prefix cache). A request that could
 never fit fails alone. Expired pins are dropped at the start of every step (engine.kv_cache_manager).
+
+Two policy switches concern pins, read as policy attributes (False when a policy lacks them):
+`pinned_first` puts waiting calls of programs holding a pin ahead of the others (Continuum's order);
+`protect_pins` is admission control for a KV-bound engine: while others run, a waiting call goes in only
+if its whole prompt and output fit, and only a call of a program that holds a pin may make other
+programs' pins give way (an idle engine admits as usual). agentrt's PLAS takes both as arguments.
 """
 
 from __future__ import annotations
@@ -110,9 +116,8 @@ class Scheduler:
         now = self.clock()
         self.expire_pins()
         self.policy.before_schedule(self.waiting, self.running, now)
-        key = self.policy.priority
-        self.running.sort(key=key)
-        self.waiting.sort(key=key)
+        self.running.sort(key=self.policy.priority)
+        self.waiting.sort(key=self._waiting_key())
         out = SchedulerOutput(reqs=[], num_tokens=[], block_copies=[])
         if self.policy.preemptive:
             self._displace_for_better_waiting(out)
@@ -144,6 +149,7 @@ class Scheduler:
                 budget -= n
                 i += 1
 
+        protect_pins = getattr(self.policy, "protect_pins", False)
         while not short_of_blocks and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             max_tokens = min(req.num_prompt_tokens + req.sampling.max_tokens, req.max_model_len)
@@ -160,7 +166,10 @@ class Scheduler:
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             idle = not self.running  # nobody would free blocks: reservations must give way
-            if not self.kv.allocate_slots(req, n, hits, may_take_reserved=idle):
+            take_pins = idle or not protect_pins or self.kv.holds_pin(req.program_id)
+            if protect_pins and not idle and not self.kv.fits_whole(req, hits, take_pins):
+                break
+            if not self.kv.allocate_slots(req, n, hits, may_take_reserved=idle, may_take_pinned=take_pins):
                 break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
             self.waiting.pop(0)
             if req.num_preemptions:
@@ -181,21 +190,39 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         return out
 
+    def _waiting_key(self) -> Callable[[Request], object]:
+        """The order of the waiting queue: the policy's, with `pinned_first` calls of programs holding a
+        pin ahead of the rest."""
+        key = self.policy.priority
+        if not getattr(self.policy, "pinned_first", False):
+            return key
+        holds_pin = self.kv.holds_pin
+        return lambda r: (not holds_pin(r.program_id), key(r))
+
     def _displace_for_better_waiting(self, out: SchedulerOutput) -> None:
         """Preemptive policies: a waiting request that ranks above the worst running one takes its
         place when there is no seat or no blocks for it."""
-        key = self.policy.priority
+        key = self._waiting_key()
+        max_seqs, max_tokens = self.config.max_num_seqs, self.config.max_num_batched_tokens
+        allocatable: dict[str | None, int] = {}  # per owner, until the next preemption changes it
+        per_owner = self.kv.num_reserved_blocks > 0  # without reservations every owner may take the same
         for w in list(self.waiting):
             if not self.running:
                 return
-            need = self.kv.blocks_for(min(w.num_tokens, self.config.max_num_batched_tokens))
-            while self.running and (
-                len(self.running) >= self.config.max_num_seqs or need > self.kv.num_allocatable(w.program_id)
-            ):
+            need = self.kv.blocks_for(min(w.num_tokens, max_tokens))
+            while self.running:
+                if len(self.running) < max_seqs:
+                    owner = w.program_id if per_owner else None
+                    room = allocatable.get(owner)
+                    if room is None:
+                        room = allocatable[owner] = self.kv.num_allocatable(w.program_id)
+                    if need <= room:
+                        break
                 worst = self.policy.pick_victim(self.running)
                 if not self.policy.displaces(w, worst):
                     return
                 self._preempt(worst, out)
+                allocatable.clear()
         self.waiting.sort(key=key)
 
     def update_from_output(self, out: SchedulerOutput, step_time_s: float, num_rejected: list[int] | None = None) -> None:

@@ -90,7 +90,8 @@ class MultiLevelPolicy(SchedulingPolicy):
     max_idle_programs: int = 10_000  # idle programs whose state is kept at most (least recently active go first)
 
     def __init__(self, *, num_queues: int, quantum: float, service: ServiceUnit, token_cost: float,
-                 preempt: bool = True) -> None:
+                 preempt: bool = True, pinned_first: bool = False, victim: str = "priority",
+                 protect_pins: bool = False) -> None:
         if not isinstance(num_queues, int) or num_queues < 1:
             raise ConfigError(f"{self.name}: num_queues must be an integer >= 1, got {num_queues!r}")
         if not quantum > 0:
@@ -99,7 +100,12 @@ class MultiLevelPolicy(SchedulingPolicy):
             raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
         if not token_cost > 0:
             raise ConfigError(f"{self.name}: token_cost must be > 0, got {token_cost!r}")
+        if victim not in ("priority", "newest"):
+            raise ConfigError(f"{self.name}: victim must be 'priority' or 'newest', got {victim!r}")
         self.preemptive = preempt  # False: order waiting calls only, never displace running ones
+        self.pinned_first = pinned_first  # calls of programs holding pinned KV go first (engine.scheduler)
+        self.protect_pins = protect_pins  # admission keeps paused programs' pinned KV (engine.scheduler)
+        self.victim = victim  # "newest": preempt a call of the latest-started program, whatever its queue
         self.num_queues = num_queues
         self.quanta = doubling(quantum, num_queues - 1) + [float("inf")]  # the last queue never demotes
         self.service_unit: ServiceUnit = service
@@ -153,8 +159,14 @@ class MultiLevelPolicy(SchedulingPolicy):
         return self.level(waiting) < self.level(running)
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
-        """From the lowest queue, the call that entered it last."""
+        """From the lowest queue, the call that entered it last; with `victim="newest"` a call of the
+        latest-started program (the least invested: a long program's context is the costliest recompute)."""
+        if self.victim == "newest":
+            return max(candidates, key=self._newest_key)
         return max(candidates, key=self.priority)
+
+    def _newest_key(self, req: Request) -> tuple[float, float, str]:
+        return (self.state(req).program_start, req.arrival_time, req.request_id)
 
     # --- engine hooks ------------------------------------------------------------------------
     def on_arrival(self, req: Request, now: float) -> None:

@@ -1,0 +1,102 @@
+"""Scheduling around pins (the policy switches `pinned_first`, `protect_pins` the scheduler reads):
+exact state on tiny pools."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.policy import FCFS as _FCFS
+from engine.program_ops import Pin
+from engine.request import Request, RequestStatus
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+
+BS = 4
+
+
+class FCFS(_FCFS):
+    """FCFS with the two pin switches (agentrt's PLAS takes them as arguments)."""
+
+    def __init__(self, *, pinned_first: bool = False, protect_pins: bool = False) -> None:
+        self.pinned_first = pinned_first
+        self.protect_pins = protect_pins
+
+
+def make_req(rid: str, tokens, program: str, max_tokens: int = 1, arrival: float = 0.0) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), program_id=program, arrival_time=arrival)
+
+
+def make_scheduler(num_blocks: int, policy: FCFS, **kw) -> Scheduler:
+    cfg = EngineConfig(block_size=BS, num_blocks=num_blocks, device="cpu", **kw)
+    return Scheduler(cfg, KVCacheManager(num_blocks, BS), policy, clock=lambda: 0.0)
+
+
+def run_step(s: Scheduler):
+    out = s.schedule()
+    s.update_from_output(out, 0.01)
+    for r in out.reqs:
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_token(7)
+            if r.num_output_tokens >= r.sampling.max_tokens:
+                s.finish(r, RequestStatus.FINISHED_LENGTH)
+    return out
+
+
+def pin_a_call(s: Scheduler, program: str, tokens) -> Request:
+    """Run one call of `program` to its end with a pin set: its full blocks stay pinned."""
+    s.program_op(Pin(program, 100.0))
+    r = make_req(f"{program}-0", tokens, program)
+    s.add_request(r)
+    while not r.finished:
+        run_step(s)
+    return r
+
+
+def test_pinned_first_puts_a_resuming_program_ahead_of_earlier_calls():
+    for pinned_first, first in ((False, "new"), (True, "p-1")):
+        s = make_scheduler(16, FCFS(pinned_first=pinned_first), max_num_seqs=1)
+        first_call = pin_a_call(s, "p", range(8))
+        assert s.kv.holds_pin("p") and not s.kv.holds_pin("q")
+        new = make_req("new", range(100, 108), "q", arrival=1.0)
+        resumed = make_req("p-1", [*first_call.all_token_ids, 50, 51], "p", arrival=2.0)
+        s.add_request(new)
+        s.add_request(resumed)
+        out = s.schedule()
+        assert [r.request_id for r in out.reqs] == [first]
+
+
+def test_protect_pins_keeps_a_paused_programs_kv_from_a_new_program():
+    # 8 blocks: p's pin holds 2, r runs on 2; q's call needs 4 + 1 (output). Without protection q's first
+    # chunk goes in at once and its second takes one of p's pinned blocks; with it, q waits for the whole
+    # call to fit, which it does once r is done, and p keeps its pin
+    for protect, q_admitted_early, pins_kept in ((False, True, 1), (True, False, 2)):
+        s = make_scheduler(8, FCFS(protect_pins=protect), max_num_batched_tokens=8)
+        pin_a_call(s, "p", range(8))
+        r = make_req("r", range(200, 207), "r", max_tokens=3)
+        s.add_request(r)
+        run_step(s)
+        assert s.kv.num_free_blocks == 4 and s.kv.owner_kv("p").pinned == 2
+        q = make_req("q", range(100, 116), "q", arrival=1.0)
+        s.add_request(q)
+        out = run_step(s)
+        assert (q in out.reqs) == q_admitted_early and s.kv.owner_kv("p").pinned == 2
+        while s.has_work():
+            run_step(s)
+        assert q.status == RequestStatus.FINISHED_LENGTH and q.num_preemptions == 0  # never stuck
+        assert s.kv.owner_kv("p").pinned == pins_kept
+
+
+def test_protect_pins_lets_the_pinned_program_resume_and_take_others_pins():
+    s = make_scheduler(8, FCFS(pinned_first=True, protect_pins=True), max_num_batched_tokens=16)
+    a = pin_a_call(s, "p", range(8))  # 2 blocks pinned
+    pin_a_call(s, "o", range(300, 316))  # 4 blocks pinned
+    r = make_req("r", range(200, 203), "r", max_tokens=4)  # 1 block, keeps the engine busy
+    s.add_request(r)
+    run_step(s)
+    assert s.kv.num_free_blocks == 1
+    resumed = make_req("p-1", [*a.all_token_ids, *range(60, 67)], "p", max_tokens=1)  # 16 tokens + 1: 5 blocks
+    s.add_request(resumed)
+    out = run_step(s)
+    assert resumed in out.reqs and resumed.num_prefix_hit_tokens == 8
+    assert s.kv.owner_kv("o").pinned == 3 and s.kv.retention.pin_blocks_given_way == 1  # o's tail gave way
+    assert s.kv.retention.ttl_hits == 1  # p resumed on its pinned prefix
