@@ -198,7 +198,7 @@ def describe(f: Fit) -> str:
     return "\n".join([
         f"fit {f.key} on {f.cpu}, {f.steps} timed steps ({e['distinct_steps']} distinct):",
         f"  step_s = {c.base_s * 1e3:.2f} ms + {c.token_s * 1e6:.1f} us/token + {c.decode_row_s * 1e6:.1f} us/decode row"
-        f" + {c.context_s * 1e9:.1f} ns/context token + {c.prefill_attn_s * 1e12:.2f} ps/prefill pair"
+        f" + {c.context_s * 1e9:.1f} ns/context token + {c.prefill_attn_s * 1e9:.1f} ns/prefill pair"
         f" + {c.sample_s * 1e6:.1f} us/sampled row"
         + (f" (base includes {e['loop_overhead_s'] * 1e3:.2f} ms/step of serving overhead)" if "loop_overhead_s" in e
            else ""),

@@ -250,13 +250,13 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--programs", type=int, default=160,
                     help="programs per policy (with fewer, one run's mean and p99 swing with the seed: simulated "
                          "PLAS / fcfs over seeds 0-3 is 0.47-0.57x at 96 programs, 0.48-0.50x at 160)")
-    ap.add_argument("--rate", type=float, default=0.25,
-                    help="program arrivals per second (Poisson); the default mix saturates the CPU engine at "
-                         "~0.27 (`agentrt bench simulate --capacity`), so 0.25 runs it near saturation")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="program arrivals per second (Poisson); default: --load 0.9. Saturation differs by machine "
+                         "(the default mix: ~0.27/s on a 2-core AVX2 CPU in fp32, ~1.9/s on an AVX512-BF16 one)")
     ap.add_argument("--load", type=float, default=None,
                     help="instead of --rate: the arrival rate as a fraction of this machine's saturation (programs/s "
                          "completed when all arrive at once, simulated with the calibrated step costs of "
-                         "`agentrt simulate --calibrate`), e.g. 0.9")
+                         "`agentrt simulate --calibrate`), e.g. 0.9 (the default when --rate is not given)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="fcfs,mlfq,plas,atlas",
                     help="comma-separated NAME[:np][:KEY=VALUE...], e.g. fcfs,plas,plas:beta=2,atlas:np")
@@ -281,7 +281,11 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
 def setup(args: argparse.Namespace, cost: Any = None) -> tuple[list[ProgramSpec], dict[str, Any]]:
     """Apply the workload options; the workload and the engine settings they name. With --load, the rate is
     that fraction of the saturation rate simulated with `cost` (default: this machine's calibrated fit)."""
-    if not (isinstance(args.rate, float) and 0 < args.rate < float("inf")):
+    if args.rate is not None and args.load is not None:
+        raise SystemExit("give --rate or --load, not both")
+    if args.rate is None and args.load is None:
+        args.load = 0.9
+    if args.rate is not None and not (isinstance(args.rate, float) and 0 < args.rate < float("inf")):
         raise SystemExit(f"--rate must be a number of program arrivals per second > 0, got {args.rate!r}")
     if args.programs < 1:
         raise SystemExit(f"--programs must be >= 1, got {args.programs!r}")

@@ -280,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                          "reports each policy's mean and p99 latency vs fcfs, averaged over --seeds")
     ap.add_argument("--seeds", type=int, default=3, help="workload seeds per load in a sweep (from --seed on)")
     args = ap.parse_args(argv)
-    cost = resolve_cost(args)
-    workload, engine = real.setup(args, cost)
+    cost, cost_line = resolve_cost(args)
+    workload, engine = real.setup(args, cost)  # bad arguments end here, before anything is said
+    print(cost_line, file=sys.stderr)
     if args.loads is not None:
         try:
             loads = [float(x) for x in args.loads.split(",")]
@@ -310,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def resolve_cost(args: argparse.Namespace) -> StepCost:
+def resolve_cost(args: argparse.Namespace) -> tuple[StepCost, str]:
     """--cost, else --cost-model, else this machine's stored fit (a warning and the built-in model without
-    one); says on stderr which it uses."""
+    one); and the line that says which."""
     if args.cost is not None:
         cost, line = StepCost.parse(args.cost), f"step costs: --cost {args.cost}"
     elif args.cost_model is not None:
@@ -320,8 +321,7 @@ def resolve_cost(args: argparse.Namespace) -> StepCost:
         line = f"step costs: {args.cost_model} ({source})"
     else:
         cost, line = costs.for_this_machine(getattr(args, "model", None), quiet=True)
-    print(f"agentrt simulate: {line}", file=sys.stderr)
-    return cost
+    return cost, f"agentrt simulate: {line}"
 
 
 def sweep(args: argparse.Namespace, loads: list[float], engine: dict[str, Any], cost: StepCost) -> list[dict[str, Any]]:
