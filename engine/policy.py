@@ -23,6 +23,11 @@ from engine.request import Request
 class SchedulingPolicy(ABC):
     name: ClassVar[str]
     preemptive: ClassVar[bool] = False  # may a better waiting request displace a running one
+    pinned_first: bool = False  # waiting calls of programs whose KV is pinned go ahead of all others
+    # (Continuum's order: a program resuming from a tool call finds its context and keeps it)
+    protect_pins: bool = False  # admission control for a KV-bound engine: while others run, a waiting call
+    # is admitted only if its whole prompt and output fit, and only a call of a program holding a pin may
+    # make others' pins give way (a new program waits instead of evicting a paused one's context)
 
     def on_arrival(self, req: Request, now: float) -> None:
         """A request entered the waiting queue for the first time."""
@@ -60,9 +65,15 @@ class SchedulingPolicy(ABC):
 
 
 class FCFS(SchedulingPolicy):
-    """First come, first served (vLLM's default): order by arrival; preempt the latest arrival."""
+    """First come, first served (vLLM's default): order by arrival; preempt the latest arrival.
+    `pinned_first=True`: calls of programs holding pinned KV first, then by arrival (Continuum's order);
+    `protect_pins=True`: the admission control of the same name (above)."""
 
     name = "fcfs"
+
+    def __init__(self, *, pinned_first: bool = False, protect_pins: bool = False) -> None:
+        self.pinned_first = pinned_first
+        self.protect_pins = protect_pins
 
     def priority(self, req: Request) -> tuple[float, str]:
         return (req.arrival_time, req.request_id)

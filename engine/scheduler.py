@@ -149,7 +149,7 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        protect_pins = getattr(self.policy, "protect_pins", False)
+        protect_pins = self.policy.protect_pins
         while not short_of_blocks and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             max_tokens = min(req.num_prompt_tokens + req.sampling.max_tokens, req.max_model_len)
@@ -194,7 +194,7 @@ class Scheduler:
         """The order of the waiting queue: the policy's, with `pinned_first` calls of programs holding a
         pin ahead of the rest."""
         key = self.policy.priority
-        if not getattr(self.policy, "pinned_first", False):
+        if not self.policy.pinned_first:
             return key
         holds_pin = self.kv.holds_pin
         return lambda r: (not holds_pin(r.program_id), key(r))

@@ -100,3 +100,12 @@ def test_protect_pins_lets_the_pinned_program_resume_and_take_others_pins():
     assert resumed in out.reqs and resumed.num_prefix_hit_tokens == 8
     assert s.kv.owner_kv("o").pinned == 3 and s.kv.retention.pin_blocks_given_way == 1  # o's tail gave way
     assert s.kv.retention.ttl_hits == 1  # p resumed on its pinned prefix
+
+
+def test_pin_settings_are_part_of_the_policy_seam():
+    from engine.policy import FCFS, SchedulingPolicy, make_policy
+
+    assert SchedulingPolicy.pinned_first is False and SchedulingPolicy.protect_pins is False
+    assert FCFS().pinned_first is False and FCFS().protect_pins is False
+    pol = make_policy("fcfs", pinned_first=True, protect_pins=True)
+    assert isinstance(pol, FCFS) and pol.pinned_first and pol.protect_pins
