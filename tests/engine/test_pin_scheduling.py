@@ -5,21 +5,12 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.policy import FCFS as _FCFS
+from engine.policy import FCFS
 from engine.program_ops import Pin
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
-
-BS = 4
-
-
-class FCFS(_FCFS):
-    """FCFS with the two pin switches (agentrt's PLAS takes them as arguments)."""
-
-    def __init__(self, *, pinned_first: bool = False, protect_pins: bool = False) -> None:
-        self.pinned_first = pinned_first
-        self.protect_pins = protect_pins
+from tests.engine.test_kv_retention import BS, run_step
 
 
 def make_req(rid: str, tokens, program: str, max_tokens: int = 1, arrival: float = 0.0) -> Request:
@@ -29,17 +20,6 @@ def make_req(rid: str, tokens, program: str, max_tokens: int = 1, arrival: float
 def make_scheduler(num_blocks: int, policy: FCFS, **kw) -> Scheduler:
     cfg = EngineConfig(block_size=BS, num_blocks=num_blocks, device="cpu", **kw)
     return Scheduler(cfg, KVCacheManager(num_blocks, BS), policy, clock=lambda: 0.0)
-
-
-def run_step(s: Scheduler):
-    out = s.schedule()
-    s.update_from_output(out, 0.01)
-    for r in out.reqs:
-        if r.num_computed_tokens == r.num_tokens:
-            r.append_token(7)
-            if r.num_output_tokens >= r.sampling.max_tokens:
-                s.finish(r, RequestStatus.FINISHED_LENGTH)
-    return out
 
 
 def pin_a_call(s: Scheduler, program: str, tokens) -> Request:
