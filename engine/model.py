@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels.linear import BF16_PACKED_MAX_ROWS, Linear, PackCache, linear
+from kernels.linear import (
+    BF16_PACKED_MAX_ROWS,
+    Linear,
+    PackCache,
+    linear,
+    on_huge_pages,
+)
 from kernels.paged_attention_cpu import CPP_MAX_QUERY_ROWS
 
 
@@ -206,6 +212,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cis: torch.Tensor | None = None
         self.rope_cos_sin: torch.Tensor | None = None
         self._decode_cache: tuple | None = None  # see _decode_weights
+        self._packs_homed = False  # see _packs_on_huge_pages
 
     @torch.no_grad()
     def init_rope(self, inv_freq: torch.Tensor, scaling: float) -> None:
@@ -218,7 +225,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_cache, meta, slot_mapping) -> torch.Tensor:
         # input_ids, positions, slot_mapping: [T]; kv_cache: [L, 2, num_blocks, block_size, kv_heads, D]
         x = self.embed_tokens(input_ids)
-        if (ops := _cpu_ops(x)) is not None and self._decode_fusable(x, kv_cache, meta):
+        if (ops := _cpu_ops(x)) is not None and not torch.is_grad_enabled():
+            self._packs_on_huge_pages()
+        if ops is not None and self._decode_fusable(x, kv_cache, meta):
             a = self.args
             return ops.decode_forward(x, *self._decode_weights(), kv_cache, positions, slot_mapping, self.rope_cos_sin,
                                       meta.query_start_loc, meta.seq_lens, meta.block_tables, a.num_heads,
@@ -260,8 +269,24 @@ class LlamaForCausalLM(nn.Module):
                 [packed(layer.mlp.down_proj) for layer in ls])
         return self._decode_cache
 
+    def _packs_on_huge_pages(self) -> None:
+        """Pack every weight a decode step streams (the LM head's included) and move the packed copies
+        to huge pages (kernels.linear.on_huge_pages: ~1.2-1.7x the streaming rate of one-row
+        projections); once per set of weights, before the first CPU forward with the C++ kernels."""
+        if self._packs_homed:
+            return
+        lins = [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        caches = [(lin.pack_cache, lin.weight) for lin in lins]
+        caches.append((self.lm_head.pack_cache, self.lm_head.weight) if self.lm_head is not None
+                      else (self._tied_head_pack, self.embed_tokens.weight))
+        for cache, copy in zip((c for c, _ in caches), on_huge_pages([c.get(w) for c, w in caches]), strict=True):
+            cache.rehome(copy)
+        self._packs_homed = True
+
     def _apply(self, fn, recurse=True):
         self._decode_cache = None
+        self._packs_homed = False
         return super()._apply(fn, recurse)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -281,6 +306,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint is missing weight {name!r}") from None
 
         self._decode_cache = None
+        self._packs_homed = False
         self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
         if self.lm_head is not None:

@@ -22,6 +22,9 @@ fp32), the usual GEMM-library freedom.
 
 from __future__ import annotations
 
+import mmap
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -60,6 +63,41 @@ def pack_linear_weight_bf16(weight: torch.Tensor) -> torch.Tensor:
     return w.view(panels, PANEL_BF16, pairs, 2).permute(0, 2, 1, 3).contiguous()
 
 
+HUGE_PAGE = 2 << 20  # x86-64 transparent huge page
+
+
+def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of contiguous CPU tensors laid out in one anonymous mapping that Linux backs with 2 MB
+    pages (`madvise(MADV_HUGEPAGE)`: transparent huge pages in their default `madvise` mode), each
+    copy 4 KB aligned; the mapping lives as long as any copy (torch.frombuffer holds it).
+
+    Why: decode streams every packed weight once per token, and with 4 KB pages the hardware
+    prefetcher stops at each page edge and every 4 KB costs a TLB walk. Measured on a 2-core AMD EPYC
+    (one-row GEMV over 30 weights of 3.5 MB, docs/benchmarks.md): 21-24 -> 27-41 GB/s in bf16,
+    35 -> 46 GB/s in fp32. Where huge pages cannot be had (not Linux, THP disabled, no free 2 MB
+    frames) the copies still work, on whatever pages the kernel gave. The inputs unchanged where
+    the platform has no `madvise`."""
+    if not tensors or not hasattr(mmap, "MADV_HUGEPAGE") or sys.platform != "linux":
+        return list(tensors)
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    total = sum(-(-n // 4096) * 4096 for n in sizes)
+    buf = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = torch.frombuffer(buf, dtype=torch.uint8)  # the mapping's address, to start at a 2 MB boundary
+    off = -view.data_ptr() % HUGE_PAGE
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP compiled out: plain pages
+        pass
+    out = []
+    for t, n in zip(tensors, sizes, strict=True):
+        assert t.device.type == "cpu" and t.is_contiguous(), "on_huge_pages takes contiguous CPU tensors"
+        copy = view[off : off + n].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        out.append(copy)
+        off += -(-n // 4096) * 4096
+    return out
+
+
 class PackCache:
     """A weight's packed copy for the C++ linear kernels (and its bias in fp32), rebuilt when the
     weight tensor changes (new storage or an in-place write since packing; inference tensors track
@@ -76,6 +114,11 @@ class PackCache:
             pack = pack_linear_weight_bf16 if weight.dtype == torch.bfloat16 else pack_linear_weight
             self.packed, self.key = pack(weight), key
         return self.packed
+
+    def rehome(self, packed: torch.Tensor) -> None:
+        """Serve `packed` (an equal copy of the current packed weight, e.g. on huge pages) from now on."""
+        assert self.packed is not None and packed.shape == self.packed.shape and packed.dtype == self.packed.dtype
+        self.packed = packed
 
     def get_bias_f32(self, bias: torch.Tensor) -> torch.Tensor:
         key = _version_key(bias)

@@ -95,3 +95,71 @@ def test_packed_linear_rejects_bad_input():
         ops.packed_linear(x, w, None, 8)  # not packed
     with pytest.raises(RuntimeError, match="fp32"):
         ops.packed_linear(x.double(), pack_linear_weight(w), None, 8)
+
+
+def _vm_flags(ptr: int) -> set[str] | None:
+    """The VmFlags of the mapping holding address `ptr` (Linux /proc/self/smaps), None if unreadable."""
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    return None
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) here")
+def test_on_huge_pages_copies_into_one_huge_page_mapping():
+    import gc
+
+    from kernels.linear import HUGE_PAGE, on_huge_pages
+
+    gen = torch.Generator().manual_seed(0)
+    src = [torch.randn(3, 70, 16, generator=gen), torch.randn(5, 9, generator=gen).bfloat16(),
+           torch.arange(7, dtype=torch.int32), torch.randn(1, 1, generator=gen)]
+    copies = on_huge_pages(src)
+    for s, c in zip(src, copies, strict=True):
+        assert torch.equal(s, c) and c.dtype == s.dtype and c.shape == s.shape and c.is_contiguous()
+        assert c.data_ptr() != s.data_ptr() and c.data_ptr() % 4096 == 0
+    assert copies[0].data_ptr() % HUGE_PAGE == 0  # starts on a 2 MB boundary
+    flags = _vm_flags(copies[0].data_ptr())
+    assert flags is None or "hg" in flags, flags  # advised for transparent huge pages
+    src[0].zero_()  # copies, not views
+    assert copies[0].abs().sum() > 0
+    keep = copies[1].clone()
+    del copies[0], src
+    gc.collect()
+    assert torch.equal(copies[0], keep)  # the mapping lives while any copy does
+    assert on_huge_pages([]) == []
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_weights_are_moved_to_huge_pages(tiny_model_path, dtype):
+    """After a decode step every packed weight the step streams (the LM head's too) lies on huge pages,
+    and the engine's greedy output is what it was before the move (the first step)."""
+    import mmap
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_path), dtype=dtype, num_blocks=16, block_size=16)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    model = llm.core.model
+    lins = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    caches = [lin.pack_cache for lin in lins] + [model._tied_head_pack if model.lm_head is None
+                                                 else model.lm_head.pack_cache]
+    assert all(c.packed is not None for c in caches)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        for c in caches:
+            flags = _vm_flags(c.packed.data_ptr())
+            assert flags is None or "hg" in flags
+    again = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    assert again == out
