@@ -11,6 +11,8 @@ import argparse
 import sys
 import time
 
+from agentrt.policies import POLICY_NAMES
+
 
 def _generate(a: argparse.Namespace) -> int:
     from engine import SamplingParams
@@ -92,7 +94,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--policy", default="plas", choices=["plas", "atlas", "mlfq", "fcfs"])
+    s.add_argument("--policy", default="plas", choices=POLICY_NAMES)
     s.add_argument("--db", default=None, help="SQLAlchemy URL for program and call records (default: a SQLite "
                    "file under ~/.cache/agentrt; 'none' keeps no records)")
     s.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable; also "

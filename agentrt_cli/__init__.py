@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from agentrt import cli as lib_cli
+from agentrt.policies import POLICY_NAMES
 
 BENCHES = {
     "throughput": "bench.throughput",
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--url", default=None, help="run against this `agentrt serve` server (agentrt.connect)")
     r.add_argument("--api-key", default=None, help="API key for --url (default: $AGENTRT_API_KEY)")
     r.add_argument("--model", default=None, help="in-process: HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    r.add_argument("--policy", default="plas", choices=["plas", "atlas", "mlfq", "fcfs"], help="in-process policy")
+    r.add_argument("--policy", default="plas", choices=POLICY_NAMES, help="in-process policy")
     r.add_argument("file")
     r.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the file's main (after --)")
     r.set_defaults(fn=_run)

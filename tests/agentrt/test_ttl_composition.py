@@ -58,3 +58,19 @@ def test_choose_ttl_equals_the_definition_ties_and_zero_gain_included():
         gain = rng.choice([0.0, 1.0, rng.random() * 10])
         assert choose_ttl(d, gain) == _choose_ttl_loop(d, gain)
     assert choose_ttl([], 5.0) == 0.0 and choose_ttl([1.0, 1.0, 2.0], 10.0) == 2.0
+
+
+@pytest.mark.parametrize("name", ["plas+ttl", "atlas+ttl"])
+def test_ttl_compositions_are_registered_by_name(name):
+    """`--policy plas+ttl` (serve, run) is PLAS with TTL_SETTINGS; given arguments override them."""
+    from agentrt.policies import ATLAS, POLICY_NAMES
+    from engine.policy import make_policy
+
+    cls = PLAS if name == "plas+ttl" else ATLAS
+    p = make_policy(name)
+    assert type(p) is cls and name in POLICY_NAMES
+    assert (p.pinned_first, p.protect_pins, p.preemptive, p.victim) == (True, True, False, "newest")
+    q = make_policy(name, protect_pins=False, num_queues=2)
+    assert type(q) is cls and q.protect_pins is False and q.pinned_first is True and q.num_queues == 2
+    plain = make_policy(name.removesuffix("+ttl"))
+    assert (plain.pinned_first, plain.protect_pins) == (False, False)
