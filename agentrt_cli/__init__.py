@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 def _user_errors(prog: str, run) -> int:
     """Run a command; a user error (a `SystemExit` with a message, an `InvalidRequestError`) prints one
     line and exits 2, never a traceback."""
-    from engine.sampling import InvalidRequestError
+    from engine.sampling_params import InvalidRequestError
 
     try:
         return run()

@@ -58,7 +58,7 @@ def time_steps(core: Any, scenarios: list[Scenario], repeats: int, seed: int = 0
                log: Any = None) -> list[tuple[str, tuple[int, ...], float]]:
     """(scenario, features, seconds) for every step of every scenario, `repeats` times over (fresh random
     prompts each time, so the prefix cache never hits)."""
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     seen: list[tuple[int, ...]] = []
@@ -166,7 +166,7 @@ def loop_overhead(eng: Any, seed: int = 0, rows: int = 4, out_tokens: int = 48, 
     """Seconds per step that serving adds to the step itself: the same decode batch timed step by step on
     the engine thread and served by the running `AsyncEngine`, the difference of their totals per step
     (median over `repeats`)."""
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
     core = eng.core
     rng = random.Random(seed)

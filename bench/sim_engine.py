@@ -30,7 +30,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.policy import SchedulingPolicy
 from engine.program_ops import ProgramOp
 from engine.request import Request, RequestStatus
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 

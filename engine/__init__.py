@@ -9,7 +9,7 @@ from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from engine.policy import FCFS, SchedulingPolicy, make_policy, register_policy
 from engine.request import Request, RequestStatus
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 __all__ = [
     "FCFS",

@@ -35,7 +35,7 @@ from engine.llm import make_config
 from engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from engine.program_ops import ProgramOp
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

@@ -33,7 +33,7 @@ from engine.policy import make_policy
 from engine.program_ops import ProgramOp
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.sampling import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
+from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import propose
 from engine.structured import Constraint, GrammarCache

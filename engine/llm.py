@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats
 from engine.outputs import RequestOutput
 from engine.request import Request
-from engine.sampling import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
+from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
 
 PROGRESS_MIN_PROMPTS = 8  # progress="auto" shows a bar from this many prompts (on a terminal)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -11,7 +11,8 @@ import torch
 
 import kernels
 from engine.request import Request
-from engine.sampling import RowContext, SamplerOutput, SamplingParams, TokenHistory, sample
+from engine.sampling import RowContext, SamplerOutput, TokenHistory, sample
+from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify
 from engine.structured import apply_constraints

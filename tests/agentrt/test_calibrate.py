@@ -13,7 +13,7 @@ from bench import simulate as sim
 from bench import workload as wl
 from bench.costs import StepCost, step_features
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 
 TRUE = StepCost(base_s=0.012, token_s=4e-4, decode_row_s=9e-4, context_s=2e-6, prefill_attn_s=1e-7, sample_s=1.5e-3)

@@ -8,7 +8,7 @@ import agentrt
 from agentrt.policies import ATLAS, MLFQ, PLAS
 from engine.policy import make_policy
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 def call(rid: str, program: str | None = "p", *, prompt: int = 4, arrival: float = 0.0, thread: str | None = None) -> Request:

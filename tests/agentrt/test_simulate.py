@@ -10,7 +10,7 @@ from bench import simulate as sim
 from bench import workload as wl
 from engine.scheduler import SchedulerOutput
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from agentrt._retention import choose_ttl
 from agentrt.policies import PLAS
 from agentrt.policies.autellix import TTL_SETTINGS
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 def _req(rid: str, program: str, now: float, policy: PLAS) -> Request:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from engine import AsyncEngine, EngineCore, SamplingParams
 from engine.outputs import Detokenizer
-from engine.sampling import InvalidRequestError, InvalidRequestTypeError
+from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError
 from tests.conftest import assert_all_blocks_free
 
 MAX_MODEL_LEN = 64

@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, hash_block
 from engine.policy import make_policy
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 BS = 4

@@ -16,7 +16,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.policy import make_policy
 from engine.program_ops import EndProgram, Pin, Release, Reserve, StartProgram
 from engine.request import Request, RequestStatus
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from tests.engine.test_kv_retention import check
 

@@ -11,7 +11,7 @@ import torch
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from engine import llm as llm_mod
 from engine import loader
-from engine.sampling import InvalidRequestError
+from engine.sampling_params import InvalidRequestError
 
 KW = dict(num_blocks=64, block_size=4)
 CONV = [{"role": "user", "content": "Hi there"}]

@@ -8,7 +8,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.policy import FCFS
 from engine.program_ops import Pin
 from engine.request import Request, RequestStatus
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from tests.engine.test_kv_retention import BS, run_step
 

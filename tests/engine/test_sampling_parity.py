@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampling import InvalidRequestError, RowContext, process_logits, sample, warp
+from engine.sampling import RowContext, process_logits, sample, warp
+from engine.sampling_params import InvalidRequestError
 from engine.structured import Constraint
 from tests.conftest import assert_all_blocks_free
 

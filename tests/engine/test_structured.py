@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampling import InvalidRequestError
+from engine.sampling_params import InvalidRequestError
 from engine.structured import Constraint, GrammarCache, apply_constraints
 from tests.conftest import assert_all_blocks_free, requires_default_model
 

@@ -1,0 +1,212 @@
+"""Sampling parameters (OpenAI / vLLM semantics, validated when made) and the errors for input the
+engine refuses. The sampler that applies them is engine/sampling.py."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_TOP_LOGPROBS = 20  # most alternatives per token `top_logprobs` may ask for
+MAX_N = 128  # most completions per prompt: each is a request of its own in the batch
+MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI's API
+GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (dividing by them overflows fp32)
+
+
+class InvalidRequestError(ValueError):
+    """The engine refuses a request: a bad sampling parameter, prompt or id. The message names the
+    field and the offending value. Raised before anything is queued."""
+
+
+class InvalidRequestTypeError(InvalidRequestError, TypeError):
+    """A request field of the wrong type. Also a ValueError, so one `except ValueError` catches every
+    refused request."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request is decoded. Every field is checked on construction (and again when the request
+    is added); a bad one raises `InvalidRequestError` (a ValueError) or `InvalidRequestTypeError`
+    (also a TypeError) naming the field and the value."""
+
+    max_tokens: int = 16  # tokens to generate at most, >= 1
+    temperature: float = 1.0  # finite, >= 0; 0 (or under GREEDY_BELOW) = greedy
+    top_k: int = -1  # -1 = off, else >= 1
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    seed: int | None = None  # per-request generator seed in [0, 2**63 - 1]: same seed, same tokens
+    stop: list[str] = field(default_factory=list)  # stop strings (a str is one), not included in the output
+    stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end the request (< vocab, checked at add)
+    ignore_eos: bool = False  # keep going past EOS (benchmarks)
+    logprobs: bool = False  # return the log-probability of each sampled token
+    top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS: also return the N most likely tokens at each position
+    # (with their log-probs, best first), and the sampled tokens' log-probs
+    n: int = 1  # completions per prompt (forks sharing the prompt's KV), 1..MAX_N
+    constraint: Any = None  # engine.structured.Constraint: the output must match this grammar (None = free)
+    min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p x the top token's probability
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence of a token in the output
+    repetition_penalty: float = 1.0  # > 0: tokens in the prompt or output get logit / p (> 0) or logit * p
+    min_tokens: int = 0  # in [0, max_tokens]: EOS, stop_token_ids and stop strings cannot end the
+    # request before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit
+    prompt_logprobs: int | None = None  # None = off; N in 0..MAX_TOP_LOGPROBS: each prompt token's
+    # log-prob (the first's is None) and the N most likely tokens at each prompt position; the request
+    # then reads no cached prefix (every prompt position is computed)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check (and normalize) every field; raises InvalidRequestError / InvalidRequestTypeError."""
+        self.max_tokens = _int("max_tokens", self.max_tokens, 1)
+        self.temperature = _real("temperature", self.temperature, 0.0)
+        self.top_k = _int("top_k", self.top_k, -1, what="-1 (off) or an int >= 1")
+        if self.top_k == 0:
+            raise InvalidRequestError("SamplingParams.top_k must be -1 (off) or an int >= 1, got 0")
+        self.top_p = _real("top_p", self.top_p, 0.0, 1.0, what="a number in (0, 1]")
+        if self.top_p == 0.0:
+            raise InvalidRequestError("SamplingParams.top_p must be a number in (0, 1], got 0.0")
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed, 0, MAX_SEED, what="an int in [0, 2**63 - 1] or None")
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _token_ids(self.stop_token_ids)
+        self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        self.logprobs = _bool("logprobs", self.logprobs)
+        self.top_logprobs = _int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        self.n = _int("n", self.n, 1, MAX_N)
+        if self.constraint is not None:
+            from engine.structured import Constraint
+
+            if not isinstance(self.constraint, Constraint):
+                raise InvalidRequestTypeError(
+                    f"SamplingParams.constraint must be an engine.structured.Constraint or None, got {show_value(self.constraint)}")
+        self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
+        self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, 0.0, what="a finite number > 0")
+        if self.repetition_penalty == 0.0:
+            raise InvalidRequestError("SamplingParams.repetition_penalty must be a finite number > 0, got 0.0")
+        self.min_tokens = _int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                               what=f"an int in [0, max_tokens={self.max_tokens}]")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS,
+                                        what=f"None or an int in [0, {MAX_TOP_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the sampled tokens' log-probs are returned."""
+        return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling depends on the tokens so far (penalties, min_tokens): no drafts then."""
+        return self.uses_penalties or self.min_tokens > 0
+
+
+def show_value(value: Any, with_type: bool = True) -> str:
+    """A bad value for an error message: its repr (cut at 80 characters) and its type."""
+    try:
+        text = repr(value)
+    except Exception:  # an int past Python's 4300-digit str limit, or a __repr__ that fails
+        text = "<unprintable>"
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})" if with_type else text
+
+
+def _int(name: str, value: Any, lo: int, hi: int | None = None, what: str | None = None) -> int:
+    if what is None:
+        what = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidRequestTypeError(f"SamplingParams.{name} must be {what}, got {show_value(value)}")
+    value = int(value)
+    if value < lo or (hi is not None and value > hi):
+        raise InvalidRequestError(f"SamplingParams.{name} must be {what}, got {show_value(value, False)}")
+    return value
+
+
+def _real(name: str, value: Any, lo: float, hi: float | None = None, what: str | None = None) -> float:
+    if what is None:
+        what = f"a finite number in [{lo}, {hi}]" if hi is not None else f"a finite number >= {lo}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidRequestTypeError(f"SamplingParams.{name} must be {what}, got {show_value(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int past the float range
+        number = math.inf
+    if not math.isfinite(number) or number < lo or (hi is not None and number > hi):
+        raise InvalidRequestError(f"SamplingParams.{name} must be {what}, got {show_value(value, False)}")
+    return number
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequestTypeError(f"SamplingParams.{name} must be a bool, got {show_value(value)}")
+    return value
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise InvalidRequestTypeError(f"SamplingParams.stop must be a str or a list of str, got {show_value(stop)}")
+    for s in stop:
+        if not isinstance(s, str):
+            raise InvalidRequestTypeError(f"SamplingParams.stop must be a str or a list of str, got item {show_value(s)}")
+        if not s:
+            raise InvalidRequestError(f"SamplingParams.stop must be non-empty strings, got {show_value(list(stop), False)}")
+        if not _encodable(s):
+            raise InvalidRequestError(f"SamplingParams.stop must be valid Unicode, got {s!r} (a lone surrogate)")
+    return list(stop)
+
+
+def _token_ids(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidRequestTypeError(f"SamplingParams.stop_token_ids must be a list of int, got {show_value(ids)}")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise InvalidRequestTypeError(f"SamplingParams.stop_token_ids must be a list of int, got item {show_value(t)}")
+        if t < 0:
+            raise InvalidRequestError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {show_value(t, False)}")
+    return [int(t) for t in ids]
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequestTypeError(f"SamplingParams.logit_bias must be a dict of token id -> bias or None, got {show_value(bias)}")
+    out = {}
+    for t, b in bias.items():
+        if isinstance(t, str) and t.strip().isdigit():  # JSON object keys are strings (OpenAI's API)
+            t = int(t)
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            raise InvalidRequestError(f"SamplingParams.logit_bias keys must be token ids >= 0, got {show_value(t)}")
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"SamplingParams.logit_bias values must be numbers in [-100, 100], got {show_value(b)} for token {t}")
+        out[int(t)] = float(b)
+    return out or None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
