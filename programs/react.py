@@ -143,9 +143,9 @@ def safe_eval(expression: str) -> int | float:
 
 def _eval(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _bounded(node.value)  # a literal too: "1e100" is as out of range as 10 ** 100
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_eval(node.operand))
+        return _bounded(_UNARY[type(node.op)](_eval(node.operand)))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1e6):
@@ -154,10 +154,14 @@ def _eval(node: ast.AST) -> int | float:
             value = _BINOPS[type(node.op)](left, right)
         except ZeroDivisionError:
             raise CalcError("division by zero") from None
-        if isinstance(value, complex) or (isinstance(value, float) and not math.isfinite(value)) or abs(value) > _MAX_ABS:
-            raise CalcError("result out of range")
-        return value
+        return _bounded(value)
     raise CalcError(f"not arithmetic: {ast.dump(node)[:60]}")
+
+
+def _bounded(value: int | float | complex) -> int | float:
+    if isinstance(value, complex) or (isinstance(value, float) and not math.isfinite(value)) or abs(value) > _MAX_ABS:
+        raise CalcError("result out of range")
+    return value
 
 
 def format_number(v: int | float) -> str:
