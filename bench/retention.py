@@ -56,10 +56,10 @@ from bench.workload import AGENT_SMALL, Call, ProgramSpec
 from engine import SamplingParams
 
 MODES = {
-    "nocache": {"enable_prefix_caching": False, "retention": False},
-    "lru": {"retention": False},
-    "lru+admission": {"retention": False},  # ablation: the TTL modes' policy arguments, without pins
-    "ttl": {"retention": True},
+    "nocache": {"enable_prefix_caching": False, "retention": RetentionConfig(ttl=False)},
+    "lru": {"retention": RetentionConfig(ttl=False)},
+    "lru+admission": {"retention": RetentionConfig(ttl=False)},  # ablation: the TTL modes' policy arguments, no pins
+    "ttl": {"retention": RetentionConfig()},
     "ttl+reserve": {"retention": RetentionConfig(auto_reserve=True)},
 }
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}
@@ -110,8 +110,7 @@ async def _program(rt: agentrt.Runtime, spec: ProgramSpec, start: float, size: d
 async def run_one(policy: str, mode: str, specs: list[ProgramSpec], model: str | None, num_blocks: int,
                   size: dict[str, Any] = SIZE) -> dict[str, Any]:
     kw = {**ENGINE, **MODES[mode], "num_blocks": num_blocks}
-    pins = kw["retention"] is True or (isinstance(kw["retention"], RetentionConfig) and kw["retention"].ttl)
-    policy_kwargs = TTL_POLICY.get(policy, {}) if pins or mode == "lru+admission" else {}
+    policy_kwargs = TTL_POLICY.get(policy, {}) if kw["retention"].ttl or mode == "lru+admission" else {}
     async with agentrt.Runtime(model, policy=policy, policy_kwargs=policy_kwargs, **kw) as rt:
         await agentrt.generate(wl.tokens(random.Random(0), 64), max_tokens=4)  # warm-up, not measured
         kv0 = rt.kv_stats()

@@ -7,7 +7,7 @@ request, or an otherwise idle engine), and only then is the policy's victim amon
 running requests preempted (recompute: its full blocks stay in the prefix cache). A request that could
 never fit fails alone. Expired pins are dropped at the start of every step (engine.kv_cache_manager).
 
-Two policy switches concern pins, read as policy attributes (False when a policy lacks them):
+Two policy switches concern pins (SchedulingPolicy attributes, False unless a policy sets them):
 `pinned_first` puts waiting calls of programs holding a pin ahead of the others (Continuum's order);
 `protect_pins` is admission control for a KV-bound engine: while others run, a waiting call goes in only
 if its whole prompt and output fit, and only a call of a program that holds a pin may make other
