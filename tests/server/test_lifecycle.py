@@ -54,10 +54,11 @@ class Stream(threading.Thread):
 
 
 def _refused(url: str) -> bool:
-    """A new connection is refused, or answered 503."""
+    """A new request is refused: the connection refused, closed before any response (uvicorn's
+    shut-down closes connections that have no request in progress), or answered 503."""
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 503
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
         return True
 
 
