@@ -33,6 +33,7 @@ namespace agentrt {
 
 constexpr int64_t kPrefillTile = 32;  // KV positions per tile
 constexpr int64_t kRowsPerItem = 64;  // query rows (position x head) per work item
+constexpr int64_t kParallelWork = 2048;  // (query row x head, position) pairs from which items go to all threads
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -244,11 +245,14 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
     });
   }
   const float scale_log2e = scale * 1.4426950408889634f;
-  // Little work (one decode row of a few hundred positions: ~10 us) runs inline: handing a third of it
-  // to a second thread measured slower (29 vs 17 us for 300 positions, 9 / 3 heads).
-  int64_t work = 0;  // (query row x head, position) pairs
+  // Items go to all threads from kParallelWork (query row x head, position) pairs on: one decode row
+  // of ~230 positions (9 heads). Inside a decode step K and V come from DRAM (the layers' weights
+  // streamed since evicted them), so each thread packing its own kv heads shares out the wait: on 2
+  // cores (9 / 3 heads, D 64, decode_forward A/B in one process) 0.1-0.25 ms per token less at 300
+  // positions, 0.3 at 600; below, the fork and join cost more than they save (~0.1 ms at 20).
+  int64_t work = 0;
   for (int64_t i = 0; i < S; ++i) work += (qsl[seqs[i] + 1] - qsl[seqs[i]]) * H * lens[seqs[i]];
-  const int64_t grain = work < 16384 ? std::max<int64_t>(item_start[S], 1) : 1;
+  const int64_t grain = work < kParallelWork ? std::max<int64_t>(item_start[S], 1) : 1;
   at::parallel_for(0, item_start[S], grain, [&](int64_t w0, int64_t w1) {
     std::vector<uint32_t> local;
     for (int64_t w = w0; w < w1; ++w) {
