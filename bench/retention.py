@@ -63,6 +63,7 @@ MODES = {
     "ttl+reserve": {"retention": RetentionConfig(auto_reserve=True)},
 }
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}
+COMPOSED = {"lru+admission", "ttl", "ttl+reserve"}  # modes whose policies run with TTL_POLICY's arguments
 TTL_POLICY: dict[str, dict[str, Any]] = {  # policy -> its arguments when programs' KV is pinned across tool calls
     "fcfs": {"pinned_first": True, "protect_pins": True},  # Continuum's order, with our admission control
     "plas": dict(TTL_SETTINGS),  # ours
@@ -110,7 +111,7 @@ async def _program(rt: agentrt.Runtime, spec: ProgramSpec, start: float, size: d
 async def run_one(policy: str, mode: str, specs: list[ProgramSpec], model: str | None, num_blocks: int,
                   size: dict[str, Any] = SIZE) -> dict[str, Any]:
     kw = {**ENGINE, **MODES[mode], "num_blocks": num_blocks}
-    policy_kwargs = TTL_POLICY.get(policy, {}) if kw["retention"].ttl or mode == "lru+admission" else {}
+    policy_kwargs = TTL_POLICY.get(policy, {}) if mode in COMPOSED else {}
     async with agentrt.Runtime(model, policy=policy, policy_kwargs=policy_kwargs, **kw) as rt:
         await agentrt.generate(wl.tokens(random.Random(0), 64), max_tokens=4)  # warm-up, not measured
         kv0 = rt.kv_stats()
