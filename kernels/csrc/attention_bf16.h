@@ -8,8 +8,10 @@
 // group) walks the KV positions it can see in tiles of 32: S = q k^T (2 x MR accumulators of 16
 // lanes), online softmax in fp32 (exp in 16 lanes), P rounded to bf16 (as torch's bf16 flash
 // attention does), O += P v (MR x D / 16 accumulators, in registers for the whole walk).
-// Traffic: K and V read once per (sequence, kv head), the next 16 rows prefetched while packing; the
-// packed copy stays in L1/L2 (decode and short chunks pack inside their work item).
+// Traffic: K and V read once per (sequence, kv head), the next 16 rows prefetched while packing.
+// Decode rows (one register tile) pack each tile of 32 positions as the walk reaches it, into a buffer
+// that stays in L1; longer runs pack the sequence's K/V whole first. Few items (one decode sequence)
+// split their positions across the threads and merge the parts (see paged_attention_bf16).
 // FLOPs: 4 D per (row, visible position), rounded up to whole tiles of 32 positions on the diagonal;
 // against the fp32-lane kernel (attention.h) the dot products do 2x the work per instruction and
 // need no horizontal sums: measured 1.4-2.3x faster for decode (9 / 3 heads, D 64, 1-4 sequences).
@@ -83,54 +85,78 @@ inline void transpose16x16(__m512i r[16]) {
   }
 }
 
-// Packs the K and V of positions [0, L) of kv head `kvh` of one sequence (blocks through `table`),
-// 16 positions at a time: K rows transposed in 16 x 16 tiles of pairs, V row pairs interleaved.
-inline void pack_kv(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t L, int64_t kvh,
-                    int64_t KVH, int64_t D, int64_t block_size, uint32_t* kt, uint32_t* vp, int64_t Lp) {
+// Packs the K and V of positions [start, start + count) of kv heads [kvh0, kvh1) of one sequence
+// (blocks through `table`), 16 positions at a time, in one pass over their rows: K rows transposed in
+// 16 x 16 tiles of pairs, V row pairs interleaved; the next 16 rows (up to `visible` from start) are
+// prefetched meanwhile. Head h's K^T goes to buf + (h - kvh0) * Lp * D (D / 2
+// rows of Lp pairs), its V pairs right after (Lp / 2 rows of D); columns past `count` hold zeros.
+inline void pack_kv(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t start, int64_t count,
+                    int64_t visible, int64_t kvh0, int64_t kvh1, int64_t KVH, int64_t D, int64_t block_size,
+                    uint32_t* buf, int64_t Lp) {
   alignas(64) static const bf16 zeros[256] = {};
-  const int64_t half = D / 2;
+  const int64_t half = D / 2, heads = kvh1 - kvh0;
   const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  auto row_offset = [&](int64_t n) {
-    return n < L ? ((int64_t)table[n / block_size] * block_size + n % block_size) * KVH * D + kvh * D : int64_t(-1);
+  auto row_offset = [&](int64_t j, int64_t bound) {  // of head kvh0 at position start + j, -1 from bound on
+    const int64_t n = start + j;
+    return j < bound ? ((int64_t)table[n / block_size] * block_size + n % block_size) * KVH * D + kvh0 * D
+                     : int64_t(-1);
   };
   for (int64_t n0 = 0; n0 < Lp; n0 += 16) {
-    const bf16* krow[16];
-    const bf16* vrow[16];
+    int64_t off[16];
     for (int j = 0; j < 16; ++j) {
-      const int64_t off = row_offset(n0 + j);
-      krow[j] = off >= 0 ? k_cache + off : zeros;
-      vrow[j] = off >= 0 ? v_cache + off : zeros;
-      const int64_t next = row_offset(n0 + 16 + j);  // the next 16 rows: in flight while these are packed
+      off[j] = row_offset(n0 + j, count);
+      const int64_t next = row_offset(n0 + 16 + j, visible);  // the next 16 rows: in flight while these are packed
       if (next >= 0) {
-        for (int64_t e = 0; e < D; e += 32) {
+        for (int64_t e = 0; e < heads * D; e += 32) {
           __builtin_prefetch(k_cache + next + e);
           __builtin_prefetch(v_cache + next + e);
         }
       }
     }
-    for (int64_t g = 0; g < half; g += 16) {  // 16 pairs (32 dims) of each of the 16 rows
-      __m512i r[16];
-      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(krow[j] + 2 * g);
-      transpose16x16(r);
-      for (int c = 0; c < 16 && g + c < half; ++c) _mm512_storeu_si512(kt + (g + c) * Lp + n0, r[c]);
-    }
-    for (int j = 0; j < 16; j += 2) {
-      uint32_t* dst = vp + ((n0 + j) / 2) * D;
-      for (int64_t d = 0; d < D; d += 32) {
-        const __m512i a = _mm512_loadu_si512(vrow[j] + d), b = _mm512_loadu_si512(vrow[j + 1] + d);
-        const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-        _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi32(lo, lo_idx, hi));
-        _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi32(lo, hi_idx, hi));
+    for (int64_t h = 0; h < heads; ++h) {
+      uint32_t* kt = buf + h * Lp * D;
+      uint32_t* vp = kt + half * Lp;
+      const bf16* krow[16];
+      const bf16* vrow[16];
+      for (int j = 0; j < 16; ++j) {
+        krow[j] = off[j] >= 0 ? k_cache + off[j] + h * D : zeros;
+        vrow[j] = off[j] >= 0 ? v_cache + off[j] + h * D : zeros;
+      }
+      for (int64_t g = 0; g < half; g += 16) {  // 16 pairs (32 dims) of each of the 16 rows
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(krow[j] + 2 * g);
+        transpose16x16(r);
+        for (int c = 0; c < 16 && g + c < half; ++c) _mm512_storeu_si512(kt + (g + c) * Lp + n0, r[c]);
+      }
+      for (int j = 0; j < 16; j += 2) {
+        uint32_t* dst = vp + ((n0 + j) / 2) * D;
+        for (int64_t d = 0; d < D; d += 32) {
+          const __m512i a = _mm512_loadu_si512(vrow[j] + d), b = _mm512_loadu_si512(vrow[j + 1] + d);
+          const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+          _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi32(lo, lo_idx, hi));
+          _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi32(lo, hi_idx, hi));
+        }
       }
     }
   }
 }
 
-// MR query rows (bf16 pairs qp[m][dd], positions pos[m]) against packed K/V; writes out rows.
-template <int MR, int NC>  // NC = D / 16
-inline void prefill_rows(const uint32_t* qp, const int64_t* pos, const uint32_t* kt, const uint32_t* vp, int64_t Lp,
-                         float scale_log2e, bf16* const* out) {
+// The packed K^T and V pairs of the kPrefillTile positions from a tile's first: K^T rows `stride` pairs
+// apart, V pair rows D apart.
+struct Tile {
+  const uint32_t* k;
+  int64_t stride;
+  const uint32_t* v;
+};
+
+// MR query rows (bf16 pairs qp[m][dd], positions pos[m]) against the K/V of positions [base, base + Lp),
+// at most every row's position for `base`, a tile at a time from tiles(n0) (n0 from base); writes out
+// rows, or with `partial` each row's unnormalized output, running max and sum (D + 2 floats at
+// partial[m]: one part of a split walk).
+template <int MR, int NC, typename Tiles>
+inline void walk_rows(const uint32_t* qp, const int64_t* pos, int64_t Lp, int64_t base, float scale_log2e,
+                      bf16* const* out, float* const* partial, Tiles&& tiles) {
   constexpr int64_t D = NC * 16, half = D / 2;
   __m512 o[MR][NC];
   float m_run[MR], l_run[MR];
@@ -140,15 +166,17 @@ inline void prefill_rows(const uint32_t* qp, const int64_t* pos, const uint32_t*
     l_run[m] = 0.f;
   }
   int64_t last = 0;
-  for (int m = 0; m < MR; ++m) last = std::max(last, pos[m]);
+  for (int m = 0; m < MR; ++m) last = std::max(last, pos[m] - base);
+  last = std::min(last, Lp - 1);
   alignas(64) uint32_t pbuf[MR][kPrefillTile / 2];
   const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t n0 = 0; n0 <= last; n0 += kPrefillTile) {
+    const Tile t = tiles(n0);
     __m512 s[MR][2];
     for (int m = 0; m < MR; ++m) s[m][0] = s[m][1] = _mm512_setzero_ps();
     for (int64_t dd = 0; dd < half; ++dd) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(kt + dd * Lp + n0);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(kt + dd * Lp + n0 + 16);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(t.k + dd * t.stride);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(t.k + dd * t.stride + 16);
       for (int m = 0; m < MR; ++m) {
         const __m512bh a = (__m512bh)_mm512_set1_epi32(qp[m * half + dd]);
         s[m][0] = _mm512_dpbf16_ps(s[m][0], a, w0);
@@ -157,8 +185,8 @@ inline void prefill_rows(const uint32_t* qp, const int64_t* pos, const uint32_t*
     }
     for (int m = 0; m < MR; ++m) {
       v16 s0 = (v16)s[m][0] * scale_log2e, s1 = (v16)s[m][1] * scale_log2e;
-      if (n0 + kPrefillTile > pos[m]) {  // the diagonal tile (or past it): hide positions after the row's own
-        const float lim = static_cast<float>(pos[m] - n0);
+      if (base + n0 + kPrefillTile > pos[m]) {  // the diagonal tile (or past it): hide positions after the row's own
+        const float lim = static_cast<float>(pos[m] - base - n0);
         const v16 inf = splat16(-std::numeric_limits<float>::infinity());
         s0 = lane > lim ? inf : s0;
         s1 = lane + 16.f > lim ? inf : s1;
@@ -173,15 +201,22 @@ inline void prefill_rows(const uint32_t* qp, const int64_t* pos, const uint32_t*
       for (int c = 0; c < NC; ++c) o[m][c] = _mm512_mul_ps(o[m][c], av);
       _mm512_store_si512(pbuf[m], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
     }
-    const uint32_t* vt = vp + (n0 / 2) * D;
     for (int64_t nn = 0; nn < kPrefillTile / 2; ++nn) {
       __m512bh v[NC];
-      for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + nn * D + 16 * c);
+      for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(t.v + nn * D + 16 * c);
       for (int m = 0; m < MR; ++m) {
         const __m512bh a = (__m512bh)_mm512_set1_epi32(pbuf[m][nn]);
         for (int c = 0; c < NC; ++c) o[m][c] = _mm512_dpbf16_ps(o[m][c], a, v[c]);
       }
     }
+  }
+  if (partial) {
+    for (int m = 0; m < MR; ++m) {
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(partial[m] + 16 * c, o[m][c]);
+      partial[m][D] = m_run[m];
+      partial[m][D + 1] = l_run[m];
+    }
+    return;
   }
   for (int m = 0; m < MR; ++m) {
     const __m512 inv = _mm512_set1_ps(1.f / l_run[m]);
@@ -191,46 +226,125 @@ inline void prefill_rows(const uint32_t* qp, const int64_t* pos, const uint32_t*
   }
 }
 
+// Query rows of a walk's register tile: o holds MR x NC accumulators of the 32 registers.
+constexpr int64_t walk_rows_per_tile(int64_t D) { return D <= 64 ? 4 : 2; }
+
+// One work item: rows i in [row0, row1) of kv head `kvh` of one sequence (query row r = i / G, head
+// kvh * G + i % G; the sequence's rows start at q0, R of them, L positions) over positions
+// [base, base + Lp), MR rows at a time. `packed`: the item's K/V packed whole (kt, K^T rows Lp pairs
+// apart, then V pairs); else (the rows fit one register tile: decode) each tile is packed as the walk
+// reaches it, into a buffer that stays in L1, from the cache through `table` up to position `end`.
+// With `partial` (a split walk) row r, head h goes to partial + (r * H + h) * (D + 2), not to out.
+struct Item {
+  int64_t kvh, q0, R, L, row0, row1, base, end, Lp;
+  bool whole;          // packed whole (kt), or tile by tile
+  const uint32_t* kt;  // set by the thread that runs the item
+  float* partial;
+};
+
 template <int NC>
-void prefill_item(const bf16* q, int64_t q_row_stride, bf16* out, int64_t H, int64_t G, int64_t kvh, int64_t q0,
-                  int64_t R, int64_t L, int64_t row0, int64_t row1, const uint32_t* kt, const uint32_t* vp,
-                  int64_t Lp, float scale_log2e) {
+void run_item(const bf16* q, int64_t q_row_stride, bf16* out, int64_t H, int64_t G, const Item& it,
+              const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t KVH, int64_t block_size,
+              float scale_log2e) {
   constexpr int64_t D = NC * 16, half = D / 2;
-  constexpr int MR = NC <= 4 ? 4 : 2;  // o: MR x NC accumulators of the 32 registers
-  // Item rows i in [row0, row1): query row r = i / G, head kvh * G + i % G.
+  constexpr int MR = walk_rows_per_tile(D);
   alignas(64) uint32_t qp[MR * half];
   int64_t pos[MR];
   bf16* dst[MR];
+  float* part[MR];
   alignas(64) bf16 sink[MR][D];
-  for (int64_t i0 = row0; i0 < row1; i0 += MR) {
+  alignas(64) float part_sink[MR][D + 2];
+  alignas(64) uint32_t tile[kPrefillTile * D];  // K^T then V pairs of one tile
+  auto packed = [&](int64_t n0) { return Tile{it.kt + n0, it.Lp, it.kt + half * it.Lp + (n0 / 2) * D}; };
+  auto by_tile = [&](int64_t n0) {
+    const int64_t first = it.base + n0;
+    pack_kv(k_cache, v_cache, table, first, std::min(kPrefillTile, it.end - first), it.end - first, it.kvh,
+            it.kvh + 1, KVH, D, block_size, tile, kPrefillTile);
+    return Tile{tile, kPrefillTile, tile + half * kPrefillTile};
+  };
+  for (int64_t i0 = it.row0; i0 < it.row1; i0 += MR) {
     for (int m = 0; m < MR; ++m) {
-      const int64_t i = std::min(i0 + m, row1 - 1);  // a short last group repeats its last row into `sink`
-      const int64_t r = i / G, h = kvh * G + i % G;
-      std::memcpy(qp + m * half, q + (q0 + r) * q_row_stride + h * D, D * sizeof(bf16));
-      pos[m] = L - R + r;
-      dst[m] = i0 + m < row1 ? out + ((q0 + r) * H + h) * D : sink[m];
+      const int64_t i = std::min(i0 + m, it.row1 - 1);  // a short last group repeats its last row into `sink`
+      const int64_t r = i / G, h = it.kvh * G + i % G;
+      std::memcpy(qp + m * half, q + (it.q0 + r) * q_row_stride + h * D, D * sizeof(bf16));
+      pos[m] = it.L - it.R + r;
+      const bool real = i0 + m < it.row1;
+      dst[m] = real ? out + ((it.q0 + r) * H + h) * D : sink[m];
+      part[m] = it.partial && real ? it.partial + (r * H + h) * (D + 2) : part_sink[m];
     }
-    prefill_rows<MR, NC>(qp, pos, kt, vp, Lp, scale_log2e, dst);
+    float* const* po = it.partial ? part : nullptr;
+    if (it.whole) {
+      walk_rows<MR, NC>(qp, pos, it.Lp, it.base, scale_log2e, dst, po, packed);
+    } else {
+      walk_rows<MR, NC>(qp, pos, it.Lp, it.base, scale_log2e, dst, po, by_tile);
+    }
   }
 }
 
 // Sequences `seqs` of the batch (each with its query rows q[qsl[b]:qsl[b+1]], seq_lens[b] positions);
-// writes their rows of out [T, H, D]. Work items: kRowsPerItem rows of one (sequence, kv head). A
-// sequence whose rows of a kv head fit one item (decode, short chunks) packs its K and V inside the
-// item, into a per-thread buffer that stays in cache; longer ones are packed once, first, for all
-// their items.
+// writes their rows of out [T, H, D]. Work items: up to kRowsPerItem rows of one (sequence, kv head).
+// Rows that fit one register tile (decode: one query row of a GQA group of up to 4 heads) walk their
+// positions packing each tile as they reach it (no packed copy of the whole sequence, whose writes
+// would miss the cache: in a decode step the layers' weights streamed since evicted it); more rows
+// of one item pack the sequence's K/V inside the item, longer ones once, first, for all their items.
+// When the items would leave threads idle or uneven (one decode sequence of 3 kv heads on 2 threads:
+// one thread does two), each (sequence, kv head) splits its positions in parts ("flash decoding")
+// that keep unnormalized outputs with their running max and sum, merged after. Part boundaries are
+// multiples of kPrefillTile at or before the first row's position, so every part holds a visible
+// position of every row; at least kMinSplit positions per part.
+constexpr int64_t kMinSplit = 64;
+
 inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out, const bf16* k_cache,
                                     const bf16* v_cache, const int32_t* qsl, const int32_t* lens,
                                     const int32_t* tables, int64_t max_blocks, const int64_t* seqs, int64_t S,
                                     int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale) {
-  const int64_t G = H / KVH, half = D / 2;
-  std::vector<int64_t> lp(S), chunks(S), item_start(S + 1, 0), offset(S + 1, 0);
+  const int64_t G = H / KVH, threads = at::get_num_threads();
+  const float scale_log2e = scale * 1.4426950408889634f;
+  // Items go to all threads from kParallelWork (query row x head, position) pairs on: one decode row
+  // of ~230 positions (9 heads); below, the fork and join cost more than they save (~0.1 ms per
+  // decode step at 20 positions, 2 cores).
+  int64_t work = 0, items = 0;
+  for (int64_t i = 0; i < S; ++i) work += (qsl[seqs[i] + 1] - qsl[seqs[i]]) * H * lens[seqs[i]];
+  std::vector<int64_t> lp(S), chunks(S), parts(S, 1), offset(S + 1, 0);
   for (int64_t i = 0; i < S; ++i) {
-    const int64_t b = seqs[i];
+    const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b];
     lp[i] = (lens[b] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
-    chunks[i] = ((qsl[b + 1] - qsl[b]) * G + kRowsPerItem - 1) / kRowsPerItem;
-    item_start[i + 1] = item_start[i] + KVH * chunks[i];
+    chunks[i] = (R * G + kRowsPerItem - 1) / kRowsPerItem;
+    items += KVH * chunks[i];
     offset[i + 1] = offset[i] + (chunks[i] > 1 ? KVH * lp[i] * D : 0);  // uint32s: Lp * D / 2 for K, as many for V
+  }
+  const bool split = work >= kParallelWork && items < 2 * threads &&
+                     std::all_of(chunks.begin(), chunks.end(), [](int64_t c) { return c == 1; });
+  std::vector<Item> list;
+  std::vector<int64_t> seq_of;  // each item's index in seqs
+  std::vector<float> partials;
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b], L = lens[b], span = L - R + 1;  // positions every row sees
+    if (split) parts[i] = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, span / kMinSplit));
+    const int64_t step = ((span + parts[i] - 1) / parts[i] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
+    parts[i] = (span + step - 1) / step;  // whole tiles per part may leave fewer parts
+    const bool by_tile = R * G <= walk_rows_per_tile(D);
+    for (int64_t kvh = 0; kvh < KVH; ++kvh)
+      for (int64_t c = 0; c < chunks[i]; ++c)
+        for (int64_t begin = 0; begin < span; begin += step) {
+          const int64_t end = parts[i] > 1 && begin + step < span ? begin + step : L;
+          const int64_t Lp = (end - begin + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
+          list.push_back({kvh, qsl[b], R, L, c * kRowsPerItem, std::min(R * G, (c + 1) * kRowsPerItem), begin, end,
+                          Lp, !by_tile, nullptr, nullptr});
+          seq_of.push_back(i);
+        }
+  }
+  if (split) {
+    int64_t floats = 0;
+    for (size_t w = 0; w < list.size(); ++w)
+      if (parts[seq_of[w]] > 1) floats += list[w].R * H * (D + 2);
+    partials.resize(floats);
+    floats = 0;
+    for (size_t w = 0; w < list.size(); ++w)
+      if (parts[seq_of[w]] > 1) {
+        list[w].partial = partials.data() + floats;
+        floats += list[w].R * H * (D + 2);
+      }
   }
   std::vector<uint32_t> shared(offset[S]);
   if (offset[S]) {
@@ -239,48 +353,65 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
         const int64_t i = w / KVH, kvh = w % KVH, b = seqs[i];
         if (chunks[i] < 2) continue;
         uint32_t* kt = shared.data() + offset[i] + kvh * lp[i] * D;
-        pack_kv(k_cache, v_cache, tables + b * max_blocks, lens[b], kvh, KVH, D, block_size, kt, kt + half * lp[i],
+        pack_kv(k_cache, v_cache, tables + b * max_blocks, 0, lens[b], lens[b], kvh, kvh + 1, KVH, D, block_size, kt,
                 lp[i]);
       }
     });
   }
-  const float scale_log2e = scale * 1.4426950408889634f;
-  // Items go to all threads from kParallelWork (query row x head, position) pairs on: one decode row
-  // of ~230 positions (9 heads). Inside a decode step K and V come from DRAM (the layers' weights
-  // streamed since evicted them), so each thread packing its own kv heads shares out the wait: on 2
-  // cores (9 / 3 heads, D 64, decode_forward A/B in one process) 0.1-0.25 ms per token less at 300
-  // positions, 0.3 at 600; below, the fork and join cost more than they save (~0.1 ms at 20).
-  int64_t work = 0;
-  for (int64_t i = 0; i < S; ++i) work += (qsl[seqs[i] + 1] - qsl[seqs[i]]) * H * lens[seqs[i]];
-  const int64_t grain = work < kParallelWork ? std::max<int64_t>(item_start[S], 1) : 1;
-  at::parallel_for(0, item_start[S], grain, [&](int64_t w0, int64_t w1) {
+  const int64_t grain = work < kParallelWork ? std::max<int64_t>(list.size(), 1) : 1;
+  at::parallel_for(0, list.size(), grain, [&](int64_t w0, int64_t w1) {
     std::vector<uint32_t> local;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t i = std::upper_bound(item_start.begin(), item_start.end(), w) - item_start.begin() - 1;
-      const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b];
-      const int64_t kvh = (w - item_start[i]) / chunks[i], chunk = (w - item_start[i]) % chunks[i];
-      const uint32_t* kt;
-      if (chunks[i] > 1) {
-        kt = shared.data() + offset[i] + kvh * lp[i] * D;
-      } else {
-        local.resize(lp[i] * D);
-        pack_kv(k_cache, v_cache, tables + b * max_blocks, lens[b], kvh, KVH, D, block_size, local.data(),
-                local.data() + half * lp[i], lp[i]);
-        kt = local.data();
+      const int64_t i = seq_of[w], b = seqs[i];
+      Item it = list[w];
+      if (it.whole) {  // packed whole: shared by the sequence's items, or this item's own
+        if (chunks[i] > 1) {
+          it.kt = shared.data() + offset[i] + it.kvh * lp[i] * D;
+        } else {
+          local.resize(it.Lp * D);
+          pack_kv(k_cache, v_cache, tables + b * max_blocks, it.base, it.end - it.base, it.end - it.base, it.kvh,
+                  it.kvh + 1, KVH, D, block_size, local.data(), it.Lp);
+          it.kt = local.data();
+        }
       }
-      const int64_t row0 = chunk * kRowsPerItem, row1 = std::min(R * G, row0 + kRowsPerItem);
       auto run = [&](auto fn) {
-        fn(q, q_row_stride, out, H, G, kvh, qsl[b], R, lens[b], row0, row1, kt, kt + half * lp[i], lp[i],
-           scale_log2e);
+        fn(q, q_row_stride, out, H, G, it, k_cache, v_cache, tables + b * max_blocks, KVH, block_size, scale_log2e);
       };
       switch (D) {
-        case 32: run(prefill_item<2>); break;
-        case 64: run(prefill_item<4>); break;
-        case 128: run(prefill_item<8>); break;
-        default: run(prefill_item<16>); break;
+        case 32: run(run_item<2>); break;
+        case 64: run(run_item<4>); break;
+        case 128: run(run_item<8>); break;
+        default: run(run_item<16>); break;
       }
     }
   });
+  if (!split) return;
+  // Merge the parts: o = sum_p 2^(m_p - m) o_p / sum_p 2^(m_p - m) l_p, m = max_p m_p (scores in log2 units).
+  std::vector<float> acc(D);
+  for (size_t w0 = 0; w0 < list.size();) {
+    const int64_t i = seq_of[w0], n = parts[i];
+    if (n == 1) {
+      ++w0;
+      continue;
+    }
+    const Item& first = list[w0];
+    for (int64_t r = 0; r < first.R; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t row = r * H + first.kvh * G + g;
+        float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+        for (int64_t p = 0; p < n; ++p) m = std::max(m, list[w0 + p].partial[row * (D + 2) + D]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < n; ++p) {
+          const float* part = list[w0 + p].partial + row * (D + 2);
+          const float f = std::exp2(part[D] - m);
+          l += f * part[D + 1];
+          for (int64_t d = 0; d < D; ++d) acc[d] += f * part[d];
+        }
+        bf16* dst = out + (first.q0 * H + row) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = f32_to_bf16(acc[d] / l);
+      }
+    w0 += n;
+  }
 }
 
 }  // namespace agentrt

@@ -219,3 +219,31 @@ def test_tiled_bf16_attention_block_sizes(block_size):
     out = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
     assert batch.meta._cpu_plan.tiled
     check_rule(out, paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125), batch.dense(0.125))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize(("q_lens", "seq_lens", "heads", "head_dim", "block_size"), [
+    ([1], [300], (9, 3), 64, 16),  # one decode row: split in parts across threads, each tile packed as walked
+    ([1], [517], (9, 3), 64, 4),  # tiles straddling small blocks, a last part not a whole tile
+    ([3], [333], (8, 1), 128, 32),  # one kv head: up to 4 parts; 24 rows per head pack the part whole
+    ([16], [200], (9, 3), 64, 16),  # drafts: every part starts at or before the first row's position
+    ([16], [130], (9, 3), 64, 16),  # too short to split
+    ([1, 1], [250, 40], (4, 4), 32, 16),  # 8 items: no split with 4 threads or fewer
+    ([1, 2], [700, 300], (9, 3), 64, 16),  # two sequences, decode and drafts
+])
+def test_tiled_bf16_attention_split_and_tile_walks(threads, q_lens, seq_lens, heads, head_dim, block_size):
+    """Decode-sized work of the AVX512-BF16 kernel: rows that fit one register tile pack K/V a tile at
+    a time as they walk; few items are split across threads by positions and merged; each way
+    against the fp32 reference by the kernel rule, with 1, 2 and 4 threads."""
+    if cpu.compiled_isa() != "avx512_bf16":
+        pytest.skip("needs the avx512_bf16 kernels")
+    batch = make_paged_batch(q_lens, seq_lens, *heads, head_dim, block_size, torch.bfloat16, seed=sum(seq_lens))
+    scale = head_dim ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert batch.meta._cpu_plan.tiled
+    check_rule(out, paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale), batch.dense(scale))
