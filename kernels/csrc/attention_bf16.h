@@ -289,7 +289,8 @@ void run_item(const bf16* q, int64_t q_row_stride, bf16* out, int64_t H, int64_t
 // of one item pack the sequence's K/V inside the item, longer ones once, first, for all their items.
 // When the items would leave threads idle or uneven (one decode sequence of 3 kv heads on 2 threads:
 // one thread does two), each (sequence, kv head) splits its positions in parts ("flash decoding")
-// that keep unnormalized outputs with their running max and sum, merged after. Part boundaries are
+// that keep unnormalized outputs with their running max and sum, merged after; a part's kv heads are
+// consecutive items, so a thread reads whole K/V rows of its positions. Part boundaries are
 // multiples of kPrefillTile at or before the first row's position, so every part holds a visible
 // position of every row; at least kMinSplit positions per part.
 constexpr int64_t kMinSplit = 64;
@@ -324,9 +325,9 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
     const int64_t step = ((span + parts[i] - 1) / parts[i] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
     parts[i] = (span + step - 1) / step;  // whole tiles per part may leave fewer parts
     const bool by_tile = R * G <= walk_rows_per_tile(D);
-    for (int64_t kvh = 0; kvh < KVH; ++kvh)
-      for (int64_t c = 0; c < chunks[i]; ++c)
-        for (int64_t begin = 0; begin < span; begin += step) {
+    for (int64_t begin = 0; begin < span; begin += step)  // a part's kv heads side by side: whole rows
+      for (int64_t kvh = 0; kvh < KVH; ++kvh)
+        for (int64_t c = 0; c < chunks[i]; ++c) {
           const int64_t end = parts[i] > 1 && begin + step < span ? begin + step : L;
           const int64_t Lp = (end - begin + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
           list.push_back({kvh, qsl[b], R, L, c * kRowsPerItem, std::min(R * G, (c + 1) * kRowsPerItem), begin, end,
@@ -388,29 +389,31 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
   if (!split) return;
   // Merge the parts: o = sum_p 2^(m_p - m) o_p / sum_p 2^(m_p - m) l_p, m = max_p m_p (scores in log2 units).
   std::vector<float> acc(D);
-  for (size_t w0 = 0; w0 < list.size();) {
+  for (size_t w0 = 0; w0 < list.size();) {  // w0: the sequence's first item; its part p, kv head h at w0 + p * KVH + h
     const int64_t i = seq_of[w0], n = parts[i];
     if (n == 1) {
-      ++w0;
+      w0 += KVH * chunks[i];
       continue;
     }
-    const Item& first = list[w0];
-    for (int64_t r = 0; r < first.R; ++r)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t row = r * H + first.kvh * G + g;
-        float m = -std::numeric_limits<float>::infinity(), l = 0.f;
-        for (int64_t p = 0; p < n; ++p) m = std::max(m, list[w0 + p].partial[row * (D + 2) + D]);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t p = 0; p < n; ++p) {
-          const float* part = list[w0 + p].partial + row * (D + 2);
-          const float f = std::exp2(part[D] - m);
-          l += f * part[D + 1];
-          for (int64_t d = 0; d < D; ++d) acc[d] += f * part[d];
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      const Item& first = list[w0 + kvh];
+      for (int64_t r = 0; r < first.R; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t row = r * H + kvh * G + g;
+          float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+          for (int64_t p = 0; p < n; ++p) m = std::max(m, list[w0 + p * KVH + kvh].partial[row * (D + 2) + D]);
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t p = 0; p < n; ++p) {
+            const float* part = list[w0 + p * KVH + kvh].partial + row * (D + 2);
+            const float f = std::exp2(part[D] - m);
+            l += f * part[D + 1];
+            for (int64_t d = 0; d < D; ++d) acc[d] += f * part[d];
+          }
+          bf16* dst = out + (first.q0 * H + row) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = f32_to_bf16(acc[d] / l);
         }
-        bf16* dst = out + (first.q0 * H + row) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = f32_to_bf16(acc[d] / l);
-      }
-    w0 += n;
+    }
+    w0 += n * KVH;
   }
 }
 
