@@ -88,8 +88,8 @@ inline void transpose16x16(__m512i r[16]) {
 // Packs the K and V of positions [start, start + count) of kv heads [kvh0, kvh1) of one sequence
 // (blocks through `table`), 16 positions at a time, in one pass over their rows: K rows transposed in
 // 16 x 16 tiles of pairs, V row pairs interleaved; the next 16 rows (up to `visible` from start) are
-// prefetched meanwhile. Head h's K^T goes to buf + (h - kvh0) * Lp * D (D / 2
-// rows of Lp pairs), its V pairs right after (Lp / 2 rows of D); columns past `count` hold zeros.
+// prefetched meanwhile. Head h's K^T goes to buf + (h - kvh0) * Lp * D (D / 2 rows of Lp pairs), its
+// V pairs right after (Lp / 2 rows of D); columns past `count` hold zeros.
 inline void pack_kv(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t start, int64_t count,
                     int64_t visible, int64_t kvh0, int64_t kvh1, int64_t KVH, int64_t D, int64_t block_size,
                     uint32_t* buf, int64_t Lp) {
@@ -231,7 +231,7 @@ constexpr int64_t walk_rows_per_tile(int64_t D) { return D <= 64 ? 4 : 2; }
 
 // One work item: rows i in [row0, row1) of kv head `kvh` of one sequence (query row r = i / G, head
 // kvh * G + i % G; the sequence's rows start at q0, R of them, L positions) over positions
-// [base, base + Lp), MR rows at a time. `packed`: the item's K/V packed whole (kt, K^T rows Lp pairs
+// [base, base + Lp), MR rows at a time. `whole`: the item's K/V packed whole (kt, K^T rows Lp pairs
 // apart, then V pairs); else (the rows fit one register tile: decode) each tile is packed as the walk
 // reaches it, into a buffer that stays in L1, from the cache through `table` up to position `end`.
 // With `partial` (a split walk) row r, head h goes to partial + (r * H + h) * (D + 2), not to out.
