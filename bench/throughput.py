@@ -13,7 +13,10 @@ Workload: N requests (default 64), prompt lengths uniform in [16, 512], output l
   GEMM 512 x 576 x 1536 in the engine's dtype, the median of 7 timings of 10 calls);
 - single request, one at a time, on a subset: decode tokens/s of HF (each dtype), of the engine, and,
   when the engine is not fp32, of the engine in fp32, as (out - 1) / (t(out tokens) - t(1 token)),
-  i.e. prefill excluded; the systems are interleaved so drift hits them alike.
+  i.e. prefill excluded; the systems are interleaved so drift hits them alike, and each request is
+  timed `--single-repeats` times per system, its median kept (on a shared machine a neighbour's burst
+  lands on one system's run: single runs of the same four requests gave bf16 / fp32 ratios of
+  1.46-1.79x a minute apart).
 - with `--speculative K` (default 3; 0 = skip), the engine again with n-gram speculative decoding
   (K drafts per step, exact for greedy), reported in separate rows: plain decoding stays the
   headline comparison. Prompts of random token ids make a small model loop, which prompt lookup
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
     ap.add_argument("--single-requests", type=int, default=4, help="requests timed one at a time (0 = skip)")
+    ap.add_argument("--single-repeats", type=int, default=3,
+                    help="times each single request is timed per system, the median kept (systems interleaved)")
     ap.add_argument("--dtype", default=None, help="engine dtype (default: the engine's, \"auto\" on CPU)")
     ap.add_argument("--hf-dtypes", default=None,
                     help="comma-separated dtypes HF runs in, each optionally with its own batch sizes (float32@16+32); "
@@ -304,18 +309,21 @@ def main(argv: list[str] | None = None) -> int:
     results["ratio_vs_hf_batched"] = results["engine_tok_s"] / hf_rows[best_hf]["tok_s"]
 
     singles = reqs[: a.single_requests]
-    hf_dec = dict.fromkeys(hfs, 0.0)
-    eng_dec = spec_dec = ref_dec = 0.0
-    dec_tokens = 0
-    for p, o in singles:  # the systems interleaved, so drift hits them alike
-        for d, model in hfs.items():
-            hf_dec[d] += hf_single(model, p, o, pad_id) - hf_single(model, p, 1, pad_id)
-        eng_dec += engine_decode(llm, p, o)
-        if ref32 is not None:
-            ref_dec += engine_decode(ref32, p, o)
-        if spec is not None:
-            spec_dec += engine_decode(spec, p, o)
-        dec_tokens += o - 1
+    # system -> per request, its decode seconds in each repeat; the systems interleaved within a
+    # repeat, so drift hits them alike, and each request's median over the repeats kept
+    runs: dict = {}
+    for _ in range(max(1, a.single_repeats)):
+        for j, (p, o) in enumerate(singles):
+            for d, model in hfs.items():
+                runs.setdefault(d, {}).setdefault(j, []).append(
+                    hf_single(model, p, o, pad_id) - hf_single(model, p, 1, pad_id))
+            for key, e in (("engine", llm), ("fp32", ref32), ("spec", spec)):
+                if e is not None:
+                    runs.setdefault(key, {}).setdefault(j, []).append(engine_decode(e, p, o))
+    median_sum = {k: sum(statistics.median(ts) for ts in per_req.values()) for k, per_req in runs.items()}
+    hf_dec = {d: median_sum[d] for d in hfs} if singles else dict.fromkeys(hfs, 0.0)
+    eng_dec, ref_dec, spec_dec = (median_sum.get(k, 0.0) for k in ("engine", "fp32", "spec"))
+    dec_tokens = sum(o - 1 for _, o in singles)
     if singles:
         results["hf_single_decode_tok_s"] = dec_tokens / hf_dec[hf_dtypes[0]]  # HF in the engine's dtype
         results["hf_single_decode_tok_s_by_dtype"] = {_name(d): dec_tokens / t for d, t in hf_dec.items()}
@@ -364,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         vs32 = (f"; engine {name} / engine float32: **{results['ratio_single_decode_vs_fp32']:.2f}x** (target >= 1.8x)"
                 if ref32 is not None else "")
         single_note = (f"{single}\n\nSingle-request decode, engine / best HF: **{results['ratio_single_decode']:.2f}x** "
-                       f"(target >= 2x){vs32}; {len(singles)} requests, prefill excluded\n\n")
+                       f"(target >= 2x){vs32}; {len(singles)} requests, each the median of {max(1, a.single_repeats)} runs per "
+                       "system (systems interleaved), prefill excluded\n\n")
     compute_note = (
         f"Compute: the batched run above did {results['engine_gflop_s']:.0f} GFLOP/s of model work; a prefill-only "
         f"pass over the same {a.num_requests} prompts (1 output token each) {results['prefill_tok_s']:.0f} tok/s = "

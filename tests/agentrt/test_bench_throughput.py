@@ -9,7 +9,7 @@ from bench import throughput as bench
 
 def test_bench_throughput_smoke(tiny_model_path, capsys):
     argv = ["--model", str(tiny_model_path), "--num-requests", "3", "--hf-batch-sizes", "2,3",
-            "--single-requests", "1", "--speculative", "2", "--no-docs", "--json"]
+            "--single-requests", "1", "--single-repeats", "2", "--speculative", "2", "--no-docs", "--json"]
     assert bench.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     useful = sum(o for _, o in bench.workload(3, 0))
