@@ -283,10 +283,11 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
     if (qsl[b + 1] > qsl[b]) with_rows.push_back(b);
   const at::Tensor seqs = at::tensor(with_rows, query_start_loc.options().dtype(at::kLong));
   // Few short sequences: attention waits on memory latency, not bandwidth. Their K and V of a layer
-  // (at most ~512 KB) are prefetched before its qkv projection, whose weight streaming hides the wait,
-  // each thread a share of every sequence's blocks in order: the share its attention items read when
-  // a sequence's positions are split across the threads (bf16; 0.15-0.2 ms per token less at 300-500
-  // positions than one thread prefetching all, A/B in one process; fp32 unchanged).
+  // (at most ~512 KB) are prefetched before its qkv projection, whose weight streaming hides the wait;
+  // from 64 KB on each thread a share of every sequence's blocks in order: the share its attention
+  // items read when a sequence's positions are split across the threads (bf16: 0.05-0.5 ms per token
+  // less at 300-500 positions than one thread prefetching all, two A/B runs in one process; fp32
+  // unchanged). Below, attention runs on one thread and one fork would cost more than it hides.
   const int64_t block_size = kv_cache.size(3), block_bytes = block_size * KVH * D * kv_cache.element_size();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -294,7 +295,7 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
   for (int64_t b : with_rows) kv_bytes += 2 * ((lens[b] + block_size - 1) / block_size) * block_bytes;
   auto prefetch_kv = [&](const at::Tensor& k_cache, const at::Tensor& v_cache) {
     const char *kb = static_cast<const char*>(k_cache.data_ptr()), *vb = static_cast<const char*>(v_cache.data_ptr());
-    const int64_t threads = at::get_num_threads();
+    const int64_t threads = kv_bytes >= (64 << 10) ? at::get_num_threads() : 1;
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t b : with_rows) {
