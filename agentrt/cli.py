@@ -21,7 +21,7 @@ def _generate(a: argparse.Namespace) -> int:
     # every argument is checked before the model loads (seconds)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=a.stop, n=a.n)
-    config = EngineConfig(model=a.model, dtype=a.dtype, device=a.device)
+    config = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, num_scheduler_steps=a.num_scheduler_steps)
     if not a.prompt:
         raise ValueError("the prompt is empty")
     from engine import LLM
@@ -63,7 +63,8 @@ def _serve(a: argparse.Namespace) -> int:
     engine = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_num_batched_tokens),
                                 ("kv_cache_bytes", a.kv_cache_bytes), ("num_blocks", a.num_blocks),
                                 ("max_model_len", a.max_model_len), ("dtype", a.dtype), ("device", a.device),
-                                ("num_speculative_tokens", a.num_speculative_tokens)) if v is not None}
+                                ("num_speculative_tokens", a.num_speculative_tokens),
+                                ("num_scheduler_steps", a.num_scheduler_steps)) if v is not None}
     config = ServerConfig(
         model=a.model, policy=a.policy, engine=engine, db=a.db, api_keys=[*a.api_key, *env_api_keys()],
         served_model_name=a.served_model_name, program_idle_timeout_s=a.program_idle_timeout,
@@ -88,6 +89,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--stream", action="store_true", help="print the text as it is generated")
     g.add_argument("--dtype", default=None)
     g.add_argument("--device", default=None)
+    g.add_argument("--num-scheduler-steps", type=int, default=8,
+                   help="greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens come in bursts of this many)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(fn=_generate)
     s = sub.add_parser("serve", help="serve the runtime over an OpenAI-compatible HTTP API keyed by program id")
@@ -115,6 +118,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--dtype", default=None)
     s.add_argument("--device", default=None)
     s.add_argument("--num-speculative-tokens", type=int, default=None)
+    s.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens come in bursts of this many; default 1)")
     s.add_argument("--log-level", default="info")
     s.set_defaults(fn=_serve)
 

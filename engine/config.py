@@ -34,6 +34,10 @@ class EngineConfig:
     prompt_lookup_min: int = 1  # shortest suffix n-gram to look up
     speculative_disable_by_batch_size: int | None = 8  # no drafts while more requests run (drafts cost
     # compute, and a big batch has no idle bandwidth for them); None = always draft
+    num_scheduler_steps: int = 1  # decode steps per scheduler call (vLLM's multi-step scheduling) while
+    # nobody waits and every running request decodes greedily with no log-probs or logit processors:
+    # the model loops over them itself (on CPU one C++ call: no Python between steps) and tokens
+    # reach the caller in bursts of up to this many; 1 = one step per call
     dtype_reason: str = field(default="", init=False)  # how `dtype` was chosen, for the start-up line
 
     def __post_init__(self) -> None:
@@ -49,6 +53,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes!r}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
+        if isinstance(self.num_scheduler_steps, bool) or not isinstance(self.num_scheduler_steps, int) \
+                or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an int >= 1, got {self.num_scheduler_steps!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min!r} "
                              f"and {self.prompt_lookup_max!r}")

@@ -358,7 +358,7 @@ class EngineCore:
         self.busy_s += result.step_time_s
         self.num_computed_tokens += out.total_tokens
         self.scheduler.update_from_output(out, result.step_time_s, result.num_rejected)
-        if result.num_rejected is not None:
+        if result.num_rejected is not None and out.num_steps == 1:  # drafts (a multi-step's are its tail)
             self.num_rejected_tokens += sum(result.num_rejected)
         for p in result.prompt_logprobs or ():
             _add_prompt_logprobs(p.req, p.first_token, p.logprobs, p.top)

@@ -296,6 +296,58 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(h)
         return linear(h, self.embed_tokens.weight, None, self._tied_head_pack)
 
+    @torch.inference_mode()
+    def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                     block_tables: torch.Tensor, stop_ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy decode of R one-row sequences, up to `steps` steps, each step's argmax the next step's
+        input (the runner's multi-step decode): input_ids, positions [R] int64 (each row's last token
+        and its position); block_tables [R, W] int32 covering positions .. positions + steps - 1 (-1
+        past a row's blocks); stop_ids [R, S] int64 (-1 = none). Returns (tokens [R, steps] int64,
+        counts [R] int64): a row's tokens up to and including its first stop id; the loop ends when
+        every row has stopped. The same numbers as `steps` calls of forward, compute_logits and
+        argmax: on CPU with the C++ kernels, one `decode_steps` call (kernels/csrc/cpu_ops.cpp)."""
+        rows, a = input_ids.shape[0], self.args
+        w = self.embed_tokens.weight
+        ops = _cpu_ops(w)
+        if ops is not None:
+            self._packs_on_huge_pages()
+        if (ops is not None and rows <= BF16_PACKED_MAX_ROWS and a.head_dim in (32, 64, 128, 256)
+                and a.num_heads <= 64 and kv_cache.dtype == w.dtype and kv_cache.is_contiguous()
+                and self.norm.weight.dtype == w.dtype):
+            head = (self.lm_head.pack_cache.get(self.lm_head.weight) if self.lm_head is not None
+                    else self._tied_head_pack.get(w))
+            return ops.decode_steps(input_ids, w, *self._decode_weights(), kv_cache, positions, self.rope_cos_sin,
+                                    block_tables, self.norm.weight, head, a.vocab_size, stop_ids, steps, a.num_heads,
+                                    a.intermediate_size, a.rms_norm_eps, self.layers[0].self_attn.scale)
+        dev, bs = input_ids.device, kv_cache.shape[3]
+        width = block_tables.shape[1]
+        last = (positions + steps - 1) // bs  # a row's blocks are a prefix of its table row
+        missing = (last >= width) | (block_tables.gather(1, last.clamp(max=width - 1).unsqueeze(1)).squeeze(1) < 0)
+        if bool(missing.any()):
+            r = int(missing.nonzero()[0])
+            raise RuntimeError(f"decode_steps: row {r} at position {int(positions[r])} has no block table entry "
+                               f"for {steps} steps")
+        tokens = torch.zeros(rows, steps, dtype=torch.long, device=dev)
+        counts = torch.full((rows,), steps, dtype=torch.long, device=dev)
+        done = torch.zeros(rows, dtype=torch.bool, device=dev)
+        ids, pos = input_ids.clone(), positions.clone()
+        tables = block_tables.long()
+        qsl = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+        for j in range(steps):
+            slots = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+            meta = kernels.build_attention_metadata(query_start_loc=qsl, seq_lens=(pos + 1).int(),
+                                                    block_tables=block_tables, max_query_len=1,
+                                                    max_seq_len=int(pos.max()) + 1)
+            ids = self.compute_logits(self.forward(ids, pos, kv_cache, meta, slots)).float().argmax(dim=-1)
+            tokens[:, j] = ids
+            pos = pos + 1
+            stopped = (ids.unsqueeze(1) == stop_ids).any(dim=1) & ~done
+            counts[stopped] = j + 1
+            done |= stopped
+            if bool(done.all()):
+                break
+        return tokens, counts
+
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load HF Llama/Qwen2 weight names, fusing q/k/v and gate/up."""

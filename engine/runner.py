@@ -1,5 +1,6 @@
 """Model runner: one flat batch per step (token ids, positions, slot mapping, block tables,
-query/context lengths), one forward, one sampling call."""
+query/context lengths), one forward, one sampling call; or, for a batch the scheduler runs as several
+greedy decode steps (`SchedulerOutput.num_steps`), the model's own loop of them."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from engine.structured import apply_constraints
 class ModelOutput:
     sampled_reqs: list[Request]  # requests that produced a token this step
     token_ids: list[list[int]]  # per sampled request: one token, n for a request about to fork,
-    # or the accepted drafts plus one for a request that speculated
+    # or the accepted drafts plus one for a request that speculated, or a multi-step decode's tokens
     logprobs: list[list[float]] | None  # same shape, when any request asked for them
     step_time_s: float  # wall time of input prep + forward + sampling
-    num_rejected: list[int] | None = None  # per scheduled request (SchedulerOutput order): rejected drafts
+    num_rejected: list[int] | None = None  # per scheduled request (SchedulerOutput order): rejected drafts,
+    # or of a multi-step decode the steps after the request's stop token
     top_logprobs: list[list[list[tuple[int, float]] | None]] | None = None  # same shape as token_ids: per token,
     # its request's top_logprobs best (token id, log-prob), or None where the request asked for none
     prompt_logprobs: list[PromptLogprobs] | None = None  # for requests with sampling.prompt_logprobs whose
@@ -106,6 +108,8 @@ class ModelRunner:
             kernels.copy_blocks(self.kv_cache, torch.tensor(out.block_copies, dtype=torch.long, device=self.device))
         if not out.reqs:
             return ModelOutput([], [], None, time.perf_counter() - t0)
+        if out.num_steps > 1:
+            return self._execute_steps(out, t0)
         input_ids, positions, slot_mapping, meta, sample_rows, sample_reqs, prompt_rows = self._prepare(out)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, slot_mapping)
         tokens, logprobs, tops, rejected = [], None, None, None
@@ -152,6 +156,28 @@ class ModelRunner:
                             tops[i] = tops[i][: len(tokens[i])]
                 rejected = [num_rejected.get(id(r), 0) for r in out.reqs]
         return ModelOutput(sample_reqs, tokens, logprobs, time.perf_counter() - t0, rejected, tops, prompt_lps)
+
+    def _execute_steps(self, out: SchedulerOutput, t0: float) -> ModelOutput:
+        """`out.num_steps` greedy decode steps of one row per request (slots allocated for all of
+        them by the scheduler), each row's argmax its next input: the tokens up to each request's first
+        EOS or stop id; the steps computed past it count as rejected."""
+        reqs, k, dev = out.reqs, out.num_steps, self.device
+        width = max(len(r.block_ids) for r in reqs)
+        tables = np.full((len(reqs), width), -1, dtype=np.int32)
+        stops = []
+        for i, r in enumerate(reqs):
+            tables[i, : len(r.block_ids)] = r.block_ids
+            stops.append([*(() if r.sampling.ignore_eos else sorted(r.eos_token_ids)), *r.sampling.stop_token_ids])
+        stop_ids = np.full((len(reqs), max(1, max(map(len, stops)))), -1, dtype=np.int64)
+        for i, ids in enumerate(stops):
+            stop_ids[i, : len(ids)] = ids
+        tokens, counts = self.model.decode_steps(
+            torch.tensor([r.all_token_ids[r.num_computed_tokens] for r in reqs], dtype=torch.long, device=dev),
+            torch.tensor([r.num_computed_tokens for r in reqs], dtype=torch.long, device=dev), self.kv_cache,
+            torch.from_numpy(tables).to(dev), torch.from_numpy(stop_ids).to(dev), k)
+        counts = counts.tolist()
+        token_ids = [row[:c] for row, c in zip(tokens.tolist(), counts, strict=True)]
+        return ModelOutput(reqs, token_ids, None, time.perf_counter() - t0, [k - c for c in counts])
 
     def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, start: int, row: int, count: int) -> PromptLogprobs:
         """Log-probs of prompt tokens start + 1 .. start + count from their rows' raw logits."""

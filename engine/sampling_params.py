@@ -113,6 +113,13 @@ class SamplingParams:
         """Whether sampling depends on the tokens so far (penalties, min_tokens): no drafts then."""
         return self.uses_penalties or self.min_tokens > 0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that needs the logits in Python (log-probs, logit_bias, penalties,
+        min_tokens, a grammar): its tokens are argmaxes alone, so a multi-step decode can run it."""
+        return self.greedy and not (self.wants_logprobs or self.logit_bias or self.reads_history
+                                    or self.constraint is not None)
+
 
 def show_value(value: Any, with_type: bool = True) -> str:
     """A bad value for an error message: its repr (cut at 80 characters) and its type."""

@@ -34,6 +34,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write copies to do before the forward
     preempted: list[Request] = field(default_factory=list)  # requests preempted while scheduling
     failed: list[Request] = field(default_factory=list)  # requests that can never run
+    num_steps: int = 1  # > 1: every request is one greedy decode row, run for this many steps in one go
+    # (each step's argmax the next input; num_tokens[i] == num_steps slots each)
 
     @property
     def total_tokens(self) -> int:
@@ -122,6 +124,7 @@ class Scheduler:
         if self.policy.preemptive:
             self._displace_for_better_waiting(out)
         budget = self.config.max_num_batched_tokens
+        out.num_steps = steps = self._multi_steps(budget)
         scheduled: set[int] = set()
         short_of_blocks = False  # after a preemption for blocks, admit nobody this step
 
@@ -129,7 +132,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             base = req.num_tokens - req.num_computed_tokens
-            n = min(base + len(req.spec_token_ids), budget)
+            n = steps if steps > 1 else min(base + len(req.spec_token_ids), budget)
             del req.spec_token_ids[max(0, n - base) :]  # drafts that do not fit the budget
             if n <= 0:  # nothing to compute this step; keep its blocks and its place
                 scheduled.add(id(req))
@@ -189,6 +192,28 @@ class Scheduler:
             budget -= n
         out.block_copies = self.kv.take_pending_copies()
         return out
+
+    def _multi_steps(self, budget: int) -> int:
+        """Decode steps to run in one go (config.num_scheduler_steps, vLLM's multi-step scheduling): more
+        than one only when nobody waits and every running request is a plain greedy decode row; as
+        many as the token budget, each request's max_tokens and its context allow, and only when the
+        blocks for all of them are free without taking others' reservations or pins (allocated here;
+        where they are not, the blocks already taken serve the next steps)."""
+        k = self.config.num_scheduler_steps
+        if k <= 1 or self.waiting or not self.running:
+            return 1
+        k = min(k, budget // len(self.running))
+        for req in self.running:
+            if (req.num_tokens - req.num_computed_tokens != 1 or req.spec_token_ids or req.matcher is not None
+                    or not req.sampling.plain_greedy):
+                return 1
+            k = min(k, req.sampling.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens)
+        if k <= 1:
+            return 1
+        for req in self.running:
+            if not self.kv.allocate_slots(req, k, may_take_reserved=False, may_take_pinned=False):
+                return 1
+        return k
 
     def _waiting_key(self) -> Callable[[Request], object]:
         """The order of the waiting queue: the policy's, with `pinned_first` calls of programs holding a

@@ -7,7 +7,8 @@
 // - attention.h: paged_attention_small_q, attention of few-row sequences from the paged cache;
 // - attention_bf16.h: paged_attention_bf16, tiled attention of any rows on AVX512-BF16 (bf16 only);
 // - elementwise.h: rms_norm (optionally after the residual add), silu_and_mul, rope_store_kv;
-// - decode_forward (here): all decoder layers of a decode step in one call.
+// - decode_forward (here): all decoder layers of a decode step in one call; decode_steps: greedy
+//   decode steps (layers, final norm, LM head, argmax) in one call.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -339,6 +340,108 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
   return layers ? h + residual : h;
 }
 
+// Per row of logits [R, V] (fp32 or bf16), the index of its largest by torch.argmax's rule -> [R] int64.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && is_float_or_bf16(logits) && logits.is_contiguous() && logits.size(1) >= 1,
+              "argmax_rows: logits [R, V] contiguous fp32 or bf16, V >= 1");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  by_dtype(logits, "argmax_rows", [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t r = 0; r < R; ++r) o[r] = agentrt::argmax_row<T>(ptr<T>(logits) + r * V, V);
+  });
+  return out;
+}
+
+// Greedy decode of R sequences of one row each, up to `steps` steps in one call (the runner's
+// multi-step decode): each step embeds the rows' tokens, runs decode_forward, the final norm and the
+// LM head (packed, no bias), and takes each row's argmax (torch.argmax's rule) as its next token at
+// the next position; no Python in between. A row is done at its first token among its stop_ids
+// (row of [R, S] int64, -1 = none); the call ends once every row is done, or after `steps`.
+// block_tables [R, W] int32 (-1 = no block) must hold every position from positions[r] to
+// positions[r] + steps - 1. Returns (tokens [R, steps] int64, counts [R] int64: each row's tokens up
+// to and including its stop; the tokens after it are the steps the other rows still needed).
+std::tuple<at::Tensor, at::Tensor> decode_steps(
+    const at::Tensor& input_ids, const at::Tensor& embed, at::TensorList input_norms, at::TensorList qkv,
+    const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList o_proj, at::TensorList post_norms,
+    at::TensorList gate_up, at::TensorList down, at::Tensor& kv_cache, const at::Tensor& positions,
+    const at::Tensor& cos_sin, const at::Tensor& block_tables, const at::Tensor& final_norm,
+    const at::Tensor& lm_head, int64_t vocab, const at::Tensor& stop_ids, int64_t steps, int64_t num_heads,
+    int64_t intermediate, double eps, double scale) {
+  const int64_t R = input_ids.numel();
+  TORCH_CHECK(steps >= 1, "decode_steps: steps must be >= 1, got ", steps);
+  TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.dim() == 1 && R >= 1 &&
+                  positions.scalar_type() == at::kLong && positions.sizes() == input_ids.sizes(),
+              "decode_steps: input_ids and positions [R] int64, R >= 1");
+  TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == kv_cache.scalar_type() && embed.is_contiguous() &&
+                  kv_cache.dim() == 6,
+              "decode_steps: embed [vocab, hidden] contiguous, of the cache's dtype; kv_cache 6-D");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == R &&
+                  block_tables.is_contiguous(),
+              "decode_steps: block_tables [R, W] int32 contiguous");
+  TORCH_CHECK(stop_ids.scalar_type() == at::kLong && stop_ids.dim() == 2 && stop_ids.size(0) == R &&
+                  stop_ids.is_contiguous(),
+              "decode_steps: stop_ids [R, S] int64 contiguous");
+  const int64_t bs = kv_cache.size(3), width = block_tables.size(1), num_blocks = kv_cache.size(2);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const at::Tensor ids0 = input_ids.contiguous(), pos0 = positions.contiguous();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t id = ids0.data_ptr<int64_t>()[r], first = pos0.data_ptr<int64_t>()[r];
+    TORCH_CHECK(id >= 0 && id < embed.size(0), "decode_steps: token id ", id, " outside the vocabulary");
+    TORCH_CHECK(first >= 0 && (first + steps - 1) / bs < width, "decode_steps: row ", r, " at position ", first,
+                " has no block table entry for ", steps, " steps");
+    for (int64_t p = first; p < first + steps; ++p) {
+      const int32_t b = tables[r * width + p / bs];
+      TORCH_CHECK(b >= 0 && b < num_blocks, "decode_steps: row ", r, " position ", p, " maps to block ", b,
+                  " (cache of ", num_blocks, " blocks)");
+    }
+  }
+  const auto long_opts = input_ids.options().dtype(at::kLong);
+  at::Tensor ids = ids0.clone(), pos = pos0.clone(), slots = at::empty({R}, long_opts);
+  at::Tensor qsl = at::arange(R + 1, long_opts.dtype(at::kInt)), seq_lens = at::empty({R}, long_opts.dtype(at::kInt));
+  at::Tensor tokens = at::zeros({R, steps}, long_opts), counts = at::full({R}, steps, long_opts);
+  int64_t *idp = ids.data_ptr<int64_t>(), *posp = pos.data_ptr<int64_t>(), *slotp = slots.data_ptr<int64_t>();
+  int64_t *tokp = tokens.data_ptr<int64_t>(), *countp = counts.data_ptr<int64_t>();
+  int32_t* lenp = seq_lens.data_ptr<int32_t>();
+  const int64_t* stops = stop_ids.data_ptr<int64_t>();
+  const int64_t S = stop_ids.size(1);
+  const bool bf = embed.scalar_type() == at::kBFloat16;
+  std::vector<char> done(R, 0);
+  int64_t remaining = R;
+  for (int64_t j = 0; j < steps && remaining; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      slotp[r] = (int64_t)tables[r * width + posp[r] / bs] * bs + posp[r] % bs;
+      lenp[r] = static_cast<int32_t>(posp[r] + 1);
+    }
+    const at::Tensor x = embed.index_select(0, ids);
+    const at::Tensor h = decode_forward(x, input_norms, qkv, qkv_bias, o_proj, post_norms, gate_up, down, kv_cache,
+                                        pos, slots, cos_sin, qsl, seq_lens, block_tables, num_heads, intermediate,
+                                        eps, scale);
+    const at::Tensor normed = rms_norm(h, final_norm, eps);
+    const at::Tensor logits = bf ? packed_linear_bf16(normed, lm_head, std::nullopt, vocab)
+                                 : packed_linear(normed, lm_head, std::nullopt, vocab);
+    by_dtype(logits, "decode_steps", [&](auto tag) {
+      using T = decltype(tag);
+      const T* l = ptr<T>(logits);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t t = agentrt::argmax_row<T>(l + r * vocab, vocab);
+        tokp[r * steps + j] = idp[r] = t;
+        posp[r] += 1;
+        if (done[r]) continue;
+        for (int64_t s = 0; s < S; ++s)
+          if (stops[r * S + s] == t) {
+            done[r] = 1;
+            countp[r] = j + 1;
+            --remaining;
+            break;
+          }
+      }
+    });
+  }
+  return {tokens, counts};
+}
+
 }  // namespace
 
 #define AGENTRT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
@@ -346,6 +449,7 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
 
 AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("isa() -> str", &isa);
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -363,6 +467,11 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
       "Tensor slot_mapping, Tensor cos_sin, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
       "int num_heads, int intermediate, float eps, float scale) -> Tensor");
   m.def(
+      "decode_steps(Tensor input_ids, Tensor embed, Tensor[] input_norms, Tensor[] qkv, Tensor?[] qkv_bias, "
+      "Tensor[] o_proj, Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor(a!) kv_cache, Tensor positions, "
+      "Tensor cos_sin, Tensor block_tables, Tensor final_norm, Tensor lm_head, int vocab, Tensor stop_ids, int steps, "
+      "int num_heads, int intermediate, float eps, float scale) -> (Tensor, Tensor)");
+  m.def(
       "rope_store_kv(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, int num_heads) -> Tensor");
 }
@@ -377,4 +486,6 @@ AGENTRT_LIBRARY_IMPL(AGENTRT_NS, CPU, m) {
   m.impl("paged_attention_bf16", paged_attention_bf16);
   m.impl("rope_store_kv", rope_store_kv);
   m.impl("decode_forward", decode_forward);
+  m.impl("decode_steps", decode_steps);
+  m.impl("argmax_rows", argmax_rows);
 }
