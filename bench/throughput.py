@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the engine in fp32 too in the single-request rows (default: when the engine is not fp32)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--num-scheduler-steps", type=int, default=8,
+                    help="the engine's decode steps per scheduler call (multi-step decode; every engine row, both dtypes)")
     ap.add_argument("--speculative", type=int, default=3, help="n-gram drafts per step for the extra rows (0 = skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--random-weights", default=None, metavar="PRESET",
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         atexit.register(shutil.rmtree, a.model, True)
         _, hf = make_random_model(a.model, a.random_weights, dtype=cfg.torch_dtype, device=cfg.device,
                                   seed=a.seed, tokenizer_from=a.tokenizer)
-    kw = {"dtype": a.dtype, "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens}
+    kw = {"dtype": a.dtype, "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+          "num_scheduler_steps": a.num_scheduler_steps}
     if a.kv_cache_gb is not None:
         kw["kv_cache_bytes"] = int(a.kv_cache_gb * 2**30)
     llm = LLM(a.model, **kw)
@@ -268,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         run_hf_batched(model, [(p[:32], 4) for p, _ in warm], 2, pad_id)
 
     results: dict = {"num_requests": a.num_requests, "output_tokens": useful, "dtype": str(dtype),
+                     "num_scheduler_steps": a.num_scheduler_steps,
                      "dtype_reason": config.dtype_reason, "model": a.random_weights or str(llm.core.model_path),
                      "device": device, "startup_line": llm.core.startup_line,
                      "load_average_start": os.getloadavg()[0]}
@@ -343,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.sampling_steps > 0:
         from bench import sampling
 
+        config.num_scheduler_steps = 1  # processors against plain single steps (a plain batch would run bursts)
         results["sampling"] = sampling.measure(llm, 32, a.sampling_steps, 3, seed=a.seed)
+        config.num_scheduler_steps = a.num_scheduler_steps
         print(f"sampling processors: {results['sampling']['overhead']}", file=sys.stderr)
         sampling_note = f"{sampling.table(results['sampling'])}\n\n"
     results["load_average_end"] = os.getloadavg()[0]
@@ -397,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     machine_note = (f"{results['cpu']}. Load average {results['load_average_start']:.1f} at the start, "
                     f"{results['load_average_end']:.1f} at the end.  \n" if device == "cpu" else "")
     summary = (
-        f"{machine_note}Engine: `{llm.core.startup_line}`\n\n"
+        f"{machine_note}Engine: `{llm.core.startup_line}`; every engine row with num_scheduler_steps="
+        f"{a.num_scheduler_steps} (greedy decode steps per scheduler call), the float32 one too\n\n"
         f"{model_note}{a.num_requests} requests, prompts 16-512, outputs 16-256 ({useful} output tokens), ignore_eos, "
         f"greedy.\n\n{table}\n\nEngine / best HF batched ({best_hf}): **{results['ratio_vs_hf_batched']:.2f}x** "
         f"(target >= 3x)\n\n{compute_note}{single_note}{spec_note}{sampling_note}{check_note}"
