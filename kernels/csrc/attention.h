@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "team.h"
 #include "vec.h"
 
 namespace agentrt {
@@ -209,8 +210,8 @@ void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* 
   const int64_t G = H / KVH;
   // Work items: whole sequences (each block read once for all heads) when there are enough of them
   // to keep every thread busy, else (sequence, kv head) pairs.
-  const int64_t split = S >= at::get_num_threads() ? 1 : KVH, heads_per_item = KVH / split;
-  at::parallel_for(0, S * split, 1, [&](int64_t w0, int64_t w1) {
+  const int64_t split = S >= num_threads() ? 1 : KVH, heads_per_item = KVH / split;
+  agentrt::parallel_for(0, S * split, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> buf;
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = seqs[w / split], kvh0 = (w % split) * heads_per_item;

@@ -29,6 +29,7 @@
 #include <limits>
 #include <vector>
 
+#include "team.h"
 #include "vec.h"
 
 namespace agentrt {
@@ -281,113 +282,12 @@ void run_item(const bf16* q, int64_t q_row_stride, bf16* out, int64_t H, int64_t
   }
 }
 
-// Sequences `seqs` of the batch (each with its query rows q[qsl[b]:qsl[b+1]], seq_lens[b] positions);
-// writes their rows of out [T, H, D]. Work items: up to kRowsPerItem rows of one (sequence, kv head).
-// Rows that fit one register tile (decode: one query row of a GQA group of up to 4 heads) walk their
-// positions packing each tile as they reach it (no packed copy of the whole sequence, whose writes
-// would miss the cache: in a decode step the layers' weights streamed since evicted it); more rows
-// of one item pack the sequence's K/V inside the item, longer ones once, first, for all their items.
-// When the items would leave threads idle or uneven (one decode sequence of 3 kv heads on 2 threads:
-// one thread does two), each (sequence, kv head) splits its positions in parts ("flash decoding")
-// that keep unnormalized outputs with their running max and sum, merged after; a part's kv heads are
-// consecutive items, so a thread reads whole K/V rows of its positions. Part boundaries are
-// multiples of kPrefillTile at or before the first row's position, so every part holds a visible
-// position of every row; at least kMinSplit positions per part.
-constexpr int64_t kMinSplit = 64;
-
-inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out, const bf16* k_cache,
-                                    const bf16* v_cache, const int32_t* qsl, const int32_t* lens,
-                                    const int32_t* tables, int64_t max_blocks, const int64_t* seqs, int64_t S,
-                                    int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale) {
-  const int64_t G = H / KVH, threads = at::get_num_threads();
-  const float scale_log2e = scale * 1.4426950408889634f;
-  // Items go to all threads from kParallelWork (query row x head, position) pairs on: one decode row
-  // of ~230 positions (9 heads); below, the fork and join cost more than they save (~0.1 ms per
-  // decode step at 20 positions, 2 cores).
-  int64_t work = 0, items = 0;
-  for (int64_t i = 0; i < S; ++i) work += (qsl[seqs[i] + 1] - qsl[seqs[i]]) * H * lens[seqs[i]];
-  std::vector<int64_t> lp(S), chunks(S), parts(S, 1), offset(S + 1, 0);
-  for (int64_t i = 0; i < S; ++i) {
-    const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b];
-    lp[i] = (lens[b] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
-    chunks[i] = (R * G + kRowsPerItem - 1) / kRowsPerItem;
-    items += KVH * chunks[i];
-    offset[i + 1] = offset[i] + (chunks[i] > 1 ? KVH * lp[i] * D : 0);  // uint32s: Lp * D / 2 for K, as many for V
-  }
-  const bool split = work >= kParallelWork && items < 2 * threads &&
-                     std::all_of(chunks.begin(), chunks.end(), [](int64_t c) { return c == 1; });
-  std::vector<Item> list;
-  std::vector<int64_t> seq_of;  // each item's index in seqs
-  std::vector<float> partials;
-  for (int64_t i = 0; i < S; ++i) {
-    const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b], L = lens[b], span = L - R + 1;  // positions every row sees
-    if (split) parts[i] = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, span / kMinSplit));
-    const int64_t step = ((span + parts[i] - 1) / parts[i] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
-    parts[i] = (span + step - 1) / step;  // whole tiles per part may leave fewer parts
-    const bool by_tile = R * G <= walk_rows_per_tile(D);
-    for (int64_t begin = 0; begin < span; begin += step)  // a part's kv heads side by side: whole rows
-      for (int64_t kvh = 0; kvh < KVH; ++kvh)
-        for (int64_t c = 0; c < chunks[i]; ++c) {
-          const int64_t end = parts[i] > 1 && begin + step < span ? begin + step : L;
-          const int64_t Lp = (end - begin + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
-          list.push_back({kvh, qsl[b], R, L, c * kRowsPerItem, std::min(R * G, (c + 1) * kRowsPerItem), begin, end,
-                          Lp, !by_tile, nullptr, nullptr});
-          seq_of.push_back(i);
-        }
-  }
-  if (split) {
-    int64_t floats = 0;
-    for (size_t w = 0; w < list.size(); ++w)
-      if (parts[seq_of[w]] > 1) floats += list[w].R * H * (D + 2);
-    partials.resize(floats);
-    floats = 0;
-    for (size_t w = 0; w < list.size(); ++w)
-      if (parts[seq_of[w]] > 1) {
-        list[w].partial = partials.data() + floats;
-        floats += list[w].R * H * (D + 2);
-      }
-  }
-  std::vector<uint32_t> shared(offset[S]);
-  if (offset[S]) {
-    at::parallel_for(0, S * KVH, 1, [&](int64_t w0, int64_t w1) {
-      for (int64_t w = w0; w < w1; ++w) {
-        const int64_t i = w / KVH, kvh = w % KVH, b = seqs[i];
-        if (chunks[i] < 2) continue;
-        uint32_t* kt = shared.data() + offset[i] + kvh * lp[i] * D;
-        pack_kv(k_cache, v_cache, tables + b * max_blocks, 0, lens[b], lens[b], kvh, kvh + 1, KVH, D, block_size, kt,
-                lp[i]);
-      }
-    });
-  }
-  const int64_t grain = work < kParallelWork ? std::max<int64_t>(list.size(), 1) : 1;
-  at::parallel_for(0, list.size(), grain, [&](int64_t w0, int64_t w1) {
-    std::vector<uint32_t> local;
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t i = seq_of[w], b = seqs[i];
-      Item it = list[w];
-      if (it.whole) {  // packed whole: shared by the sequence's items, or this item's own
-        if (chunks[i] > 1) {
-          it.kt = shared.data() + offset[i] + it.kvh * lp[i] * D;
-        } else {
-          local.resize(it.Lp * D);
-          pack_kv(k_cache, v_cache, tables + b * max_blocks, it.base, it.end - it.base, it.end - it.base, it.kvh,
-                  it.kvh + 1, KVH, D, block_size, local.data(), it.Lp);
-          it.kt = local.data();
-        }
-      }
-      auto run = [&](auto fn) {
-        fn(q, q_row_stride, out, H, G, it, k_cache, v_cache, tables + b * max_blocks, KVH, block_size, scale_log2e);
-      };
-      switch (D) {
-        case 32: run(run_item<2>); break;
-        case 64: run(run_item<4>); break;
-        case 128: run(run_item<8>); break;
-        default: run(run_item<16>); break;
-      }
-    }
-  });
-  if (!split) return;
-  // Merge the parts: o = sum_p 2^(m_p - m) o_p / sum_p 2^(m_p - m) l_p, m = max_p m_p (scores in log2 units).
+// Merges the parts of split (sequence, kv head) pairs into out: o = sum_p 2^(m_p - m) o_p / sum_p
+// 2^(m_p - m) l_p, m = max_p m_p (scores in log2 units); a sequence's part p, kv head h is item
+// w0 + p * KVH + h of `list` (w0 its first item).
+inline void merge_parts(const std::vector<Item>& list, const std::vector<int64_t>& seq_of,
+                        const std::vector<int64_t>& parts, const std::vector<int64_t>& chunks, int64_t KVH, int64_t G,
+                        int64_t H, int64_t D, bf16* out) {
   std::vector<float> acc(D);
   for (size_t w0 = 0; w0 < list.size();) {  // w0: the sequence's first item; its part p, kv head h at w0 + p * KVH + h
     const int64_t i = seq_of[w0], n = parts[i];
@@ -415,6 +315,119 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
     }
     w0 += n * KVH;
   }
+}
+
+// Sequences `seqs` of the batch (each with its query rows q[qsl[b]:qsl[b+1]], seq_lens[b] positions);
+// writes their rows of out [T, H, D]. Work items: up to kRowsPerItem rows of one (sequence, kv head).
+// Rows that fit one register tile (decode: one query row of a GQA group of up to 4 heads) walk their
+// positions packing each tile as they reach it (no packed copy of the whole sequence, whose writes
+// would miss the cache: in a decode step the layers' weights streamed since evicted it); more rows
+// of one item pack the sequence's K/V inside the item, longer ones once, first, for all their items.
+// When the items would leave threads idle or uneven (one decode sequence of 3 kv heads on 2 threads:
+// one thread does two), each (sequence, kv head) splits its positions in parts ("flash decoding")
+// that keep unnormalized outputs with their running max and sum, merged after; a part's kv heads are
+// consecutive items, so a thread reads whole K/V rows of its positions. Part boundaries are
+// multiples of kPrefillTile at or before the first row's position, so every part holds a visible
+// position of every row; at least kMinSplit positions per part.
+constexpr int64_t kMinSplit = 64;
+
+inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out, const bf16* k_cache,
+                                    const bf16* v_cache, const int32_t* qsl, const int32_t* lens,
+                                    const int32_t* tables, int64_t max_blocks, const int64_t* seqs, int64_t S,
+                                    int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale) {
+  const int64_t G = H / KVH, threads = num_threads();
+  const float scale_log2e = scale * 1.4426950408889634f;
+  // Items go to all threads from kParallelWork (query row x head, position) pairs on: one decode row
+  // of ~230 positions (9 heads); below, the fork and join cost more than they save (~0.1 ms per
+  // decode step at 20 positions, 2 cores).
+  int64_t work = 0, items = 0;
+  for (int64_t i = 0; i < S; ++i) work += (qsl[seqs[i] + 1] - qsl[seqs[i]]) * H * lens[seqs[i]];
+  std::vector<int64_t> lp(S), chunks(S), parts(S, 1), offset(S + 1, 0);
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b];
+    lp[i] = (lens[b] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
+    chunks[i] = (R * G + kRowsPerItem - 1) / kRowsPerItem;
+    items += KVH * chunks[i];
+    offset[i + 1] = offset[i] + (chunks[i] > 1 ? KVH * lp[i] * D : 0);  // uint32s: Lp * D / 2 for K, as many for V
+  }
+  const bool split = work >= kParallelWork && items < 2 * threads &&
+                     std::all_of(chunks.begin(), chunks.end(), [](int64_t c) { return c == 1; });
+  std::vector<Item> list;
+  std::vector<int64_t> seq_of;  // each item's index in seqs
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b], L = lens[b], span = L - R + 1;  // positions every row sees
+    if (split) parts[i] = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, span / kMinSplit));
+    const int64_t step = ((span + parts[i] - 1) / parts[i] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
+    parts[i] = (span + step - 1) / step;  // whole tiles per part may leave fewer parts
+    const bool by_tile = R * G <= walk_rows_per_tile(D);
+    for (int64_t begin = 0; begin < span; begin += step)  // a part's kv heads side by side: whole rows
+      for (int64_t kvh = 0; kvh < KVH; ++kvh)
+        for (int64_t c = 0; c < chunks[i]; ++c) {
+          const int64_t end = parts[i] > 1 && begin + step < span ? begin + step : L;
+          const int64_t Lp = (end - begin + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
+          list.push_back({kvh, qsl[b], R, L, c * kRowsPerItem, std::min(R * G, (c + 1) * kRowsPerItem), begin, end,
+                          Lp, !by_tile, nullptr, nullptr});
+          seq_of.push_back(i);
+        }
+  }
+  // the parts' partial results, then the K/V packed whole for sequences of several items: one buffer
+  // all threads see (inside a decode step's team, every thread computes this plan; team.h)
+  int64_t floats = 0;
+  if (split)
+    for (size_t w = 0; w < list.size(); ++w)
+      if (parts[seq_of[w]] > 1) floats += list[w].R * H * (D + 2);
+  const size_t partial_bytes = (floats * sizeof(float) + 63) / 64 * 64;
+  std::vector<char> own;
+  char* buffer = shared_buffer(own, partial_bytes + offset[S] * sizeof(uint32_t));
+  uint32_t* shared = reinterpret_cast<uint32_t*>(buffer + partial_bytes);
+  if (split) {
+    floats = 0;
+    for (size_t w = 0; w < list.size(); ++w)
+      if (parts[seq_of[w]] > 1) {
+        list[w].partial = reinterpret_cast<float*>(buffer) + floats;
+        floats += list[w].R * H * (D + 2);
+      }
+  }
+  if (offset[S]) {
+    agentrt::parallel_for(0, S * KVH, 1, [&](int64_t w0, int64_t w1) {
+      for (int64_t w = w0; w < w1; ++w) {
+        const int64_t i = w / KVH, kvh = w % KVH, b = seqs[i];
+        if (chunks[i] < 2) continue;
+        uint32_t* kt = shared + offset[i] + kvh * lp[i] * D;
+        pack_kv(k_cache, v_cache, tables + b * max_blocks, 0, lens[b], lens[b], kvh, kvh + 1, KVH, D, block_size, kt,
+                lp[i]);
+      }
+    });
+  }
+  const int64_t grain = work < kParallelWork ? std::max<int64_t>(list.size(), 1) : 1;
+  agentrt::parallel_for(0, list.size(), grain, [&](int64_t w0, int64_t w1) {
+    std::vector<uint32_t> local;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t i = seq_of[w], b = seqs[i];
+      Item it = list[w];
+      if (it.whole) {  // packed whole: shared by the sequence's items, or this item's own
+        if (chunks[i] > 1) {
+          it.kt = shared + offset[i] + it.kvh * lp[i] * D;
+        } else {
+          local.resize(it.Lp * D);
+          pack_kv(k_cache, v_cache, tables + b * max_blocks, it.base, it.end - it.base, it.end - it.base, it.kvh,
+                  it.kvh + 1, KVH, D, block_size, local.data(), it.Lp);
+          it.kt = local.data();
+        }
+      }
+      auto run = [&](auto fn) {
+        fn(q, q_row_stride, out, H, G, it, k_cache, v_cache, tables + b * max_blocks, KVH, block_size, scale_log2e);
+      };
+      switch (D) {
+        case 32: run(run_item<2>); break;
+        case 64: run(run_item<4>); break;
+        case 128: run(run_item<8>); break;
+        default: run(run_item<16>); break;
+      }
+    }
+  });
+  if (!split) return;
+  single([&] { merge_parts(list, seq_of, parts, chunks, KVH, G, H, D, out); });
 }
 
 }  // namespace agentrt

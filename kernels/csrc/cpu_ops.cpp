@@ -13,6 +13,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -22,6 +24,7 @@
 #include "attention_bf16.h"
 #include "elementwise.h"
 #include "linear.h"
+#include "team.h"
 #include "vec.h"
 
 #ifndef AGENTRT_NS
@@ -59,20 +62,33 @@ void by_dtype(const at::Tensor& x, const char* op, Fn fn) {
 
 std::string isa() { return agentrt::compiled_isa(); }
 
+// The packed weight (and fp32 bias) of an [N, K] projection; returns the bias pointer (or null).
+const float* check_packed(const at::Tensor& w_packed, const std::optional<at::Tensor>& bias, int64_t K, int64_t N,
+                          bool bf) {
+  const char* op = bf ? "packed_linear_bf16" : "packed_linear";
+  if (bf) {
+    const int64_t panels = (N + agentrt::kPanelBf16 - 1) / agentrt::kPanelBf16;
+    TORCH_CHECK(w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous() && w_packed.dim() == 4 &&
+                    w_packed.size(0) == panels && w_packed.size(1) == (K + 1) / 2 &&
+                    w_packed.size(2) == agentrt::kPanelBf16 && w_packed.size(3) == 2,
+                op, ": packed weight [", panels, ", ", (K + 1) / 2, ", 32, 2] bf16 for N=", N, " K=", K, ", got ",
+                w_packed.sizes());
+  } else {
+    const int64_t panels = (N + agentrt::kPanel - 1) / agentrt::kPanel;
+    TORCH_CHECK(w_packed.scalar_type() == at::kFloat && w_packed.is_contiguous() && w_packed.dim() == 3 &&
+                    w_packed.size(0) == panels && w_packed.size(1) == K && w_packed.size(2) == agentrt::kPanel,
+                op, ": packed weight [", panels, ", ", K, ", 16] fp32 for N=", N, " K=", K, ", got ", w_packed.sizes());
+  }
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, op, ": bias [N] fp32");
+  return bias->data_ptr<float>();
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::optional<at::Tensor>& bias,
                          int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "packed_linear: x [M, K] fp32");
-  const int64_t M = x.size(0), K = x.size(1), panels = (N + agentrt::kPanel - 1) / agentrt::kPanel;
-  TORCH_CHECK(w_packed.scalar_type() == at::kFloat && w_packed.is_contiguous() && w_packed.dim() == 3 &&
-                  w_packed.size(0) == panels && w_packed.size(1) == K && w_packed.size(2) == agentrt::kPanel,
-              "packed_linear: packed weight [", panels, ", ", K, ", 16] fp32 for N=", N, " K=", K, ", got ",
-              w_packed.sizes());
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "packed_linear: bias [N] fp32");
-    b = bias->data_ptr<float>();
-  }
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* b = check_packed(w_packed, bias, K, N, false);
   at::Tensor y = at::empty({M, N}, x.options());
   agentrt::packed_linear_f32(x.data_ptr<float>(), M, K, w_packed.data_ptr<float>(), b, y.data_ptr<float>(), N);
   return y;
@@ -83,21 +99,21 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& w_packed, c
                               int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "packed_linear_bf16: x [M, K] contiguous bf16");
-  const int64_t M = x.size(0), K = x.size(1), panels = (N + agentrt::kPanelBf16 - 1) / agentrt::kPanelBf16;
-  TORCH_CHECK(w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous() && w_packed.dim() == 4 &&
-                  w_packed.size(0) == panels && w_packed.size(1) == (K + 1) / 2 &&
-                  w_packed.size(2) == agentrt::kPanelBf16 && w_packed.size(3) == 2,
-              "packed_linear_bf16: packed weight [", panels, ", ", (K + 1) / 2, ", 32, 2] bf16 for N=", N, " K=", K,
-              ", got ", w_packed.sizes());
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "packed_linear_bf16: bias [N] fp32");
-    b = bias->data_ptr<float>();
-  }
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* b = check_packed(w_packed, bias, K, N, true);
   at::Tensor y = at::empty({M, N}, x.options());
   agentrt::packed_linear_bf16(ptr<bf16>(x), M, K, ptr<bf16>(w_packed), b, ptr<bf16>(y), N);
   return y;
+}
+
+// Each sequence seqs[i] has 1 to max_rows query rows, at least as many positions, and its blocks in the table.
+void check_rows(const int32_t* qsl, const int32_t* lens, const int64_t* seqs, int64_t S, int64_t block_size,
+                int64_t max_blocks, int64_t max_rows, const char* op) {
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b];
+    TORCH_CHECK(R >= 1 && R <= max_rows && lens[b] >= R && (lens[b] + block_size - 1) / block_size <= max_blocks, op,
+                ": sequence ", b, " has ", R, " query rows and ", lens[b], " positions");
+  }
 }
 
 // Writes out[rows of `seqs`] in place. q: [T, H, D] (any row stride); out: [T, H, D] contiguous;
@@ -127,12 +143,7 @@ void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, con
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* sp = seqs.data_ptr<int64_t>();
-  for (int64_t i = 0; i < S; ++i) {
-    const int64_t b = sp[i], R = qsl[b + 1] - qsl[b];
-    TORCH_CHECK(R >= 1 && R <= agentrt::kMaxQueryRows && lens[b] >= R &&
-                    (lens[b] + block_size - 1) / block_size <= max_blocks,
-                "paged_attention_small_q: sequence ", b, " has ", R, " query rows and ", lens[b], " positions");
-  }
+  check_rows(qsl, lens, sp, S, block_size, max_blocks, agentrt::kMaxQueryRows, "paged_attention_small_q");
   by_dtype(q, "paged_attention_small_q", [&](auto tag) {
     using T = decltype(tag);
     agentrt::paged_attention_small_q<T>(ptr<T>(q), q.stride(0), ptr<T>(out), ptr<T>(k_cache), ptr<T>(v_cache), qsl,
@@ -164,11 +175,7 @@ void paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* sp = seqs.data_ptr<int64_t>();
-  for (int64_t i = 0; i < S; ++i) {
-    const int64_t b = sp[i], R = qsl[b + 1] - qsl[b];
-    TORCH_CHECK(R >= 1 && lens[b] >= R && (lens[b] + block_size - 1) / block_size <= max_blocks,
-                "paged_attention_bf16: sequence ", b, " has ", R, " query rows and ", lens[b], " positions");
-  }
+  check_rows(qsl, lens, sp, S, block_size, max_blocks, std::numeric_limits<int64_t>::max(), "paged_attention_bf16");
   agentrt::paged_attention_bf16(ptr<bf16>(q), q.stride(0), ptr<bf16>(out), ptr<bf16>(k_cache), ptr<bf16>(v_cache),
                                    qsl, lens, block_tables.data_ptr<int32_t>(), max_blocks, sp, S, H, KVH, D,
                                    block_size, static_cast<float>(scale));
@@ -223,10 +230,9 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return y;
 }
 
-// qkv [T, (H + 2 KVH) * D] (unit stride along the row), positions [T] int64, cos_sin [P, D / 2, 2] fp32,
-// caches [num_blocks, block_size, KVH, D] contiguous, slot_mapping [T] int64 -> rotated q [T, H, D].
-at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
-                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads) {
+// The inputs of rope_store_kv (see there).
+void check_rope(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& k_cache,
+                const at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads) {
   TORCH_CHECK(qkv.dim() == 2 && is_float_or_bf16(qkv) && qkv.stride(1) == 1 &&
                   k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
                   k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
@@ -246,6 +252,15 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions, con
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin.size(0), "rope_store_kv: position ", pos[t], " outside the table");
     TORCH_CHECK(slots[t] < k_cache.size(0) * k_cache.size(1), "rope_store_kv: slot ", slots[t], " outside the cache");
   }
+}
+
+// qkv [T, (H + 2 KVH) * D] (unit stride along the row), positions [T] int64, cos_sin [P, D / 2, 2] fp32,
+// caches [num_blocks, block_size, KVH, D] contiguous, slot_mapping [T] int64 -> rotated q [T, H, D].
+at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads) {
+  check_rope(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads);
+  const int64_t T = qkv.size(0), KVH = k_cache.size(2), D = k_cache.size(3), H = num_heads;
+  const int64_t *pos = positions.data_ptr<int64_t>(), *slots = slot_mapping.data_ptr<int64_t>();
   at::Tensor q = at::empty({T, H, D}, qkv.options());
   by_dtype(qkv, "rope_store_kv", [&](auto tag) {
     using E = decltype(tag);
@@ -259,7 +274,9 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions, con
 // embeddings of T rows, sequences of 1-16 rows each; per layer the input norm, packed weights (fp32:
 // [N / 16, K, 16]; bf16: [N / 32, K / 2, 32, 2] with fp32 biases), post-attention norm; kv_cache
 // [layers, 2, blocks, block_size, KVH, D]. Returns the residual stream after the last layer (before
-// the final norm), the same numbers as the module-by-module path.
+// the final norm), the same numbers as the module-by-module path. The threads run all layers as one
+// team (team.h): the projections and attention split across them, norms, RoPE and SiLU on the first
+// thread, a spin barrier between dependent phases instead of an OpenMP fork and join per op.
 at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::TensorList qkv,
                           const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList o_proj,
                           at::TensorList post_norms, at::TensorList gate_up, at::TensorList down, at::Tensor& kv_cache,
@@ -270,74 +287,136 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
   const int64_t layers = input_norms.size();
   TORCH_CHECK(qkv.size() == layers && qkv_bias.size() == layers && o_proj.size() == layers &&
                   post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
-                  kv_cache.dim() == 6 && kv_cache.size(0) == layers && kv_cache.size(1) == 2,
-              "decode_forward: one weight of each kind per layer and kv_cache [layers, 2, blocks, block_size, KVH, D]");
+                  kv_cache.dim() == 6 && kv_cache.size(0) == layers && kv_cache.size(1) == 2 && layers >= 1,
+              "decode_forward: one weight of each kind per layer (at least one layer) and kv_cache "
+              "[layers, 2, blocks, block_size, KVH, D]");
+  TORCH_CHECK(x.dim() == 2 && is_float_or_bf16(x) && x.is_contiguous() && kv_cache.scalar_type() == x.scalar_type() &&
+                  kv_cache.is_contiguous(),
+              "decode_forward: x [T, hidden] contiguous and a contiguous kv_cache, both fp32 or both bf16");
   const bool bf = x.scalar_type() == at::kBFloat16;
-  const int64_t hidden = x.size(1), KVH = kv_cache.size(4), D = kv_cache.size(5);
-  const int64_t qkv_n = (num_heads + 2 * KVH) * D;
-  auto linear = [&](const at::Tensor& in, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t n) {
-    return bf ? packed_linear_bf16(in, w, b, n) : packed_linear(in, w, b, n);
-  };
-  std::vector<int64_t> with_rows;  // sequences with query rows (a batch may hold some without)
+  const int64_t T = x.size(0), hidden = x.size(1), H = num_heads, KVH = kv_cache.size(4), D = kv_cache.size(5);
+  const int64_t qkv_n = (H + 2 * KVH) * D, block_size = kv_cache.size(3);
+  TORCH_CHECK((D == 64 || D == 128 || D == 32 || D == 256) && H >= 1 && H % KVH == 0 && H <= agentrt::kMaxHeads,
+              "decode_forward: head_dim 32, 64, 128 or 256, whole GQA groups, at most ", agentrt::kMaxHeads, " heads");
+  // every check before the team starts: nothing may throw inside it
+  std::vector<const float*> biases(layers);
+  for (int64_t i = 0; i < layers; ++i) {
+    check_norm(x, input_norms[i]);
+    check_norm(x, post_norms[i]);
+    biases[i] = check_packed(qkv[i], qkv_bias.get(i), hidden, qkv_n, bf);
+    check_packed(o_proj[i], std::nullopt, H * D, hidden, bf);
+    check_packed(gate_up[i], std::nullopt, hidden, 2 * intermediate, bf);
+    check_packed(down[i], std::nullopt, intermediate, hidden, bf);
+  }
+  const auto opts = x.options();
+  at::Tensor qkv_out = at::empty({T, qkv_n}, opts), q = at::empty({T, H, D}, opts), attn = at::empty({T, H, D}, opts);
+  at::Tensor o_out = at::empty({T, hidden}, opts), normed = at::empty({T, hidden}, opts);
+  at::Tensor residual = at::empty({T, hidden}, opts), h = at::empty({T, hidden}, opts);
+  at::Tensor gu = at::empty({T, 2 * intermediate}, opts), act = at::empty({T, intermediate}, opts);
+  const at::Tensor k0 = kv_cache.select(0, 0).select(0, 0), v0 = kv_cache.select(0, 0).select(0, 1);
+  check_rope(qkv_out, positions, cos_sin, k0, v0, slot_mapping, H);
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.scalar_type() == at::kInt && query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
+                  block_tables.is_contiguous() && query_start_loc.numel() == seq_lens.numel() + 1 &&
+                  block_tables.size(0) == seq_lens.numel(),
+              "decode_forward: int32 metadata, contiguous: query_start_loc [B + 1], seq_lens [B], block_tables [B, W]");
+  std::vector<int64_t> seqs;  // sequences with query rows (a batch may hold some without)
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
   for (int64_t b = 0; b < seq_lens.size(0); ++b)
-    if (qsl[b + 1] > qsl[b]) with_rows.push_back(b);
-  const at::Tensor seqs = at::tensor(with_rows, query_start_loc.options().dtype(at::kLong));
+    if (qsl[b + 1] > qsl[b]) seqs.push_back(b);
+  TORCH_CHECK(qsl[0] == 0 && qsl[seq_lens.size(0)] == T, "decode_forward: query_start_loc must run from 0 to ", T);
+#if defined(__AVX512BF16__)
+  const int64_t max_rows = bf ? std::numeric_limits<int64_t>::max() : agentrt::kMaxQueryRows;
+#else
+  const int64_t max_rows = agentrt::kMaxQueryRows;
+#endif
+  check_rows(qsl, lens, seqs.data(), seqs.size(), block_size, max_blocks, max_rows, "decode_forward");
+  for (int64_t b : seqs)
+    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(tables[b * max_blocks + j] >= 0 && tables[b * max_blocks + j] < kv_cache.size(2),
+                  "decode_forward: sequence ", b, " block ", j, " is ", tables[b * max_blocks + j]);
   // Few short sequences: attention waits on memory latency, not bandwidth. Their K and V of a layer
   // (at most ~512 KB) are prefetched before its qkv projection, whose weight streaming hides the wait;
   // from 64 KB on each thread a share of every sequence's blocks in order: the share its attention
   // items read when a sequence's positions are split across the threads (bf16: 0.05-0.5 ms per token
   // less at 300-500 positions than one thread prefetching all, two A/B runs in one process; fp32
-  // unchanged). Below, attention runs on one thread and one fork would cost more than it hides.
-  const int64_t block_size = kv_cache.size(3), block_bytes = block_size * KVH * D * kv_cache.element_size();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  // unchanged). Below, the first thread prefetches all (attention runs on one thread there).
+  const int64_t block_bytes = block_size * KVH * D * kv_cache.element_size();
   int64_t kv_bytes = 0;
-  for (int64_t b : with_rows) kv_bytes += 2 * ((lens[b] + block_size - 1) / block_size) * block_bytes;
-  auto prefetch_kv = [&](const at::Tensor& k_cache, const at::Tensor& v_cache) {
-    const char *kb = static_cast<const char*>(k_cache.data_ptr()), *vb = static_cast<const char*>(v_cache.data_ptr());
-    const int64_t threads = kv_bytes >= (64 << 10) ? at::get_num_threads() : 1;
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t b : with_rows) {
-          const int64_t blocks = (lens[b] + block_size - 1) / block_size;
-          for (int64_t j = blocks * t / threads; j < blocks * (t + 1) / threads; ++j) {
-            const int64_t off = (int64_t)tables[b * block_tables.size(1) + j] * block_bytes;
-            for (int64_t c = 0; c < block_bytes; c += 64) {
-              __builtin_prefetch(kb + off + c);
-              __builtin_prefetch(vb + off + c);
+  for (int64_t b : seqs) kv_bytes += 2 * ((lens[b] + block_size - 1) / block_size) * block_bytes;
+  by_dtype(x, "decode_forward", [&](auto tag) {
+    using E = decltype(tag);
+    const E *xp = ptr<E>(x);
+    E *qkvp = ptr<E>(qkv_out), *qp = ptr<E>(q), *attnp = ptr<E>(attn), *op = ptr<E>(o_out), *np = ptr<E>(normed);
+    E *resp = ptr<E>(residual), *hp = ptr<E>(h), *gup = ptr<E>(gu), *actp = ptr<E>(act);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const float* cs = cos_sin.data_ptr<float>();
+    const float feps = static_cast<float>(eps), fscale = static_cast<float>(scale);
+    auto linear = [&](const E* in, int64_t K, const at::Tensor& w, const float* bias, E* out, int64_t N) {
+      if constexpr (std::is_same_v<E, float>) {
+        agentrt::packed_linear_f32(in, T, K, w.data_ptr<float>(), bias, out, N);
+      } else {
+        agentrt::packed_linear_bf16(in, T, K, ptr<bf16>(w), bias, out, N);
+      }
+    };
+    agentrt::run_team([&] {
+      const agentrt::TeamSeat seat = agentrt::seat();
+      const int64_t threads = seat.team ? seat.team->size() : 1;
+      for (int64_t i = 0; i < layers; ++i) {
+        E* kc = ptr<E>(kv_cache) + (i * 2) * kv_cache.stride(1);
+        E* vc = kc + kv_cache.stride(1);
+        if (kv_bytes <= (512 << 10)) {  // this thread's share of the K/V prefetch (no wait after it)
+          const int64_t share = kv_bytes >= (64 << 10) ? threads : 1, t = seat.id;
+          const char *kb = reinterpret_cast<const char*>(kc), *vb = reinterpret_cast<const char*>(vc);
+          if (t < share)
+            for (int64_t b : seqs) {
+              const int64_t blocks = (lens[b] + block_size - 1) / block_size;
+              for (int64_t j = blocks * t / share; j < blocks * (t + 1) / share; ++j) {
+                const int64_t off = (int64_t)tables[b * max_blocks + j] * block_bytes;
+                for (int64_t c = 0; c < block_bytes; c += 64) {
+                  __builtin_prefetch(kb + off + c);
+                  __builtin_prefetch(vb + off + c);
+                }
+              }
             }
-          }
         }
-    });
-  };
-  at::Tensor h = x, residual;
-  for (int64_t i = 0; i < layers; ++i) {
-    at::Tensor k_cache = kv_cache.select(0, i).select(0, 0), v_cache = kv_cache.select(0, i).select(0, 1);
-    if (kv_bytes <= (512 << 10)) prefetch_kv(k_cache, v_cache);
-    if (i == 0) {
-      residual = h;
-      h = rms_norm(h, input_norms[i], eps);
-    } else {
-      std::tie(h, residual) = add_rms_norm(h, residual, input_norms[i], eps);
-    }
-    const at::Tensor q = rope_store_kv(linear(h, qkv[i], qkv_bias.get(i), qkv_n), positions, cos_sin, k_cache, v_cache,
-                                       slot_mapping, num_heads);
-    at::Tensor attn = at::empty_like(q);
+        agentrt::single([&] {
+          const E* in = i == 0 ? xp : hp;
+          agentrt::rms_norm<E>(in, i == 0 ? nullptr : resp, ptr<E>(input_norms[i]), feps, np, i == 0 ? nullptr : resp,
+                               T, hidden);
+          if (i == 0) std::copy(xp, xp + T * hidden, resp);
+        });
+        linear(np, hidden, qkv[i], biases[i], qkvp, qkv_n);
+        agentrt::single([&] {
+          agentrt::rope_store_kv<E>(qkvp, qkv_n, pos, cs, qp, kc, vc, slots, T, H, KVH, D);
+        });
 #if defined(__AVX512BF16__)
-    if (bf) {
-      paged_attention_bf16(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, seqs, scale, attn);
-    } else {
-      paged_attention_small_q(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, seqs, scale, attn);
-    }
+        if constexpr (std::is_same_v<E, bf16>) {
+          agentrt::paged_attention_bf16(qp, H * D, attnp, kc, vc, qsl, lens, tables, max_blocks, seqs.data(),
+                                        seqs.size(), H, KVH, D, block_size, fscale);
+        } else {
+          agentrt::paged_attention_small_q<E>(qp, H * D, attnp, kc, vc, qsl, lens, tables, max_blocks, seqs.data(),
+                                              seqs.size(), H, KVH, D, block_size, fscale);
+        }
 #else
-    paged_attention_small_q(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, seqs, scale, attn);
+        agentrt::paged_attention_small_q<E>(qp, H * D, attnp, kc, vc, qsl, lens, tables, max_blocks, seqs.data(),
+                                            seqs.size(), H, KVH, D, block_size, fscale);
 #endif
-    std::tie(h, residual) = add_rms_norm(linear(attn.view({q.size(0), -1}), o_proj[i], std::nullopt, hidden),
-                                         residual, post_norms[i], eps);
-    h = linear(silu_and_mul(linear(h, gate_up[i], std::nullopt, 2 * intermediate)), down[i], std::nullopt, hidden);
-  }
-  return layers ? h + residual : h;
+        linear(attnp, H * D, o_proj[i], nullptr, op, hidden);
+        agentrt::single([&] {
+          agentrt::rms_norm<E>(op, resp, ptr<E>(post_norms[i]), feps, np, resp, T, hidden);
+        });
+        linear(np, hidden, gate_up[i], nullptr, gup, 2 * intermediate);
+        agentrt::single([&] { agentrt::silu_and_mul<E>(gup, actp, T, intermediate); });
+        linear(actp, intermediate, down[i], nullptr, hp, hidden);
+      }
+    });
+  });
+  return h + residual;
 }
 
 // Per row of logits [R, V] (fp32 or bf16), the index of its largest by torch.argmax's rule -> [R] int64.

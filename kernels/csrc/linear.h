@@ -1,7 +1,7 @@
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias) from a copy of the weight packed in panels (kernels/linear.py
 // packs it once per weight): for one row a single sequential pass over the weight (what bounds
 // decode), for many rows a BLIS-style register-tiled GEMM that keeps a panel in L2 while all row
-// tiles pass over it. Threads split the panels.
+// tiles pass over it. Threads split the panels (inside a decode step's team, each its share: team.h).
 //
 // fp32: panels of 16 weight rows, [ceil(N / 16), K, 16]; broadcast x[m, k], two 8-lane FMAs per row
 // (the BLIS Haswell micro-kernel shape).
@@ -20,6 +20,7 @@
 #include <cstring>
 #include <vector>
 
+#include "team.h"
 #include "vec.h"
 
 #if defined(__AVX512BF16__)
@@ -69,7 +70,7 @@ inline void linear_tile(const float* x, int64_t K, const float* panel, const flo
 inline void packed_linear_f32(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y,
                               int64_t N) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  agentrt::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * kPanel, ncols = std::min(kPanel, N - n);
       const float* panel = w + p * K * kPanel;
@@ -238,7 +239,7 @@ inline void packed_linear_bf16(const bf16* x, int64_t M, int64_t K, const bf16* 
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xf[m * (K + 1) + k] = to_f32(x[m * K + k]);
 #endif
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  agentrt::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * kPanelBf16, ncols = std::min(kPanelBf16, N - n);
       const bf16* panel = w + p * panel_elems;

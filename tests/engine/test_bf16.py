@@ -154,10 +154,21 @@ def test_fp32_engine_matches_hf_fp32_on_each_cpu_kind(head64_model, head64_hf, k
         assert list(o.token_ids) == hf_greedy(hf32, p, 10)
 
 
+@pytest.fixture
+def threads(request):
+    """torch's intra-op threads for one test (decode_forward runs them as one team: kernels/csrc/team.h)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @needs_cpp
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_step_in_one_call_matches_layer_by_layer(head64_model, dtype, monkeypatch):
-    """`decode_forward` (all layers of a decode step in one C++ call) computes exactly what the modules do."""
+def test_decode_step_in_one_call_matches_layer_by_layer(head64_model, dtype, threads, monkeypatch):
+    """`decode_forward` (all layers of a decode step in one C++ call, its threads one team) computes exactly
+    what the modules do with the same threads: one, two, and more than this machine may have cores."""
     import kernels
 
     prompts = prompts_of([5, 40, 17], seed=4)
