@@ -70,7 +70,7 @@ inline void linear_tile(const float* x, int64_t K, const float* panel, const flo
 inline void packed_linear_f32(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y,
                               int64_t N) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  agentrt::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * kPanel, ncols = std::min(kPanel, N - n);
       const float* panel = w + p * K * kPanel;
@@ -239,7 +239,7 @@ inline void packed_linear_bf16(const bf16* x, int64_t M, int64_t K, const bf16* 
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xf[m * (K + 1) + k] = to_f32(x[m * K + k]);
 #endif
-  agentrt::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * kPanelBf16, ncols = std::min(kPanelBf16, N - n);
       const bf16* panel = w + p * panel_elems;
