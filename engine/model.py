@@ -227,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if (ops := _cpu_ops(x)) is not None and not torch.is_grad_enabled():
             self._packs_on_huge_pages()
-        if ops is not None and self._decode_fusable(x, kv_cache, meta):
+        if ops is not None and self._decode_fusable(x.shape[0], meta.max_query_len, kv_cache):
             a = self.args
             return ops.decode_forward(x, *self._decode_weights(), kv_cache, positions, slot_mapping, self.rope_cos_sin,
                                       meta.query_start_loc, meta.seq_lens, meta.block_tables, a.num_heads,
@@ -241,13 +241,13 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, rope, kv_cache[i, 0], kv_cache[i, 1], meta, slot_mapping)
         return x + residual  # [T, hidden], before the final norm
 
-    def _decode_fusable(self, x: torch.Tensor, kv_cache: torch.Tensor, meta) -> bool:
-        """Whether this step can run as one `decode_forward` call: decode rows (at most 16 per sequence,
-        the C++ attention's), few enough for the packed projections, a head_dim and layout the C++
-        kernels take."""
-        return (meta.max_query_len <= CPP_MAX_QUERY_ROWS and x.shape[0] <= BF16_PACKED_MAX_ROWS
+    def _decode_fusable(self, rows: int, max_query_len: int, kv_cache: torch.Tensor) -> bool:
+        """Whether a step of `rows` rows can run as one `decode_forward` call: decode rows (at most 16 per
+        sequence, the C++ attention's), few enough for the packed projections, a head_dim and layout the
+        C++ kernels take (the cache in the model's dtype)."""
+        return (max_query_len <= CPP_MAX_QUERY_ROWS and rows <= BF16_PACKED_MAX_ROWS
                 and self.args.head_dim in (32, 64, 128, 256) and self.args.num_heads <= 64
-                and kv_cache.dtype == x.dtype == self.embed_tokens.weight.dtype and kv_cache.is_contiguous())
+                and kv_cache.dtype == self.embed_tokens.weight.dtype and kv_cache.is_contiguous())
 
     def _decode_weights(self) -> tuple:
         """Per-layer weight lists of `decode_forward`, packed; built on the first decode step and dropped
@@ -311,9 +311,7 @@ class LlamaForCausalLM(nn.Module):
         ops = _cpu_ops(w)
         if ops is not None:
             self._packs_on_huge_pages()
-        if (ops is not None and rows <= BF16_PACKED_MAX_ROWS and a.head_dim in (32, 64, 128, 256)
-                and a.num_heads <= 64 and kv_cache.dtype == w.dtype and kv_cache.is_contiguous()
-                and self.norm.weight.dtype == w.dtype):
+        if ops is not None and self._decode_fusable(rows, 1, kv_cache) and self.norm.weight.dtype == w.dtype:
             head = (self.lm_head.pack_cache.get(self.lm_head.weight) if self.lm_head is not None
                     else self._tied_head_pack.get(w))
             return ops.decode_steps(input_ids, w, *self._decode_weights(), kv_cache, positions, self.rope_cos_sin,
