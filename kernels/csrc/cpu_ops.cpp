@@ -500,23 +500,21 @@ std::tuple<at::Tensor, at::Tensor> decode_steps(
     const at::Tensor normed = rms_norm(h, final_norm, eps);
     const at::Tensor logits = bf ? packed_linear_bf16(normed, lm_head, std::nullopt, vocab)
                                  : packed_linear(normed, lm_head, std::nullopt, vocab);
-    by_dtype(logits, "decode_steps", [&](auto tag) {
-      using T = decltype(tag);
-      const T* l = ptr<T>(logits);
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t t = agentrt::argmax_row<T>(l + r * vocab, vocab);
-        tokp[r * steps + j] = idp[r] = t;
-        posp[r] += 1;
-        if (done[r]) continue;
-        for (int64_t s = 0; s < S; ++s)
-          if (stops[r * S + s] == t) {
-            done[r] = 1;
-            countp[r] = j + 1;
-            --remaining;
-            break;
-          }
-      }
-    });
+    const at::Tensor next = argmax_rows(logits);
+    const int64_t* best = next.data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t t = best[r];
+      tokp[r * steps + j] = idp[r] = t;
+      posp[r] += 1;
+      if (done[r]) continue;
+      for (int64_t s = 0; s < S; ++s)
+        if (stops[r * S + s] == t) {
+          done[r] = 1;
+          countp[r] = j + 1;
+          --remaining;
+          break;
+        }
+    }
   }
   return {tokens, counts};
 }
