@@ -339,11 +339,14 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
       TORCH_CHECK(tables[b * max_blocks + j] >= 0 && tables[b * max_blocks + j] < kv_cache.size(2),
                   "decode_forward: sequence ", b, " block ", j, " is ", tables[b * max_blocks + j]);
   // Few short sequences: attention waits on memory latency, not bandwidth. Their K and V of a layer
-  // (at most ~512 KB) are prefetched before its qkv projection, whose weight streaming hides the wait;
-  // from 64 KB on each thread a share of every sequence's blocks in order: the share its attention
-  // items read when a sequence's positions are split across the threads (bf16: 0.05-0.5 ms per token
-  // less at 300-500 positions than one thread prefetching all, two A/B runs in one process; fp32
-  // unchanged). Below, the first thread prefetches all (attention runs on one thread there).
+  // (at most ~512 KB) are fetched before its qkv projection; from 64 KB on each thread a share of
+  // every sequence's blocks in order: the share its attention items read when a sequence's positions
+  // are split across the threads (below, the first thread fetches all: attention runs on one thread
+  // there). Prefetch hints alone do not keep them: the lines prefetched (t0 or t2) are gone by the
+  // time attention reads them, after the qkv projection's weights streamed through L2, while lines
+  // the thread has loaded stay. So each line is prefetched to L2 (t2: the misses overlap) and then
+  // loaded. Per token at 300 positions, one A/B of decode_forward builds in one process: bf16 fetch +
+  // attention 0.92 -> 0.79 ms (decode_forward 5.80 -> 5.68 ms p10), fp32 1.41 -> 1.36 ms.
   const int64_t block_bytes = block_size * KVH * D * kv_cache.element_size();
   int64_t kv_bytes = 0;
   for (int64_t b : seqs) kv_bytes += 2 * ((lens[b] + block_size - 1) / block_size) * block_bytes;
@@ -366,10 +369,11 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
     agentrt::run_team([&] {
       const agentrt::TeamSeat seat = agentrt::seat();
       const int64_t threads = seat.team ? seat.team->size() : 1;
+      int loaded = 0;  // the K/V lines' loads (volatile: kept)
       for (int64_t i = 0; i < layers; ++i) {
         E* kc = ptr<E>(kv_cache) + (i * 2) * kv_cache.stride(1);
         E* vc = kc + kv_cache.stride(1);
-        if (kv_bytes <= (512 << 10)) {  // this thread's share of the K/V prefetch (no wait after it)
+        if (kv_bytes <= (512 << 10)) {  // this thread's share of the layer's K/V, into its cache
           const int64_t share = kv_bytes >= (64 << 10) ? threads : 1, t = seat.id;
           const char *kb = reinterpret_cast<const char*>(kc), *vb = reinterpret_cast<const char*>(vc);
           if (t < share)
@@ -378,8 +382,12 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
               for (int64_t j = blocks * t / share; j < blocks * (t + 1) / share; ++j) {
                 const int64_t off = (int64_t)tables[b * max_blocks + j] * block_bytes;
                 for (int64_t c = 0; c < block_bytes; c += 64) {
-                  __builtin_prefetch(kb + off + c);
-                  __builtin_prefetch(vb + off + c);
+                  __builtin_prefetch(kb + off + c, 0, 1);
+                  __builtin_prefetch(vb + off + c, 0, 1);
+                }
+                for (int64_t c = 0; c < block_bytes; c += 64) {
+                  loaded += *reinterpret_cast<const volatile char*>(kb + off + c);
+                  loaded += *reinterpret_cast<const volatile char*>(vb + off + c);
                 }
               }
             }
