@@ -9,8 +9,8 @@
 // lanes), online softmax in fp32 (exp in 16 lanes), P rounded to bf16 (as torch's bf16 flash
 // attention does), O += P v (MR x D / 16 accumulators, in registers for the whole walk).
 // Traffic: K and V read once per (sequence, kv head), the next 16 rows prefetched while packing.
-// Decode rows (one register tile) pack each tile of 32 positions as the walk reaches it, into a buffer
-// that stays in L1; longer runs pack the sequence's K/V whole first. Few items (one decode sequence)
+// Rows that fit one register tile (decode) skip the packing: walk_direct reads K and V rows as they lie
+// in the cache; longer runs pack the sequence's K/V whole first. Few items (one decode sequence)
 // split their positions across the threads and merge the parts (see paged_attention_bf16).
 // FLOPs: 4 D per (row, visible position), rounded up to whole tiles of 32 positions on the diagonal;
 // against the fp32-lane kernel (attention.h) the dot products do 2x the work per instruction and
@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "team.h"
@@ -88,12 +89,12 @@ inline void transpose16x16(__m512i r[16]) {
 
 // Packs the K and V of positions [start, start + count) of kv heads [kvh0, kvh1) of one sequence
 // (blocks through `table`), 16 positions at a time, in one pass over their rows: K rows transposed in
-// 16 x 16 tiles of pairs, V row pairs interleaved; the next 16 rows (up to `visible` from start) are
-// prefetched meanwhile. Head h's K^T goes to buf + (h - kvh0) * Lp * D (D / 2 rows of Lp pairs), its
-// V pairs right after (Lp / 2 rows of D); columns past `count` hold zeros.
+// 16 x 16 tiles of pairs, V row pairs interleaved; the next 16 rows are prefetched meanwhile. Head
+// h's K^T goes to buf + (h - kvh0) * Lp * D (D / 2 rows of Lp pairs), its V pairs right after (Lp / 2
+// rows of D); columns past `count` hold zeros.
 inline void pack_kv(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t start, int64_t count,
-                    int64_t visible, int64_t kvh0, int64_t kvh1, int64_t KVH, int64_t D, int64_t block_size,
-                    uint32_t* buf, int64_t Lp) {
+                    int64_t kvh0, int64_t kvh1, int64_t KVH, int64_t D, int64_t block_size, uint32_t* buf,
+                    int64_t Lp) {
   alignas(64) static const bf16 zeros[256] = {};
   const int64_t half = D / 2, heads = kvh1 - kvh0;
   const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -107,7 +108,7 @@ inline void pack_kv(const bf16* k_cache, const bf16* v_cache, const int32_t* tab
     int64_t off[16];
     for (int j = 0; j < 16; ++j) {
       off[j] = row_offset(n0 + j, count);
-      const int64_t next = row_offset(n0 + 16 + j, visible);  // the next 16 rows: in flight while these are packed
+      const int64_t next = row_offset(n0 + 16 + j, count);  // the next 16 rows: in flight while these are packed
       if (next >= 0) {
         for (int64_t e = 0; e < heads * D; e += 32) {
           __builtin_prefetch(k_cache + next + e);
@@ -227,18 +228,162 @@ inline void walk_rows(const uint32_t* qp, const int64_t* pos, int64_t Lp, int64_
   }
 }
 
+// Per lane j, the sum of v[j]'s 16 lanes (a transposing reduction: 45 shuffles and adds for 16 sums).
+inline __m512 sum16x16(const __m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: halves of v[2i], v[2i + 1] interleaved
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of v[4i .. 4i + 3]
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes 0 + 1 and 2 + 3 of b[2i], then of b[2i + 1]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+// Decode's walk (MR query rows of one kv head, D = 32 KZ) straight from the paged cache, no packed
+// copy: per chunk of kPrefillTile positions, S = q k^T from K rows as they lie (each row's products in
+// 16 lanes, summed across lanes 16 positions at a time by sum16x16), online softmax as in walk_rows,
+// O += P v with V row pairs interleaved in registers (unpacklo / unpackhi of two rows: the
+// accumulators' lanes hold the dims in that interleaved order, put back once at the end). Against
+// packing each tile (walk_rows with a tile source) it skips the 16 x 16 transposes and the stores of
+// the packed copy. Positions [base, end) of the kv head at kv_off of each cache row; row m sees up to
+// pos[m]. Outputs as walk_rows.
+template <int MR, int KZ>
+inline void walk_direct(const uint32_t* qp, const int64_t* pos, int64_t base, int64_t end, const bf16* k_cache,
+                        const bf16* v_cache, const int32_t* table, int64_t block_size, int64_t row_stride,
+                        int64_t kv_off, float scale_log2e, bf16* const* out, float* const* partial) {
+  constexpr int64_t D = KZ * 32, half = D / 2, NC = 2 * KZ;
+  alignas(64) static const bf16 zeros[D] = {};
+  __m512 o[MR][NC];
+  float m_run[MR], l_run[MR];
+  int64_t last = 0;  // the last position any row sees, from base
+  for (int m = 0; m < MR; ++m) {
+    for (int c = 0; c < NC; ++c) o[m][c] = _mm512_setzero_ps();
+    m_run[m] = -std::numeric_limits<float>::infinity();
+    l_run[m] = 0.f;
+    last = std::max(last, pos[m] - base);
+  }
+  last = std::min(last, end - 1 - base);
+  alignas(64) uint32_t pbuf[MR][kPrefillTile / 2];
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  int64_t blk = base / block_size, in = base - blk * block_size;  // the walk's place in the block table
+  // offsets of the chunk's rows from n0 (-1 past the walk's end), one chunk ahead of the walk
+  auto offsets = [&](int64_t n0, int64_t* off) {
+    for (int64_t j = 0; j < kPrefillTile; ++j) {
+      if (base + n0 + j >= end) {
+        off[j] = -1;
+        continue;
+      }
+      off[j] = ((int64_t)table[blk] * block_size + in) * row_stride + kv_off;
+      if (++in == block_size) {
+        in = 0;
+        ++blk;
+      }
+    }
+  };
+  int64_t cur[kPrefillTile], next[kPrefillTile];
+  offsets(0, cur);
+  for (int64_t n0 = 0; n0 <= last; n0 += kPrefillTile) {
+    const int64_t count = std::min(kPrefillTile, end - base - n0);
+    if (n0 + kPrefillTile <= last) {  // the next chunk's rows in flight meanwhile
+      offsets(n0 + kPrefillTile, next);
+      for (int64_t j = 0; j < kPrefillTile; ++j)
+        if (next[j] >= 0)
+          for (int64_t e = 0; e < D; e += 32) {
+            __builtin_prefetch(k_cache + next[j] + e);
+            __builtin_prefetch(v_cache + next[j] + e);
+          }
+    }
+    const bf16* krow[kPrefillTile];
+    const bf16* vrow[kPrefillTile];
+    for (int64_t j = 0; j < kPrefillTile; ++j) {
+      krow[j] = cur[j] >= 0 ? k_cache + cur[j] : zeros;
+      vrow[j] = cur[j] >= 0 ? v_cache + cur[j] : zeros;
+    }
+    std::copy(next, next + kPrefillTile, cur);
+    for (int m = 0; m < MR; ++m) {
+      __m512bh q[KZ];
+      for (int z = 0; z < KZ; ++z) q[z] = (__m512bh)_mm512_loadu_si512(qp + m * half + 16 * z);
+      v16 s[2];
+      for (int h = 0; h < 2; ++h) {
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) {
+          const bf16* k = krow[16 * h + j];
+          acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
+          for (int z = 1; z < KZ; ++z) acc[j] = _mm512_dpbf16_ps(acc[j], q[z], (__m512bh)_mm512_loadu_si512(k + 32 * z));
+        }
+        s[h] = (v16)sum16x16(acc) * scale_log2e;
+      }
+      // hide positions past the row's own and past the walk's end
+      const float lim = static_cast<float>(std::min(pos[m] - base - n0, count - 1));
+      const v16 inf = splat16(-std::numeric_limits<float>::infinity());
+      const v16 s0 = lane > lim ? inf : s[0], s1 = lane + 16.f > lim ? inf : s[1];
+      const float m_new = std::max(m_run[m], _mm512_reduce_max_ps(_mm512_max_ps((__m512)s0, (__m512)s1)));
+      const v16 p0 = exp2_16(s0 - m_new), p1 = exp2_16(s1 - m_new);
+      if (m_new != m_run[m]) {  // a new maximum: rescale what the row holds
+        const float alpha = std::exp2(m_run[m] - m_new);
+        l_run[m] *= alpha;
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int c = 0; c < NC; ++c) o[m][c] = _mm512_mul_ps(o[m][c], av);
+      }
+      l_run[m] += _mm512_reduce_add_ps((__m512)(p0 + p1));
+      m_run[m] = m_new;
+      _mm512_store_si512(pbuf[m], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+    }
+    const int64_t pairs = (std::min(count, last - n0 + 1) + 1) / 2;
+    for (int64_t nn = 0; nn < pairs; ++nn) {
+      __m512bh v[NC];
+      for (int z = 0; z < KZ; ++z) {
+        const __m512i a = _mm512_loadu_si512(vrow[2 * nn] + 32 * z), b = _mm512_loadu_si512(vrow[2 * nn + 1] + 32 * z);
+        v[2 * z] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        v[2 * z + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pbuf[m][nn]);
+        for (int c = 0; c < NC; ++c) o[m][c] = _mm512_dpbf16_ps(o[m][c], a, v[c]);
+      }
+    }
+  }
+  // lanes back in dim order: o[2z] lane 4L + i holds dim 32z + 8L + i, o[2z + 1] dim 32z + 8L + 4 + i
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int m = 0; m < MR; ++m)
+    for (int z = 0; z < KZ; ++z) {
+      const __m512 a = o[m][2 * z], b = o[m][2 * z + 1];
+      o[m][2 * z] = _mm512_permutex2var_ps(a, lo_idx, b);
+      o[m][2 * z + 1] = _mm512_permutex2var_ps(a, hi_idx, b);
+    }
+  if (partial) {
+    for (int m = 0; m < MR; ++m) {
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(partial[m] + 16 * c, o[m][c]);
+      partial[m][D] = m_run[m];
+      partial[m][D + 1] = l_run[m];
+    }
+    return;
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m512 inv = _mm512_set1_ps(1.f / l_run[m]);
+    for (int c = 0; c < NC; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[m] + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[m][c], inv)));
+  }
+}
+
 // Query rows of a walk's register tile: o holds MR x NC accumulators of the 32 registers.
 constexpr int64_t walk_rows_per_tile(int64_t D) { return D <= 64 ? 4 : 2; }
 
 // One work item: rows i in [row0, row1) of kv head `kvh` of one sequence (query row r = i / G, head
 // kvh * G + i % G; the sequence's rows start at q0, R of them, L positions) over positions
 // [base, base + Lp), MR rows at a time. `whole`: the item's K/V packed whole (kt, K^T rows Lp pairs
-// apart, then V pairs); else (the rows fit one register tile: decode) each tile is packed as the walk
-// reaches it, into a buffer that stays in L1, from the cache through `table` up to position `end`.
+// apart, then V pairs); else (the rows fit one register tile: decode) the walk reads K and V from the
+// cache through `table` up to position `end` (walk_direct).
 // With `partial` (a split walk) row r, head h goes to partial + (r * H + h) * (D + 2), not to out.
 struct Item {
   int64_t kvh, q0, R, L, row0, row1, base, end, Lp;
-  bool whole;          // packed whole (kt), or tile by tile
+  bool whole;          // packed whole (kt), or read from the cache as it lies
   const uint32_t* kt;  // set by the thread that runs the item
   float* partial;
 };
@@ -255,14 +400,7 @@ void run_item(const bf16* q, int64_t q_row_stride, bf16* out, int64_t H, int64_t
   float* part[MR];
   alignas(64) bf16 sink[MR][D];
   alignas(64) float part_sink[MR][D + 2];
-  alignas(64) uint32_t tile[kPrefillTile * D];  // K^T then V pairs of one tile
   auto packed = [&](int64_t n0) { return Tile{it.kt + n0, it.Lp, it.kt + half * it.Lp + (n0 / 2) * D}; };
-  auto by_tile = [&](int64_t n0) {
-    const int64_t first = it.base + n0;
-    pack_kv(k_cache, v_cache, table, first, std::min(kPrefillTile, it.end - first), it.end - first, it.kvh,
-            it.kvh + 1, KVH, D, block_size, tile, kPrefillTile);
-    return Tile{tile, kPrefillTile, tile + half * kPrefillTile};
-  };
   for (int64_t i0 = it.row0; i0 < it.row1; i0 += MR) {
     for (int m = 0; m < MR; ++m) {
       const int64_t i = std::min(i0 + m, it.row1 - 1);  // a short last group repeats its last row into `sink`
@@ -276,8 +414,24 @@ void run_item(const bf16* q, int64_t q_row_stride, bf16* out, int64_t H, int64_t
     float* const* po = it.partial ? part : nullptr;
     if (it.whole) {
       walk_rows<MR, NC>(qp, pos, it.Lp, it.base, scale_log2e, dst, po, packed);
-    } else {
-      walk_rows<MR, NC>(qp, pos, it.Lp, it.base, scale_log2e, dst, po, by_tile);
+    } else {  // one register tile of rows: from the cache as it lies
+      static_assert(NC % 2 == 0, "walk_direct reads whole 32-dim vectors");
+      const int64_t rows = it.row1 - i0;  // no padding row for a GQA group of 3
+      auto direct = [&](auto tile_rows) {
+        walk_direct<decltype(tile_rows)::value, NC / 2>(qp, pos, it.base, it.end, k_cache, v_cache, table, block_size,
+                                                        KVH * D, it.kvh * D, scale_log2e, dst, po);
+      };
+      if (rows >= MR) {
+        direct(std::integral_constant<int, MR>{});
+      } else if (rows == 1) {
+        direct(std::integral_constant<int, 1>{});
+      } else if constexpr (MR > 2) {
+        if (rows == 2) {
+          direct(std::integral_constant<int, 2>{});
+        } else {
+          direct(std::integral_constant<int, 3>{});
+        }
+      }
     }
   }
 }
@@ -320,7 +474,7 @@ inline void merge_parts(const std::vector<Item>& list, const std::vector<int64_t
 // Sequences `seqs` of the batch (each with its query rows q[qsl[b]:qsl[b+1]], seq_lens[b] positions);
 // writes their rows of out [T, H, D]. Work items: up to kRowsPerItem rows of one (sequence, kv head).
 // Rows that fit one register tile (decode: one query row of a GQA group of up to 4 heads) walk their
-// positions packing each tile as they reach it (no packed copy of the whole sequence, whose writes
+// positions reading K/V as they lie in the cache (no packed copy of the whole sequence, whose writes
 // would miss the cache: in a decode step the layers' weights streamed since evicted it); more rows
 // of one item pack the sequence's K/V inside the item, longer ones once, first, for all their items.
 // When the items would leave threads idle or uneven (one decode sequence of 3 kv heads on 2 threads:
@@ -394,7 +548,7 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
         const int64_t i = w / KVH, kvh = w % KVH, b = seqs[i];
         if (chunks[i] < 2) continue;
         uint32_t* kt = shared + offset[i] + kvh * lp[i] * D;
-        pack_kv(k_cache, v_cache, tables + b * max_blocks, 0, lens[b], lens[b], kvh, kvh + 1, KVH, D, block_size, kt,
+        pack_kv(k_cache, v_cache, tables + b * max_blocks, 0, lens[b], kvh, kvh + 1, KVH, D, block_size, kt,
                 lp[i]);
       }
     });
@@ -410,8 +564,8 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
           it.kt = shared + offset[i] + it.kvh * lp[i] * D;
         } else {
           local.resize(it.Lp * D);
-          pack_kv(k_cache, v_cache, tables + b * max_blocks, it.base, it.end - it.base, it.end - it.base, it.kvh,
-                  it.kvh + 1, KVH, D, block_size, local.data(), it.Lp);
+          pack_kv(k_cache, v_cache, tables + b * max_blocks, it.base, it.end - it.base, it.kvh, it.kvh + 1, KVH, D,
+                  block_size, local.data(), it.Lp);
           it.kt = local.data();
         }
       }

@@ -223,8 +223,11 @@ def test_tiled_bf16_attention_block_sizes(block_size):
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize(("q_lens", "seq_lens", "heads", "head_dim", "block_size"), [
-    ([1], [300], (9, 3), 64, 16),  # one decode row: split in parts across threads, each tile packed as walked
-    ([1], [517], (9, 3), 64, 4),  # tiles straddling small blocks, a last part not a whole tile
+    ([1], [300], (9, 3), 64, 16),  # one decode row: split in parts across threads, read from the cache as it lies
+    ([1], [517], (9, 3), 64, 4),  # chunks straddling small blocks, a last part not a whole tile
+    ([2], [150], (4, 2), 64, 16),  # one register tile of rows at two positions (4 = the tile's rows)
+    ([1], [77], (8, 4), 128, 8),  # head_dim 128: 2 rows per tile, 4 vectors per K row
+    ([1], [45], (2, 1), 256, 2),  # head_dim 256 (8 vectors per K row), blocks of 2
     ([3], [333], (8, 1), 128, 32),  # one kv head: up to 4 parts; 24 rows per head pack the part whole
     ([16], [200], (9, 3), 64, 16),  # drafts: every part starts at or before the first row's position
     ([16], [130], (9, 3), 64, 16),  # too short to split
@@ -232,9 +235,9 @@ def test_tiled_bf16_attention_block_sizes(block_size):
     ([1, 2], [700, 300], (9, 3), 64, 16),  # two sequences, decode and drafts
 ])
 def test_tiled_bf16_attention_split_and_tile_walks(threads, q_lens, seq_lens, heads, head_dim, block_size):
-    """Decode-sized work of the AVX512-BF16 kernel: rows that fit one register tile pack K/V a tile at
-    a time as they walk; few items are split across threads by positions and merged; each way
-    against the fp32 reference by the kernel rule, with 1, 2 and 4 threads."""
+    """Decode-sized work of the AVX512-BF16 kernel: rows that fit one register tile read K/V straight
+    from the cache (walk_direct); few items are split across threads by positions and merged; each
+    way against the fp32 reference by the kernel rule, with 1, 2 and 4 threads."""
     if cpu.compiled_isa() != "avx512_bf16":
         pytest.skip("needs the avx512_bf16 kernels")
     batch = make_paged_batch(q_lens, seq_lens, *heads, head_dim, block_size, torch.bfloat16, seed=sum(seq_lens))
