@@ -152,6 +152,46 @@ struct Tile {
   const uint32_t* v;
 };
 
+// One row's online-softmax step over a tile's 32 scores s0, s1 (log2 units, hidden ones -inf): its
+// running max and sum updated, its output accumulators o[NC] rescaled when the max grew, P rounded to
+// bf16 pairs into pbuf[16].
+template <int NC>
+inline void softmax_tile(v16 s0, v16 s1, float& m_run, float& l_run, __m512* o, uint32_t* pbuf) {
+  const float m_new = std::max(m_run, _mm512_reduce_max_ps(_mm512_max_ps((__m512)s0, (__m512)s1)));
+  const v16 p0 = exp2_16(s0 - m_new), p1 = exp2_16(s1 - m_new);
+  if (m_new != m_run) {
+    const float alpha = std::exp2(m_run - m_new);
+    l_run *= alpha;
+    const __m512 av = _mm512_set1_ps(alpha);
+    for (int c = 0; c < NC; ++c) o[c] = _mm512_mul_ps(o[c], av);
+  }
+  l_run += _mm512_reduce_add_ps((__m512)(p0 + p1));
+  m_run = m_new;
+  _mm512_store_si512(pbuf, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+}
+
+// A walk's MR rows out: normalized to bf16 rows out[m], or with `partial` each row's unnormalized
+// output, running max and sum (D + 2 floats at partial[m]: one part of a split walk).
+template <int MR, int NC>
+inline void finish_rows(const __m512 (&o)[MR][NC], const float* m_run, const float* l_run, bf16* const* out,
+                        float* const* partial) {
+  constexpr int64_t D = NC * 16;
+  if (partial) {
+    for (int m = 0; m < MR; ++m) {
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(partial[m] + 16 * c, o[m][c]);
+      partial[m][D] = m_run[m];
+      partial[m][D + 1] = l_run[m];
+    }
+    return;
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m512 inv = _mm512_set1_ps(1.f / l_run[m]);
+    for (int c = 0; c < NC; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[m] + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[m][c], inv)));
+  }
+}
+
 // MR query rows (bf16 pairs qp[m][dd], positions pos[m]) against the K/V of positions [base, base + Lp),
 // at most every row's position for `base`, a tile at a time from tiles(n0) (n0 from base); writes out
 // rows, or with `partial` each row's unnormalized output, running max and sum (D + 2 floats at
@@ -193,15 +233,7 @@ inline void walk_rows(const uint32_t* qp, const int64_t* pos, int64_t Lp, int64_
         s0 = lane > lim ? inf : s0;
         s1 = lane + 16.f > lim ? inf : s1;
       }
-      const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps((__m512)s0, (__m512)s1));
-      const float m_new = std::max(m_run[m], tile_max);
-      const float alpha = std::exp2(m_run[m] - m_new);
-      const v16 p0 = exp2_16(s0 - m_new), p1 = exp2_16(s1 - m_new);
-      l_run[m] = l_run[m] * alpha + _mm512_reduce_add_ps((__m512)(p0 + p1));
-      m_run[m] = m_new;
-      const __m512 av = _mm512_set1_ps(alpha);
-      for (int c = 0; c < NC; ++c) o[m][c] = _mm512_mul_ps(o[m][c], av);
-      _mm512_store_si512(pbuf[m], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+      softmax_tile<NC>(s0, s1, m_run[m], l_run[m], o[m], pbuf[m]);
     }
     for (int64_t nn = 0; nn < kPrefillTile / 2; ++nn) {
       __m512bh v[NC];
@@ -212,20 +244,7 @@ inline void walk_rows(const uint32_t* qp, const int64_t* pos, int64_t Lp, int64_
       }
     }
   }
-  if (partial) {
-    for (int m = 0; m < MR; ++m) {
-      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(partial[m] + 16 * c, o[m][c]);
-      partial[m][D] = m_run[m];
-      partial[m][D + 1] = l_run[m];
-    }
-    return;
-  }
-  for (int m = 0; m < MR; ++m) {
-    const __m512 inv = _mm512_set1_ps(1.f / l_run[m]);
-    for (int c = 0; c < NC; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[m] + 16 * c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[m][c], inv)));
-  }
+  finish_rows<MR, NC>(o, m_run, l_run, out, partial);
 }
 
 // Per lane j, the sum of v[j]'s 16 lanes (a transposing reduction: 45 shuffles and adds for 16 sums).
@@ -320,18 +339,7 @@ inline void walk_direct(const uint32_t* qp, const int64_t* pos, int64_t base, in
       // hide positions past the row's own and past the walk's end
       const float lim = static_cast<float>(std::min(pos[m] - base - n0, count - 1));
       const v16 inf = splat16(-std::numeric_limits<float>::infinity());
-      const v16 s0 = lane > lim ? inf : s[0], s1 = lane + 16.f > lim ? inf : s[1];
-      const float m_new = std::max(m_run[m], _mm512_reduce_max_ps(_mm512_max_ps((__m512)s0, (__m512)s1)));
-      const v16 p0 = exp2_16(s0 - m_new), p1 = exp2_16(s1 - m_new);
-      if (m_new != m_run[m]) {  // a new maximum: rescale what the row holds
-        const float alpha = std::exp2(m_run[m] - m_new);
-        l_run[m] *= alpha;
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int c = 0; c < NC; ++c) o[m][c] = _mm512_mul_ps(o[m][c], av);
-      }
-      l_run[m] += _mm512_reduce_add_ps((__m512)(p0 + p1));
-      m_run[m] = m_new;
-      _mm512_store_si512(pbuf[m], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+      softmax_tile<NC>(lane > lim ? inf : s[0], lane + 16.f > lim ? inf : s[1], m_run[m], l_run[m], o[m], pbuf[m]);
     }
     const int64_t pairs = (std::min(count, last - n0 + 1) + 1) / 2;
     for (int64_t nn = 0; nn < pairs; ++nn) {
@@ -356,20 +364,7 @@ inline void walk_direct(const uint32_t* qp, const int64_t* pos, int64_t base, in
       o[m][2 * z] = _mm512_permutex2var_ps(a, lo_idx, b);
       o[m][2 * z + 1] = _mm512_permutex2var_ps(a, hi_idx, b);
     }
-  if (partial) {
-    for (int m = 0; m < MR; ++m) {
-      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(partial[m] + 16 * c, o[m][c]);
-      partial[m][D] = m_run[m];
-      partial[m][D + 1] = l_run[m];
-    }
-    return;
-  }
-  for (int m = 0; m < MR; ++m) {
-    const __m512 inv = _mm512_set1_ps(1.f / l_run[m]);
-    for (int c = 0; c < NC; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[m] + 16 * c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[m][c], inv)));
-  }
+  finish_rows<MR, NC>(o, m_run, l_run, out, partial);
 }
 
 // Query rows of a walk's register tile: o holds MR x NC accumulators of the 32 registers.
