@@ -307,7 +307,8 @@ inline void walk_direct(const uint32_t* qp, const int64_t* pos, int64_t base, in
   offsets(0, cur);
   for (int64_t n0 = 0; n0 <= last; n0 += kPrefillTile) {
     const int64_t count = std::min(kPrefillTile, end - base - n0);
-    if (n0 + kPrefillTile <= last) {  // the next chunk's rows in flight meanwhile
+    const bool more = n0 + kPrefillTile <= last;
+    if (more) {  // the next chunk's rows in flight meanwhile
       offsets(n0 + kPrefillTile, next);
       for (int64_t j = 0; j < kPrefillTile; ++j)
         if (next[j] >= 0)
@@ -322,7 +323,7 @@ inline void walk_direct(const uint32_t* qp, const int64_t* pos, int64_t base, in
       krow[j] = cur[j] >= 0 ? k_cache + cur[j] : zeros;
       vrow[j] = cur[j] >= 0 ? v_cache + cur[j] : zeros;
     }
-    std::copy(next, next + kPrefillTile, cur);
+    if (more) std::copy(next, next + kPrefillTile, cur);
     for (int m = 0; m < MR; ++m) {
       __m512bh q[KZ];
       for (int z = 0; z < KZ; ++z) q[z] = (__m512bh)_mm512_loadu_si512(qp + m * half + 16 * z);
