@@ -143,10 +143,11 @@ class KVCacheManager:
         """Does `owner` (a program) have pinned blocks now?"""
         return owner in self._pinned
 
-    def num_allocatable(self, owner: str | None) -> int:
+    def num_allocatable(self, owner: str | None, protect: list[int] = ()) -> int:
         """Blocks a request of `owner` could get now: free and not reserved by others, plus pinned blocks
-        that would give way."""
-        return self.pool.available_to(owner) + self._num_pin_victims(owner)
+        that would give way (not those in `protect`: a waiting request's own prefix hits, which it
+        reuses rather than takes)."""
+        return self.pool.available_to(owner) + self._num_pin_victims(owner, protect)
 
     def _num_pin_victims(self, owner: str | None, protect: list[int] = ()) -> int:
         """len(_pin_victims(owner, protect)), without sorting (the scheduler asks every step)."""

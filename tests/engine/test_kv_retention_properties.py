@@ -64,7 +64,7 @@ class RetentionMachine(RuleBasedStateMachine):
             hits, num_hit = self.s.kv.get_computed_blocks(head)
             n = min(head.num_tokens - num_hit, BUDGET - out.total_tokens)
             need = self.s.kv.blocks_for(num_hit + n) - len(hits) + sum(1 for b in hits if self.s.kv.pool.ref_cnt[b] == 0)
-            assert need > self.s.kv.num_allocatable(head.program_id)
+            assert need > self.s.kv.num_allocatable(head.program_id, protect=hits)  # its hits cannot give way to it
         self.s.update_from_output(out, 0.01)
         for r in list(out.reqs):
             if r.finished or r.num_computed_tokens < r.num_tokens:
