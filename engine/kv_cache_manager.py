@@ -167,7 +167,7 @@ class KVCacheManager:
         total = min(req.num_tokens + req.sampling.max_tokens, req.max_model_len)
         owner = req.program_id
         reclaimable = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
-        room = self.pool.available_to(owner) + (self._num_pin_victims(owner, hits) if may_take_pinned else 0)
+        room = self.num_allocatable(owner, hits) if may_take_pinned else self.pool.available_to(owner)
         return self.blocks_for(total) - len(hits) + reclaimable <= room
 
     def owner_kv(self, owner: str) -> OwnerKV:
