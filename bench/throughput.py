@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.docs:
         if a.random_weights is not None:
             title = f"Throughput ({a.random_weights}, random weights, {results['device']})"
-        elif device == "cpu" and dtype != torch.float32:
+        elif device == "cpu":
             from kernels import cpu
 
             title = f"Throughput ({name}, CPU {cpu.kind()})"
