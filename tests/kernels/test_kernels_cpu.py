@@ -250,3 +250,18 @@ def test_tiled_bf16_attention_split_and_tile_walks(threads, q_lens, seq_lens, he
         torch.set_num_threads(before)
     assert batch.meta._cpu_plan.tiled
     check_rule(out, paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale), batch.dense(scale))
+
+
+def test_every_source_file_ships_with_the_package():
+    """A non-editable install builds kernels/csrc from the package's own copy: every source and header
+    there must match a package-data pattern of pyproject.toml."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(cpu.__file__).parent
+    patterns = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kernels"]
+    sources = sorted(p.relative_to(root).as_posix() for p in (root / "csrc").iterdir() if p.is_file())
+    assert any(s.endswith(".h") for s in sources) and any(s.endswith(".cpp") for s in sources)
+    missing = [s for s in sources if not any(fnmatch.fnmatch(s, pat) for pat in patterns)]
+    assert not missing, f"kernels/csrc files not shipped with the package: {missing}"
