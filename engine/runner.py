@@ -135,7 +135,7 @@ class ModelRunner:
                 logits = logits.float()  # the masks write -inf into these rows
                 apply_constraints(logits, [r.matcher for r in flat])
             contexts = [_context(r) for r in flat] if any(p.reads_history for p in params) else None
-            s = sample(logits, params, [r.generator for r in flat], contexts)
+            s = sample(logits, params, [r.generator for r in flat], contexts, inplace=True)  # logits: ours
             t = s.token_ids.tolist()
             lp = s.logprobs.tolist() if s.logprobs is not None else None
             top = _top_lists(s, params) if s.top_token_ids is not None else None

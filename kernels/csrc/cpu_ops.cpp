@@ -7,6 +7,7 @@
 // - attention.h: paged_attention_small_q, attention of few-row sequences from the paged cache;
 // - attention_bf16.h: paged_attention_bf16, tiled attention of any rows on AVX512-BF16 (bf16 only);
 // - elementwise.h: rms_norm (optionally after the residual add), silu_and_mul, rope_store_kv;
+// - topk.h: topk_rows, the sampler's top-k of each row;
 // - decode_forward (here): all decoder layers of a decode step in one call; decode_steps: greedy
 //   decode steps (layers, final norm, LM head, argmax) in one call.
 
@@ -25,6 +26,7 @@
 #include "elementwise.h"
 #include "linear.h"
 #include "team.h"
+#include "topk.h"
 #include "vec.h"
 
 #ifndef AGENTRT_NS
@@ -441,6 +443,24 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// The k best of each row of x [R, V] fp32, best first (topk.h's order: NaN first, ties to the lower
+// index) -> (values [R, k] fp32, indices [R, k] int64); rows split over at::parallel_for's threads.
+std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "topk_rows: x [R, V] contiguous fp32, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "topk_rows: k must be in [1, ", V, "], got ", k);
+  at::Tensor vals = at::empty({R, k}, x.options()), idx = at::empty({R, k}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  float* vp = vals.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<uint64_t> buf;
+    for (int64_t r = r0; r < r1; ++r) agentrt::topk_row(xp + r * V, V, k, buf, vp + r * k, ip + r * k);
+  });
+  return {vals, idx};
+}
+
 // Greedy decode of R sequences of one row each, up to `steps` steps in one call (the runner's
 // multi-step decode): each step embeds the rows' tokens, runs decode_forward, the final norm and the
 // LM head (packed, no bias), and takes each row's argmax (torch.argmax's rule) as its next token at
@@ -535,6 +555,7 @@ std::tuple<at::Tensor, at::Tensor> decode_steps(
 AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("isa() -> str", &isa);
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -573,4 +594,5 @@ AGENTRT_LIBRARY_IMPL(AGENTRT_NS, CPU, m) {
   m.impl("decode_forward", decode_forward);
   m.impl("decode_steps", decode_steps);
   m.impl("argmax_rows", argmax_rows);
+  m.impl("topk_rows", topk_rows);
 }

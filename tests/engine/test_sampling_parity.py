@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampling import RowContext, process_logits, sample, warp
+from engine.sampling import RowContext, process_logits, sample, topk, warp
 from engine.sampling_params import InvalidRequestError
 from engine.structured import Constraint
 from tests.conftest import assert_all_blocks_free
@@ -158,6 +158,43 @@ def test_a_seeded_row_draws_the_same_whatever_its_batch():
     alone = sample(logits[:1], [seeded], [torch.Generator().manual_seed(3)]).token_ids
     batched = sample(logits, [seeded, *others], [torch.Generator().manual_seed(3), None, None, None]).token_ids
     assert batched[0] == alone[0]
+    # a batch whose rows all have a top_k takes only the largest top_k's candidates: 40 alone, 50 here
+    # and 256 above; the seeded row's draws are the same each way, step after step
+    wider = [SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=0.5, top_k=7)]
+    draws = {name: [] for name in ("alone", "top_k 50", "no top_k")}
+    gens = {name: torch.Generator().manual_seed(3) for name in draws}
+    for _ in range(30):
+        draws["alone"].append(sample(logits[:1], [seeded], [gens["alone"]]).token_ids[0].item())
+        draws["top_k 50"].append(sample(logits[:3], [seeded, *wider], [gens["top_k 50"], None, None]).token_ids[0].item())
+        draws["no top_k"].append(sample(logits, [seeded, *others], [gens["no top_k"], None, None, None]).token_ids[0].item())
+    assert draws["alone"] == draws["top_k 50"] == draws["no top_k"]
+    assert len(set(draws["alone"])) > 3  # they are draws, not one argmax
+
+
+def test_sampler_draws_the_same_with_and_without_the_kernels():
+    # the sampler's topk / argmax take the C++ kernels on CPU fp32; seeded draws must not change
+    from kernels import cpu
+
+    if cpu.ops() is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 3000, generator=g) * 2
+    params = [SamplingParams(temperature=0.8, top_k=40, seed=1), SamplingParams(temperature=1.0, top_p=0.9, seed=2),
+              SamplingParams(temperature=0.7, min_p=0.05, seed=3), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.2, seed=4, logprobs=True, top_logprobs=5),
+              SamplingParams(temperature=0, logprobs=True, top_logprobs=3)]
+
+    def run():
+        gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        return sample(logits, params, gens)
+
+    with_kernels = run()
+    with cpu.use_cpu_kernels(False):
+        assert topk(logits, 3)[0].equal(logits.topk(3, dim=-1).values)
+        without = run()
+    assert with_kernels.token_ids.tolist() == without.token_ids.tolist()
+    assert with_kernels.top_token_ids.tolist() == without.top_token_ids.tolist()
+    assert torch.equal(with_kernels.top_logprobs, without.top_logprobs)
 
 
 def test_greedy_reads_the_processed_logits_and_logprobs_the_raw_ones():

@@ -1,0 +1,114 @@
+// Top-k of a row of fp32 scores, for the sampler (engine/sampling.py): its CANDIDATES tokens of a
+// random row and the top-N log-probs. torch.topk over [32, 49152] fp32 with k = 256 measured ~10 ms on
+// one thread here; this bounds the k-th best in one pass and keeps what passes the bound in a second.
+//
+// Order: larger first; a NaN ranks above every number (as torch.topk and torch.argmax treat it); of
+// equal values (NaNs included) the lower index first, so the result is a function of the row alone.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace agentrt {
+
+// An entry's rank as one integer (larger ranks first): the value's order in the high 32 bits (every
+// NaN above +inf, -0 equal to +0), the index's complement in the low 32 (the lower index first among
+// equal values). V < 2^32.
+inline uint64_t rank_key(float v, int64_t i) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if (v != v) {
+    u = 0xffffffffu;
+  } else if (v == 0.f) {
+    u = 0x80000000u;
+  } else {
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  }
+  return (uint64_t(u) << 32) | uint32_t(~uint32_t(i));
+}
+
+inline int64_t key_index(uint64_t key) { return int64_t(~uint32_t(key)); }
+
+// Bit l set where lane l of m is set.
+inline unsigned lane_bits(v8i m) {
+#if defined(__AVX2__)
+  return static_cast<unsigned>(_mm256_movemask_ps((__m256)m));
+#else
+  unsigned bits = 0;
+  for (int l = 0; l < 8; ++l) bits |= unsigned(m[l] != 0) << l;
+  return bits;
+#endif
+}
+
+// A lower bound of the k-th best value of row[0, V): cut the row into k runs; each run's largest is
+// a distinct entry, so the k-th best is at least the smallest of them. NaNs are skipped (a run of
+// them only lowers the bound). One pass of 8 lanes.
+inline float kth_lower_bound(const float* row, int64_t V, int64_t k) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float lo = std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t b = j * V / k, e = (j + 1) * V / k;
+    v8 m = splat(neg_inf);
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8) {
+      const v8 v = load8(row + i);
+      m = v > m ? v : m;
+    }
+    float best = neg_inf;
+    for (int l = 0; l < 8; ++l) best = m[l] > best ? m[l] : best;
+    for (; i < e; ++i) best = row[i] > best ? row[i] : best;
+    lo = std::min(lo, best);
+  }
+  return lo;
+}
+
+// The k best of row[0, V) (1 <= k <= V), best first, into vals / idx; `buf` is scratch. One pass
+// keeps every entry that can still be among the k best: at first those at or above
+// kth_lower_bound (or NaN); when the buffer holds 4k entries it is cut back to its k best, and from
+// then on an entry must rank before the k-th kept: above its value, since it comes later than every
+// kept entry (equal values rank by index). Linear time whatever the order of the row.
+inline void topk_row(const float* row, int64_t V, int64_t k, std::vector<uint64_t>& buf, float* vals, int64_t* idx) {
+  const size_t keep = static_cast<size_t>(k), cap = static_cast<size_t>(std::max<int64_t>(4 * k, 64));
+  buf.clear();
+  buf.reserve(cap + 8);
+  float thr = kth_lower_bound(row, V, k);
+  bool strict = false;  // after a cut: above thr, not at it
+  bool closed = false;  // the k kept are all NaN: nothing after them ranks before them
+  auto cut = [&] {
+    std::nth_element(buf.begin(), buf.begin() + (keep - 1), buf.end(), std::greater<uint64_t>());
+    buf.resize(keep);
+    thr = row[key_index(buf[keep - 1])];
+    strict = true;
+    closed = thr != thr;
+  };
+  int64_t i = 0;
+  for (; i + 8 <= V && !closed; i += 8) {
+    const v8 v = load8(row + i), t = splat(thr);
+    unsigned bits = lane_bits((strict ? v > t : v >= t) | (v != v));
+    while (bits) {
+      const int l = __builtin_ctz(bits);
+      bits &= bits - 1;
+      buf.push_back(rank_key(v[l], i + l));
+    }
+    if (buf.size() >= cap) cut();
+  }
+  for (; i < V && !closed; ++i) {
+    const float v = row[i];
+    if ((strict ? v > thr : v >= thr) || v != v) buf.push_back(rank_key(v, i));
+  }
+  if (buf.size() > keep) cut();
+  std::sort(buf.begin(), buf.end(), std::greater<uint64_t>());
+  for (size_t j = 0; j < keep; ++j) {
+    idx[j] = key_index(buf[j]);
+    vals[j] = row[idx[j]];
+  }
+}
+
+}  // namespace agentrt

@@ -1,0 +1,83 @@
+"""topk_rows, the sampler's top-k (kernels/csrc/topk.h), on every CPU kind this machine supports.
+
+Reference: torch's stable descending sort, cut to k: the same values as torch.topk (a NaN first),
+and among equal values the lower index first, the order topk_rows promises.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernels import cpu
+
+
+def reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    vals, idx = x.sort(dim=-1, descending=True, stable=True)
+    return vals[:, :k], idx[:, :k]
+
+
+def check(x: torch.Tensor, k: int) -> None:
+    vals, idx = cpu.ops().topk_rows(x, k)
+    want_vals, want_idx = reference(x, k)
+    assert vals.dtype == torch.float32 and idx.dtype == torch.int64 and vals.shape == idx.shape == (x.shape[0], k)
+    assert torch.equal(idx, want_idx), (x.shape, k)
+    assert torch.equal(vals.isnan(), want_vals.isnan())
+    assert torch.equal(vals.nan_to_num(), want_vals.nan_to_num())
+    torch_vals = x.topk(k, dim=-1).values  # torch.topk: the same values, in the same order
+    assert torch.equal(vals.nan_to_num(), torch_vals.nan_to_num())
+
+
+@pytest.mark.parametrize(("vocab", "k"), [(v, k) for v in (1, 7, 8, 9, 33, 300, 49152) for k in (1, 5, 64, 256) if k <= v])
+def test_random_rows(cpu_kind, vocab, k):
+    g = torch.Generator().manual_seed(vocab * 1000 + k)
+    x = torch.randn(3, vocab, generator=g) * 3
+    x[2] = x[2] ** 3  # heavy tails, as logits have
+    check(x, k)
+    check(x, vocab)  # everything, sorted
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "sawtooth"])
+def test_orders_that_defeat_the_bound(cpu_kind, order):
+    # ascending: every entry beats the k-th kept so far, so the buffer is cut again and again
+    v = torch.arange(5000, dtype=torch.float32)
+    row = {"ascending": v, "descending": v.flip(0), "sawtooth": v % 97 + v / 10000}[order]
+    for k in (1, 3, 200, 1500):
+        check(row.unsqueeze(0).contiguous(), k)
+
+
+def test_ties_rank_by_index(cpu_kind):
+    const = torch.zeros(2, 1000)
+    check(const, 10)
+    assert cpu.ops().topk_rows(const, 4)[1].tolist() == [[0, 1, 2, 3]] * 2
+    x = torch.randint(0, 4, (4, 2000), generator=torch.Generator().manual_seed(1)).float()  # many equal values
+    for k in (1, 7, 600, 1999):
+        check(x, k)
+    zeros = torch.tensor([[0.0, -0.0, 1.0, -0.0, 0.0]])  # -0 equals +0
+    assert cpu.ops().topk_rows(zeros, 5)[1].tolist() == [[2, 0, 1, 3, 4]]
+
+
+def test_nan_and_infinities(cpu_kind):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 700, generator=g)
+    x[0, [5, 300, 699]] = math.nan  # NaNs rank first, lowest index first
+    x[1, :] = -math.inf
+    x[1, 650] = 1.0
+    x[2, ::3] = math.inf
+    x[3, :] = math.nan  # all NaN: the first k
+    for k in (1, 2, 3, 4, 50, 700):
+        check(x, k)
+    vals, idx = cpu.ops().topk_rows(x, 4)
+    assert idx[0, :3].tolist() == [5, 300, 699] and idx[3].tolist() == [0, 1, 2, 3]
+    assert idx[1, 0].item() == 650 and math.isinf(vals[1, 1].item())
+
+
+def test_rejects_bad_input(cpu_kind):
+    ops = cpu.ops()
+    x = torch.randn(2, 10)
+    for bad_k in (0, -1, 11):
+        with pytest.raises(RuntimeError, match=f"k must be in \\[1, 10\\], got {bad_k}"):
+            ops.topk_rows(x, bad_k)
+    for bad in (x.double(), x.bfloat16(), x.t(), x[0]):
+        with pytest.raises(RuntimeError, match="topk_rows: x \\[R, V\\] contiguous fp32"):
+            ops.topk_rows(bad, 1)
