@@ -112,9 +112,9 @@ def _one_thread(device: torch.device):
 
 
 def _row_ops(x: torch.Tensor):
-    """The C++ CPU kernels when x is a 2-D contiguous fp32 CPU tensor (their argmax_rows and topk_rows
-    apply), else None. Over [32, 49152] logits on one thread they measured argmax 0.7 ms vs torch's 3.7,
-    top-256 ~1 ms vs torch's ~10 ms (bench/sampling.py's shape)."""
+    """The C++ CPU kernels when x is a 2-D contiguous fp32 CPU tensor (their argmax_rows, topk_rows and
+    logsumexp_rows apply), else None. Over [32, 49152] logits on one thread they measured argmax 0.7 ms
+    vs torch's 3.7, top-256 1.7 ms vs 6-10 (bench/sampling.py's shape)."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
         return kernels.cpu.ops()
     return None
@@ -133,13 +133,19 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ops.topk_rows(x, k) if ops is not None else x.topk(k, dim=-1)
 
 
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """Each row's log(sum(exp(row))) [B, 1], as torch.logsumexp(x, dim=-1, keepdim=True)."""
+    ops = _row_ops(x)
+    return ops.logsumexp_rows(x).unsqueeze(1) if ops is not None else x.logsumexp(dim=-1, keepdim=True)
+
+
 def _sample(logits, params, generators, contexts, inplace: bool) -> SamplerOutput:
     raw = logits.float()
     vocab = raw.shape[1]
     num_top = min(max(p.top_logprobs for p in params), vocab)
     # log-probs = raw logits - their logsumexp (no [B, V] log_softmax: ~half its time); raw is then read
     # again after the draw, so it is processed in place (when ours) only where no log-prob is wanted
-    lse = raw.logsumexp(dim=-1, keepdim=True) if num_top > 0 or any(p.logprobs for p in params) else None
+    lse = logsumexp(raw) if num_top > 0 or any(p.logprobs for p in params) else None
     logits = process_logits(raw, params, contexts, inplace=lse is None and (inplace or raw is not logits))
     greedy = [p.greedy for p in params]
     if all(greedy):

@@ -7,7 +7,7 @@
 // - attention.h: paged_attention_small_q, attention of few-row sequences from the paged cache;
 // - attention_bf16.h: paged_attention_bf16, tiled attention of any rows on AVX512-BF16 (bf16 only);
 // - elementwise.h: rms_norm (optionally after the residual add), silu_and_mul, rope_store_kv;
-// - topk.h: topk_rows, the sampler's top-k of each row;
+// - sampler.h: topk_rows and logsumexp_rows, the sampler's row kernels;
 // - decode_forward (here): all decoder layers of a decode step in one call; decode_steps: greedy
 //   decode steps (layers, final norm, LM head, argmax) in one call.
 
@@ -26,7 +26,7 @@
 #include "elementwise.h"
 #include "linear.h"
 #include "team.h"
-#include "topk.h"
+#include "sampler.h"
 #include "vec.h"
 
 #ifndef AGENTRT_NS
@@ -461,6 +461,20 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   return {vals, idx};
 }
 
+// log(sum(exp(row))) of each row of x [R, V] fp32 -> [R] fp32 (torch.logsumexp(x, dim=-1)'s rule).
+at::Tensor logsumexp_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) >= 1,
+              "logsumexp_rows: x [R, V] contiguous fp32, V >= 1, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t R = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({R}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = agentrt::logsumexp_row(xp + r * V, V);
+  });
+  return out;
+}
+
 // Greedy decode of R sequences of one row each, up to `steps` steps in one call (the runner's
 // multi-step decode): each step embeds the rows' tokens, runs decode_forward, the final norm and the
 // LM head (packed, no bias), and takes each row's argmax (torch.argmax's rule) as its next token at
@@ -556,6 +570,7 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("isa() -> str", &isa);
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
+  m.def("logsumexp_rows(Tensor x) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -595,4 +610,5 @@ AGENTRT_LIBRARY_IMPL(AGENTRT_NS, CPU, m) {
   m.impl("decode_steps", decode_steps);
   m.impl("argmax_rows", argmax_rows);
   m.impl("topk_rows", topk_rows);
+  m.impl("logsumexp_rows", logsumexp_rows);
 }

@@ -1,7 +1,8 @@
-"""topk_rows, the sampler's top-k (kernels/csrc/topk.h), on every CPU kind this machine supports.
+"""The sampler's row kernels (kernels/csrc/sampler.h) on every CPU kind this machine supports.
 
-Reference: torch's stable descending sort, cut to k: the same values as torch.topk (a NaN first),
-and among equal values the lower index first, the order topk_rows promises.
+topk_rows against torch's stable descending sort cut to k: the same values as torch.topk (a NaN
+first), and among equal values the lower index first, the order topk_rows promises.
+logsumexp_rows against torch.logsumexp in fp64.
 """
 
 import math
@@ -81,3 +82,34 @@ def test_rejects_bad_input(cpu_kind):
     for bad in (x.double(), x.bfloat16(), x.t(), x[0]):
         with pytest.raises(RuntimeError, match="topk_rows: x \\[R, V\\] contiguous fp32"):
             ops.topk_rows(bad, 1)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 300, 49152])
+def test_logsumexp_rows(cpu_kind, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(4, vocab, generator=g) * 4
+    x[1] *= 30  # one dominant entry, and exponents far below exp's range
+    x[2, ::2] = -math.inf  # masked entries
+    x[3] = x[3] + 1e4  # large offsets: the maximum comes out first
+    out = cpu.ops().logsumexp_rows(x)
+    want = x.double().logsumexp(dim=-1)
+    assert out.dtype == torch.float32 and out.shape == (4,)
+    finite = want.isfinite()  # with vocab 1 the masked row is all -inf
+    assert torch.equal(out.double()[~finite], want[~finite])
+    out, want = out.double()[finite], want[finite]
+    err = (out - want).abs()
+    assert (err <= 2e-6 * want.abs().clamp(min=1)).all(), err.max().item()
+    err_torch = (x.logsumexp(dim=-1).double()[finite] - want).abs()
+    assert (err <= 2 * err_torch + 2e-6 * want.abs().clamp(min=1)).all()
+
+
+def test_logsumexp_rows_special_values(cpu_kind):
+    inf, nan = math.inf, math.nan
+    x = torch.tensor([[-inf, -inf, -inf], [1.0, inf, 2.0], [0.0, nan, 1.0], [-inf, 0.0, -inf], [-inf, inf, nan]])
+    out = cpu.ops().logsumexp_rows(x)
+    want = x.logsumexp(dim=-1)
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num()), (out, want)
+    for bad in (x.double(), x.t(), x[0], torch.empty(2, 0)):
+        with pytest.raises(RuntimeError, match="logsumexp_rows: x \\[R, V\\] contiguous fp32, V >= 1"):
+            cpu.ops().logsumexp_rows(bad)
+
