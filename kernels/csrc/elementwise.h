@@ -108,26 +108,8 @@ void rope_store_kv(const T* qkv, int64_t ld, const int64_t* positions, const flo
 // counts as the largest (the first NaN wins). Two passes of 8 lanes: the maximum, then its first index.
 template <typename T>
 inline int64_t argmax_row(const T* row, int64_t V) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  v8 m = splat(neg_inf);
-  v8i nan = {};
-  int64_t i = 0;
-  for (; i + 8 <= V; i += 8) {
-    const v8 v = load8(row + i);
-    nan |= v != v;
-    m = v > m ? v : m;
-  }
-  float best = neg_inf;
-  bool any_nan = false;
-  for (int l = 0; l < 8; ++l) {
-    any_nan |= nan[l] != 0;
-    best = m[l] > best ? m[l] : best;
-  }
-  for (; i < V; ++i) {
-    const float v = to_f32(row[i]);
-    any_nan |= v != v;
-    best = v > best ? v : best;
-  }
+  bool any_nan;
+  const float best = row_max(row, V, &any_nan);
   auto hit = [&](float v) { return any_nan ? v != v : v == best; };
   int64_t j = 0;
   for (; j + 8 <= V; j += 8) {

@@ -121,29 +121,14 @@ inline void topk_row(const float* row, int64_t V, int64_t k, std::vector<uint64_
 inline float logsumexp_row(const float* row, int64_t V) {
   typedef double v4d __attribute__((vector_size(32)));
   const float inf = std::numeric_limits<float>::infinity();
-  v8 m8 = splat(-inf);
-  v8i nan8 = {};
-  int64_t i = 0;
-  for (; i + 8 <= V; i += 8) {
-    const v8 v = load8(row + i);
-    nan8 |= v != v;
-    m8 = v > m8 ? v : m8;
-  }
-  float m = -inf;
-  bool nan = false;
-  for (int l = 0; l < 8; ++l) {
-    nan |= nan8[l] != 0;
-    m = m8[l] > m ? m8[l] : m;
-  }
-  for (int64_t j = i; j < V; ++j) {
-    nan |= row[j] != row[j];
-    m = row[j] > m ? row[j] : m;
-  }
+  bool nan;
+  const float m = row_max(row, V, &nan);
   if (nan) return std::numeric_limits<float>::quiet_NaN();
   if (m == inf || m == -inf) return m;
   v4d lo = {}, hi = {};
   const v8 mm = splat(m);
-  for (i = 0; i + 8 <= V; i += 8) {
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
     const v8 e = exp8(load8(row + i) - mm);
     lo += __builtin_convertvector(__builtin_shufflevector(e, e, 0, 1, 2, 3), v4d);
     hi += __builtin_convertvector(__builtin_shufflevector(e, e, 4, 5, 6, 7), v4d);

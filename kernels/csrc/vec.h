@@ -125,6 +125,33 @@ inline v8 exp8(v8 x) {
   return y * (v8)n;
 }
 
+// The largest of row[0, V) (-inf for none) and whether any is NaN (NaNs take no part in the maximum).
+template <typename T>
+inline float row_max(const T* row, int64_t V, bool* any_nan) {
+  const float neg_inf = -__builtin_inff();
+  v8 m = splat(neg_inf);
+  v8i nan = {};
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const v8 v = load8(row + i);
+    nan |= v != v;
+    m = v > m ? v : m;
+  }
+  float best = neg_inf;
+  bool found = false;
+  for (int l = 0; l < 8; ++l) {
+    found |= nan[l] != 0;
+    best = m[l] > best ? m[l] : best;
+  }
+  for (; i < V; ++i) {
+    const float v = to_f32(row[i]);
+    found |= v != v;
+    best = v > best ? v : best;
+  }
+  *any_nan = found;
+  return best;
+}
+
 // The instruction set this library was compiled for (kernels/cpu.py builds one per CPU kind).
 inline const char* compiled_isa() {
 #if defined(__AVX512BF16__)
