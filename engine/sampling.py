@@ -85,7 +85,7 @@ def sample(
     inplace: bool = False,
 ) -> SamplerOutput:
     """Sample one token per row (order of the processors: module docstring); log-probs (of the
-    sampled and of the top-N tokens) come from the raw logits' log_softmax, before any processor.
+    sampled and of the top-N tokens) come from the raw logits, before any processor (raw - logsumexp).
 
     logits: [B, V] (any float dtype; computed in fp32). contexts: per row, needed for the rows whose
     params use penalties or min_tokens (None elsewhere). inplace: the processors may write into
