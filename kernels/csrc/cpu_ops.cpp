@@ -443,7 +443,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-// The k best of each row of x [R, V] fp32, best first (topk.h's order: NaN first, ties to the lower
+// The k best of each row of x [R, V] fp32, best first (sampler.h's order: NaN first, ties to the lower
 // index) -> (values [R, k] fp32, indices [R, k] int64); rows split over at::parallel_for's threads.
 std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
