@@ -12,11 +12,13 @@ Workload: N requests (default 64), prompt lengths uniform in [16, 512], output l
   pass over the same prompts (1 output token each), against a GEMM probe of the same run (torch's
   GEMM 512 x 576 x 1536 in the engine's dtype, the median of 7 timings of 10 calls);
 - single request, one at a time, on a subset: decode tokens/s of HF (each dtype), of the engine, and,
-  when the engine is not fp32, of the engine in fp32, as (out - 1) / (t(out tokens) - t(1 token)),
-  i.e. prefill excluded; the systems are interleaved so drift hits them alike, and each request is
-  timed `--single-repeats` times per system, its median kept (on a shared machine a neighbour's burst
-  lands on one system's run: single runs of the same four requests gave bf16 / fp32 ratios of
-  1.46-1.79x a minute apart).
+  when the engine is not fp32, of the engine in fp32, prefill excluded: HF as (out - 1) /
+  (t(out tokens) - t(1 token)); the engines (engine, its fp32 twin, the speculative one) run the same
+  request side by side, stepped in turn, each timing its own steps after its first (bursts of
+  `--num-scheduler-steps` tokens), so a neighbour's load on a shared machine lands on all of them
+  alike (timed one whole request after the other, bf16 / fp32 ratios of the same four requests
+  spread 1.48-1.68x on an AVX2 machine, stepped in turn 1.50-1.58x). Each request is timed
+  `--single-repeats` times per system, its median kept.
 - with `--speculative K` (default 3; 0 = skip), the engine again with n-gram speculative decoding
   (K drafts per step, exact for greedy), reported in separate rows: plain decoding stays the
   headline comparison. Prompts of random token ids make a small model loop, which prompt lookup
@@ -170,12 +172,40 @@ def engine_single(llm, prompt, new: int) -> float:
     return time.perf_counter() - t
 
 
-def engine_decode(llm, prompt, new: int) -> float:
-    """Seconds of `new - 1` decode steps after one prompt: a run of `new` tokens less a run of 1, both with
-    the prompt in the prefix cache (warmed first), so neither pays its prefill (the engine's cache
-    would otherwise leave the whole prefill in the first run only)."""
-    engine_single(llm, prompt, 1)
-    return engine_single(llm, prompt, new) - engine_single(llm, prompt, 1)
+def engines_decode_paired(engines: dict, prompt, new: int) -> dict:
+    """Per engine, seconds of its `new - 1` decode steps after one prompt, the engines stepped in turn:
+    each engine's next step (a burst of `num_scheduler_steps` tokens) runs right after the others',
+    so a neighbour's load on a shared host lands on all of them alike instead of on whichever engine
+    ran its whole request in that second. The prompt is in each prefix cache first and each engine's
+    first step (the prompt's uncached tail and the first token) is not timed: no engine pays its prefill
+    (the prefix cache would otherwise leave the whole prefill in the first run only)."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    for llm in engines.values():
+        engine_single(llm, prompt, 1)
+    cores = {key: llm.core for key, llm in engines.items()}
+    reqs = {key: core.add_request(prompt, params) for key, core in cores.items()}
+    try:
+        for core in cores.values():
+            core.step()
+        seconds = dict.fromkeys(cores, 0.0)
+        live = [key for key, core in cores.items() if core.has_work()]
+        while live:
+            for key in list(live):
+                t = time.perf_counter()
+                cores[key].step()
+                seconds[key] += time.perf_counter() - t
+                if not cores[key].has_work():
+                    live.remove(key)
+        for key, core in cores.items():
+            got = len(core.finished_output(reqs[key]).outputs[0].token_ids)
+            if got != new:
+                raise RuntimeError(f"engine {key!r} produced {got} tokens, not {new}")
+    finally:
+        for key, core in cores.items():
+            core.release(reqs[key].request_id)
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,9 +351,9 @@ def main(argv: list[str] | None = None) -> int:
             for d, model in hfs.items():
                 runs.setdefault(d, {}).setdefault(j, []).append(
                     hf_single(model, p, o, pad_id) - hf_single(model, p, 1, pad_id))
-            for key, e in (("engine", llm), ("fp32", ref32), ("spec", spec)):
-                if e is not None:
-                    runs.setdefault(key, {}).setdefault(j, []).append(engine_decode(e, p, o))
+            engines = {key: e for key, e in (("engine", llm), ("fp32", ref32), ("spec", spec)) if e is not None}
+            for key, seconds in engines_decode_paired(engines, p, o).items():
+                runs.setdefault(key, {}).setdefault(j, []).append(seconds)
     median_sum = {k: sum(statistics.median(ts) for ts in per_req.values()) for k, per_req in runs.items()}
     hf_dec = {d: median_sum[d] for d in hfs} if singles else dict.fromkeys(hfs, 0.0)
     eng_dec, ref_dec, spec_dec = (median_sum.get(k, 0.0) for k in ("engine", "fp32", "spec"))
