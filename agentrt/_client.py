@@ -214,7 +214,9 @@ def _pid() -> str | None:
 
 def _usage(data: dict[str, Any]) -> Usage | None:
     u = data.get("usage")
-    return Usage(u["prompt_tokens"], u["completion_tokens"]) if u else None
+    if not u:
+        return None
+    return Usage(u["prompt_tokens"], u["completion_tokens"], (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
 
 def _completion_logprobs(data: dict[str, Any] | None) -> list[TokenLogprob] | None:

@@ -47,6 +47,8 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int
     completion_tokens: int  # over all choices
+    cached_tokens: int = 0  # of the prompt tokens, those served from the prefix cache (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens): KV an earlier call of the program (or another) computed
 
     @property
     def total_tokens(self) -> int:

@@ -490,7 +490,7 @@ class Runtime:
             reason = "tool_calls" if calls else c.finish_reason
             lps = token_logprobs(self._token_text, c.token_ids, c.logprobs, c.top_logprobs)
             choices.append(Choice(c.index, text, reason, calls, lps, list(c.token_ids)))
-        return Result(choices, Usage(out.num_prompt_tokens, out.num_output_tokens), out.prompt_logprobs)
+        return Result(choices, Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens), out.prompt_logprobs)
 
 
 class RuntimeObserver:
@@ -508,7 +508,7 @@ def _rendered(messages: Any) -> Any:
     """Earlier tool calls and tool results in a conversation written as the model reads them."""
     if isinstance(messages, (list, tuple)) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
                                                    for m in messages):
-        return render_messages(list(messages), [], "none")
+        return render_messages(list(messages), [])
     return messages
 
 

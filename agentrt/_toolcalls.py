@@ -7,7 +7,8 @@ described in the system prompt in a Hermes-style format and the model calls one 
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-`tool_choice="auto"` lets the model choose, and the calls it writes are parsed out of its text.
+`tool_choice="auto"` lets the model choose, and the calls it writes are parsed out of its text;
+`"none"` keeps the tools in the prompt and parses nothing (the text is the content).
 `"required"` or a named function forces a call by constrained decoding: the output is then a JSON
 object `{"name": ..., "arguments": {...}}` matching one tool's parameter schema (exactly one call).
 Assistant messages with `tool_calls` and `role: "tool"` results go back into the prompt in the
@@ -143,9 +144,12 @@ def call_constraint(tools: list[FunctionTool], name: str | None) -> Constraint:
     return Constraint.json_schema(options[0] if len(options) == 1 else {"anyOf": options})
 
 
-def render_messages(messages: list[dict[str, Any]], tools: list[FunctionTool], tool_choice: str) -> list[dict[str, str]]:
+def render_messages(messages: list[dict[str, Any]], tools: list[FunctionTool]) -> list[dict[str, str]]:
     """Messages as plain {role, content} for a chat template without tool support: tools described in
-    the system message, assistant tool calls and tool results written in the Hermes format."""
+    the system message, assistant tool calls and tool results written in the Hermes format.
+    The tools are described whatever the tool choice, "none" included (as vLLM does by default): the
+    model still knows what it has, and the calls of one conversation share their prompt's prefix, so a
+    call that may not use a tool still finds the KV of the calls before it in the prefix cache."""
     out: list[dict[str, str]] = []
     for m in messages:
         if not isinstance(m, dict):
@@ -160,7 +164,7 @@ def render_messages(messages: list[dict[str, Any]], tools: list[FunctionTool], t
         elif role == "tool":
             content = f"<tool_response>\n{content}\n</tool_response>"
         out.append({"role": role, "content": content})
-    if tools and tool_choice != "none":
+    if tools:
         text = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.spec()["function"]) for t in tools))
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
@@ -250,7 +254,7 @@ class ChatPlan:
     forced_call: bool = False  # the output is a call object decoded under `constraint`
 
     def render(self, messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-        return render_messages(messages, self.tools, self.mode)
+        return render_messages(messages, self.tools)
 
     def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished output."""

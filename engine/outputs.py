@@ -60,6 +60,11 @@ class RequestOutput:
         return len(self.prompt_token_ids)
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache when the request was first scheduled."""
+        return self.metrics.num_prefix_hit_tokens if self.metrics is not None else 0
+
+    @property
     def num_output_tokens(self) -> int:
         return sum(o.num_output_tokens for o in self.outputs)
 

@@ -22,6 +22,7 @@ from agentrt.server.schemas import (
     ChoiceLogprobs,
     CompletionLogprobs,
     ProgramId,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -158,7 +159,7 @@ def completion_logprobs(text: TokenText, ids: list[int], lps: list[float] | None
 def usage_of(outs: list[RequestOutput]) -> Usage:
     prompt = sum(o.num_prompt_tokens for o in outs)
     completion = sum(o.num_output_tokens for o in outs)
-    return Usage(prompt, completion, prompt + completion)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(sum(o.num_cached_tokens for o in outs)))
 
 
 async def results(request: Request, calls: list[Call]) -> list[RequestOutput]:

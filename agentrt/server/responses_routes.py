@@ -41,6 +41,7 @@ from agentrt.server.responses_schemas import (
     FunctionCallItem,
     IncompleteDetails,
     InputItem,
+    InputTokensDetails,
     OutputItem,
     OutputMessage,
     OutputText,
@@ -187,7 +188,7 @@ async def create_response(request: Request) -> Response:
         length = out.finish_reason == "length"
         done = msgspec.structs.replace(
             base, output=_items(content, calls, msg_id), status="incomplete" if length else "completed",
-            usage=ResponseUsage(n_in, n_out, n_in + n_out),
+            usage=ResponseUsage(n_in, n_out, n_in + n_out, InputTokensDetails(out.num_cached_tokens)),
             incomplete_details=IncompleteDetails("max_output_tokens") if length else None,
         )
         if req.store:

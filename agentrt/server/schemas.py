@@ -28,10 +28,15 @@ class StreamOptions(Struct):
     include_usage: bool = False  # a last chunk with `usage` (and empty `choices`) before [DONE]
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (KV computed by an earlier call)
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorInfo(Struct):

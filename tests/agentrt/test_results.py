@@ -120,6 +120,28 @@ def test_same_results_through_connect(tiny_model_path, rt_kw):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
 
 
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(tiny_model_path, rt_kw):
+    """usage.cached_tokens (OpenAI's usage.prompt_tokens_details.cached_tokens): none on a first call, every
+    full block but the one holding the last prompt token (always computed) when the same prompt comes again."""
+    long = [{"role": "user", "content": "Name three colours and say why you like them. " * 6}]
+
+    async def fn():
+        return [await agentrt.chat(long, max_tokens=2, temperature=0, full=True) for _ in range(2)]
+
+    async def remote(url):
+        async with agentrt.connect(url):
+            return await fn()
+
+    local = run(rt_kw, fn)
+    with live_server(tiny_config(tiny_model_path)) as srv:
+        far = anyio.run(remote, srv.url)
+    for first, again in (local, far):
+        n = first.usage.prompt_tokens
+        assert n > 32 and again.usage.prompt_tokens == n
+        assert first.usage.cached_tokens == 0
+        assert again.usage.cached_tokens == (n - 1) // 16 * 16  # block size 16
+
+
 async def _connect_chat(url, **sampling):
     async with agentrt.connect(url):
         return await agentrt.chat(MSGS, max_tokens=2, **sampling)

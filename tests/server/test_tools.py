@@ -149,7 +149,7 @@ def test_forced_call_streamed_and_not_then_round_trip(client, model, tok, choice
     # the call and its result went back into the prompt, in the Hermes format
     sent = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call.function.model_dump()]},
             {"role": "tool", "content": result}]
-    assert answer.usage.prompt_tokens == len(chat_ids(tok, render_messages(sent, normalize_tools(TOOLS), "auto")))
+    assert answer.usage.prompt_tokens == len(chat_ids(tok, render_messages(sent, normalize_tools(TOOLS))))
 
 
 # with "auto" the model decides: greedy, it answers the plain question in prose, and after one call
@@ -179,6 +179,27 @@ def test_auto_gives_text_or_a_well_formed_call(client, model, messages):
         assert c.finish_reason in ("stop", "length") and c.message.content and "<tool_call>" not in c.message.content
         assert not calls and content == c.message.content
     assert reason == c.finish_reason
+
+
+def test_none_keeps_the_tools_so_the_answer_reuses_the_calls_prefix(srv, client, model, tok):
+    """After a call and its result, an answer asked with tool_choice "none" still has the tools in its
+    prompt (as vLLM renders it): its prompt extends the first call's, so the first call's KV is found in
+    the prefix cache (without the tools the prompts part at the system message and nothing is reused)."""
+    pid = {"X-Program-Id": "tools-none-prefix"}
+    ask = [{"role": "user", "content": "Is it raining in Lima this afternoon?"}]  # no other test's prompt
+    r = chat(client, model, ask, tools=TOOLS, tool_choice=CHOICES["named"], extra_headers=pid)
+    (call,) = r.choices[0].message.tool_calls
+    result = "18 degrees and sunny"
+    messages = [*ask, r.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": result}]
+    answer = chat(client, model, messages, tools=TOOLS, tool_choice="none", max_tokens=16, extra_headers=pid)
+    assert not answer.choices[0].message.tool_calls and answer.choices[0].message.content
+    sent = [*ask, {"role": "assistant", "content": "", "tool_calls": [call.function.model_dump()]},
+            {"role": "tool", "content": result}]
+    assert answer.usage.prompt_tokens == len(chat_ids(tok, render_messages(sent, normalize_tools(TOOLS))))
+    first = r.usage.prompt_tokens  # its question's tokens come after the tools: found only if the prompts agree
+    assert answer.usage.prompt_tokens_details.cached_tokens >= (first - 1) // 16 * 16 > 0  # block size 16
+    assert httpx.delete(f"{srv.url}/v1/programs/tools-none-prefix").status_code == 200  # its KV pin goes now
 
 
 def test_none_never_calls(client, model):
@@ -250,7 +271,9 @@ def test_responses_chain_with_tools_is_one_program(client, model, srv, tok):
     sent = [{"role": "user", "content": "What is the weather in Tokyo?"},
             {"role": "assistant", "content": "", "tool_calls": [{"name": fc.name, "arguments": fc.arguments}]},
             {"role": "tool", "content": "22 degrees and cloudy"}]
-    assert r2.usage.input_tokens == len(chat_ids(tok, render_messages(sent, [], "none")))  # the chain is in the prompt
+    # the chain is in the prompt, with the tools described ("none" keeps them)
+    assert r2.usage.input_tokens == len(chat_ids(tok, render_messages(sent, normalize_tools([RESP_TOOL], "tools"))))
+    assert r2.usage.input_tokens_details.cached_tokens >= (r1.usage.input_tokens - 1) // 16 * 16 > 0
 
     # 3. streamed events, the tool forced again
     events = list(client.responses.create(model=model, previous_response_id=r2.id, input="And in Lima?",
