@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 if ref32 is not None else "")
         single_note = (f"{single}\n\nSingle-request decode, engine / best HF: **{results['ratio_single_decode']:.2f}x** "
                        f"(target >= 2x){vs32}; {len(singles)} requests, each the median of {max(1, a.single_repeats)} runs per "
-                       "system (systems interleaved), prefill excluded\n\n")
+                       "system (systems interleaved; the engines side by side, stepped in turn), prefill excluded\n\n")
     compute_note = (
         f"Compute: the batched run above did {results['engine_gflop_s']:.0f} GFLOP/s of model work; a prefill-only "
         f"pass over the same {a.num_requests} prompts (1 output token each) {results['prefill_tok_s']:.0f} tok/s = "
