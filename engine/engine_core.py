@@ -441,9 +441,15 @@ class EngineCore:
         text = self._detok[req.request_id].take(final=req.finished)
         if req.finished:
             self.requests.pop(req.request_id, None)
-        return StreamDelta(
+        delta = StreamDelta(
             req.request_id, req.fork_index, tokens, text, req.finished, req.finish_reason, req.error, logprobs, top_logprobs
         )
+        if req.sampling.prompt_logprobs is not None and tokens and req.num_output_tokens == len(tokens):
+            src = req.parent or req  # forks share their parent's prompt, which only the parent computed
+            delta.prompt_logprobs = list(src.prompt_logprobs)
+            if req.sampling.prompt_logprobs:
+                delta.prompt_top_logprobs = list(src.prompt_top_logprobs)
+        return delta
 
     def finished_output(self, req: Request) -> RequestOutput:
         """The full output of a finished request (with its forks); forgets the request."""

@@ -83,6 +83,10 @@ class StreamDelta:
     new_logprobs: list[float] | None = None  # per new token, its log-prob (logprobs or top_logprobs set)
     new_top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token, the most likely
     # (token id, log-prob), best first; None unless top_logprobs > 0
+    prompt_logprobs: list[float | None] | None = None  # on a completion's first delta with tokens, when
+    # SamplingParams.prompt_logprobs is set: per prompt token, its log-prob (None for the first)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # with it, per prompt position its
+    # prompt_logprobs most likely (token id, log-prob) (None for the first); None unless prompt_logprobs > 0
 
 
 @dataclass(slots=True)

@@ -66,7 +66,7 @@ def sampling_params(
     st: ServerState, *, max_tokens: int | None, prompt_len: int, temperature: float | None, top_p: float | None,
     top_k: int | None, n: int, stop: str | list[str] | None, stop_token_ids: list[int] | None, seed: int | None,
     ignore_eos: bool, logprobs: bool, top_logprobs: int, constraint: Constraint | None = None,
-    processors: Any = None,
+    processors: Any = None, prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """`processors`: the request (a `schemas.Processors`) whose penalties, min_p, min_tokens and
     logit_bias apply."""
@@ -82,7 +82,7 @@ def sampling_params(
             max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k, n=n,
             stop=[] if stop is None else stop, stop_token_ids=stop_token_ids or [], seed=seed, ignore_eos=ignore_eos, logprobs=logprobs,
-            top_logprobs=top_logprobs, constraint=constraint,
+            top_logprobs=top_logprobs, constraint=constraint, prompt_logprobs=prompt_logprobs,
         )
     except (TypeError, ValueError) as e:
         raise bad_request(str(e), _param_of(str(e))) from None
@@ -154,6 +154,25 @@ def completion_logprobs(text: TokenText, ids: list[int], lps: list[float] | None
         offset += len(t)
     top = [{text(a): b for a, b in tl} for tl in tops] if tops is not None else None
     return CompletionLogprobs(tokens, list(lps), top, offsets)
+
+
+def echoed_logprobs(text: TokenText, prompt_ids: list[int], lps: list[float | None] | None,
+                    tops: list[TopList | None] | None, then: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    """An echoed prompt's log-probs (its first token's None: nothing comes before it), followed by those
+    of the text generated after it (`then`, its offsets already counted from the prompt's end)."""
+    if lps is None:
+        return then
+    head = completion_logprobs(text, prompt_ids, lps, None)
+    assert head is not None
+    if tops is not None:
+        head.top_logprobs = [None if tl is None else {text(a): b for a, b in tl} for tl in tops]
+    if then is not None:
+        head.tokens += then.tokens
+        head.token_logprobs += then.token_logprobs
+        head.text_offset += then.text_offset
+        if head.top_logprobs is not None and then.top_logprobs is not None:
+            head.top_logprobs += then.top_logprobs
+    return head
 
 
 def usage_of(outs: list[RequestOutput]) -> Usage:

@@ -26,6 +26,7 @@ from agentrt.server.app import ServerState, read_body, state_of
 from agentrt.server.calls import (
     chat_logprobs,
     completion_logprobs,
+    echoed_logprobs,
     error_event,
     message_dicts,
     new_id,
@@ -221,8 +222,9 @@ async def completions(request: Request) -> Response:
     owner = st.owner(request)
     req: CompletionRequest = decode(await read_body(request, st.config.max_body_bytes), CompletionRequest)
     st.check_model(req.model)
-    if req.echo:
-        raise bad_request("echo is not supported", "echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens=0 generates nothing: it is allowed only with echo=true (the prompt scored)",
+                          "max_tokens")
     pid, tid = program_keys(request, req.program_id, req.thread_id)
     prompts = _prompts(req.prompt)
     if len(prompts) * req.n > st.config.max_n:
@@ -234,14 +236,17 @@ async def completions(request: Request) -> Response:
     constraint, param = _completion_constraint(req)
     if constraint is not None:
         await anyio.to_thread.run_sync(lambda: rt.compile_constraint(constraint, param))
+    scored = req.echo and req.logprobs is not None  # the echoed prompt comes with its tokens' log-probs
     params = [
         sampling_params(
-            st, max_tokens=req.max_tokens, prompt_len=len(i), temperature=req.temperature, top_p=req.top_p,
+            st, max_tokens=req.max_tokens or 1, prompt_len=len(i), temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k, n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
             logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, constraint=constraint, processors=req,
+            prompt_logprobs=req.logprobs if scored else None,
         )
         for i in ids
     ]
+    echo = [(p if isinstance(p, str) else tok.decode(i), i) for p, i in zip(prompts, ids)] if req.echo else None
     st.check_capacity()
     calls: list[Call] = []
     try:
@@ -256,28 +261,53 @@ async def completions(request: Request) -> Response:
     headers = {"X-Program-Id": calls[0].program_id}
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return SSEResponse(_completion_events(st, calls, rid, created, req.n, usage), headers)
+        return SSEResponse(_completion_events(st, calls, rid, created, req.n, usage, echo, req.max_tokens > 0), headers)
     outs = await results(request, calls)
-    text = token_text(st)
-    choices = [
-        CompletionChoice(k * req.n + c.index, c.text, c.finish_reason,
-                         completion_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs))
-        for k, out in enumerate(outs) for c in out.outputs
-    ]
-    body = Completion(rid, created, st.model_name, choices, usage_of(outs), program_id=calls[0].program_id)
+    text, generated = token_text(st), req.max_tokens > 0
+    choices = []
+    for k, out in enumerate(outs):
+        head, prompt_ids = echo[k] if echo is not None else ("", [])
+        for c in out.outputs:
+            ids_, lps, tops = (c.token_ids, c.logprobs, c.top_logprobs) if generated else ([], [], [])
+            logprobs = completion_logprobs(text, ids_, lps if c.logprobs is not None else None,
+                                           tops if c.top_logprobs is not None else None, len(head))
+            if echo is not None:
+                logprobs = echoed_logprobs(text, prompt_ids, out.prompt_logprobs, out.prompt_top_logprobs, logprobs)
+            choices.append(CompletionChoice(k * req.n + c.index, head + (c.text if generated else ""),
+                                            c.finish_reason if generated else "length", logprobs))
+    body = Completion(rid, created, st.model_name, choices, _usage(outs, generated), program_id=calls[0].program_id)
     return Response(_encode(body), headers=headers, media_type="application/json")
 
 
-async def _completion_events(st: ServerState, calls: list[Call], rid: str, created: int, n: int,
-                             include_usage: bool) -> AsyncIterator[bytes]:
-    """Prompts' choices one prompt after another (all of them run in the engine meanwhile)."""
+def _usage(outs: list[RequestOutput], generated: bool) -> Usage:
+    usage = usage_of(outs)
+    if not generated:  # max_tokens=0: the token the engine had to sample is not returned
+        usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+    return usage
+
+
+async def _completion_events(st: ServerState, calls: list[Call], rid: str, created: int, n: int, include_usage: bool,
+                             echo: list[tuple[str, list[int]]] | None, generated: bool) -> AsyncIterator[bytes]:
+    """Prompts' choices one prompt after another (all of them run in the engine meanwhile). With `echo`
+    (per prompt, its text and token ids) each choice's first chunk is its prompt, with the prompt's
+    log-probs when they were asked; without `generated` (max_tokens=0) nothing follows but the finish."""
     model, text = st.model_name, token_text(st)
     outs: list[RequestOutput] = []
     try:
         for k, call in enumerate(calls):
             async with call:
                 offsets = [0] * n
+                echoed = [echo is None] * n
                 async for d in call:
+                    if not echoed[d.index]:
+                        head, prompt_ids = echo[k]
+                        logprobs = echoed_logprobs(text, prompt_ids, d.prompt_logprobs, d.prompt_top_logprobs, None)
+                        yield event(Completion(rid, created, model, [CompletionChoice(k * n + d.index, head, None, logprobs)]))
+                        echoed[d.index], offsets[d.index] = True, len(head)
+                    if not generated:
+                        if d.finished:
+                            yield event(Completion(rid, created, model, [CompletionChoice(k * n + d.index, "", "length")]))
+                        continue
                     lps = d.new_logprobs
                     if d.new_text or d.finished or (lps and d.new_token_ids):
                         logprobs = completion_logprobs(text, d.new_token_ids, lps, d.new_top_logprobs,
@@ -295,7 +325,7 @@ async def _completion_events(st: ServerState, calls: list[Call], rid: str, creat
         for c in calls:
             c.close()
     if include_usage:
-        yield event(Completion(rid, created, model, [], usage_of(outs)))
+        yield event(Completion(rid, created, model, [], _usage(outs, generated)))
     yield DONE
 
 

@@ -231,7 +231,7 @@ class CompletionRequest(Processors):
     # text, token ids, or a list of either (one choice set each); empty is a 400
     prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[str | int | list[int]], Meta(min_length=1)]
     model: str | None = None
-    max_tokens: PositiveInt = 16
+    max_tokens: Annotated[int, Meta(ge=0)] = 16  # 0 only with echo: the prompt scored, nothing generated
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: int | None = None
@@ -242,7 +242,7 @@ class CompletionRequest(Processors):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top alternatives per token (OpenAI: <= 5)
-    echo: bool = False  # not supported: a 400 when true
+    echo: bool = False  # each choice's text starts with its prompt (and its log-probs with the prompt's)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's structured-output fields
     guided_regex: str | None = None
@@ -256,8 +256,8 @@ class CompletionRequest(Processors):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token (nothing before it)
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

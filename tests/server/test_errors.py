@@ -85,7 +85,7 @@ BAD_BODIES = [
     (CHAT, {"messages": HI, "stop": ""}, "stop"),
     (CHAT, {"messages": HI, "stop": ["x", ""]}, "stop"),
     (CHAT, {"messages": HI, "program_id": "bad id"}, "program_id"),
-    (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
     (COMPLETIONS, {"prompt": "hi", "stop": ""}, "stop"),
     (COMPLETIONS, {"prompt": ["a", 1]}, "prompt"),
     (COMPLETIONS, {"prompt": [[1, 2], "a"]}, "prompt"),
