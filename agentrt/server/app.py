@@ -36,6 +36,18 @@ from agentrt.server.recorder import Recorder
 from agentrt.server.schemas import Health, Model, ModelList
 from agentrt.server.store import Store
 
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agentrt")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "0.0.0+unknown"
+
+
+VERSION = _version()
+
 logger = logging.getLogger("agentrt.server")
 
 
@@ -84,6 +96,7 @@ class ServerState:
         core = runtime._engine().core
         self.model_name = config.served_model_name or _model_name(config.model, core.model_path)
         self.max_model_len = core.max_model_len
+        self.vocab_size = core.model.args.vocab_size
         self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
         self.created = int(time.time())
         self.draining = False
@@ -176,7 +189,7 @@ async def openapi(request: Request) -> Response:
 
 
 def _operations() -> list[Operation]:
-    from agentrt.server import openai_routes, program_routes, responses_routes
+    from agentrt.server import openai_routes, program_routes, responses_routes, tokenize_routes
 
     return [
         Operation("get", "/health", "liveness", Health, errors=(503,), auth=False),
@@ -186,6 +199,7 @@ def _operations() -> list[Operation]:
         *openai_routes.OPERATIONS,
         *responses_routes.OPERATIONS,
         *program_routes.OPERATIONS,
+        *tokenize_routes.OPERATIONS,
         *ui.OPERATIONS,
     ]
 
@@ -193,7 +207,7 @@ def _operations() -> list[Operation]:
 def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = None) -> Starlette:
     """The server app. `runtime`: an existing (not yet entered) Runtime to serve, e.g. for tests;
     by default one is made from `config`."""
-    from agentrt.server import openai_routes, program_routes, responses_routes
+    from agentrt.server import openai_routes, program_routes, responses_routes, tokenize_routes
 
     config = config or ServerConfig()
     if runtime is None:
@@ -237,10 +251,11 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
         *openai_routes.ROUTES,
         *responses_routes.ROUTES,
         *program_routes.ROUTES,
+        *tokenize_routes.ROUTES,
         *ui.ROUTES,
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={Exception: _on_error, APIError: _on_error})
-    app.state.openapi = build(_operations(), "agentrt", "0.1.0")
+    app.state.openapi = build(_operations(), "agentrt", VERSION)
     return app
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +46,8 @@ def build(operations: list[Operation], title: str, version: str) -> dict[str, An
             responses[str(status)] = {"description": _REASONS.get(status, "error"), "content": error}
         spec: dict[str, Any] = {"summary": op.summary, "operationId": _op_id(op), "responses": responses}
         params = [{"name": n, "in": "query", "required": False, "schema": s} for n, s in op.query]
-        if "{program_id}" in op.path:
-            params.append({"name": "program_id", "in": "path", "required": True, "schema": {"type": "string"}})
+        for name in re.findall(r"{(\w+)}", op.path):
+            params.append({"name": name, "in": "path", "required": True, "schema": {"type": "string"}})
         if params:
             spec["parameters"] = params
         if op.body is not None:

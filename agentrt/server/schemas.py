@@ -292,6 +292,37 @@ class ModelList(Struct):
     object: str = "list"
 
 
+class Version(Struct):
+    version: str  # agentrt's
+
+
+# --- the tokenizer (vLLM's /tokenize and /detokenize) ----------------------------------------
+class TokenizeRequest(Struct):
+    model: str | None = None
+    prompt: str | None = None  # text, tokenized as /v1/completions does; or
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None  # a conversation, as /v1/chat/completions renders it
+    tools: list[Tool] | None = None  # with messages: the tools the chat endpoint would describe in the prompt
+    add_special_tokens: bool = True  # with prompt
+    add_generation_prompt: bool = True  # with messages: end with the assistant's turn opened
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # each token's text, when return_token_strs
+
+
+class DetokenizeRequest(Struct):
+    tokens: list[Annotated[int, Meta(ge=0)]]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
 # --- programs -------------------------------------------------------------------------------
 class ProgramCreate(Struct):
     program_id: ProgramId | None = None  # None: the server picks one

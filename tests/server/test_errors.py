@@ -247,7 +247,8 @@ ENDPOINTS = [
     ("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/openapi.json", None),
     ("POST", CHAT, {"messages": HI, "max_tokens": 1}), ("POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 1}),
     ("POST", "/v1/programs", {}), ("GET", "/v1/programs", None), ("GET", "/v1/programs/p", None),
-    ("DELETE", "/v1/programs/p", None),
+    ("DELETE", "/v1/programs/p", None), ("GET", "/v1/models/tiny", None), ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [1]}),
 ]
 
 

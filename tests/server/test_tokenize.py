@@ -1,0 +1,88 @@
+"""The routes a vLLM client finds besides the completions: `/tokenize` gives exactly the token ids the
+completion endpoints send to the engine (a prompt, or a conversation with its tools), `/detokenize` their
+text, `GET /v1/models/{model}` the model (OpenAI's retrieve), `/version` the version."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server.live import live_server, tiny_config
+
+MESSAGES = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is 2 + 2?"}]
+TOOL = {"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                         "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model_path):
+    with live_server(tiny_config(tiny_model_path, served_model_name="tiny")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_tokenize_a_prompt_as_completions_does(srv, http, client):
+    text = "The quick brown fox jumps over the lazy dog."
+    tok = srv.state.runtime.tokenizer
+    r = http.post("/tokenize", json={"model": "tiny", "prompt": text, "return_token_strs": True}).json()
+    assert r["tokens"] == tok(text)["input_ids"] and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == srv.state.max_model_len
+    assert r["token_strs"] == [tok.decode([t]) for t in r["tokens"]]
+    done = client.completions.create(model="tiny", prompt=text, max_tokens=1)
+    assert done.usage.prompt_tokens == r["count"]
+    assert http.post("/tokenize", json={"prompt": text}).json().get("token_strs") is None
+    back = http.post("/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back == {"prompt": tok.decode(r["tokens"])}
+
+
+@pytest.mark.parametrize("tools", [None, [TOOL]], ids=["plain", "tools"])
+def test_tokenize_a_conversation_as_chat_does(http, client, tools):
+    body = {"messages": MESSAGES, **({"tools": tools} if tools else {})}
+    r = http.post("/tokenize", json=body).json()
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, **({"tools": tools} if tools else {}))
+    assert r["count"] == chat.usage.prompt_tokens == len(r["tokens"])
+    bare = http.post("/tokenize", json={**body, "add_generation_prompt": False}).json()
+    assert bare["count"] < r["count"] and r["tokens"][: bare["count"]] == bare["tokens"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "prompt"),
+    ({"prompt": "hi", "messages": MESSAGES}, "messages"),
+    ({"prompt": "hi", "tools": [TOOL]}, "tools"),
+    ({"messages": []}, "messages"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].name"),
+], ids=["neither", "both", "tools-without-messages", "empty-messages", "bad-tool"])
+def test_tokenize_refuses_what_it_cannot_read(http, body, param):
+    r = http.post("/tokenize", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_detokenize_refuses_ids_out_of_the_vocabulary(srv, http):
+    vocab = srv.state.vocab_size
+    r = http.post("/detokenize", json={"tokens": [1, vocab]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[1]" and str(vocab) in r.json()["error"]["message"]
+    r = http.post("/detokenize", json={"tokens": [-1]})
+    assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
+    assert http.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+
+def test_retrieve_the_model_and_the_version(client, http):
+    m = client.models.retrieve("tiny")
+    assert m.id == "tiny" and m.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    v = http.get("/version")
+    assert v.status_code == 200 and v.json()["version"]
