@@ -272,9 +272,27 @@ async def _events(call: Call, plan: ChatPlan, base: ResponseObject, finish: Any)
     yield ev("response.completed", response=done)
 
 
-ROUTES = [Route("/v1/responses", create_response, methods=["POST"])]
+@api
+async def retrieve_response(request: Request) -> Response:
+    """A stored response (`store: true`, the default) by id, to the key that created it (others: 404)."""
+    st = state_of(request)
+    owner = st.owner(request)
+    rid = request.path_params["response_id"]
+    rec = await _memory(st).get(rid, owner)
+    if rec is None:
+        raise APIError(404, f"no stored response {rid!r} (made with store: false, by another key, or never)",
+                       "not_found_error", "response_id", "response_not_found")
+    return Response(rec.body.encode(), headers={"X-Program-Id": rec.program_id}, media_type="application/json")
+
+
+ROUTES = [
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+]
 
 OPERATIONS = [
     Operation("post", "/v1/responses", "create a model response (OpenAI Responses API)", ResponseObject,
               ResponseCreate, streams=ResponseStreamEvent, errors=(400, 401, 404, 409, 413, 429, 500, 503)),
+    Operation("get", "/v1/responses/{response_id}", "a stored response (OpenAI Responses API)", ResponseObject,
+              errors=(401, 404, 500)),
 ]

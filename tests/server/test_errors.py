@@ -248,7 +248,7 @@ ENDPOINTS = [
     ("POST", CHAT, {"messages": HI, "max_tokens": 1}), ("POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 1}),
     ("POST", "/v1/programs", {}), ("GET", "/v1/programs", None), ("GET", "/v1/programs/p", None),
     ("DELETE", "/v1/programs/p", None), ("GET", "/v1/models/tiny", None), ("POST", "/tokenize", {"prompt": "hi"}),
-    ("POST", "/detokenize", {"tokens": [1]}),
+    ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/v1/responses/resp-x", None),
 ]
 
 
@@ -292,6 +292,20 @@ def test_programs_belong_to_their_key(keyed):
         assert k1.delete("/v1/programs/p").json()["state"] == "finished"
         assert k1.delete("/v1/programs/p-by-call").json()["state"] == "finished"
         assert_error(k2.get("/v1/programs/p"), 404)
+    idle_and_free(keyed)
+
+
+def test_stored_responses_belong_to_their_key(keyed):
+    with as_key(keyed, "k1") as k1, as_key(keyed, "k2") as k2:
+        r = k1.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+        assert r.status_code == 200
+        rid = r.json()["id"]
+        assert k1.get(f"/v1/responses/{rid}").json() == r.json()
+        assert_error(k2.get(f"/v1/responses/{rid}"), 404, "response_id", "response_not_found")
+        unstored = k1.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "store": False}).json()
+        assert_error(k1.get(f"/v1/responses/{unstored['id']}"), 404, "response_id", "response_not_found")
+        for pid in (r.json()["program_id"], unstored["program_id"]):  # a chain stays open for its next response
+            assert k1.delete(f"/v1/programs/{pid}").json()["state"] == "finished"
     idle_and_free(keyed)
 
 

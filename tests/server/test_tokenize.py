@@ -79,6 +79,14 @@ def test_detokenize_refuses_ids_out_of_the_vocabulary(srv, http):
     assert http.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
 
 
+def test_retrieve_a_stored_response(client):
+    made = client.responses.create(model="tiny", input="Say hello.", max_output_tokens=3, temperature=0)
+    again = client.responses.retrieve(made.id)
+    assert again.model_dump() == made.model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_nonexistent")
+
+
 def test_retrieve_the_model_and_the_version(client, http):
     m = client.models.retrieve("tiny")
     assert m.id == "tiny" and m.object == "model"
