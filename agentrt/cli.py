@@ -69,7 +69,7 @@ def _serve(a: argparse.Namespace) -> int:
         model=a.model, policy=a.policy, engine=engine, db=a.db, api_keys=[*a.api_key, *env_api_keys()],
         served_model_name=a.served_model_name, program_idle_timeout_s=a.program_idle_timeout,
         max_waiting=a.max_waiting, drain_timeout_s=a.drain_timeout, max_body_bytes=a.max_body_bytes, max_n=a.max_n,
-        max_tokens_limit=a.max_tokens_limit,
+        max_tokens_limit=a.max_tokens_limit, exclude_tools_when_tool_choice_none=a.exclude_tools_when_tool_choice_none,
     )
     return serve(config, a.host, a.port, a.log_level)
 
@@ -120,6 +120,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--num-speculative-tokens", type=int, default=None)
     s.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens come in bursts of this many; default 1)")
+    s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="leave the tools out of the prompt of a call with tool_choice 'none' (vLLM's flag; by default "
+                        "they stay, so the calls of a conversation share their prompt's prefix)")
     s.add_argument("--log-level", default="info")
     s.set_defaults(fn=_serve)
 

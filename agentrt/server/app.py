@@ -69,6 +69,8 @@ class ServerConfig:
     max_n: int = 16  # completions per call at most
     max_tokens_limit: int | None = None  # max_tokens at most; None = the model's context
     max_programs_kept: int = 100_000  # ended programs kept in the database (older ones pruned)
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: tool_choice "none" leaves the tools out
+    # of the prompt (by default they stay described, so a conversation's calls share their prefix)
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_body_bytes", "max_n", "max_programs_kept"):

@@ -204,6 +204,8 @@ async def plan_chat(
     run off the event loop. Bad input raises InvalidCallError naming the field."""
     rt = st.runtime
     plan = plan_call(tools, tool_choice, output)
+    if plan.mode == "none" and st.config.exclude_tools_when_tool_choice_none:
+        plan.tools = []  # "none" parses no call: the tools served only the prompt
     ids = await anyio.to_thread.run_sync(rt.chat_token_ids, plan.render(messages), program_id)
     if plan.constraint is not None:
         param = "tool_choice" if plan.forced_call else "response_format"

@@ -94,3 +94,20 @@ def test_retrieve_the_model_and_the_version(client, http):
         client.models.retrieve("gpt-4o")
     v = http.get("/version")
     assert v.status_code == 200 and v.json()["version"]
+
+
+def test_tool_choice_none_keeps_the_tools_unless_the_server_excludes_them(tiny_model_path, http, client):
+    """By default a tool_choice "none" call still describes its tools (its prompt is /tokenize's with the
+    tools); `--exclude-tools-when-tool-choice-none` (vLLM's flag) leaves them out."""
+    with_tools = http.post("/tokenize", json={"messages": MESSAGES, "tools": [TOOL]}).json()["count"]
+    without = http.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
+    assert with_tools > without
+
+    def prompt_tokens(c: openai.OpenAI) -> int:
+        return c.chat.completions.create(model="tiny", messages=MESSAGES, tools=[TOOL], tool_choice="none",
+                                         max_tokens=1).usage.prompt_tokens
+
+    assert prompt_tokens(client) == with_tools
+    config = tiny_config(tiny_model_path, served_model_name="tiny", exclude_tools_when_tool_choice_none=True)
+    with live_server(config) as other, openai.OpenAI(base_url=other.url + "/v1", api_key="x", max_retries=0) as c:
+        assert prompt_tokens(c) == without
