@@ -131,3 +131,22 @@ def test_max_tokens_zero_needs_echo(srv):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "max_tokens" and "echo" in err["message"]
+
+
+def test_echo_with_n_gives_every_choice_its_prompt(client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=3, temperature=1.0, seed=7, n=2, logprobs=1, echo=True)
+    whole = client.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1]
+    for c in whole.choices:
+        assert c.text.startswith(PROMPT) and c.logprobs.token_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:5] == pytest.approx(whole.choices[0].logprobs.token_logprobs[1:5])
+    streamed = {0: "", 1: ""}
+    firsts = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.index not in firsts:
+                firsts[c.index] = c  # the fork's first chunk: its prompt, with the parent's prompt log-probs
+            streamed[c.index] += c.text
+    assert all(firsts[i].text == PROMPT and firsts[i].logprobs.token_logprobs[0] is None for i in (0, 1))
+    assert firsts[1].logprobs.token_logprobs == pytest.approx(firsts[0].logprobs.token_logprobs[: len(firsts[1].logprobs.token_logprobs)])
+    assert [streamed[i] for i in (0, 1)] == [c.text for c in whole.choices]  # a seed: the same draws
