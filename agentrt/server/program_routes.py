@@ -15,10 +15,10 @@ from starlette.routing import Route
 from agentrt._errors import ProgramNotFoundError
 from agentrt._process_table import ProgramInfo
 from agentrt.server.app import ServerState, json_response, read_body, state_of
-from agentrt.server.errors import api, bad_request
+from agentrt.server.errors import APIError, api, bad_request
 from agentrt.server.openapi import Operation
 from agentrt.server.recorder import wall_time
-from agentrt.server.schemas import Program, ProgramCreate, ProgramList, decode
+from agentrt.server.schemas import Program, ProgramCall, ProgramCallList, ProgramCreate, ProgramList, decode
 from agentrt.server.store import ProgramRecord
 
 
@@ -123,11 +123,34 @@ async def end_program(request: Request) -> Response:
     return json_response(await _find(st, pid, owner))
 
 
+@api
+async def list_program_calls(request: Request) -> Response:
+    """A program's ended calls in arrival order, from the store (so with `--db none` there are none to show)."""
+    st = state_of(request)
+    owner = st.owner(request)
+    pid = request.path_params["program_id"]
+    limit = _int_param(request, "limit", 100, 1, 1000)
+    await _find(st, pid, owner)  # 404 for an unknown program or another key's
+    if st.store is None:
+        raise APIError(409, "calls are recorded only with a store: this server runs with --db none",
+                       "invalid_request_error", None, "no_store")
+    store = st.store
+
+    def read() -> list[ProgramCall]:
+        store.flush()  # the calls that ended just now are still in the write-behind queue
+        return [ProgramCall(c.request_id, c.thread_id, c.kind, c.arrival_at, c.finished_at, c.first_token_s,
+                            c.latency_s, c.service_s, c.num_prompt_tokens, c.num_output_tokens, c.finish_reason,
+                            c.error) for c in store.list_calls(pid, limit)]
+
+    return json_response(ProgramCallList(await anyio.to_thread.run_sync(read)))
+
+
 ROUTES = [
     Route("/v1/programs", create_program, methods=["POST"]),
     Route("/v1/programs", list_programs, methods=["GET"]),
     Route("/v1/programs/{program_id}", get_program, methods=["GET"]),
     Route("/v1/programs/{program_id}", end_program, methods=["DELETE"]),
+    Route("/v1/programs/{program_id}/calls", list_program_calls, methods=["GET"]),
 ]
 
 OPERATIONS = [
@@ -137,4 +160,6 @@ OPERATIONS = [
               query=(("limit", {"type": "integer", "minimum": 1, "maximum": 1000}), ("state", {"type": "string"}))),
     Operation("get", "/v1/programs/{program_id}", "a program's state", Program, errors=(401, 404, 500)),
     Operation("delete", "/v1/programs/{program_id}", "end a program", Program, errors=(401, 404, 500)),
+    Operation("get", "/v1/programs/{program_id}/calls", "a program's calls", ProgramCallList, errors=(400, 401, 404, 409, 500),
+              query=(("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),)),
 ]

@@ -364,6 +364,28 @@ class ProgramList(Struct):
     object: str = "list"
 
 
+class ProgramCall(Struct):
+    """One LLM call of a program, as recorded when it ended."""
+
+    id: str  # its request id
+    thread_id: str | None  # the program's parallel branch that made it
+    kind: str  # "chat" | "completion" | "responses" | ...
+    created_at: float  # unix time of its arrival
+    ended_at: float | None
+    ttft_s: float | None  # arrival -> first token
+    latency_s: float | None  # arrival -> last token
+    service_s: float  # executor time attributed to it (what PLAS counts)
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    error: str | None = None
+
+
+class ProgramCallList(Struct):
+    data: list[ProgramCall]  # in arrival order
+    object: str = "list"
+
+
 class Health(Struct):
     status: str  # "ok" | "draining"
 

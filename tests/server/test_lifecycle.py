@@ -146,6 +146,8 @@ def test_programs_outlive_a_restart_with_their_owner(tiny_model_path, db_url):
             r = http.post("/v1/chat/completions", headers=k1, json=body)
             assert r.status_code == 200, r.text
             usage.append(r.json()["usage"])
+        live_calls = http.get("/v1/programs/p1/calls", headers=_auth("k1")).json()["data"]
+        assert [(c["kind"], c["completion_tokens"]) for c in live_calls] == [("chat", 5), ("chat", 5)]
         r = http.delete("/v1/programs/p1", headers=_auth("k1"))
         assert r.status_code == 200, r.text
         ended = r.json()
@@ -169,3 +171,21 @@ def test_programs_outlive_a_restart_with_their_owner(tiny_model_path, db_url):
         assert r.json()["error"]["code"] == "program_not_found"
         assert http.get("/v1/programs", headers=_auth("k2")).json()["data"] == []
         assert http.delete("/v1/programs/p1", headers=_auth("k2")).status_code == 404
+
+        calls = http.get("/v1/programs/p1/calls", headers=_auth("k1")).json()["data"]
+        assert calls == live_calls  # the program's calls, from the store, in arrival order
+        assert [(c["prompt_tokens"], c["completion_tokens"], c["finish_reason"]) for c in calls] == [
+            (u["prompt_tokens"], u["completion_tokens"], "length") for u in usage]
+        assert calls[0]["created_at"] <= calls[1]["created_at"] and all(c["service_s"] > 0 for c in calls)
+        assert http.get("/v1/programs/p1/calls?limit=1", headers=_auth("k1")).json()["data"] == calls[:1]
+        assert http.get("/v1/programs/p1/calls", headers=_auth("k2")).status_code == 404
+        assert http.get("/v1/programs/p1/calls?limit=0", headers=_auth("k1")).json()["error"]["param"] == "limit"
+
+
+def test_program_calls_need_a_store(tiny_model_path):
+    with live_server(tiny_config(tiny_model_path)) as s, httpx.Client(base_url=s.url, timeout=60) as http:
+        assert http.post("/v1/chat/completions", headers={"X-Program-Id": "p"},
+                         json={"messages": HI, "max_tokens": 2}).status_code == 200
+        r = http.get("/v1/programs/p/calls")
+        assert r.status_code == 409 and "--db none" in r.json()["error"]["message"]
+        assert http.get("/v1/programs/nope/calls").status_code == 404
