@@ -13,6 +13,9 @@ it costs the weight's memory a second time):
   rows holding k in pairs ([N/32, K/2, 32, 2], the operand layout of AVX512-BF16's dot product);
   more rows (prefill) go to the library's bf16 GEMM (`F.linear`: oneDNN, with AVX512-BF16 or AMX
   where the CPU has them). Output rounded to bf16 once, from an fp32 accumulator, as the library does.
+  Where the kernels are built without AVX512-BF16, every row count takes `packed_linear_bf16`: from 4
+  rows it widens each panel to fp32 once and runs the fp32 register tiles over it (the library's bf16
+  GEMM there converts with no bf16 arithmetic either, at a sixth of the fp32 GEMM's rate).
 
 Without the C++ kernels (no compiler): fp32 through oneDNN, and for 2-8 rows `W @ x.T` (the weight as
 the streamed operand, about one row's cost); bf16 and other dtypes and devices through `F.linear`.
@@ -144,7 +147,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == x.dtype and pack_cache is not None
             and x.numel() and not torch.is_grad_enabled()):
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] <= BF16_PACKED_MAX_ROWS and (ops := cpu.ops()) is not None:
+        if (ops := cpu.ops()) is not None and (x2.shape[0] <= BF16_PACKED_MAX_ROWS or cpu.compiled_isa() != "avx512_bf16"):
             b = None if bias is None else pack_cache.get_bias_f32(bias)
             out = ops.packed_linear_bf16(x2.contiguous(), pack_cache.get(weight), b, weight.shape[0])
             return out.view(*x.shape[:-1], weight.shape[0])

@@ -35,15 +35,15 @@ constexpr int64_t kPanel = 16;   // output columns (weight rows) per fp32 panel
 constexpr int kMaxTileRows = 6;  // rows of x per fp32 register tile: 6 x 16 outputs = 12 accumulators
 
 template <int MR>
-inline void linear_tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t ldy,
-                        int64_t ncols) {
+inline void linear_tile(const float* x, int64_t ldx, int64_t K, const float* panel, const float* bias, float* y,
+                        int64_t ldy, int64_t ncols) {
   v8 c0[MR], c1[MR];
   for (int m = 0; m < MR; ++m) c0[m] = c1[m] = splat(0.f);
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
     const v8 b0 = load8(panel + k * kPanel), b1 = load8(panel + k * kPanel + 8);
     for (int m = 0; m < MR; ++m) {
-      const v8 a = splat(x[m * K + k]);
+      const v8 a = splat(x[m * ldx + k]);
       c0[m] += a * b0;
       c1[m] += a * b1;
     }
@@ -67,26 +67,30 @@ inline void linear_tile(const float* x, int64_t K, const float* panel, const flo
   }
 }
 
+// All M rows of x (row stride ldx) through one fp32 panel: y[m, 0:ncols] (row stride ldy).
+inline void linear_rows_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* panel, const float* bias,
+                            float* y, int64_t ldy, int64_t ncols) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
+    const float* xm = x + m0 * ldx;
+    float* ym = y + m0 * ldy;
+    switch (std::min<int64_t>(kMaxTileRows, M - m0)) {
+      case 1: linear_tile<1>(xm, ldx, K, panel, bias, ym, ldy, ncols); break;
+      case 2: linear_tile<2>(xm, ldx, K, panel, bias, ym, ldy, ncols); break;
+      case 3: linear_tile<3>(xm, ldx, K, panel, bias, ym, ldy, ncols); break;
+      case 4: linear_tile<4>(xm, ldx, K, panel, bias, ym, ldy, ncols); break;
+      case 5: linear_tile<5>(xm, ldx, K, panel, bias, ym, ldy, ncols); break;
+      default: linear_tile<6>(xm, ldx, K, panel, bias, ym, ldy, ncols); break;
+    }
+  }
+}
+
 inline void packed_linear_f32(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y,
                               int64_t N) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n = p * kPanel, ncols = std::min(kPanel, N - n);
-      const float* panel = w + p * K * kPanel;
-      const float* bn = bias ? bias + n : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
-        const float* xm = x + m0 * K;
-        float* ym = y + m0 * N + n;
-        switch (std::min<int64_t>(kMaxTileRows, M - m0)) {
-          case 1: linear_tile<1>(xm, K, panel, bn, ym, N, ncols); break;
-          case 2: linear_tile<2>(xm, K, panel, bn, ym, N, ncols); break;
-          case 3: linear_tile<3>(xm, K, panel, bn, ym, N, ncols); break;
-          case 4: linear_tile<4>(xm, K, panel, bn, ym, N, ncols); break;
-          case 5: linear_tile<5>(xm, K, panel, bn, ym, N, ncols); break;
-          default: linear_tile<6>(xm, K, panel, bn, ym, N, ncols); break;
-        }
-      }
+      const int64_t n = p * kPanel;
+      linear_rows_f32(x, K, M, K, w + p * K * kPanel, bias ? bias + n : nullptr, y + n, N, std::min(kPanel, N - n));
     }
   });
 }
@@ -228,6 +232,47 @@ inline void linear_tile_bf16(const float* xf, int64_t K, const bf16* panel, cons
   }
 }
 
+// From this many rows a panel is widened to fp32 once and every row runs the fp32 register tiles over it,
+// instead of each row pair widening it again (measured: docs/benchmarks.md "Throughput (bfloat16, CPU avx2)").
+constexpr int64_t kWidenMinRows = 4;
+
+// A bf16 panel ([ceil(K / 2), 32, 2]) as two fp32 panels of 16 columns ([2][K][16], the fp32 layout).
+inline void widen_panel_bf16(const bf16* panel, int64_t K, float* out) {
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    const bf16* wp = panel + kk * 2 * kPanelBf16;
+    for (int c = 0; c < 4; ++c) {  // columns 8c .. 8c + 7
+      const v8w u = *reinterpret_cast<const v8wu*>(wp + 16 * c);
+      float* o = out + (c / 2) * K * kPanel + (c % 2) * 8;
+      store8(o + 2 * kk * kPanel, (v8)(u << 16));
+      if (2 * kk + 1 < K) store8(o + (2 * kk + 1) * kPanel, (v8)(u & 0xffff0000u));
+    }
+  }
+}
+
+// Rows [M] of xf (fp32, row stride ldx) through a widened panel pair: y[m, 0:ncols] in bf16 (row stride ldy).
+inline void linear_rows_widened(const float* xf, int64_t ldx, int64_t M, int64_t K, const bf16* panel,
+                                const float* bias, bf16* y, int64_t ldy, int64_t ncols, std::vector<float>& wf,
+                                std::vector<float>& yf) {
+  wf.resize(2 * K * kPanel);
+  yf.resize(M * kPanel);
+  widen_panel_bf16(panel, K, wf.data());
+  for (int64_t s = 0; s * kPanel < ncols; ++s) {
+    const int64_t nc = std::min(kPanel, ncols - s * kPanel);
+    linear_rows_f32(xf, ldx, M, K, wf.data() + s * K * kPanel, bias ? bias + s * kPanel : nullptr, yf.data(), kPanel,
+                    nc);
+    for (int64_t m = 0; m < M; ++m) {
+      bf16* row = y + m * ldy + s * kPanel;
+      if (nc == kPanel) {
+        store8(row, load8(yf.data() + m * kPanel));
+        store8(row + 8, load8(yf.data() + m * kPanel + 8));
+      } else {
+        store_row_bf16(row, yf.data() + m * kPanel, nc);
+      }
+    }
+  }
+}
+
 #endif
 
 // x [M, K] bf16, w packed as above, bias fp32 [N] or null -> y [M, N] bf16.
@@ -240,6 +285,9 @@ inline void packed_linear_bf16(const bf16* x, int64_t M, int64_t K, const bf16* 
     for (int64_t k = 0; k < K; ++k) xf[m * (K + 1) + k] = to_f32(x[m * K + k]);
 #endif
   agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
+#if !defined(__AVX512BF16__)
+    std::vector<float> wf, yf;  // this thread's widened panel and fp32 outputs
+#endif
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * kPanelBf16, ncols = std::min(kPanelBf16, N - n);
       const bf16* panel = w + p * panel_elems;
@@ -247,6 +295,10 @@ inline void packed_linear_bf16(const bf16* x, int64_t M, int64_t K, const bf16* 
 #if defined(__AVX512BF16__)
       linear_rows_bf16(x, M, K, panel, bn, y + n, N, ncols);
 #else
+      if (M >= kWidenMinRows) {
+        linear_rows_widened(xf.data(), K + 1, M, K, panel, bn, y + n, N, ncols, wf, yf);
+        continue;
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRowsBf16) {
         const float* xm = xf.data() + m0 * (K + 1);
         bf16* ym = y + m0 * N + n;
