@@ -13,7 +13,7 @@ it costs the weight's memory a second time):
   rows holding k in pairs ([N/32, K/2, 32, 2], the operand layout of AVX512-BF16's dot product);
   more rows (prefill) go to the library's bf16 GEMM (`F.linear`: oneDNN, with AVX512-BF16 or AMX
   where the CPU has them). Output rounded to bf16 once, from an fp32 accumulator, as the library does.
-  Where the kernels are built without AVX512-BF16, every row count takes `packed_linear_bf16`: from 4
+  Where the kernels are built without AVX512-BF16, every row count takes `packed_linear_bf16`: from 16
   rows it widens each panel to fp32 once and runs the fp32 register tiles over it (the library's bf16
   GEMM there converts with no bf16 arithmetic either, at a sixth of the fp32 GEMM's rate).
 

@@ -233,8 +233,10 @@ inline void linear_tile_bf16(const float* xf, int64_t K, const bf16* panel, cons
 }
 
 // From this many rows a panel is widened to fp32 once and every row runs the fp32 register tiles over it,
-// instead of each row pair widening it again (measured: docs/benchmarks.md "Throughput (bfloat16, CPU avx2)").
-constexpr int64_t kWidenMinRows = 4;
+// instead of each row pair widening it again. Measured on an AVX2 Zen 3 (projections 1536 x 576 and
+// 576 x 1536): row pairs 79-103 GFLOP/s at 4-8 rows where widening gives 53-87, about even at 16, and
+// 93 against 117-125 from 32-64 rows on (torch's bf16 GEMM there: 13-20).
+constexpr int64_t kWidenMinRows = 16;
 
 // A bf16 panel ([ceil(K / 2), 32, 2]) as two fp32 panels of 16 columns ([2][K][16], the fp32 layout).
 inline void widen_panel_bf16(const bf16* panel, int64_t K, float* out) {
