@@ -8,8 +8,9 @@
 // bf16: panels of 32 weight rows holding k in pairs, [ceil(N / 32), ceil(K / 2), 32, 2]: the layout of
 // AVX512-BF16's `vdpbf16ps`, which multiplies 16 pairs of bf16 and adds both products to 16 fp32
 // lanes; x[m, k:k+2] is broadcast as one 32-bit pair. Without AVX512-BF16 the same layout is read
-// as fp32 (a pair's low half is w[k], its high half w[k + 1]: one shift and one mask). Accumulation
-// is fp32 either way; the output is rounded to bf16 once, after the bias.
+// as fp32 (a pair's low half is w[k], its high half w[k + 1]: one shift and one mask), and for many rows
+// each panel is widened to fp32 once for the fp32 tiles. Accumulation is fp32 either way; the output is
+// rounded to bf16 once, after the bias.
 
 #pragma once
 
