@@ -267,10 +267,8 @@ async def completions(request: Request) -> Response:
     choices = []
     for k, out in enumerate(outs):
         head, prompt_ids = echo[k] if echo is not None else ("", [])
-        for c in out.outputs:
-            ids_, lps, tops = (c.token_ids, c.logprobs, c.top_logprobs) if generated else ([], [], [])
-            logprobs = completion_logprobs(text, ids_, lps if c.logprobs is not None else None,
-                                           tops if c.top_logprobs is not None else None, len(head))
+        for c in out.outputs:  # max_tokens=0 (not generated): the token the engine sampled is not returned
+            logprobs = completion_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs, len(head)) if generated else None
             if echo is not None:
                 logprobs = echoed_logprobs(text, prompt_ids, out.prompt_logprobs, out.prompt_top_logprobs, logprobs)
             choices.append(CompletionChoice(k * req.n + c.index, head + (c.text if generated else ""),

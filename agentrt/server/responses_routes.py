@@ -78,6 +78,14 @@ class ResponseMemory:
             rec = await anyio.to_thread.run_sync(lambda: self.store.get_response(response_id, owner=owner))
         return rec if rec is not None and rec.owner == owner else None
 
+    async def find(self, response_id: str, owner: str | None, param: str) -> ResponseRecord:
+        """`get`, or a 404 naming `param` (the field that carried the id)."""
+        rec = await self.get(response_id, owner)
+        if rec is None:
+            raise APIError(404, f"no stored response {response_id!r} (made with store: false, by another key, or never)",
+                           "not_found_error", param, "response_not_found")
+        return rec
+
 
 def _memory(st: ServerState) -> ResponseMemory:
     mem = getattr(st, "responses", None)
@@ -148,10 +156,7 @@ async def create_response(request: Request) -> Response:
     pid, tid = program_keys(request, req.program_id, None)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        prev = await _memory(st).get(req.previous_response_id, owner)
-        if prev is None:
-            raise APIError(404, f"no stored response {req.previous_response_id!r}", "not_found_error",
-                           "previous_response_id", "response_not_found")
+        prev = await _memory(st).find(req.previous_response_id, owner, "previous_response_id")
         history = json.loads(prev.messages)
         pid = pid or prev.program_id
     conversation = history + input_messages(req.input)
@@ -277,11 +282,7 @@ async def retrieve_response(request: Request) -> Response:
     """A stored response (`store: true`, the default) by id, to the key that created it (others: 404)."""
     st = state_of(request)
     owner = st.owner(request)
-    rid = request.path_params["response_id"]
-    rec = await _memory(st).get(rid, owner)
-    if rec is None:
-        raise APIError(404, f"no stored response {rid!r} (made with store: false, by another key, or never)",
-                       "not_found_error", "response_id", "response_not_found")
+    rec = await _memory(st).find(request.path_params["response_id"], owner, "response_id")
     return Response(rec.body.encode(), headers={"X-Program-Id": rec.program_id}, media_type="application/json")
 
 

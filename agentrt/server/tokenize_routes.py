@@ -27,6 +27,7 @@ from agentrt.server.schemas import (
     decode,
 )
 
+
 @api
 async def retrieve_model(request: Request) -> Response:
     st = state_of(request)
