@@ -46,6 +46,7 @@ from agentrt.server.responses_schemas import (
     OutputMessage,
     OutputText,
     ResponseCreate,
+    ResponseDeleted,
     ResponseObject,
     ResponseStreamEvent,
     ResponseUsage,
@@ -85,6 +86,17 @@ class ResponseMemory:
             raise APIError(404, f"no stored response {response_id!r} (made with store: false, by another key, or never)",
                            "not_found_error", param, "response_not_found")
         return rec
+
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        """Forget a response of `owner`'s, in memory and in the store; whether there was one."""
+        rec = self._recent.get(response_id)
+        in_memory = rec is not None and rec.owner == owner
+        if in_memory:
+            del self._recent[response_id]
+        if self.store is None:
+            return in_memory
+        in_store = await anyio.to_thread.run_sync(lambda: self.store.delete_response(response_id, owner=owner))
+        return in_memory or in_store
 
 
 def _memory(st: ServerState) -> ResponseMemory:
@@ -286,9 +298,22 @@ async def retrieve_response(request: Request) -> Response:
     return Response(rec.body.encode(), headers={"X-Program-Id": rec.program_id}, media_type="application/json")
 
 
+@api
+async def delete_response(request: Request) -> Response:
+    """Delete a stored response of the caller's key (others: 404). A chain that continues it by
+    `previous_response_id` afterwards gets a 404; its program is untouched (end it with
+    `DELETE /v1/programs/{id}`)."""
+    st = state_of(request)
+    response_id = request.path_params["response_id"]
+    if not await _memory(st).delete(response_id, st.owner(request)):
+        await _memory(st).find(response_id, st.owner(request), "response_id")  # the 404
+    return Response(msgspec.json.encode(ResponseDeleted(response_id)), media_type="application/json")
+
+
 ROUTES = [
     Route("/v1/responses", create_response, methods=["POST"]),
     Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
 ]
 
 OPERATIONS = [
@@ -296,4 +321,6 @@ OPERATIONS = [
               ResponseCreate, streams=ResponseStreamEvent, errors=(400, 401, 404, 409, 413, 429, 500, 503)),
     Operation("get", "/v1/responses/{response_id}", "a stored response (OpenAI Responses API)", ResponseObject,
               errors=(401, 404, 500)),
+    Operation("delete", "/v1/responses/{response_id}", "delete a stored response (OpenAI Responses API)",
+              ResponseDeleted, errors=(401, 404, 500)),
 ]

@@ -142,6 +142,14 @@ class ResponseObject(Struct):
     program_id: str | None = None  # the program the response chain runs in (agentrt)
 
 
+class ResponseDeleted(Struct):
+    """The answer to `DELETE /v1/responses/{response_id}`."""
+
+    id: str
+    object: str = "response"
+    deleted: bool = True
+
+
 class ResponseStreamEvent(Struct):
     """One event of a streamed response (`data:` of each server-sent event; its `event:` is `type`)."""
 

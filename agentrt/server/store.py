@@ -351,6 +351,16 @@ class Store:
             row = conn.execute(q).first()
         return None if row is None else ResponseRecord(**row._mapping)
 
+    def delete_response(self, response_id: str, owner: str | None | _AnyOwner = ANY_OWNER) -> bool:
+        """Delete a stored response (only `owner`'s, when given), after every write put before this
+        call has landed, so a response still queued is deleted too. Whether one was deleted."""
+        self.flush()
+        q = delete(_Response).where(_Response.response_id == response_id)
+        if not isinstance(owner, _AnyOwner):
+            q = q.where(_Response.owner.is_(None) if owner is None else _Response.owner == owner)
+        with self._connect(write=True) as conn:
+            return conn.execute(q).rowcount > 0
+
     def list_calls(self, program_id: str, limit: int = 1000) -> list[CallRecord]:
         """A program's calls in arrival order."""
         q = (

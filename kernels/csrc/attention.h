@@ -119,49 +119,66 @@ inline void prefetch_block(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
-// One sequence, kv heads [kvh0, kvh1): R query rows x G heads each, against the sequence's L cached
-// positions. Row r sits at position L - R + r and sees positions [0, L - R + r] (causal). Blocks
-// outer, kv heads and their queries inner: a block's K (then V) is read from memory once, whole,
-// converted to fp32 once (bf16), and stays in L1 for all the query heads reading it; the next block
-// is prefetched meanwhile. ND = head_dim / 8.
+// One work item of a sequence: kv heads [kvh0, kvh1) and the cached positions [begin, end) (begin a
+// multiple of the block size, at or before the first row's position, so every row sees one of them).
+// With `partial` set, the item is one part of a split sequence: each row's unnormalized output, its
+// score maximum and its sum of exponentials go to partial[(r * H + h) * (D + 2)] for merge_seq_parts.
+struct SeqPart {
+  int64_t seq;  // index into seqs
+  int64_t kvh0, kvh1, begin, end;
+  float* partial;
+};
+
+// One item's R query rows x G heads each: row r sits at position L - R + r and sees positions
+// [0, L - R + r] (causal). Blocks outer, kv heads and their queries inner: a block's K (then V) is
+// read from memory once, converted to fp32 once (bf16), and stays in L1 for all the query heads
+// reading it; the next block is prefetched meanwhile. ND = head_dim / 8.
 template <typename T, int ND>
 void attend_one(const T* q, int64_t q_row_stride, T* out, const T* k_cache, const T* v_cache, const int32_t* table,
-                int64_t q0, int64_t R, int64_t L, int64_t kvh0, int64_t kvh1, int64_t H, int64_t KVH, int64_t G,
+                int64_t q0, int64_t R, int64_t L, const SeqPart& it, int64_t H, int64_t KVH, int64_t G,
                 int64_t block_size, float scale, std::vector<float>& buf) {
   constexpr int64_t D = ND * 8;
+  const int64_t kvh0 = it.kvh0, kvh1 = it.kvh1, begin = it.begin, end = it.end, span = end - begin;
   const int64_t nq = R * G * (kvh1 - kvh0);  // query i: head h0 + i / R, row i % R; kv head kvh0 + i / (R G)
   const int64_t per_kvh = R * G;
   const int64_t h0 = kvh0 * G;
   const int64_t pos_stride = KVH * D;  // elements between consecutive positions of one block
   const bool convert = !std::is_same_v<T, float>;
-  buf.resize(nq * D + nq * L + (convert ? block_size * pos_stride : 0));
+  buf.resize(nq * D + nq * span + (convert ? block_size * pos_stride : 0));
   float* qs = buf.data();       // [nq, D] scaled queries, later the output accumulators
-  float* scores = qs + nq * D;  // [nq, L]
-  float* scratch = scores + nq * L;  // bf16: one block converted to fp32
+  float* scores = qs + nq * D;  // [nq, span]
+  float* scratch = scores + nq * span;  // bf16: one block converted to fp32
   for (int64_t i = 0; i < nq; ++i) {
     const T* src = q + (q0 + i % R) * q_row_stride + (h0 + i / R) * D;
     for (int d = 0; d < ND; ++d) store8(qs + i * D + 8 * d, load8(src + 8 * d) * splat(scale));
   }
-  const int64_t block_elems = block_size * pos_stride, nblocks = (L + block_size - 1) / block_size;
+  const int64_t block_elems = block_size * pos_stride;
+  const int64_t b0 = begin / block_size, b1 = (end + block_size - 1) / block_size;
   const int64_t first_row = L - R;  // position of query row 0; rows see up to first_row + r
   // Scores of positions a row cannot see are computed too (a block of at most R - 1 of them) and
   // skipped by the softmax below, which stops at each row's own last position.
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t t0 = b * block_size, m = std::min(block_size, L - t0);
-    if (b + 1 < nblocks) prefetch_block(k_cache + (int64_t)table[b + 1] * block_elems, block_elems * sizeof(T));
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t t0 = b * block_size, m = std::min(block_size, end - t0);
+    if (b + 1 < b1) prefetch_block(k_cache + (int64_t)table[b + 1] * block_elems, block_elems * sizeof(T));
     const float* kf = block_f32<T, ND>(k_cache + (int64_t)table[b] * block_elems, m, KVH, kvh0, kvh1, scratch);
     for (int64_t kvh = kvh0; kvh < kvh1; ++kvh) {
       const int64_t i0 = (kvh - kvh0) * per_kvh;
-      block_scores<ND>(qs + i0 * D, per_kvh, kf + kvh * D, pos_stride, m, scores + i0 * L + t0, L);
+      block_scores<ND>(qs + i0 * D, per_kvh, kf + kvh * D, pos_stride, m, scores + i0 * span + t0 - begin, span);
     }
   }
-  // softmax numerators in place over each row's visible positions; 1 / denominators
-  float inv_sum[kMaxQueryRows * kMaxHeads];
+  // softmax numerators in place over each row's visible positions; their maxima and sums
+  float mx_of[kMaxQueryRows * kMaxHeads], sum_of[kMaxQueryRows * kMaxHeads];
   for (int64_t i = 0; i < nq; ++i) {
-    float* s = scores + i * L;
-    const int64_t n = first_row + i % R + 1, n8 = n & ~int64_t(7);
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+    float* s = scores + i * span;
+    const int64_t n = std::min(end, first_row + i % R + 1) - begin, n8 = n & ~int64_t(7);
+    v8 mx8 = splat(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < n8; t += 8) {
+      const v8 x = load8(s + t);
+      mx8 = x > mx8 ? x : mx8;
+    }
+    float mx = mx8[0];
+    for (int l = 1; l < 8; ++l) mx = std::max(mx, mx8[l]);
+    for (int64_t t = n8; t < n; ++t) mx = std::max(mx, s[t]);
     v8 sum8 = splat(0.f);
     for (int64_t t = 0; t < n8; t += 8) {
       v8 e = exp8(load8(s + t) - splat(mx));
@@ -178,46 +195,111 @@ void attend_one(const T* q, int64_t q_row_stride, T* out, const T* k_cache, cons
         sum += e[t - n8];
       }
     }
-    for (int64_t t = n; t < L; ++t) s[t] = 0.f;  // invisible positions weigh nothing
-    inv_sum[i] = 1.f / sum;
+    for (int64_t t = n; t < span; ++t) s[t] = 0.f;  // invisible positions weigh nothing
+    mx_of[i] = mx;
+    sum_of[i] = sum;
   }
   // out = p @ v, accumulated in qs's place (the scaled queries are no longer needed)
   float* acc = qs;
   for (int64_t j = 0; j < nq * D; ++j) acc[j] = 0.f;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t t0 = b * block_size, m = std::min(block_size, L - t0);
-    if (b + 1 < nblocks) prefetch_block(v_cache + (int64_t)table[b + 1] * block_elems, block_elems * sizeof(T));
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t t0 = b * block_size, m = std::min(block_size, end - t0);
+    if (b + 1 < b1) prefetch_block(v_cache + (int64_t)table[b + 1] * block_elems, block_elems * sizeof(T));
     const float* vf = block_f32<T, ND>(v_cache + (int64_t)table[b] * block_elems, m, KVH, kvh0, kvh1, scratch);
     for (int64_t kvh = kvh0; kvh < kvh1; ++kvh) {
       const int64_t i0 = (kvh - kvh0) * per_kvh;
-      block_values<ND>(scores + i0 * L + t0, per_kvh, vf + kvh * D, pos_stride, m, acc + i0 * D, L);
+      block_values<ND>(scores + i0 * span + t0 - begin, per_kvh, vf + kvh * D, pos_stride, m, acc + i0 * D, span);
     }
   }
   for (int64_t i = 0; i < nq; ++i) {
-    T* dst = out + ((q0 + i % R) * H + h0 + i / R) * D;
-    const v8 inv = splat(inv_sum[i]);
-    for (int d = 0; d < ND; ++d) store8(dst + 8 * d, load8(acc + i * D + 8 * d) * inv);
+    const int64_t row = i % R, h = h0 + i / R;
+    if (it.partial) {
+      float* dst = it.partial + (row * H + h) * (D + 2);
+      for (int d = 0; d < ND; ++d) store8(dst + 8 * d, load8(acc + i * D + 8 * d));
+      dst[D] = mx_of[i];
+      dst[D + 1] = sum_of[i];
+    } else {
+      T* dst = out + ((q0 + row) * H + h) * D;
+      const v8 inv = splat(1.f / sum_of[i]);
+      for (int d = 0; d < ND; ++d) store8(dst + 8 * d, load8(acc + i * D + 8 * d) * inv);
+    }
   }
 }
 
+// A split sequence's rows out of its P parts (each [R, H, D + 2] floats at parts + p * R * H * (D + 2)):
+// o = sum_p e^(m_p - m) o_p / sum_p e^(m_p - m) l_p with m = max_p m_p.
+template <typename T>
+inline void merge_seq_parts(const float* parts, int64_t P, int64_t R, int64_t H, int64_t D, T* out) {
+  const int64_t part_floats = R * H * (D + 2);
+  std::vector<float> acc(D);
+  for (int64_t rh = 0; rh < R * H; ++rh) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < P; ++p) m = std::max(m, parts[p * part_floats + rh * (D + 2) + D]);
+    float l = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t p = 0; p < P; ++p) {
+      const float* part = parts + p * part_floats + rh * (D + 2);
+      const float f = std::exp(part[D] - m);
+      l += f * part[D + 1];
+      for (int64_t d = 0; d < D; d += 8) store8(acc.data() + d, load8(acc.data() + d) + splat(f) * load8(part + d));
+    }
+    const v8 inv = splat(1.f / l);
+    for (int64_t d = 0; d < D; d += 8) store8(out + rh * D + d, load8(acc.data() + d) * inv);
+  }
+}
+
+// Positions per part, at least, when a sequence's positions are split across threads.
+constexpr int64_t kMinPartPositions = 64;
+
 // Sequences `seqs` (S of them) of the batch described by query_start_loc / seq_lens / block_tables
-// (max_blocks columns); writes their rows of out [T, H, D] (contiguous).
+// (max_blocks columns); writes their rows of out [T, H, D] (contiguous). Work items: whole sequences
+// (each block read once for all heads) when there are enough of them to keep every thread busy. With
+// fewer sequences than threads, each sequence's positions split in parts of all its kv heads (flash
+// decoding: a thread reads whole K/V rows of its positions, and one decode sequence of 3 kv heads
+// keeps 2 threads evenly busy), merged after; a sequence too short for parts of kMinPartPositions positions
+// splits by kv heads instead.
 template <typename T>
 void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* k_cache, const T* v_cache,
                              const int32_t* qsl, const int32_t* lens, const int32_t* tables, int64_t max_blocks,
                              const int64_t* seqs, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                              float scale) {
-  const int64_t G = H / KVH;
-  // Work items: whole sequences (each block read once for all heads) when there are enough of them
-  // to keep every thread busy, else (sequence, kv head) pairs.
-  const int64_t split = S >= num_threads() ? 1 : KVH, heads_per_item = KVH / split;
-  agentrt::parallel_for(0, S * split, 1, [&](int64_t w0, int64_t w1) {
+  const int64_t G = H / KVH, threads = num_threads();
+  std::vector<SeqPart> items;
+  std::vector<int64_t> parts(S, 1), part_offset(S, 0);  // split sequences: parts, first float of their buffer
+  int64_t floats = 0;
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b], L = lens[b], span = L - R + 1;  // positions every row sees
+    if (S >= threads) {
+      items.push_back({i, 0, KVH, 0, L, nullptr});
+      continue;
+    }
+    const int64_t want = std::min((threads + S - 1) / S, span / kMinPartPositions);
+    if (want < 2) {
+      for (int64_t kvh = 0; kvh < KVH; ++kvh) items.push_back({i, kvh, kvh + 1, 0, L, nullptr});
+      continue;
+    }
+    const int64_t step = ((span + want - 1) / want + block_size - 1) / block_size * block_size;
+    parts[i] = (span + step - 1) / step;  // whole blocks per part may leave fewer parts
+    part_offset[i] = floats;
+    floats += parts[i] * R * H * (D + 2);
+    for (int64_t p = 0; p < parts[i]; ++p)
+      items.push_back({i, 0, KVH, p * step, p + 1 < parts[i] ? (p + 1) * step : L, nullptr});
+  }
+  std::vector<char> own;  // the parts' results, seen by every thread of a decode step's team (team.h)
+  float* partials = floats ? reinterpret_cast<float*>(shared_buffer(own, floats * sizeof(float))) : nullptr;
+  for (size_t w = 0, p = 0; w < items.size(); ++w) {
+    const int64_t i = items[w].seq, b = seqs[i];
+    p = w > 0 && items[w - 1].seq == i ? p + 1 : 0;
+    if (parts[i] > 1) items[w].partial = partials + part_offset[i] + p * (qsl[b + 1] - qsl[b]) * H * (D + 2);
+  }
+  agentrt::parallel_for(0, items.size(), 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> buf;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = seqs[w / split], kvh0 = (w % split) * heads_per_item;
+      const SeqPart& it = items[w];
+      const int64_t b = seqs[it.seq];
       auto run = [&](auto fn) {
-        fn(q, q_row_stride, out, k_cache, v_cache, tables + b * max_blocks, qsl[b], qsl[b + 1] - qsl[b], lens[b], kvh0,
-           kvh0 + heads_per_item, H, KVH, G, block_size, scale, buf);
+        fn(q, q_row_stride, out, k_cache, v_cache, tables + b * max_blocks, qsl[b], qsl[b + 1] - qsl[b], lens[b], it,
+           H, KVH, G, block_size, scale, buf);
       };
       switch (D) {
         case 32: run(attend_one<T, 4>); break;
@@ -225,6 +307,14 @@ void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* 
         case 128: run(attend_one<T, 16>); break;
         default: run(attend_one<T, 32>); break;
       }
+    }
+  });
+  if (!floats) return;
+  agentrt::parallel_for(0, S, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = seqs[i];
+      if (parts[i] > 1)
+        merge_seq_parts<T>(partials + part_offset[i], parts[i], qsl[b + 1] - qsl[b], H, D, out + qsl[b] * H * D);
     }
   });
 }

@@ -258,6 +258,40 @@ def test_tiled_bf16_attention_split_and_tile_walks(threads, q_lens, seq_lens, he
     check_rule(out, paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale), batch.dense(scale))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("q_lens", "seq_lens", "heads", "head_dim", "block_size"), [
+    ([1], [300], (9, 3), 64, 16),  # one decode sequence: its positions split in parts of all kv heads
+    ([1], [129], (9, 3), 64, 2),  # blocks of 2: part boundaries on block boundaries
+    ([16], [200], (9, 3), 64, 16),  # drafts: every part starts at or before the first row's position
+    ([16], [143], (8, 1), 128, 32),  # a part of one block past the first row's position
+    ([1], [100], (4, 4), 32, 16),  # too short for parts: split by kv heads
+    ([1, 3], [700, 64], (9, 3), 64, 16),  # one sequence split, one by kv heads
+    ([1, 1, 1, 1], [90, 300, 5, 257], (9, 3), 64, 16),  # as many sequences as threads or more: whole ones
+])
+def test_small_q_attention_splits_across_threads(cpu_kind, threads, dtype, q_lens, seq_lens, heads, head_dim,
+                                                 block_size):
+    """paged_attention_small_q (fp32, and bf16 on any CPU) with fewer sequences than threads splits each
+    sequence's positions across the threads and merges the parts; against fp32 dense attention, with
+    1, 2 and 4 threads (the same parts merge to the same result as one walk)."""
+    batch = make_paged_batch(q_lens, seq_lens, *heads, head_dim, block_size, dtype, seed=sum(seq_lens) + block_size)
+    scale = head_dim ** -0.5
+    m = batch.meta
+    out = torch.full_like(batch.q, float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu.ops().paged_attention_small_q(batch.q, batch.k_cache, batch.v_cache, m.query_start_loc, m.seq_lens,
+                                          m.block_tables, torch.arange(len(q_lens)), scale, out)
+    finally:
+        torch.set_num_threads(before)
+    gold = batch.dense(scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, gold, rtol=1e-5, atol=1e-5)
+    else:
+        check_rule(out, paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale), gold)
+
+
 def test_every_source_file_ships_with_the_package():
     """A non-editable install builds kernels/csrc from the package's own copy: every source and header
     there must match a package-data pattern of pyproject.toml."""

@@ -304,6 +304,14 @@ def test_stored_responses_belong_to_their_key(keyed):
         assert_error(k2.get(f"/v1/responses/{rid}"), 404, "response_id", "response_not_found")
         unstored = k1.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "store": False}).json()
         assert_error(k1.get(f"/v1/responses/{unstored['id']}"), 404, "response_id", "response_not_found")
+        assert_error(k2.delete(f"/v1/responses/{rid}"), 404, "response_id", "response_not_found")
+        assert k1.get(f"/v1/responses/{rid}").status_code == 200  # k2's attempt deleted nothing
+        assert k1.delete(f"/v1/responses/{rid}").json() == {"id": rid, "object": "response", "deleted": True}
+        assert_error(k1.get(f"/v1/responses/{rid}"), 404, "response_id", "response_not_found")
+        assert_error(k1.delete(f"/v1/responses/{rid}"), 404, "response_id", "response_not_found")
+        assert_error(k1.post("/v1/responses", json={"input": "and?", "max_output_tokens": 2,
+                                                    "previous_response_id": rid}),
+                     404, "previous_response_id", "response_not_found")
         for pid in (r.json()["program_id"], unstored["program_id"]):  # a chain stays open for its next response
             assert k1.delete(f"/v1/programs/{pid}").json()["state"] == "finished"
     idle_and_free(keyed)

@@ -311,3 +311,18 @@ def test_response_round_trip_owner_and_prune(make_store):
     assert store.get_response("resp_1", owner=None) is None
     assert store.prune(0) == 1
     assert store.get_response("resp_1") is None
+
+
+def test_delete_response_owner_and_queued_write(make_store):
+    from agentrt.server.store import ResponseRecord
+
+    store = make_store()
+    store.start()
+    store.put_response(ResponseRecord("resp_1", "k1", "p1", 1.0, "{}", "[]"))
+    store.put_response(ResponseRecord("resp_2", None, "p1", 1.0, "{}", "[]"))
+    assert not store.delete_response("resp_1", owner="k2")  # another key's: kept
+    assert store.delete_response("resp_1", owner="k1")  # deleted even if its write was still queued
+    assert store.get_response("resp_1") is None and not store.delete_response("resp_1")
+    assert not store.delete_response("resp_2", owner="k1")
+    assert store.delete_response("resp_2", owner=None)
+    assert store.get_response("resp_2") is None

@@ -85,6 +85,11 @@ def test_retrieve_a_stored_response(client):
     assert again.model_dump() == made.model_dump()
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_nonexistent")
+    client.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(made.id)
 
 
 def test_retrieve_the_model_and_the_version(client, http):
