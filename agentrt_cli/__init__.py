@@ -16,6 +16,7 @@ from agentrt.policies import POLICY_NAMES
 
 BENCHES = {
     "throughput": "bench.throughput",
+    "decode-cpu": "bench.decode_cpu",
     "kernels": "bench.kernels",
     "prefix": "bench.prefix",
     "programs": "bench.programs",

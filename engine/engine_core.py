@@ -361,7 +361,7 @@ class EngineCore:
         if result.num_rejected is not None and out.num_steps == 1:  # drafts (a multi-step's are its tail)
             self.num_rejected_tokens += sum(result.num_rejected)
         for p in result.prompt_logprobs or ():
-            _add_prompt_logprobs(p.req, p.first_token, p.logprobs, p.top)
+            _add_prompt_logprobs(p.req, p.first_token, p.logprobs, p.top, p.ranks)
         self.num_steps += 1
         now = time.monotonic()
         for i, req in enumerate(result.sampled_reqs):
@@ -473,6 +473,7 @@ class EngineCore:
         out = RequestOutput(req.request_id, list(req.prompt_token_ids), comps, metrics)
         if req.sampling.prompt_logprobs is not None:
             out.prompt_logprobs = list(req.prompt_logprobs)
+            out.prompt_ranks = list(req.prompt_ranks)
             if req.sampling.prompt_logprobs:
                 out.prompt_top_logprobs = list(req.prompt_top_logprobs)
         return out
@@ -487,16 +488,18 @@ class EngineCore:
         )
 
 
-def _add_prompt_logprobs(req: Request, first: int, lps: list[float], top: list | None) -> None:
-    """Record prompt tokens' log-probs from `first` on; positions already recorded (computed again
-    after a preemption) are skipped."""
+def _add_prompt_logprobs(req: Request, first: int, lps: list[float], top: list | None, ranks: list[int]) -> None:
+    """Record prompt tokens' log-probs (and ranks) from `first` on; positions already recorded (computed
+    again after a preemption) are skipped."""
     if not req.prompt_logprobs:
         req.prompt_logprobs.append(None)
         req.prompt_top_logprobs.append(None)
+        req.prompt_ranks.append(None)
     skip = len(req.prompt_logprobs) - first
     if skip < 0:
         raise RuntimeError(f"prompt log-probs of request {req.request_id!r} from token {first} skip tokens")
     req.prompt_logprobs.extend(lps[skip:])
+    req.prompt_ranks.extend(ranks[skip:])
     if top is not None:
         req.prompt_top_logprobs.extend(top[skip:])
 

@@ -42,6 +42,8 @@ class RequestOutput:
     # before it (None for the first); None unless SamplingParams.prompt_logprobs is set
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # per prompt position, the
     # prompt_logprobs most likely (token id, log-prob) (None for the first); None unless prompt_logprobs > 0
+    prompt_ranks: list[int | None] | None = None  # with prompt_logprobs, per prompt token 1 + how many tokens
+    # the model found more likely at its position (vLLM's rank; None for the first)
 
     @property
     def text(self) -> str:

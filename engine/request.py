@@ -72,6 +72,8 @@ class Request:
     # None), when sampling.prompt_logprobs is set; filled as prefill chunks are computed
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)  # per prompt
     # position, the sampling.prompt_logprobs most likely (token id, log-prob) (None for the first)
+    prompt_ranks: list[int | None] = field(default_factory=list)  # per prompt token, 1 + how many tokens
+    # the model found more likely at its position (None for the first)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

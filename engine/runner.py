@@ -40,6 +40,7 @@ class PromptLogprobs:
     first_token: int  # index in the prompt of the token the first log-prob is for (>= 1)
     logprobs: list[float]  # of prompt tokens first_token, first_token + 1, ...
     top: list[list[tuple[int, float]]] | None  # per such position, the prompt_logprobs most likely tokens
+    ranks: list[int]  # per such token, 1 + how many tokens the model found more likely there
 
 
 class ModelRunner:
@@ -183,13 +184,15 @@ class ModelRunner:
         """Log-probs of prompt tokens start + 1 .. start + count from their rows' raw logits."""
         logp = self.model.compute_logits(hidden[row : row + count]).float().log_softmax(dim=-1)  # [count, V]
         targets = torch.tensor(req.all_token_ids[start + 1 : start + 1 + count], device=logp.device)
-        lps = logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        target_lp = logp.gather(1, targets.unsqueeze(1))  # [count, 1]
+        lps = target_lp.squeeze(1).tolist()
+        ranks = ((logp > target_lp).sum(dim=-1) + 1).tolist()
         n = req.sampling.prompt_logprobs
         top = None
         if n:
             vals, ids = logp.topk(n, dim=-1)
             top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-        return PromptLogprobs(req, start + 1, lps, top)
+        return PromptLogprobs(req, start + 1, lps, top, ranks)
 
 
 def _context(req: Request) -> RowContext | None:

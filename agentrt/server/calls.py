@@ -22,6 +22,8 @@ from agentrt.server.schemas import (
     ChoiceLogprobs,
     CompletionLogprobs,
     ProgramId,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
@@ -173,6 +175,24 @@ def echoed_logprobs(text: TokenText, prompt_ids: list[int], lps: list[float | No
         if head.top_logprobs is not None and then.top_logprobs is not None:
             head.top_logprobs += then.top_logprobs
     return head
+
+
+def prompt_logprobs_of(text: TokenText, out: RequestOutput, top_n: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt position (None for the first), its own token and the `top_n`
+    most likely ones, each with its log-prob, rank and text."""
+    lps, ranks, tops = out.prompt_logprobs, out.prompt_ranks, out.prompt_top_logprobs
+    if lps is None or ranks is None:
+        raise RuntimeError(f"request {out.request_id!r} came back without the prompt log-probs it asked for")
+    result: PromptLogprobs = []
+    for pos, token in enumerate(out.prompt_token_ids):
+        if lps[pos] is None:
+            result.append(None)
+            continue
+        entry = {str(token): PromptLogprob(lps[pos], ranks[pos], text(token))}
+        for rank, (tid, lp) in enumerate((tops[pos] or [])[:top_n] if tops is not None else [], start=1):
+            entry.setdefault(str(tid), PromptLogprob(lp, rank, text(tid)))
+        result.append(entry)
+    return result
 
 
 def usage_of(outs: list[RequestOutput]) -> Usage:

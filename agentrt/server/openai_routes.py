@@ -33,6 +33,7 @@ from agentrt.server.calls import (
     plan_chat,
     program_keys,
     program_name,
+    prompt_logprobs_of,
     results,
     sampling_params,
     submit,
@@ -99,6 +100,7 @@ async def chat_completions(request: Request) -> Response:
     tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
     choice = msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None
     fmt = msgspec.to_builtins(req.response_format) if req.response_format is not None else None
+    _check_prompt_logprobs(req)
     plan, prompt_ids = await plan_chat(st, message_dicts(req.messages), tools=tools, tool_choice=choice,
                            output=response_format_constraint(fmt), program_id=pid)
     params = sampling_params(
@@ -106,6 +108,7 @@ async def chat_completions(request: Request) -> Response:
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop,
         stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
         top_logprobs=req.top_logprobs or 0, constraint=plan.constraint, processors=req,
+        prompt_logprobs=req.prompt_logprobs,
     )
     st.check_capacity()
     _note_tool(st, pid, owner, req.messages)
@@ -125,6 +128,8 @@ async def chat_completions(request: Request) -> Response:
         choices.append(ChatChoice(c.index, message, "tool_calls" if calls else c.finish_reason,
                                   chat_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs)))
     body = ChatCompletion(rid, created, st.model_name, choices, usage_of([out]), program_id=call.program_id)
+    if req.prompt_logprobs is not None:
+        body.prompt_logprobs = prompt_logprobs_of(text, out, req.prompt_logprobs)
     return Response(_encode(body), headers={"X-Program-Id": call.program_id}, media_type="application/json")
 
 
@@ -170,6 +175,11 @@ async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, cr
         if include_usage:
             yield chunk([], usage_of([out]))
         yield DONE
+
+
+def _check_prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> None:
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not returned when streaming: set stream=false", "prompt_logprobs")
 
 
 # --- completions ----------------------------------------------------------------------------
@@ -236,13 +246,15 @@ async def completions(request: Request) -> Response:
     constraint, param = _completion_constraint(req)
     if constraint is not None:
         await anyio.to_thread.run_sync(lambda: rt.compile_constraint(constraint, param))
+    _check_prompt_logprobs(req)
     scored = req.echo and req.logprobs is not None  # the echoed prompt comes with its tokens' log-probs
+    wanted = [k for k in (req.logprobs if scored else None, req.prompt_logprobs) if k is not None]
     params = [
         sampling_params(
             st, max_tokens=req.max_tokens or 1, prompt_len=len(i), temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k, n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
             logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, constraint=constraint, processors=req,
-            prompt_logprobs=req.logprobs if scored else None,
+            prompt_logprobs=max(wanted) if wanted else None,
         )
         for i in ids
     ]
@@ -269,10 +281,16 @@ async def completions(request: Request) -> Response:
         head, prompt_ids = echo[k] if echo is not None else ("", [])
         for c in out.outputs:  # max_tokens=0 (not generated): the token the engine sampled is not returned
             logprobs = completion_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs, len(head)) if generated else None
-            if echo is not None:
-                logprobs = echoed_logprobs(text, prompt_ids, out.prompt_logprobs, out.prompt_top_logprobs, logprobs)
-            choices.append(CompletionChoice(k * req.n + c.index, head + (c.text if generated else ""),
-                                            c.finish_reason if generated else "length", logprobs))
+            if scored:
+                tops = out.prompt_top_logprobs
+                if tops is not None and req.prompt_logprobs is not None and req.prompt_logprobs > (req.logprobs or 0):
+                    tops = [None if t is None else t[: req.logprobs] for t in tops] if req.logprobs else None
+                logprobs = echoed_logprobs(text, prompt_ids, out.prompt_logprobs, tops, logprobs)
+            choice = CompletionChoice(k * req.n + c.index, head + (c.text if generated else ""),
+                                      c.finish_reason if generated else "length", logprobs)
+            if req.prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_logprobs_of(text, out, req.prompt_logprobs)
+            choices.append(choice)
     body = Completion(rid, created, st.model_name, choices, _usage(outs, generated), program_id=calls[0].program_id)
     return Response(_encode(body), headers=headers, media_type="application/json")
 

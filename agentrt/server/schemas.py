@@ -20,6 +20,7 @@ Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+PromptLogprobsCount = Annotated[int, Meta(ge=0, le=20)]  # most likely tokens besides the prompt's own
 Stop = str | list[str]
 
 
@@ -151,6 +152,7 @@ class ChatCompletionRequest(Processors):
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    prompt_logprobs: PromptLogprobsCount | None = None  # vLLM's: the prompt tokens' log-probs (no streaming)
     ignore_eos: bool = False
     user: str | None = None
     program_id: ProgramId | None = None
@@ -187,6 +189,19 @@ class ToolCallDelta(Struct, omit_defaults=True):
     function: FunctionCall | None = None
 
 
+class PromptLogprob(Struct):
+    """vLLM's entry of `prompt_logprobs`: one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1 + how many tokens the model found more likely there
+    decoded_token: str | None = None
+
+
+# per prompt position (None for the first: nothing comes before it), token id (as a string) -> entry:
+# the prompt's own token and the `prompt_logprobs` most likely ones
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatChoice(Struct):
     index: int
     message: ChatResponseMessage
@@ -202,6 +217,7 @@ class ChatCompletion(Struct):
     usage: Usage
     object: str = "chat.completion"
     program_id: str | None = None  # the program the call ran in (agentrt)
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM)
 
 
 class ChatDelta(Struct, omit_defaults=True):
@@ -242,6 +258,7 @@ class CompletionRequest(Processors):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top alternatives per token (OpenAI: <= 5)
+    prompt_logprobs: PromptLogprobsCount | None = None  # vLLM's: the prompt tokens' log-probs (no streaming)
     echo: bool = False  # each choice's text starts with its prompt (and its log-probs with the prompt's)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's structured-output fields
@@ -266,6 +283,7 @@ class CompletionChoice(Struct):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM)
 
 
 class Completion(Struct):

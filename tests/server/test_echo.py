@@ -150,3 +150,59 @@ def test_echo_with_n_gives_every_choice_its_prompt(client):
     assert all(firsts[i].text == PROMPT and firsts[i].logprobs.token_logprobs[0] is None for i in (0, 1))
     assert firsts[1].logprobs.token_logprobs == pytest.approx(firsts[0].logprobs.token_logprobs[: len(firsts[1].logprobs.token_logprobs)])
     assert [streamed[i] for i in (0, 1)] == [c.text for c in whole.choices]  # a seed: the same draws
+
+
+def check_prompt_logprobs(entries: list, ids: list[int], rows: torch.Tensor, k: int, tok) -> None:
+    """vLLM's prompt_logprobs against HF: per position its own token and the k most likely ones, each with
+    its log-prob, rank (1 + how many tokens are more likely) and text."""
+    assert len(entries) == len(ids) and entries[0] is None
+    for i in range(1, len(ids)):
+        row, own = rows[i - 1], ids[i]
+        best = row.topk(k).indices.tolist() if k else []
+        assert set(entries[i]) == {str(t) for t in [own, *best]}
+        for t in [own, *best]:
+            e = entries[i][str(t)]
+            assert e["logprob"] == pytest.approx(row[t].item(), abs=1e-3)
+            assert e["decoded_token"] == tok.decode([t])
+            lo, hi = 1 + int((row > row[t] + 1e-4).sum()), int((row > row[t] - 1e-4).sum())  # t itself in hi
+            assert lo <= e["rank"] <= hi  # exact up to near-ties (engine and HF differ by float noise)
+        assert entries[i][str(best[0] if best else own)]["rank"] == (1 if best else entries[i][str(own)]["rank"])
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prompt_logprobs_of_a_completion_like_hf(srv, tok, hf_logp, k):
+    """vLLM's `prompt_logprobs` field: with or without generating, with echo and logprobs of another size."""
+    ids = tok(PROMPT)["input_ids"]
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": k}
+    out = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+    (c,) = out["choices"]
+    check_prompt_logprobs(c["prompt_logprobs"], ids, hf_logp(ids), k, tok)
+    assert c["logprobs"] is None and not c["text"].startswith(PROMPT)
+    # with echo + logprobs=1 beside prompt_logprobs=k: each keeps its own size
+    out = httpx.post(srv.url + "/v1/completions", json={**body, "echo": True, "logprobs": 1}, timeout=60).json()
+    (c,) = out["choices"]
+    check_prompt_logprobs(c["prompt_logprobs"], ids, hf_logp(ids), k, tok)
+    assert all(t is None or len(t) == 1 for t in c["logprobs"]["top_logprobs"])
+    assert httpx.post(srv.url + "/v1/completions", json={**body, "prompt_logprobs": None}).json()["choices"][0][
+        "prompt_logprobs"] is None
+
+
+def test_prompt_logprobs_of_a_chat(srv, client, tok, hf_logp):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 1})
+    ids = httpx.post(srv.url + "/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+    check_prompt_logprobs(r.model_extra["prompt_logprobs"], ids, hf_logp(ids), 1, tok)
+    assert r.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("extra", "why"), [({"stream": True}, "streaming"), ({"prompt_logprobs": 21}, "20"),
+                                            ({"prompt_logprobs": -1}, "0")])
+def test_prompt_logprobs_refused(srv, path, extra, why):
+    body = {"model": "tiny", "max_tokens": 2, "prompt_logprobs": 1, **extra}
+    body.update({"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(srv.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt_logprobs" and why in err["message"]
