@@ -253,11 +253,14 @@ constexpr int64_t kMinPartPositions = 64;
 
 // Sequences `seqs` (S of them) of the batch described by query_start_loc / seq_lens / block_tables
 // (max_blocks columns); writes their rows of out [T, H, D] (contiguous). Work items: whole sequences
-// (each block read once for all heads) when there are enough of them to keep every thread busy. With
-// fewer sequences than threads, each sequence's positions split in parts of all its kv heads (flash
-// decoding: a thread reads whole K/V rows of its positions, and one decode sequence of 3 kv heads
-// keeps 2 threads evenly busy), merged after; a sequence too short for parts of kMinPartPositions positions
-// splits by kv heads instead.
+// (each block read once for all heads) when there are many of them. With few (under 4 per thread), the
+// threads' shares are planned: sequences split in parts of their positions, all kv heads each (flash
+// decoding: a thread reads whole K/V rows of its positions; each part keeps its unnormalized output,
+// maximum and sum, merged after), parts of about equal size (a per-thread share is split in two at
+// least, never below kMinPartPositions); a sequence too short for two such parts, with fewer sequences
+// than threads, splits by kv heads instead. The items then go to the threads longest first, each to
+// the least loaded (a decode sequence of 3 kv heads, or 3 sequences, or one long and a few short ones
+// keep 2 threads evenly busy), laid out one thread's share after another.
 template <typename T>
 void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* k_cache, const T* v_cache,
                              const int32_t* qsl, const int32_t* lens, const int32_t* tables, int64_t max_blocks,
@@ -265,37 +268,68 @@ void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* 
                              float scale) {
   const int64_t G = H / KVH, threads = num_threads();
   std::vector<SeqPart> items;
-  std::vector<int64_t> parts(S, 1), part_offset(S, 0);  // split sequences: parts, first float of their buffer
+  // split sequences: parts, positions per part, first float of their buffer
+  std::vector<int64_t> parts(S, 1), steps(S, 1), part_offset(S, 0);
   int64_t floats = 0;
-  for (int64_t i = 0; i < S; ++i) {
-    const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b], L = lens[b], span = L - R + 1;  // positions every row sees
-    if (S >= threads) {
-      items.push_back({i, 0, KVH, 0, L, nullptr});
-      continue;
+  if (S >= 4 * threads || threads == 1) {
+    for (int64_t i = 0; i < S; ++i) items.push_back({i, 0, KVH, 0, lens[seqs[i]], nullptr});
+  } else {
+    int64_t total = 0;  // positions every row of a sequence sees, over the sequences
+    for (int64_t i = 0; i < S; ++i) total += lens[seqs[i]] - (qsl[seqs[i] + 1] - qsl[seqs[i]]) + 1;
+    const int64_t target = std::max(kMinPartPositions, (total + 2 * threads - 1) / (2 * threads));
+    std::vector<SeqPart> planned;
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b], L = lens[b], span = L - R + 1;
+      if (span < 2 * kMinPartPositions && S < threads) {
+        for (int64_t kvh = 0; kvh < KVH; ++kvh) planned.push_back({i, kvh, kvh + 1, 0, L, nullptr});
+        continue;
+      }
+      const int64_t want = std::max<int64_t>(1, std::min(span / kMinPartPositions, (span + target - 1) / target));
+      const int64_t step = ((span + want - 1) / want + block_size - 1) / block_size * block_size;
+      parts[i] = (span + step - 1) / step;  // whole blocks per part may leave fewer parts
+      steps[i] = step;
+      if (parts[i] > 1) {
+        part_offset[i] = floats;
+        floats += parts[i] * R * H * (D + 2);
+      }
+      for (int64_t p = 0; p < parts[i]; ++p)
+        planned.push_back({i, 0, KVH, p * step, p + 1 < parts[i] ? (p + 1) * step : L, nullptr});
     }
-    const int64_t want = std::min((threads + S - 1) / S, span / kMinPartPositions);
-    if (want < 2) {
-      for (int64_t kvh = 0; kvh < KVH; ++kvh) items.push_back({i, kvh, kvh + 1, 0, L, nullptr});
-      continue;
+    auto work = [&](const SeqPart& it) {
+      const int64_t b = seqs[it.seq];
+      return (it.end - it.begin) * (it.kvh1 - it.kvh0) * (qsl[b + 1] - qsl[b]);
+    };
+    std::vector<int64_t> order(planned.size());
+    for (size_t w = 0; w < order.size(); ++w) order[w] = w;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t c) { return work(planned[a]) > work(planned[c]); });
+    std::vector<std::vector<int64_t>> bins(threads);
+    std::vector<int64_t> load(threads, 0);
+    for (int64_t w : order) {
+      const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+      bins[t].push_back(w);
+      load[t] += work(planned[w]);
     }
-    const int64_t step = ((span + want - 1) / want + block_size - 1) / block_size * block_size;
-    parts[i] = (span + step - 1) / step;  // whole blocks per part may leave fewer parts
-    part_offset[i] = floats;
-    floats += parts[i] * R * H * (D + 2);
-    for (int64_t p = 0; p < parts[i]; ++p)
-      items.push_back({i, 0, KVH, p * step, p + 1 < parts[i] ? (p + 1) * step : L, nullptr});
+    size_t per_bin = 0;
+    for (const auto& bin : bins) per_bin = std::max(per_bin, bin.size());
+    for (const auto& bin : bins) {  // each share padded to the same count: parallel_for's chunk is one share
+      for (int64_t w : bin) items.push_back(planned[w]);
+      for (size_t k = bin.size(); k < per_bin; ++k) items.push_back({0, 0, 0, 0, 0, nullptr});  // empty
+    }
   }
   std::vector<char> own;  // the parts' results, seen by every thread of a decode step's team (team.h)
   float* partials = floats ? reinterpret_cast<float*>(shared_buffer(own, floats * sizeof(float))) : nullptr;
-  for (size_t w = 0, p = 0; w < items.size(); ++w) {
-    const int64_t i = items[w].seq, b = seqs[i];
-    p = w > 0 && items[w - 1].seq == i ? p + 1 : 0;
-    if (parts[i] > 1) items[w].partial = partials + part_offset[i] + p * (qsl[b + 1] - qsl[b]) * H * (D + 2);
+  for (SeqPart& it : items) {
+    if (it.end > it.begin && parts[it.seq] > 1) {
+      const int64_t b = seqs[it.seq], R = qsl[b + 1] - qsl[b];
+      it.partial = partials + part_offset[it.seq] + it.begin / steps[it.seq] * R * H * (D + 2);
+    }
   }
   agentrt::parallel_for(0, items.size(), 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> buf;
     for (int64_t w = w0; w < w1; ++w) {
       const SeqPart& it = items[w];
+      if (it.end <= it.begin) continue;  // padding of a thread's share
       const int64_t b = seqs[it.seq];
       auto run = [&](auto fn) {
         fn(q, q_row_stride, out, k_cache, v_cache, tables + b * max_blocks, qsl[b], qsl[b + 1] - qsl[b], lens[b], it,

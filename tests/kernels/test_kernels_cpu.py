@@ -267,7 +267,10 @@ def test_tiled_bf16_attention_split_and_tile_walks(threads, q_lens, seq_lens, he
     ([16], [143], (8, 1), 128, 32),  # a part of one block past the first row's position
     ([1], [100], (4, 4), 32, 16),  # too short for parts: split by kv heads
     ([1, 3], [700, 64], (9, 3), 64, 16),  # one sequence split, one by kv heads
-    ([1, 1, 1, 1], [90, 300, 5, 257], (9, 3), 64, 16),  # as many sequences as threads or more: whole ones
+    ([1, 1, 1, 1], [90, 300, 5, 257], (9, 3), 64, 16),  # 4 sequences: whole ones or parts, by thread count
+    ([1, 1, 1], [300, 300, 300], (9, 3), 64, 16),  # 3 even sequences on 2 threads: parts, balanced
+    ([1, 4, 1], [1000, 100, 7], (8, 2), 128, 16),  # one long, two short: the long one in parts
+    ([1] * 9, [40 * k + 3 for k in range(9)], (9, 3), 64, 16),  # many sequences: whole ones (up to 2 threads)
 ])
 def test_small_q_attention_splits_across_threads(cpu_kind, threads, dtype, q_lens, seq_lens, heads, head_dim,
                                                  block_size):
