@@ -10,6 +10,7 @@ server's database for all, with the conversation through them, so a continuation
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 import json
 import time
@@ -39,14 +40,18 @@ from agentrt.server.errors import APIError, api, bad_request, to_api_error
 from agentrt.server.openapi import Operation
 from agentrt.server.responses_schemas import (
     FunctionCallItem,
+    FunctionCallOutputItem,
     IncompleteDetails,
     InputItem,
+    InputMessageItem,
+    ItemText,
     InputTokensDetails,
     OutputItem,
     OutputMessage,
     OutputText,
     ResponseCreate,
     ResponseDeleted,
+    ResponseInputItems,
     ResponseObject,
     ResponseStreamEvent,
     ResponseUsage,
@@ -310,8 +315,58 @@ async def delete_response(request: Request) -> Response:
     return Response(msgspec.json.encode(ResponseDeleted(response_id)), media_type="application/json")
 
 
+def conversation_items(response_id: str, messages: list[dict[str, Any]]) -> list[Any]:
+    """A stored conversation's chat messages as Responses items, ids stable per response and position."""
+    def item_id(prefix: str, k: int) -> str:
+        return f"{prefix}_{hashlib.sha1(f'{response_id}/{k}'.encode()).hexdigest()[:24]}"
+
+    items: list[Any] = []
+    for m in messages:
+        if m["role"] == "tool":
+            items.append(FunctionCallOutputItem(item_id("fco", len(items)), m["tool_call_id"], m["content"]))
+            continue
+        if m["content"] or not m.get("tool_calls"):
+            kind = "output_text" if m["role"] == "assistant" else "input_text"
+            items.append(InputMessageItem(item_id("msg", len(items)), m["role"], [ItemText(kind, m["content"])]))
+        for c in m.get("tool_calls", []):
+            items.append(FunctionCallItem(item_id("fc", len(items)), c["id"], c["name"], c["arguments"]))
+    return items
+
+
+@api
+async def list_input_items(request: Request) -> Response:
+    """The input items of a stored response (OpenAI's list): newest first by default (`order=asc` for
+    oldest), `limit` 1-100 (20), `after` an item id from a previous page."""
+    st = state_of(request)
+    rec = await _memory(st).find(request.path_params["response_id"], st.owner(request), "response_id")
+    q = request.query_params
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit must be an integer from 1 to 100, got {q.get('limit')!r}", "limit")
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", "order")
+    items = conversation_items(rec.response_id, json.loads(rec.messages)[:-1])  # the last one is the reply
+    if order == "desc":
+        items.reverse()
+    start = 0
+    if (after := q.get("after")) is not None:
+        ids = [it.id for it in items]
+        if after not in ids:
+            raise bad_request(f"after={after!r} is not an input item of response {rec.response_id!r}", "after")
+        start = ids.index(after) + 1
+    page = items[start : start + limit]
+    body = ResponseInputItems(page, page[0].id if page else None, page[-1].id if page else None,
+                              start + limit < len(items))
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
 ROUTES = [
     Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
     Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
 ]
@@ -323,4 +378,8 @@ OPERATIONS = [
               errors=(401, 404, 500)),
     Operation("delete", "/v1/responses/{response_id}", "delete a stored response (OpenAI Responses API)",
               ResponseDeleted, errors=(401, 404, 500)),
+    Operation("get", "/v1/responses/{response_id}/input_items", "the input items of a stored response (OpenAI "
+              "Responses API)", ResponseInputItems, errors=(400, 401, 404, 500),
+              query=(("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                     ("order", {"type": "string", "enum": ["asc", "desc"]}), ("after", {"type": "string"}))),
 ]

@@ -142,6 +142,36 @@ class ResponseObject(Struct):
     program_id: str | None = None  # the program the response chain runs in (agentrt)
 
 
+class ItemText(Struct):
+    type: str  # "input_text" (user, system) | "output_text" (assistant)
+    text: str
+
+
+class InputMessageItem(Struct, tag="message", tag_field="type"):
+    id: str
+    role: str  # "user" | "system" | "assistant"
+    content: list[ItemText]
+    status: str = "completed"
+
+
+class FunctionCallOutputItem(Struct, tag="function_call_output", tag_field="type"):
+    id: str
+    call_id: str
+    output: str
+    status: str = "completed"
+
+
+class ResponseInputItems(Struct):
+    """`GET /v1/responses/{response_id}/input_items`: what the model read, earlier turns of the chain included
+    (instructions are not an item), one page of it."""
+
+    data: list[InputMessageItem | FunctionCallItem | FunctionCallOutputItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+    object: str = "list"
+
+
 class ResponseDeleted(Struct):
     """The answer to `DELETE /v1/responses/{response_id}`."""
 

@@ -305,6 +305,8 @@ def test_stored_responses_belong_to_their_key(keyed):
         unstored = k1.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "store": False}).json()
         assert_error(k1.get(f"/v1/responses/{unstored['id']}"), 404, "response_id", "response_not_found")
         assert_error(k2.delete(f"/v1/responses/{rid}"), 404, "response_id", "response_not_found")
+        assert_error(k2.get(f"/v1/responses/{rid}/input_items"), 404, "response_id", "response_not_found")
+        assert k1.get(f"/v1/responses/{rid}/input_items").json()["data"][0]["content"][0]["text"] == "hi"
         assert k1.get(f"/v1/responses/{rid}").status_code == 200  # k2's attempt deleted nothing
         assert k1.delete(f"/v1/responses/{rid}").json() == {"id": rid, "object": "response", "deleted": True}
         assert_error(k1.get(f"/v1/responses/{rid}"), 404, "response_id", "response_not_found")

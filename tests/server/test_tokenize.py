@@ -89,6 +89,8 @@ def test_retrieve_a_stored_response(client):
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(made.id)
     with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(made.id)
+    with pytest.raises(openai.NotFoundError):
         client.responses.delete(made.id)
 
 
@@ -116,3 +118,36 @@ def test_tool_choice_none_keeps_the_tools_unless_the_server_excludes_them(tiny_m
     config = tiny_config(tiny_model_path, served_model_name="tiny", exclude_tools_when_tool_choice_none=True)
     with live_server(config) as other, openai.OpenAI(base_url=other.url + "/v1", api_key="x", max_retries=0) as c:
         assert prompt_tokens(c) == without
+
+
+def test_input_items_of_a_chain(client, http):
+    """`GET /v1/responses/{id}/input_items` (the SDK's `responses.input_items.list`): what the model read,
+    earlier turns of the chain and tool results included, newest first by default, in pages."""
+    first = client.responses.create(model="tiny", input="Say hello.", instructions="Be brief.", max_output_tokens=3,
+                                    temperature=0)
+    call = {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 1}'}
+    out = {"type": "function_call_output", "call_id": "call_1", "output": "2"}
+    second = client.responses.create(model="tiny", previous_response_id=first.id, max_output_tokens=3,
+                                     temperature=0, input=[{"role": "user", "content": "Add."}, call, out])
+    items = list(client.responses.input_items.list(second.id, order="asc"))
+    reply = first.output[0].content[0].text
+    assert [(i.type, getattr(i, "role", None)) for i in items] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user"), ("function_call", None),
+        ("function_call_output", None)]
+    assert items[0].content[0].text == "Say hello." and items[0].content[0].type == "input_text"
+    assert items[1].content[0].text == reply and items[1].content[0].type == "output_text"
+    assert (items[3].call_id, items[3].name, items[3].arguments) == ("call_1", "add", '{"a": 1}')
+    assert (items[4].call_id, items[4].output) == ("call_1", "2")
+    assert [i.id for i in client.responses.input_items.list(second.id)] == [i.id for i in reversed(items)]
+    assert len({i.id for i in items}) == 5
+    page = http.get(f"/v1/responses/{second.id}/input_items", params={"order": "asc", "limit": 2}).json()
+    assert [d["id"] for d in page["data"]] == [items[0].id, items[1].id] and page["has_more"]
+    assert (page["first_id"], page["last_id"]) == (items[0].id, items[1].id)
+    rest = http.get(f"/v1/responses/{second.id}/input_items",
+                    params={"order": "asc", "limit": 10, "after": page["last_id"]}).json()
+    assert [d["id"] for d in rest["data"]] == [i.id for i in items[2:]] and not rest["has_more"]
+    for params, field in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "msg_nope"}, "after")):
+        r = http.get(f"/v1/responses/{second.id}/input_items", params=params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert [i.type for i in client.responses.input_items.list(first.id)] == ["message"]
