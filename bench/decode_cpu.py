@@ -40,21 +40,9 @@ def _read_gbps() -> float:
     return x.numel() * 4 / min(times) / 1e9
 
 
-def _weight_bytes(model) -> int:
-    """Bytes of weights one decode token streams: the packed projections of every layer and the LM head."""
-    lins = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
-    return sum(t.numel() * t.element_size() for t in [*(lin.weight for lin in lins), head])
-
-
-def _kv_bytes_per_position(model) -> int:
-    a = model.args
-    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * model.embed_tokens.weight.element_size()
-
-
 def measure(contexts: list[int], steps: int, repeats: int, model: str | None = None) -> dict:
     from engine import LLM
+    from engine.runner import ModelRunner
     from kernels import cpu
 
     block_size = 16
@@ -80,14 +68,15 @@ def measure(contexts: list[int], steps: int, repeats: int, model: str | None = N
                 per_token[d][c].append((time.perf_counter() - t0) / steps)
     for d in DTYPES:
         m = models[d]
-        wbytes = _weight_bytes(m)
+        wbytes = sum(w.numel() * w.element_size() for _, w in m.streamed_weights())
         rows = []
         for c in contexts:
             ts = sorted(per_token[d][c])
             p10 = ts[len(ts) // 10]
             rows.append({"context": c, "p10_ms": p10 * 1e3, "median_ms": statistics.median(ts) * 1e3,
                          "of_bandwidth": wbytes / (result["read_gb_per_s"] * 1e9) / p10})
-        entry = {"weight_bytes": wbytes, "kv_bytes_per_position": _kv_bytes_per_position(m), "rows": rows}
+        kv_bytes = ModelRunner.bytes_per_block(m.args, 1, m.embed_tokens.weight.dtype)  # one position, all layers
+        entry = {"weight_bytes": wbytes, "kv_bytes_per_position": kv_bytes, "rows": rows}
         if len(contexts) > 1:
             lo, hi = rows[0], rows[-1]
             slope_s = (hi["p10_ms"] - lo["p10_ms"]) / 1e3 / (hi["context"] - lo["context"])

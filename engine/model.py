@@ -269,17 +269,23 @@ class LlamaForCausalLM(nn.Module):
                 [packed(layer.mlp.down_proj) for layer in ls])
         return self._decode_cache
 
+    def streamed_weights(self) -> list[tuple[PackCache, torch.Tensor]]:
+        """(pack cache, weight) of every weight a decode step streams: each layer's projections, then the
+        LM head (the embedding when tied)."""
+        lins = [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        caches = [(lin.pack_cache, lin.weight) for lin in lins]
+        caches.append((self.lm_head.pack_cache, self.lm_head.weight) if self.lm_head is not None
+                      else (self._tied_head_pack, self.embed_tokens.weight))
+        return caches
+
     def _packs_on_huge_pages(self) -> None:
         """Pack every weight a decode step streams (the LM head's included) and move the packed copies
         to huge pages (kernels.linear.on_huge_pages: ~1.2-1.7x the streaming rate of one-row
         projections); once per set of weights, before the first CPU forward with the C++ kernels."""
         if self._packs_homed:
             return
-        lins = [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        caches = [(lin.pack_cache, lin.weight) for lin in lins]
-        caches.append((self.lm_head.pack_cache, self.lm_head.weight) if self.lm_head is not None
-                      else (self._tied_head_pack, self.embed_tokens.weight))
+        caches = self.streamed_weights()
         for cache, copy in zip((c for c, _ in caches), on_huge_pages([c.get(w) for c, w in caches]), strict=True):
             cache.rehome(copy)
         self._packs_homed = True

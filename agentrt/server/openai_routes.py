@@ -281,10 +281,9 @@ async def completions(request: Request) -> Response:
         head, prompt_ids = echo[k] if echo is not None else ("", [])
         for c in out.outputs:  # max_tokens=0 (not generated): the token the engine sampled is not returned
             logprobs = completion_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs, len(head)) if generated else None
-            if scored:
-                tops = out.prompt_top_logprobs
-                if tops is not None and req.prompt_logprobs is not None and req.prompt_logprobs > (req.logprobs or 0):
-                    tops = [None if t is None else t[: req.logprobs] for t in tops] if req.logprobs else None
+            if scored:  # the engine's top lists are as long as the larger of logprobs and prompt_logprobs
+                tops = out.prompt_top_logprobs if req.logprobs else None
+                tops = None if tops is None else [None if t is None else t[: req.logprobs] for t in tops]
                 logprobs = echoed_logprobs(text, prompt_ids, out.prompt_logprobs, tops, logprobs)
             choice = CompletionChoice(k * req.n + c.index, head + (c.text if generated else ""),
                                       c.finish_reason if generated else "length", logprobs)

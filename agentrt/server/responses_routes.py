@@ -88,8 +88,7 @@ class ResponseMemory:
         """`get`, or a 404 naming `param` (the field that carried the id)."""
         rec = await self.get(response_id, owner)
         if rec is None:
-            raise APIError(404, f"no stored response {response_id!r} (made with store: false, by another key, or never)",
-                           "not_found_error", param, "response_not_found")
+            raise not_found(response_id, param)
         return rec
 
     async def delete(self, response_id: str, owner: str | None) -> bool:
@@ -102,6 +101,11 @@ class ResponseMemory:
             return in_memory
         in_store = await anyio.to_thread.run_sync(lambda: self.store.delete_response(response_id, owner=owner))
         return in_memory or in_store
+
+
+def not_found(response_id: str, param: str) -> APIError:
+    return APIError(404, f"no stored response {response_id!r} (made with store: false, by another key, or never)",
+                    "not_found_error", param, "response_not_found")
 
 
 def _memory(st: ServerState) -> ResponseMemory:
@@ -311,7 +315,7 @@ async def delete_response(request: Request) -> Response:
     st = state_of(request)
     response_id = request.path_params["response_id"]
     if not await _memory(st).delete(response_id, st.owner(request)):
-        await _memory(st).find(response_id, st.owner(request), "response_id")  # the 404
+        raise not_found(response_id, "response_id")
     return Response(msgspec.json.encode(ResponseDeleted(response_id)), media_type="application/json")
 
 

@@ -303,19 +303,16 @@ void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* 
     for (size_t w = 0; w < order.size(); ++w) order[w] = w;
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t c) { return work(planned[a]) > work(planned[c]); });
-    std::vector<std::vector<int64_t>> bins(threads);
-    std::vector<int64_t> load(threads, 0);
+    std::vector<int64_t> load(threads, 0), count(threads, 0), share(planned.size());  // share: item -> thread
     for (int64_t w : order) {
       const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
-      bins[t].push_back(w);
+      share[w] = t;
       load[t] += work(planned[w]);
+      ++count[t];
     }
-    size_t per_bin = 0;
-    for (const auto& bin : bins) per_bin = std::max(per_bin, bin.size());
-    for (const auto& bin : bins) {  // each share padded to the same count: parallel_for's chunk is one share
-      for (int64_t w : bin) items.push_back(planned[w]);
-      for (size_t k = bin.size(); k < per_bin; ++k) items.push_back({0, 0, 0, 0, 0, nullptr});  // empty
-    }
+    const int64_t per_share = *std::max_element(count.begin(), count.end());
+    items.assign(threads * per_share, {0, 0, 0, 0, 0, nullptr});  // shares padded with empty items to one
+    for (int64_t w : order) items[share[w] * per_share + --count[share[w]]] = planned[w];  // length: a chunk each
   }
   std::vector<char> own;  // the parts' results, seen by every thread of a decode step's team (team.h)
   float* partials = floats ? reinterpret_cast<float*>(shared_buffer(own, floats * sizeof(float))) : nullptr;
