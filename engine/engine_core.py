@@ -257,7 +257,9 @@ class EngineCore:
         self.requests[request_id] = req
         self._families[request_id] = req
         for r in (req, *req.children):  # every id of the family is taken until its output is
-            self._detok[r.request_id] = Detokenizer(self.tokenizer, list(params.stop), min_tokens=params.min_tokens)
+            self._detok[r.request_id] = Detokenizer(
+                self.tokenizer, list(params.stop), min_tokens=params.min_tokens,
+                include_stop=params.include_stop_str_in_output, skip_special_tokens=params.skip_special_tokens)
         try:
             self.scheduler.add_request(req)
         except BaseException:
@@ -408,15 +410,17 @@ class EngineCore:
             req.first_token_time = now
         req.append_token(token, logprob, top)
         p = req.sampling
-        stop_hit = self._detok[req.request_id].add([token])
+        eos = not p.ignore_eos and token in req.eos_token_ids
+        stop_id = token in p.stop_token_ids
+        stop_hit = self._detok[req.request_id].add([token], stop_terminated=eos or stop_id)
         grammar_done = False
         if req.matcher is not None:
             if not req.matcher.accept_token(token):
                 raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
             grammar_done = req.matcher.is_terminated()
-        if (not p.ignore_eos and token in req.eos_token_ids) or grammar_done:
+        if eos or grammar_done:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")
-        elif token in p.stop_token_ids or stop_hit:
+        elif stop_id or stop_hit:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_model_len:
             self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH, "length")

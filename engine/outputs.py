@@ -97,7 +97,8 @@ class Detokenizer:
 
     Text is released only once stable (no half UTF-8 sequence), and while stop strings are set
     the last `len(longest stop) - 1` characters are held back, so a stream never shows the start
-    of a stop string that the final text then cuts off."""
+    of a stop string that the final text then cuts off (with `include_stop` nothing is cut before a
+    stop string's end, so nothing is held back)."""
 
     tokenizer: object
     stop: list[str] = field(default_factory=list)
@@ -107,14 +108,20 @@ class Detokenizer:
     read_offset: int = 0
     emitted: int = 0  # characters of `text` already handed out
     min_tokens: int = 0  # SamplingParams.min_tokens: no stop string ends the output before
+    include_stop: bool = False  # SamplingParams.include_stop_str_in_output
+    skip_special_tokens: bool = True
 
-    def add(self, token_ids: list[int]) -> bool:
-        """Append tokens; True when a stop string appeared (the text is cut before it). Stop strings
-        are looked for once there are more than `min_tokens` tokens (vLLM's rule)."""
+    def add(self, token_ids: list[int], stop_terminated: bool = False) -> bool:
+        """Append tokens; True when a stop string appeared (the text is cut before it, or after it with
+        `include_stop`). Stop strings are looked for once there are more than `min_tokens` tokens
+        (vLLM's rule). `stop_terminated`: the last token ends the output (EOS or a stop token id); its
+        text is left out unless `include_stop`."""
+        if stop_terminated and not self.include_stop:
+            token_ids = token_ids[:-1]
         self.ids.extend(token_ids)
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False
         old_len = len(self.text)
@@ -122,15 +129,15 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if self.stop and len(self.ids) > self.min_tokens:
             start = max(0, old_len - max(len(s) for s in self.stop) + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
+            hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            if hits:  # with include_stop, the output ends where the first stop string to appear ends
+                self.text = self.text[: min(e for _, e in hits) if self.include_stop else min(i for i, _ in hits)]
                 return True
         return False
 
     def take(self, final: bool) -> str:
         """Text not handed out yet (all of it when `final`)."""
-        hold = 0 if final or not self.stop else max(len(s) for s in self.stop) - 1
+        hold = 0 if final or not self.stop or self.include_stop else max(len(s) for s in self.stop) - 1
         end = max(self.emitted, len(self.text) - hold)
         out = self.text[self.emitted : end]
         self.emitted = end

@@ -36,7 +36,8 @@ class SamplingParams:
     top_k: int = -1  # -1 = off, else >= 1
     top_p: float = 1.0  # nucleus mass in (0, 1]
     seed: int | None = None  # per-request generator seed in [0, 2**63 - 1]: same seed, same tokens
-    stop: list[str] = field(default_factory=list)  # stop strings (a str is one), not included in the output
+    stop: list[str] = field(default_factory=list)  # stop strings (a str is one), not in the output unless
+    # include_stop_str_in_output
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end the request (< vocab, checked at add)
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     logprobs: bool = False  # return the log-probability of each sampled token
@@ -54,6 +55,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None = off; N in 0..MAX_TOP_LOGPROBS: each prompt token's
     # log-prob (the first's is None) and the N most likely tokens at each prompt position; the request
     # then reads no cached prefix (every prompt position is computed)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the output, or the text of the
+    # EOS / stop_token_ids token that did (vLLM's rule: without it, neither is in the text; the ids always are)
+    skip_special_tokens: bool = True  # leave special tokens (e.g. <|im_end|>) out of the output text
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +95,8 @@ class SamplingParams:
         self.min_tokens = _int("min_tokens", self.min_tokens, 0, self.max_tokens,
                                what=f"an int in [0, max_tokens={self.max_tokens}]")
         self.logit_bias = _logit_bias(self.logit_bias)
+        self.include_stop_str_in_output = _bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS,
                                         what=f"None or an int in [0, {MAX_TOP_LOGPROBS}]")
