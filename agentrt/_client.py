@@ -35,7 +35,9 @@ from agentrt._toolcalls import ToolCall, tool_specs
 from agentrt._program import ProgramHandle, current
 from engine.sampling_params import SamplingParams
 
-_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "n", "logprobs", "top_logprobs")
+_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "n", "logprobs", "top_logprobs",
+           "include_stop_str_in_output", "skip_special_tokens", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "min_p", "min_tokens")
 _DEFAULTS = SamplingParams()
 
 
@@ -155,7 +157,7 @@ class RemoteRuntime:
             params = SamplingParams(**sampling)
         except (TypeError, ValueError) as e:
             raise InvalidCallError(f"bad sampling arguments {sampling!r}: {e}", program_id=_pid()) from None
-        unsent = [f for f in params.__slots__ if f not in (*_FIELDS, "stop_token_ids")
+        unsent = [f for f in params.__slots__ if f not in (*_FIELDS, "stop_token_ids", "logit_bias")
                   and getattr(params, f) != getattr(_DEFAULTS, f)]
         if unsent:  # refused rather than silently dropped
             raise InvalidCallError(f"sampling arguments {unsent} are not supported through agentrt.connect",
@@ -163,6 +165,8 @@ class RemoteRuntime:
         body = {f: getattr(params, f) for f in _FIELDS if f in sampling}
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
+        if params.logit_bias:  # OpenAI's shape: token ids as strings
+            body["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
         if completions:  # /v1/completions: logprobs is the number of alternatives
             body.pop("top_logprobs", None)
             body["logprobs"] = params.top_logprobs if params.wants_logprobs else None

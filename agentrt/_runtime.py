@@ -21,6 +21,7 @@ import anyio
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
 from agentrt._call import Call, CallSummary
+from agentrt._chat_prompt import ChatPrompts
 from agentrt._context import _runtime, current_runtime
 from agentrt._errors import (
     ConfigError,
@@ -94,8 +95,7 @@ class Runtime:
         self.retention: RetentionPolicy | None = None  # while the engine runs
         self.observers: list[RuntimeObserver] = []  # told of program starts / ends and call ends
         self._inflight: dict[str, set[str]] = {}  # program id -> request ids in the engine
-        self._convs: dict[str, tuple[str, list[int]]] = {}  # program id -> (text, ids): its last chat prompt + reply
-        self._chat_prompts: dict[str, tuple[str, list[int]]] = {}  # program id -> its latest chat prompt (text, ids)
+        self._chat = ChatPrompts(lambda: self.tokenizer)  # per program: its last chat prompt and reply
         self._keyed: dict[str, ProgramHandle] = {}  # running programs started by id (`start_program`, the server)
         self._thread_ids: dict[str, set[str]] = {}  # keyed program id -> thread ids its calls named (num_threads)
         self._num_waiting = 0  # calls submitted that have produced no token yet
@@ -162,8 +162,7 @@ class Runtime:
         if self._keyed.get(pid) is handle:
             del self._keyed[pid]
         self._thread_ids.pop(pid, None)
-        self._convs.pop(pid, None)
-        self._chat_prompts.pop(pid, None)
+        self._chat.forget(pid)
         for rid in self._inflight.pop(pid, ()):
             if self.engine is not None:
                 self.engine.abort(rid)
@@ -273,36 +272,11 @@ class Runtime:
                     self._end_program(handle, "finished", None)
 
     # --- calls --------------------------------------------------------------------------------
-    def chat_token_ids(self, messages: Sequence[dict[str, Any]], program_id: str | None = None) -> list[int]:
-        """Token ids of `messages` under the model's chat template, ready for the assistant's turn."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-            raise InvalidCallError(f"messages must be a non-empty list of {{role, content}} dicts, got {messages!r}", program_id=program_id)
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise InvalidCallError(f"each message needs a str 'role' and 'content', got {m!r}", program_id=program_id)
-        tok = self.tokenizer
-        try:
-            text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-            conv = self._convs.get(program_id) if program_id is not None else None
-            if conv is not None and text.startswith(conv[0]):  # the program's last prompt + reply, then more
-                ids = conv[1] + tok(text[len(conv[0]) :], add_special_tokens=False)["input_ids"]
-            else:
-                ids = tok(text, add_special_tokens=False)["input_ids"]
-        except (TypeError, ValueError, UnicodeError) as e:  # e.g. a lone surrogate in a message
-            raise InvalidCallError(f"messages cannot be tokenized: {e}", program_id=program_id) from None
-        if program_id is not None:
-            self._chat_prompts[program_id] = (text, ids)
-        return ids
-
-    def _remember_reply(self, program_id: str, out: RequestOutput | None) -> None:
-        """Keep a chat call's prompt and reply as (text, ids) so the program's next prompt reuses the ids
-        the engine generated instead of re-tokenizing their text: a re-tokenization that differs at the
-        reply boundary would end the prefix hit there."""
-        prompt = self._chat_prompts.pop(program_id, None)
-        if prompt is None or out is None or not out.outputs or list(out.prompt_token_ids) != prompt[1]:
-            return
-        ids = list(out.outputs[0].token_ids)
-        self._convs[program_id] = (prompt[0] + self.tokenizer.decode(ids), prompt[1] + ids)
+    def chat_token_ids(self, messages: Sequence[dict[str, Any]], program_id: str | None = None,
+                       **options: Any) -> list[int]:
+        """Token ids of `messages` under the model's chat template, ready for the assistant's turn
+        (`options`: add_generation_prompt, continue_final_message, template_kwargs; see agentrt._chat_prompt)."""
+        return self._chat.token_ids(messages, program_id, **options)
 
     def compile_constraint(self, constraint: Constraint, param: str | None = None) -> None:
         """Compile (and cache) an output grammar now, so a bad one fails here, naming `param`, and a good
@@ -372,7 +346,7 @@ class Runtime:
 
     def _call_closed(self, call: Call) -> None:
         if call.kind == "chat":
-            self._remember_reply(call.program_id, call._output)
+            self._chat.remember_reply(call.program_id, call._output)
         inflight = self._inflight.get(call.program_id)
         if inflight is not None:
             inflight.discard(call.request_id)

@@ -5,6 +5,7 @@ rendered, tokenized and its grammar compiled off the event loop."""
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from typing import Any
@@ -15,16 +16,18 @@ from starlette.requests import Request
 
 from agentrt._call import Call
 from agentrt._errors import InvalidCallError
-from agentrt._toolcalls import ChatPlan, plan_call
+from agentrt._toolcalls import ChatPlan, check_schema, plan_call, response_format_constraint
 from agentrt.server.app import ServerState
 from agentrt.server.errors import bad_request, error_body, to_api_error
 from agentrt.server.schemas import (
     ChoiceLogprobs,
     CompletionLogprobs,
+    GenerationExtras,
     ProgramId,
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,
+    StreamOptions,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -68,10 +71,9 @@ def sampling_params(
     st: ServerState, *, max_tokens: int | None, prompt_len: int, temperature: float | None, top_p: float | None,
     top_k: int | None, n: int, stop: str | list[str] | None, stop_token_ids: list[int] | None, seed: int | None,
     ignore_eos: bool, logprobs: bool, top_logprobs: int, constraint: Constraint | None = None,
-    processors: Any = None, prompt_logprobs: int | None = None,
+    extras: GenerationExtras | None = None, prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """`processors`: the request (a `schemas.Processors`) whose penalties, min_p, min_tokens and
-    logit_bias apply."""
+    """`extras`: the request whose penalties, min_p, min_tokens, logit_bias and output-text options apply."""
     if n > st.config.max_n:
         raise bad_request(f"n={n} is over the server's limit of {st.config.max_n} (--max-n)", "n")
     if max_tokens is not None and max_tokens > st.max_tokens_limit:
@@ -79,7 +81,7 @@ def sampling_params(
     if max_tokens is None:
         max_tokens = max(1, min(st.max_tokens_limit, st.max_model_len - prompt_len))
     try:
-        extra = processors.processor_args() if processors is not None else {}
+        extra = extras.sampling_args() if extras is not None else {}
         return SamplingParams(**extra,
             max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k, n=n,
@@ -195,6 +197,25 @@ def prompt_logprobs_of(text: TokenText, out: RequestOutput, top_n: int) -> Promp
     return result
 
 
+class StreamUsage:
+    """What a stream says of its usage (`stream_options`): a last chunk with the totals (include_usage)
+    and, with vLLM's continuous_usage_stats as well, the usage so far on every chunk."""
+
+    def __init__(self, options: StreamOptions | None, prompt_tokens: int) -> None:
+        self.final = options is not None and options.include_usage
+        self.continuous = self.final and options is not None and options.continuous_usage_stats
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
+
+    def add(self, tokens: int) -> None:
+        self.completion_tokens += tokens
+
+    def now(self) -> Usage | None:
+        """The usage a chunk carries: so far when continuous, else none."""
+        if not self.continuous:
+            return None
+        return Usage(self.prompt_tokens, self.completion_tokens, self.prompt_tokens + self.completion_tokens)
+
+
 def usage_of(outs: list[RequestOutput]) -> Usage:
     prompt = sum(o.num_prompt_tokens for o in outs)
     completion = sum(o.num_output_tokens for o in outs)
@@ -216,19 +237,63 @@ def error_event(e: BaseException) -> bytes:
     return b"data: " + error_body(to_api_error(e)) + b"\n\n"
 
 
+def output_constraint(req: Any) -> tuple[Constraint | None, str | None]:
+    """A request's output constraint and the field that gave it: `response_format`, vLLM's `guided_*`
+    fields or its `structured_outputs` (one of them)."""
+    given = [(name, v) for name in ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+             if (v := getattr(req, name)) is not None]
+    if req.response_format is not None:
+        given.append(("response_format", msgspec.to_builtins(req.response_format)))
+    if req.structured_outputs is not None:
+        so = {k: v for k, v in msgspec.to_builtins(req.structured_outputs).items() if v is not None}
+        if len(so) != 1 or so.get("json_object") is False:
+            raise bad_request(f"structured_outputs takes one of json, regex, choice, grammar, json_object; got "
+                              f"{sorted(so) or 'none'}", "structured_outputs")
+        ((key, value),) = so.items()
+        given.append((f"structured_outputs.{key}", value))
+    if len(given) > 1:
+        raise bad_request(f"give one output constraint, got {[n for n, _ in given]}", given[1][0])
+    if not given:
+        return None, None
+    name, value = given[0]
+    kind = name.removeprefix("guided_").removeprefix("structured_outputs.")
+    if name == "response_format":
+        return response_format_constraint(value), name
+    if kind == "json_object":
+        return Constraint("json_object"), name
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise bad_request(f"{name} is not valid JSON", name) from None
+        check_schema(value, name)
+        return Constraint.json_schema(value), name
+    if kind == "choice":
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise bad_request(f"{name} must be a non-empty list of non-empty strings", name)
+        return Constraint("regex", "|".join(re.escape(c) for c in value)), name
+    if not value:
+        raise bad_request(f"{name} is empty", name)
+    return Constraint("regex" if kind == "regex" else "grammar", value), name
+
+
 async def plan_chat(
     st: Any, messages: list[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
-    output: Constraint | None = None, program_id: str | None = None,
+    output: Constraint | None = None, output_param: str = "response_format", program_id: str | None = None,
+    **options: Any,
 ) -> tuple[ChatPlan, list[int]]:
     """The plan and the prompt's token ids; rendering, tokenizing and compiling the grammar (cached)
-    run off the event loop. Bad input raises InvalidCallError naming the field."""
+    run off the event loop. Bad input raises InvalidCallError naming the field. `options`: the chat
+    template's (Runtime.chat_token_ids)."""
     rt = st.runtime
     plan = plan_call(tools, tool_choice, output)
     if plan.mode == "none" and st.config.exclude_tools_when_tool_choice_none:
         plan.tools = []  # "none" parses no call: the tools served only the prompt
-    ids = await anyio.to_thread.run_sync(rt.chat_token_ids, plan.render(messages), program_id)
+    rendered = plan.render(messages)
+    ids = await anyio.to_thread.run_sync(lambda: rt.chat_token_ids(rendered, program_id, **options))
     if plan.constraint is not None:
-        param = "tool_choice" if plan.forced_call else "response_format"
+        param = "tool_choice" if plan.forced_call else output_param
         await anyio.to_thread.run_sync(lambda: rt.compile_constraint(plan.constraint, param))
     return plan, ids
 

@@ -7,8 +7,6 @@ the engine's output as OpenAI's objects. A client that disconnects aborts its ca
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +19,7 @@ from starlette.routing import Route
 
 from agentrt._call import Call
 from agentrt._errors import AgentrtError
-from agentrt._toolcalls import ChatPlan, check_schema, response_format_constraint
+from agentrt._toolcalls import ChatPlan
 from agentrt.server.app import ServerState, read_body, state_of
 from agentrt.server.calls import (
     chat_logprobs,
@@ -30,12 +28,14 @@ from agentrt.server.calls import (
     error_event,
     message_dicts,
     new_id,
+    output_constraint,
     plan_chat,
     program_keys,
     program_name,
     prompt_logprobs_of,
     results,
     sampling_params,
+    StreamUsage,
     submit,
     token_text,
     usage_of,
@@ -61,7 +61,6 @@ from agentrt.server.schemas import (
 )
 from agentrt.server.sse import DONE, SSEResponse, event
 from engine.outputs import RequestOutput
-from engine.structured import Constraint
 
 
 # --- chat -------------------------------------------------------------------------------------
@@ -88,6 +87,14 @@ def _note_tool(st: Any, pid: str | None, owner: str | None, messages: list[Any])
         st.runtime.tool_started(info, name)
 
 
+def _echoed(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the reply starts with the last message's content when it is the assistant's."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant":
+        return ""
+    return message_dicts([last])[0]["content"]
+
+
 @api
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
@@ -99,30 +106,36 @@ async def chat_completions(request: Request) -> Response:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
     choice = msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None
-    fmt = msgspec.to_builtins(req.response_format) if req.response_format is not None else None
+    constraint, constraint_param = output_constraint(req)
     _check_prompt_logprobs(req)
-    plan, prompt_ids = await plan_chat(st, message_dicts(req.messages), tools=tools, tool_choice=choice,
-                           output=response_format_constraint(fmt), program_id=pid)
+    plan, prompt_ids = await plan_chat(
+        st, message_dicts(req.messages), tools=tools, tool_choice=choice, output=constraint,
+        output_param=constraint_param or "response_format", program_id=pid,
+        add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+        template_kwargs=req.chat_template_kwargs)
     params = sampling_params(
         st, max_tokens=req.max_completion_tokens or req.max_tokens, prompt_len=len(prompt_ids),
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop,
         stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs or 0, constraint=plan.constraint, processors=req,
+        top_logprobs=req.top_logprobs or 0, constraint=plan.constraint, extras=req,
         prompt_logprobs=req.prompt_logprobs,
     )
     st.check_capacity()
     _note_tool(st, pid, owner, req.messages)
     call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
                   kind="chat", name=program_name(request), last_call=_last_call(request))
-    rid, created = new_id("chatcmpl"), int(time.time())
+    rid, created, head = new_id("chatcmpl"), int(time.time()), _echoed(req)
     if req.stream:
-        usage = req.stream_options is not None and req.stream_options.include_usage
-        return SSEResponse(_chat_events(st, call, plan, rid, created, req.n, usage), {"X-Program-Id": call.program_id})
+        usage = StreamUsage(req.stream_options, len(prompt_ids))
+        return SSEResponse(_chat_events(st, call, plan, rid, created, req.n, usage, head),
+                           {"X-Program-Id": call.program_id})
     (out,) = await results(request, [call])
     text = token_text(st)
     choices = []
     for c in out.outputs:
         content, calls = plan.split(c.text)
+        if head:
+            content = head + (content or "")
         message = ChatResponseMessage(content=content, tool_calls=[
             ToolCall(k.id, FunctionCall(k.name, k.arguments)) for k in calls] or None)
         choices.append(ChatChoice(c.index, message, "tool_calls" if calls else c.finish_reason,
@@ -134,23 +147,25 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, created: int, n: int,
-                       include_usage: bool) -> AsyncIterator[bytes]:
-    """Content deltas as generated; tool calls (held back from the content) as `tool_calls` deltas
-    when their choice ends, which then ends with finish_reason "tool_calls"."""
+                       usage: StreamUsage, head: str) -> AsyncIterator[bytes]:
+    """Content deltas as generated (each choice's first one with `head`, the echoed last message);
+    tool calls (held back from the content) as `tool_calls` deltas when their choice ends, which then
+    ends with finish_reason "tool_calls"."""
     model, text = st.model_name, token_text(st)
     streamers = [plan.streamer() for _ in range(n)]
     full = [""] * n
 
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
-        return event(ChatCompletionChunk(rid, created, model, choices, usage=usage))
+    def chunk(choices: list[ChatChunkChoice]) -> bytes:
+        return event(ChatCompletionChunk(rid, created, model, choices, usage=usage.now()))
 
     async with call:
         for i in range(n):
-            yield chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
+            yield chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=head))])
         try:
             async for d in call:
                 i, streamer = d.index, streamers[d.index]
                 full[i] += d.new_text
+                usage.add(len(d.new_token_ids))
                 show = streamer.feed(d.new_text) if streamer is not None else d.new_text
                 if show or (d.new_logprobs and d.new_token_ids):
                     logprobs = chat_logprobs(text, d.new_token_ids, d.new_logprobs, d.new_top_logprobs)
@@ -172,8 +187,8 @@ async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, cr
             yield error_event(e)
             yield DONE
             return
-        if include_usage:
-            yield chunk([], usage_of([out]))
+        if usage.final:
+            yield event(ChatCompletionChunk(rid, created, model, [], usage=usage_of([out])))
         yield DONE
 
 
@@ -196,36 +211,6 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
                       "prompt")
 
 
-def _completion_constraint(req: CompletionRequest) -> tuple[Constraint | None, str | None]:
-    """The output constraint of a completion: `response_format`, or vLLM's `guided_*` fields (one)."""
-    given = [(name, v) for name in ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
-             if (v := getattr(req, name)) is not None]
-    if req.response_format is not None:
-        given.append(("response_format", msgspec.to_builtins(req.response_format)))
-    if len(given) > 1:
-        raise bad_request(f"give one output constraint, got {[n for n, _ in given]}", given[1][0])
-    if not given:
-        return None, None
-    name, value = given[0]
-    if name == "response_format":
-        return response_format_constraint(value), name
-    if name == "guided_json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise bad_request("guided_json is not valid JSON", name) from None
-        check_schema(value, name)
-        return Constraint.json_schema(value), name
-    if name == "guided_choice":
-        if not value or not all(isinstance(c, str) and c for c in value):
-            raise bad_request("guided_choice must be a non-empty list of non-empty strings", name)
-        return Constraint("regex", "|".join(re.escape(c) for c in value)), name
-    if not value:
-        raise bad_request(f"{name} is empty", name)
-    return Constraint("regex" if name == "guided_regex" else "grammar", value), name
-
-
 @api
 async def completions(request: Request) -> Response:
     st = state_of(request)
@@ -243,7 +228,7 @@ async def completions(request: Request) -> Response:
     rt = st.runtime
     tok = rt.tokenizer
     ids = [p if isinstance(p, list) else (await anyio.to_thread.run_sync(lambda p=p: tok(p)["input_ids"])) for p in prompts]
-    constraint, param = _completion_constraint(req)
+    constraint, param = output_constraint(req)
     if constraint is not None:
         await anyio.to_thread.run_sync(lambda: rt.compile_constraint(constraint, param))
     _check_prompt_logprobs(req)
@@ -253,7 +238,7 @@ async def completions(request: Request) -> Response:
         sampling_params(
             st, max_tokens=req.max_tokens or 1, prompt_len=len(i), temperature=req.temperature, top_p=req.top_p,
             top_k=req.top_k, n=req.n, stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
-            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, constraint=constraint, processors=req,
+            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, constraint=constraint, extras=req,
             prompt_logprobs=max(wanted) if wanted else None,
         )
         for i in ids
@@ -272,7 +257,7 @@ async def completions(request: Request) -> Response:
     rid, created = new_id("cmpl"), int(time.time())
     headers = {"X-Program-Id": calls[0].program_id}
     if req.stream:
-        usage = req.stream_options is not None and req.stream_options.include_usage
+        usage = StreamUsage(req.stream_options, sum(len(i) for i in ids))
         return SSEResponse(_completion_events(st, calls, rid, created, req.n, usage, echo, req.max_tokens > 0), headers)
     outs = await results(request, calls)
     text, generated = token_text(st), req.max_tokens > 0
@@ -301,13 +286,17 @@ def _usage(outs: list[RequestOutput], generated: bool) -> Usage:
     return usage
 
 
-async def _completion_events(st: ServerState, calls: list[Call], rid: str, created: int, n: int, include_usage: bool,
+async def _completion_events(st: ServerState, calls: list[Call], rid: str, created: int, n: int, usage: StreamUsage,
                              echo: list[tuple[str, list[int]]] | None, generated: bool) -> AsyncIterator[bytes]:
     """Prompts' choices one prompt after another (all of them run in the engine meanwhile). With `echo`
     (per prompt, its text and token ids) each choice's first chunk is its prompt, with the prompt's
     log-probs when they were asked; without `generated` (max_tokens=0) nothing follows but the finish."""
     model, text = st.model_name, token_text(st)
     outs: list[RequestOutput] = []
+
+    def chunk(choice: CompletionChoice) -> bytes:
+        return event(Completion(rid, created, model, [choice], usage.now()))
+
     try:
         for k, call in enumerate(calls):
             async with call:
@@ -317,20 +306,20 @@ async def _completion_events(st: ServerState, calls: list[Call], rid: str, creat
                     if not echoed[d.index]:
                         head, prompt_ids = echo[k]
                         logprobs = echoed_logprobs(text, prompt_ids, d.prompt_logprobs, d.prompt_top_logprobs, None)
-                        yield event(Completion(rid, created, model, [CompletionChoice(k * n + d.index, head, None, logprobs)]))
+                        yield chunk(CompletionChoice(k * n + d.index, head, None, logprobs))
                         echoed[d.index], offsets[d.index] = True, len(head)
                     if not generated:
                         if d.finished:
-                            yield event(Completion(rid, created, model, [CompletionChoice(k * n + d.index, "", "length")]))
+                            yield chunk(CompletionChoice(k * n + d.index, "", "length"))
                         continue
+                    usage.add(len(d.new_token_ids))
                     lps = d.new_logprobs
                     if d.new_text or d.finished or (lps and d.new_token_ids):
                         logprobs = completion_logprobs(text, d.new_token_ids, lps, d.new_top_logprobs,
                                                        offsets[d.index])
                         offsets[d.index] += len(d.new_text)
-                        choice = CompletionChoice(k * n + d.index, d.new_text, d.finish_reason if d.finished else None,
-                                                  logprobs)
-                        yield event(Completion(rid, created, model, [choice]))
+                        yield chunk(CompletionChoice(k * n + d.index, d.new_text, d.finish_reason if d.finished else None,
+                                                     logprobs))
                 outs.append(await call.result())
     except AgentrtError as e:
         yield error_event(e)
@@ -339,7 +328,7 @@ async def _completion_events(st: ServerState, calls: list[Call], rid: str, creat
     finally:
         for c in calls:
             c.close()
-    if include_usage:
+    if usage.final:
         yield event(Completion(rid, created, model, [], _usage(outs, generated)))
     yield DONE
 

@@ -3,8 +3,10 @@
 Validation happens once, when a body is decoded into these types (constraints live in the types);
 the OpenAPI document at `/openapi.json` is generated from the same types (`openapi.py`). Unknown
 fields are ignored, as OpenAI's API does; a wrong type is a 400 naming the field.
-Extra fields agentrt understands (as vLLM has them): `ignore_eos`, `top_k`, and the program keys
-`program_id` / `thread_id` (also accepted as `X-Program-Id` / `X-Thread-Id` headers).
+Extra fields agentrt understands as vLLM has them (`GenerationExtras`: logits processors, output-text
+options, structured outputs; `ignore_eos`, `top_k`, `stop_token_ids`, `prompt_logprobs`; on chat the
+template's options, `continue_final_message` among them) and the program keys `program_id` /
+`thread_id` (also accepted as `X-Program-Id` / `X-Thread-Id` headers).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ Stop = str | list[str]
 # --- shared ---------------------------------------------------------------------------------
 class StreamOptions(Struct):
     include_usage: bool = False  # a last chunk with `usage` (and empty `choices`) before [DONE]
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class PromptTokensDetails(Struct):
@@ -109,9 +112,21 @@ class ResponseFormat(Struct):
     json_schema: JSONSchemaFormat | None = None
 
 
-class Processors(Struct, kw_only=True):
-    """Logits processors both completion endpoints take (OpenAI's penalties and logit_bias; vLLM's
-    repetition_penalty, min_p, min_tokens); the engine checks their ranges and names a bad one."""
+class StructuredOutputs(Struct):
+    """vLLM's `structured_outputs` (its newer name for the guided_* fields): one of these."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema (or its text)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is one of these strings
+    grammar: str | None = None  # EBNF (xgrammar's dialect)
+    json_object: bool | None = None  # any JSON object
+
+
+class GenerationExtras(Struct, kw_only=True):
+    """Fields both completion endpoints take beyond OpenAI's core ones: logits processors (OpenAI's
+    penalties and logit_bias; vLLM's repetition_penalty, min_p, min_tokens; the engine checks their
+    ranges and names a bad one), vLLM's output-text options, and vLLM's structured outputs (which
+    `response_format` also gives; one of them per request)."""
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -119,8 +134,16 @@ class Processors(Struct, kw_only=True):
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) that ended the output
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
-    def processor_args(self) -> dict[str, Any]:
+    def sampling_args(self) -> dict[str, Any]:
+        """These fields as SamplingParams arguments (the output constraint apart: see calls.output_constraint)."""
         bias = None
         if self.logit_bias:
             bad = [k for k in self.logit_bias if not k.strip().lstrip("-").isdigit()]
@@ -129,10 +152,11 @@ class Processors(Struct, kw_only=True):
             bias = {int(k): v for k, v in self.logit_bias.items()}
         return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
-                "logit_bias": bias}
+                "logit_bias": bias, "include_stop_str_in_output": self.include_stop_str_in_output,
+                "skip_special_tokens": self.skip_special_tokens}
 
 
-class ChatCompletionRequest(Processors):
+class ChatCompletionRequest(GenerationExtras):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     model: str | None = None
     tools: list[Tool] | None = None
@@ -154,6 +178,10 @@ class ChatCompletionRequest(Processors):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     prompt_logprobs: PromptLogprobsCount | None = None  # vLLM's: the prompt tokens' log-probs (no streaming)
     ignore_eos: bool = False
+    echo: bool = False  # vLLM's: the reply starts with the last message's content when that is an assistant's
+    add_generation_prompt: bool = True  # vLLM's: open the assistant's turn after the messages
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message goes on, left open
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     user: str | None = None
     program_id: ProgramId | None = None
     thread_id: ProgramId | None = None
@@ -243,7 +271,7 @@ class ChatCompletionChunk(Struct):
 
 
 # --- completions ----------------------------------------------------------------------------
-class CompletionRequest(Processors):
+class CompletionRequest(GenerationExtras):
     # text, token ids, or a list of either (one choice set each); empty is a 400
     prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[str | int | list[int]], Meta(min_length=1)]
     model: str | None = None
@@ -261,10 +289,6 @@ class CompletionRequest(Processors):
     prompt_logprobs: PromptLogprobsCount | None = None  # vLLM's: the prompt tokens' log-probs (no streaming)
     echo: bool = False  # each choice's text starts with its prompt (and its log-probs with the prompt's)
     response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None  # vLLM's structured-output fields
-    guided_regex: str | None = None
-    guided_grammar: str | None = None  # EBNF (xgrammar's dialect)
-    guided_choice: list[str] | None = None
     ignore_eos: bool = False
     user: str | None = None
     program_id: ProgramId | None = None
@@ -322,6 +346,8 @@ class TokenizeRequest(Struct):
     tools: list[Tool] | None = None  # with messages: the tools the chat endpoint would describe in the prompt
     add_special_tokens: bool = True  # with prompt
     add_generation_prompt: bool = True  # with messages: end with the assistant's turn opened
+    continue_final_message: bool = False  # with messages: the last (assistant) message left open
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages: extra variables for the chat template
     return_token_strs: bool = False
 
 

@@ -62,14 +62,9 @@ def _chat_ids(st: ServerState, req: TokenizeRequest) -> list[int]:
     assert req.messages is not None
     tools: Any = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
     messages = plan_call(tools).render(message_dicts(req.messages))
-    if req.add_generation_prompt:
-        return st.runtime.chat_token_ids(messages)
-    tok = st.runtime.tokenizer
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    except Exception as e:  # jinja errors on a message the template cannot render
-        raise bad_request(f"messages cannot be rendered by the chat template: {e}", "messages") from None
-    return tok(text, add_special_tokens=False)["input_ids"]
+    return st.runtime.chat_token_ids(messages, add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message,
+                                     template_kwargs=req.chat_template_kwargs)
 
 
 @api

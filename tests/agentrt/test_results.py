@@ -96,7 +96,11 @@ def test_same_results_through_connect(tiny_model_path, rt_kw):
         r = await agentrt.chat(MSGS, n=2, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
         g = await agentrt.generate("Hello there", n=2, max_tokens=4, temperature=0, logprobs=True)
         chunks = [c async for c in agentrt.chat_stream(MSGS, n=2, max_tokens=5, temperature=0)]
-        return r, g, chunks
+        # logits processors and the output-text options travel too (the bias makes token 100 win at once)
+        p = await agentrt.generate("Hello there", max_tokens=6, temperature=0, repetition_penalty=1.5, min_p=0.1,
+                                   presence_penalty=0.5, frequency_penalty=0.3, min_tokens=6, logit_bias={100: 30.0},
+                                   stop=["e"], include_stop_str_in_output=True, skip_special_tokens=False, full=True)
+        return r, g, chunks, p
 
     local = run(rt_kw, fn)
 
@@ -106,8 +110,8 @@ def test_same_results_through_connect(tiny_model_path, rt_kw):
 
     with live_server(tiny_config(tiny_model_path)) as srv:
         far = anyio.run(remote, srv.url)
-        with pytest.raises(agentrt.InvalidCallError, match="min_p"):  # refused, not dropped
-            anyio.run(lambda: _connect_chat(srv.url, min_p=0.2))
+        with pytest.raises(agentrt.InvalidCallError, match="prompt_logprobs"):  # refused, not dropped
+            anyio.run(lambda: _connect_chat(srv.url, prompt_logprobs=1))
     for a, b in zip(local, far):
         if isinstance(a, list):
             assert [(c.index, c.text) for c in a if c.text] == [(c.index, c.text) for c in b if c.text]
@@ -115,7 +119,7 @@ def test_same_results_through_connect(tiny_model_path, rt_kw):
         assert [c.text for c in a.choices] == [c.text for c in b.choices]
         assert [c.finish_reason for c in a.choices] == [c.finish_reason for c in b.choices]
         assert a.usage.completion_tokens == b.usage.completion_tokens
-        for x, y in zip(a.choices[0].logprobs, b.choices[0].logprobs):
+        for x, y in zip(a.choices[0].logprobs or (), b.choices[0].logprobs or ()):
             assert (x.token, len(x.top_logprobs)) == (y.token, len(y.top_logprobs))
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
 

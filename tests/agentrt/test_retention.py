@@ -170,13 +170,13 @@ async def test_chat_reuses_generated_ids_for_a_stable_prefix(tiny_model_path):
     async def two_turns() -> None:
         messages = [{"role": "user", "content": "Name three colors."}]
         reply = await agentrt.chat(messages, max_tokens=12, ignore_eos=True, temperature=1.0, seed=3)
-        outputs["first"] = agentrt._context.current_runtime()._convs[agentrt.current_program_id()][1]
+        outputs["first"] = agentrt._context.current_runtime()._chat.convs[agentrt.current_program_id()][1]
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And three more?"}]
         await agentrt.chat(messages, max_tokens=4, ignore_eos=True)
 
     async with agentrt.Runtime(str(tiny_model_path), policy=Recorder()) as rt:
         await two_turns()
-        assert not rt._convs and not rt._chat_prompts  # dropped at the program's end
+        assert not rt._chat.convs and not rt._chat.prompts  # dropped at the program's end
     first, second = prompts
     generated = outputs["first"][len(first):]
     assert len(generated) == 12
