@@ -1,9 +1,8 @@
 """Chat prompts as token ids: a conversation under the model's chat template, and each program's
 last prompt + reply kept so its next prompt reuses the ids the engine generated.
 
-Options as vLLM's chat endpoint has them: `add_generation_prompt` (open the assistant's turn, the
-default), `continue_final_message` (the last message is an assistant message the model goes on
-writing: nothing closes it), and `template_kwargs` (extra variables for the template).
+Options as vLLM's chat endpoint has them (engine.chat_template): `add_generation_prompt`,
+`continue_final_message`, `chat_template_kwargs`; the in-process chat calls take them by the same names.
 """
 
 from __future__ import annotations
@@ -12,15 +11,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from agentrt._errors import InvalidCallError
+from engine import chat_template
 from engine.outputs import RequestOutput
 
-# apply_chat_template's own arguments: a template variable of these names would change how the call
-# renders or what it returns, not what the template sees
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
+
+TEMPLATE_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
+def pop_template_options(kw: dict[str, Any]) -> dict[str, Any]:
+    """The chat template's options among a chat call's keyword arguments (taken out of them)."""
+    return {k: kw.pop(k) for k in TEMPLATE_OPTIONS if k in kw}
 
 
 class ChatPrompts:
@@ -34,7 +34,7 @@ class ChatPrompts:
 
     def token_ids(
         self, messages: Sequence[dict[str, Any]], program_id: str | None = None, *, add_generation_prompt: bool = True,
-        continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of `messages` under the chat template. InvalidCallError names a bad argument."""
         def bad(message: str, param: str) -> InvalidCallError:
@@ -45,22 +45,15 @@ class ChatPrompts:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise bad(f"each message needs a str 'role' and 'content', got {m!r}", "messages")
-        if continue_final_message:
-            if add_generation_prompt:
-                raise bad("continue_final_message and add_generation_prompt cannot both be true: set "
-                          "add_generation_prompt to false to continue the last message", "continue_final_message")
-            if messages[-1]["role"] != "assistant":
-                raise bad(f"continue_final_message continues an assistant message, but the last message's role is "
-                          f"{messages[-1]['role']!r}", f"messages[{len(messages) - 1}].role")
-        kwargs = dict(template_kwargs or {})
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-        if reserved:
-            raise bad(f"chat_template_kwargs may not set {reserved[0]!r} (an argument of the call itself)",
-                      f"chat_template_kwargs.{reserved[0]}")
+        problem = chat_template.option_error(messages, add_generation_prompt, continue_final_message,
+                                             chat_template_kwargs)
+        if problem is not None:
+            raise bad(*problem)
         tok = self._tokenizer()
         try:
-            text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message, **kwargs)
+            text = chat_template.render(tok, messages, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message,
+                                        template_kwargs=chat_template_kwargs)
             conv = self.convs.get(program_id) if program_id is not None else None
             if conv is not None and text.startswith(conv[0]):  # the program's last prompt + reply, then more
                 ids = conv[1] + tok(text[len(conv[0]) :], add_special_tokens=False)["input_ids"]

@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import httpx
 
+from agentrt._chat_prompt import pop_template_options
 from agentrt._context import _runtime
 from agentrt._errors import (
     AgentrtError,
@@ -98,7 +99,7 @@ class RemoteRuntime:
         self, messages: Sequence[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
         response_format: Any = None, full: bool = False, **sampling: Any,
     ) -> str | Result:
-        body = {"messages": list(messages), **self._sampling(sampling)}
+        body = {"messages": list(messages), **pop_template_options(sampling), **self._sampling(sampling)}
         extra = {"tools": tool_specs(tools), "tool_choice": tool_choice, "response_format": response_format}
         body.update({k: v for k, v in extra.items() if v is not None})
         data = await self._post("/v1/chat/completions", body)
@@ -123,7 +124,7 @@ class RemoteRuntime:
     async def chat_stream(
         self, messages: Sequence[dict[str, Any]], *, full: bool = False, **sampling: Any
     ) -> AsyncIterator[str | Chunk]:
-        body = {"messages": list(messages), "stream": True, **self._sampling(sampling)}
+        body = {"messages": list(messages), "stream": True, **pop_template_options(sampling), **self._sampling(sampling)}
         chunks = wants_result(sampling, full)
         async for chunk in self._stream("/v1/chat/completions", body):
             for choice in chunk.get("choices", ()):

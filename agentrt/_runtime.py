@@ -21,7 +21,7 @@ import anyio
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
 from agentrt._call import Call, CallSummary
-from agentrt._chat_prompt import ChatPrompts
+from agentrt._chat_prompt import ChatPrompts, pop_template_options
 from agentrt._context import _runtime, current_runtime
 from agentrt._errors import (
     ConfigError,
@@ -275,7 +275,7 @@ class Runtime:
     def chat_token_ids(self, messages: Sequence[dict[str, Any]], program_id: str | None = None,
                        **options: Any) -> list[int]:
         """Token ids of `messages` under the model's chat template, ready for the assistant's turn
-        (`options`: add_generation_prompt, continue_final_message, template_kwargs; see agentrt._chat_prompt)."""
+        (`options`: add_generation_prompt, continue_final_message, chat_template_kwargs; agentrt._chat_prompt)."""
         return self._chat.token_ids(messages, program_id, **options)
 
     def compile_constraint(self, constraint: Constraint, param: str | None = None) -> None:
@@ -400,13 +400,15 @@ class Runtime:
         """The reply's text; a `Result` (every choice, logprobs, usage, finish reasons, tool calls) when
         the call asks for more than a text: n > 1, logprobs, top_logprobs, prompt_logprobs, `tools`,
         `tool_choice`, `response_format`, or `full=True` (agentrt._results). Tools are specs or Python
-        functions (`@agentrt.tool`); see `agentrt._toolcalls`."""
+        functions (`@agentrt.tool`); see `agentrt._toolcalls`. The chat template's options
+        (add_generation_prompt, continue_final_message, chat_template_kwargs) go with the sampling ones."""
+        options = pop_template_options(sampling)
         if tools is None and tool_choice is None and response_format is None:
-            ids = self.chat_token_ids(_rendered(messages), _pid())
+            ids = self.chat_token_ids(_rendered(messages), _pid(), **options)
             out = await self._collect(ids, sampling, "chat")
             return self._result(out) if wants_result(sampling, full) else out.text
         plan = plan_call(tool_specs(tools), tool_choice, response_format_constraint(response_format))
-        ids = self.chat_token_ids(plan.render(list(messages)), _pid())
+        ids = self.chat_token_ids(plan.render(list(messages)), _pid(), **options)
         if plan.constraint is not None:
             param = "tool_choice" if plan.forced_call else "response_format"
             await anyio.to_thread.run_sync(self.compile_constraint, plan.constraint, param)
@@ -422,7 +424,7 @@ class Runtime:
         self, messages: Sequence[dict[str, Any]], *, full: bool = False, **sampling: Any
     ) -> AsyncIterator[str | Chunk]:
         """Text pieces as generated; `Chunk`s (with their choice's index) under `chat`'s rule for a `Result`."""
-        ids = self.chat_token_ids(_rendered(messages), _pid())
+        ids = self.chat_token_ids(_rendered(messages), _pid(), **pop_template_options(sampling))
         async with contextlib.aclosing(self._pieces(ids, sampling, "chat", wants_result(sampling, full))) as gen:
             async for piece in gen:
                 yield piece

@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from engine import chat_template as chat_template_
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats
 from engine.outputs import RequestOutput
@@ -87,11 +88,15 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         progress: bool | str = "auto",
     ) -> list[RequestOutput]:
         """One output per conversation (a list of {role, content} messages, or a list of such lists),
-        rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat`."""
+        rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat`:
+        `continue_final_message` goes on with a last assistant message (add_generation_prompt=False),
+        `chat_template_kwargs` are extra variables for the template (engine.chat_template)."""
         if _is_conversation(conversations):
             conversations = [conversations]
         prompts = []
@@ -99,9 +104,14 @@ class LLM:
             if not _is_conversation(conv):
                 raise InvalidRequestTypeError(
                     f"conversation {i} must be a non-empty list of {{role, content}} dicts, got {show_value(conv)}")
+            problem = chat_template_.option_error(conv, add_generation_prompt, continue_final_message,
+                                                  chat_template_kwargs)
+            if problem is not None:
+                raise InvalidRequestError(f"conversation {i}: {problem[0]}")
             try:
-                text = self.tokenizer.apply_chat_template(list(conv), tokenize=False, chat_template=chat_template,
-                                                          add_generation_prompt=add_generation_prompt)
+                text = chat_template_.render(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             template_kwargs=chat_template_kwargs, chat_template=chat_template)
             except Exception as e:  # jinja errors on a message the template cannot render
                 raise InvalidRequestError(f"conversation {i} cannot be rendered by the chat template: {e}") from None
             prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])

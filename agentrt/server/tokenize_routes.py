@@ -64,7 +64,7 @@ def _chat_ids(st: ServerState, req: TokenizeRequest) -> list[int]:
     messages = plan_call(tools).render(message_dicts(req.messages))
     return st.runtime.chat_token_ids(messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message,
-                                     template_kwargs=req.chat_template_kwargs)
+                                     chat_template_kwargs=req.chat_template_kwargs)
 
 
 @api

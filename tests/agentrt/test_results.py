@@ -100,7 +100,13 @@ def test_same_results_through_connect(tiny_model_path, rt_kw):
         p = await agentrt.generate("Hello there", max_tokens=6, temperature=0, repetition_penalty=1.5, min_p=0.1,
                                    presence_penalty=0.5, frequency_penalty=0.3, min_tokens=6, logit_bias={100: 30.0},
                                    stop=["e"], include_stop_str_in_output=True, skip_special_tokens=False, full=True)
-        return r, g, chunks, p
+        # the chat template's options too: the reply goes on from the assistant's words
+        prefill = [*MSGS, {"role": "assistant", "content": "Sure, here"}]
+        c = await agentrt.chat(prefill, max_tokens=4, temperature=0, add_generation_prompt=False,
+                               continue_final_message=True, full=True)
+        cs = [x async for x in agentrt.chat_stream(prefill, max_tokens=4, temperature=0, add_generation_prompt=False,
+                                                   continue_final_message=True, full=True)]
+        return r, g, chunks, p, c, cs
 
     local = run(rt_kw, fn)
 
@@ -112,6 +118,13 @@ def test_same_results_through_connect(tiny_model_path, rt_kw):
         far = anyio.run(remote, srv.url)
         with pytest.raises(agentrt.InvalidCallError, match="prompt_logprobs"):  # refused, not dropped
             anyio.run(lambda: _connect_chat(srv.url, prompt_logprobs=1))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_path))
+    prefill = [*MSGS, {"role": "assistant", "content": "Sure, here"}]
+    text = tok.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert text.endswith("Sure, here")
+    assert local[4].usage.prompt_tokens == far[4].usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
     for a, b in zip(local, far):
         if isinstance(a, list):
             assert [(c.index, c.text) for c in a if c.text] == [(c.index, c.text) for c in b if c.text]

@@ -35,6 +35,26 @@ def test_chat_renders_the_template_like_generate(llm):
         llm.chat([CONV, "hello"], p)
 
 
+def test_chat_continues_a_final_message_and_passes_template_variables(llm):
+    """vLLM's LLM.chat options: continue_final_message leaves the last assistant message open (the same
+    tokens as its rendering by the tokenizer), chat_template_kwargs reach the template."""
+    p = SamplingParams(max_tokens=4, temperature=0)
+    prefill = [*CONV, {"role": "assistant", "content": "Well, the answer is"}]
+    (out,) = llm.chat(prefill, p, add_generation_prompt=False, continue_final_message=True)
+    text = llm.tokenizer.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert text.endswith("the answer is")
+    assert out.prompt_token_ids == llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    template = "{{ prefix }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (out,) = llm.chat(CONV, p, chat_template=template, chat_template_kwargs={"prefix": "Note: "})
+    assert llm.tokenizer.decode(out.prompt_token_ids) == "Note: " + "".join(m["content"] for m in CONV)
+    for kw, match in (({"continue_final_message": True}, "cannot both be true"),
+                      ({"continue_final_message": True, "add_generation_prompt": False, "conversations": CONV},
+                       "role is 'user'"),
+                      ({"chat_template_kwargs": {"tokenize": True}}, "may not set 'tokenize'")):
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.chat(**{"conversations": prefill, "params": p, **kw})
+
+
 def test_llm_and_async_engine_take_the_same_arguments(tiny_model_path):
     cfg = EngineConfig(model=str(tiny_model_path), **KW)
 
