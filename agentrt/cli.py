@@ -8,6 +8,7 @@ neither `programs` nor `bench`.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -60,18 +61,40 @@ def _serve(a: argparse.Namespace) -> int:
     from agentrt.server import ServerConfig, serve
     from agentrt.server.app import env_api_keys
 
+    # every argument is checked before the model loads
+    if a.model_tag is not None and a.model is not None and a.model_tag != a.model:
+        raise ValueError(f"two models given: {a.model_tag!r} (positional) and {a.model!r} (--model); give one")
+    if a.seed is not None and not 0 <= a.seed < 2**63:
+        raise ValueError(f"--seed must be an int in [0, 2**63 - 1], got {a.seed}")
     engine = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_num_batched_tokens),
                                 ("kv_cache_bytes", a.kv_cache_bytes), ("num_blocks", a.num_blocks),
                                 ("max_model_len", a.max_model_len), ("dtype", a.dtype), ("device", a.device),
                                 ("num_speculative_tokens", a.num_speculative_tokens),
-                                ("num_scheduler_steps", a.num_scheduler_steps)) if v is not None}
+                                ("num_scheduler_steps", a.num_scheduler_steps), ("seed", a.seed),
+                                ("enable_prefix_caching", a.enable_prefix_caching)) if v is not None}
+    cors = {name: _json_strings(flag, text) for name, flag, text in (
+        ("allowed_origins", "--allowed-origins", a.allowed_origins),
+        ("allowed_methods", "--allowed-methods", a.allowed_methods),
+        ("allowed_headers", "--allowed-headers", a.allowed_headers)) if text is not None}
     config = ServerConfig(
-        model=a.model, policy=a.policy, engine=engine, db=a.db, api_keys=[*a.api_key, *env_api_keys()],
+        model=a.model_tag or a.model, policy=a.policy, engine=engine, db=a.db, api_keys=[*a.api_key, *env_api_keys()],
         served_model_name=a.served_model_name, program_idle_timeout_s=a.program_idle_timeout,
         max_waiting=a.max_waiting, drain_timeout_s=a.drain_timeout, max_body_bytes=a.max_body_bytes, max_n=a.max_n,
         max_tokens_limit=a.max_tokens_limit, exclude_tools_when_tool_choice_none=a.exclude_tools_when_tool_choice_none,
+        chat_template=a.chat_template, allow_credentials=a.allow_credentials, **cors,
     )
-    return serve(config, a.host, a.port, a.log_level)
+    return serve(config, a.host, a.port, a.log_level, root_path=a.root_path, ssl_keyfile=a.ssl_keyfile,
+                 ssl_certfile=a.ssl_certfile, access_log=not a.disable_uvicorn_access_log)
+
+
+def _json_strings(flag: str, text: str) -> list[str]:
+    try:
+        v = json.loads(text)
+    except ValueError:
+        v = None
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError(f"{flag} must be a JSON list of strings such as '[\"http://localhost:3000\"]', got {text!r}")
+    return v
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -94,15 +117,28 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(fn=_generate)
     s = sub.add_parser("serve", help="serve the runtime over an OpenAI-compatible HTTP API keyed by program id")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as --model")
     s.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--root-path", default="", metavar="PATH",
+                   help="path prefix a proxy serves this server under (uvicorn's)")
+    s.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="HTTPS: the key file (with --ssl-certfile)")
+    s.add_argument("--ssl-certfile", default=None, metavar="FILE", help="HTTPS: the certificate (with --ssl-keyfile)")
     s.add_argument("--policy", default="plas", choices=POLICY_NAMES)
     s.add_argument("--db", default=None, help="SQLAlchemy URL for program and call records (default: a SQLite "
                    "file under ~/.cache/agentrt; 'none' keeps no records)")
     s.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable; also "
                    "$AGENTRT_API_KEYS); with keys set every endpoint but /health needs one")
+    s.add_argument("--allowed-origins", default=None, metavar="JSON", help="CORS: JSON list of origins browsers "
+                   "may call from, e.g. '[\"http://localhost:3000\"]' or '[\"*\"]' (default: no CORS)")
+    s.add_argument("--allowed-methods", default=None, metavar="JSON", help="CORS: JSON list of methods (default: any)")
+    s.add_argument("--allowed-headers", default=None, metavar="JSON",
+                   help="CORS: JSON list of request headers (default: any)")
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="Jinja chat template, or a path to one, for every chat call (default: the model's)")
     s.add_argument("--program-idle-timeout", type=float, default=600.0, help="seconds without calls after which "
                    "a program ends by itself")
     s.add_argument("--max-waiting", type=int, default=256, help="queued calls beyond which new calls get 429")
@@ -117,6 +153,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--dtype", default=None)
     s.add_argument("--device", default=None)
+    s.add_argument("--seed", type=int, default=None, help="seed for calls without their own (default 0)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of shared prompt prefixes (default: on)")
     s.add_argument("--num-speculative-tokens", type=int, default=None)
     s.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens come in bursts of this many; default 1)")
@@ -124,6 +163,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="leave the tools out of the prompt of a call with tool_choice 'none' (vLLM's flag; by default "
                         "they stay, so the calls of a conversation share their prompt's prefix)")
     s.add_argument("--log-level", default="info")
+    s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn log line per request")
     s.set_defaults(fn=_serve)
 
 

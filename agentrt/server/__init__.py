@@ -15,14 +15,30 @@ from agentrt.server.app import ServerConfig, create_app
 __all__ = ["ServerConfig", "create_app", "serve"]
 
 
-def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
+def serve(
+    config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", *, root_path: str = "",
+    ssl_keyfile: str | None = None, ssl_certfile: str | None = None, access_log: bool = True,
+) -> int:
     """Run the server until SIGINT / SIGTERM; in-flight requests get `config.drain_timeout_s` to finish,
-    records are flushed, and the process exits 0."""
+    records are flushed, and the process exits 0.
+
+    `root_path`: the path prefix a proxy serves this server under; `ssl_keyfile` and `ssl_certfile`:
+    HTTPS (both or neither); `access_log`: uvicorn's line per request. Checked before the model loads."""
     import contextlib
     import signal
     import threading
+    from pathlib import Path
 
     import uvicorn
+
+    if root_path and (not root_path.startswith("/") or root_path.endswith("/")):
+        raise ValueError(f"root_path must start with '/' and not end with one, got {root_path!r}")
+    if (ssl_keyfile is None) != (ssl_certfile is None):
+        raise ValueError("ssl_keyfile and ssl_certfile go together: give both or neither, got "
+                         f"ssl_keyfile={ssl_keyfile!r} and ssl_certfile={ssl_certfile!r}")
+    for name, path in (("ssl_keyfile", ssl_keyfile), ("ssl_certfile", ssl_certfile)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{name} {path!r} is not a file")
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -38,10 +54,11 @@ def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_l
                     signal.signal(sig, handler)
 
     app = create_app(config)
-    print(f"agentrt serve: loading the model, then listening on http://{host}:{port}", flush=True)
+    scheme = "https" if ssl_certfile else "http"
+    print(f"agentrt serve: loading the model, then listening on {scheme}://{host}:{port}", flush=True)
     server = Server(uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=config.drain_timeout_s,
-        lifespan="on", access_log=False,
+        lifespan="on", access_log=access_log, root_path=root_path, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
     ))
     server.run()
     return 0

@@ -23,6 +23,8 @@ from typing import Any
 import anyio
 import msgspec
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -71,6 +73,12 @@ class ServerConfig:
     max_programs_kept: int = 100_000  # ended programs kept in the database (older ones pruned)
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: tool_choice "none" leaves the tools out
     # of the prompt (by default they stay described, so a conversation's calls share their prefix)
+    chat_template: str | None = None  # Jinja chat template, or a path to one; None = the model's.
+    # After validation the template's text
+    allowed_origins: list[str] | None = None  # CORS: origins browsers may call from ("*" = any); None = no CORS
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])  # CORS: methods a browser may use
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])  # CORS: request headers a browser may send
+    allow_credentials: bool = False  # CORS: browsers may send cookies and credentials
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_body_bytes", "max_n", "max_programs_kept"):
@@ -85,6 +93,44 @@ class ServerConfig:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit!r}")
         if any(not k for k in self.api_keys):
             raise ValueError("API keys must be non-empty strings")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            v = getattr(self, name)
+            if (v is not None or name != "allowed_origins") and not (
+                isinstance(v, list) and all(isinstance(s, str) for s in v)
+            ):
+                raise ValueError(f"{name} must be a list of strings, got {v!r}")
+        if not isinstance(self.allow_credentials, bool):
+            raise ValueError(f"allow_credentials must be a bool, got {self.allow_credentials!r}")
+        if self.chat_template is not None:
+            self.chat_template = load_chat_template(self.chat_template)
+
+
+def load_chat_template(value: str) -> str:
+    """The text of a chat template given as a file path or as the template itself (vLLM's --chat-template
+    takes both). ValueError when it is neither, or when it does not compile."""
+    import jinja2
+
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"chat_template must be a Jinja template or a path to one, got {value!r}")
+    try:
+        is_file = Path(value).is_file()
+    except (OSError, ValueError):  # too long for a path, or a NUL in it: not a file
+        is_file = False
+    if is_file:
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template file {value!r} cannot be read: {e}") from None
+        where = f"file {value!r}"
+    elif "{{" in value or "{%" in value:
+        text, where = value, "text"
+    else:
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    try:  # loopcontrols: {% break %} / {% continue %}, which transformers' template environment allows
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template {where} does not compile: {e.message} (line {e.lineno})") from None
+    return text
 
 
 class ServerState:
@@ -225,6 +271,8 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
             await anyio.to_thread.run_sync(store.start)
         try:
             async with runtime:
+                if config.chat_template is not None:  # every chat prompt renders with the tokenizer's template
+                    runtime.tokenizer.chat_template = config.chat_template
                 policy_name = getattr(runtime.policy, "name", config.policy)
                 metrics_ = Metrics(state_fn=lambda: _engine_state(runtime))
                 st = ServerState(config, runtime, store, metrics_)
@@ -256,7 +304,15 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
         *tokenize_routes.ROUTES,
         *ui.ROUTES,
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={Exception: _on_error, APIError: _on_error})
+    middleware = []
+    if config.allowed_origins is not None:  # preflights are answered here, before any route asks for a key
+        middleware.append(Middleware(
+            CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
+            allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials,
+            expose_headers=["X-Program-Id", "X-Thread-Id"],
+        ))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={Exception: _on_error, APIError: _on_error})
     app.state.openapi = build(_operations(), "agentrt", VERSION)
     return app
 

@@ -110,7 +110,7 @@ function render(programs) {
 }
 async function poll() {
   try {
-    const [progs, met] = await Promise.all([get("/v1/programs?limit=200"), get("/metrics")]);
+    const [progs, met] = await Promise.all([get("v1/programs?limit=200"), get("metrics")]);
     render((await progs.json()).data);
     const m = metrics(await met.text());
     const usage = m["agentrt:kv_cache_usage_perc"] || 0;
@@ -127,7 +127,7 @@ async function poll() {
     $("error").textContent = String(e.message || e);
   }
 }
-get("/v1/models").then((r) => r.json()).then((d) => { $("model").textContent = d.data[0].id; }).catch(() => {});
+get("v1/models").then((r) => r.json()).then((d) => { $("model").textContent = d.data[0].id; }).catch(() => {});
 poll();
 setInterval(poll, 1000);
 </script>
@@ -141,7 +141,8 @@ async def ui(request: Request) -> Response:
 
 
 async def root(request: Request) -> Response:
-    return RedirectResponse("/ui" + (f"?{request.url.query}" if request.url.query else ""))
+    root = request.scope.get("root_path", "")  # behind a proxy under a prefix (--root-path)
+    return RedirectResponse(root + "/ui" + (f"?{request.url.query}" if request.url.query else ""))
 
 
 ROUTES = [
