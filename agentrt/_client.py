@@ -110,15 +110,15 @@ class RemoteRuntime:
             calls = [ToolCall(t["id"], t["function"]["name"], t["function"]["arguments"])
                      for t in c["message"].get("tool_calls") or []]
             choices.append(Choice(c["index"], c["message"].get("content"), c.get("finish_reason"), calls,
-                                  remote_logprobs(c.get("logprobs"))))
+                                  remote_logprobs(c.get("logprobs")), c.get("token_ids"), c.get("stop_reason")))
         return Result(choices, _usage(data))
 
     async def generate(self, prompt: str | list[int], *, full: bool = False, **sampling: Any) -> str | Result:
         data = await self._post("/v1/completions", {"prompt": prompt, **self._sampling(sampling, completions=True)})
         if not wants_result(sampling, full):
             return data["choices"][0]["text"]
-        choices = [Choice(c["index"], c["text"], c.get("finish_reason"), [], _completion_logprobs(c.get("logprobs")))
-                   for c in data["choices"]]
+        choices = [Choice(c["index"], c["text"], c.get("finish_reason"), [], _completion_logprobs(c.get("logprobs")),
+                          c.get("token_ids"), c.get("stop_reason")) for c in data["choices"]]
         return Result(choices, _usage(data))
 
     async def chat_stream(
@@ -164,6 +164,7 @@ class RemoteRuntime:
             raise InvalidCallError(f"sampling arguments {unsent} are not supported through agentrt.connect",
                                    program_id=_pid())
         body = {f: getattr(params, f) for f in _FIELDS if f in sampling}
+        body["return_token_ids"] = True  # a Result's choices carry them, as in-process
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
         if params.logit_bias:  # OpenAI's shape: token ids as strings

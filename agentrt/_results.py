@@ -62,7 +62,8 @@ class Choice:
     finish_reason: str | None  # "stop" | "length" | "tool_calls"
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # per token, when logprobs / top_logprobs were asked
-    token_ids: list[int] | None = None  # None through agentrt.connect
+    token_ids: list[int] | None = None
+    stop_reason: int | str | None = None  # what ended a "stop": the stop string or stop token id (None: EOS)
 
     @property
     def content(self) -> str | None:

@@ -465,7 +465,7 @@ class Runtime:
             text, calls = split(c.text) if split is not None else (c.text, [])
             reason = "tool_calls" if calls else c.finish_reason
             lps = token_logprobs(self._token_text, c.token_ids, c.logprobs, c.top_logprobs)
-            choices.append(Choice(c.index, text, reason, calls, lps, list(c.token_ids)))
+            choices.append(Choice(c.index, text, reason, calls, lps, list(c.token_ids), c.stop_reason))
         return Result(choices, Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens), out.prompt_logprobs)
 
 

@@ -412,15 +412,19 @@ class EngineCore:
         p = req.sampling
         eos = not p.ignore_eos and token in req.eos_token_ids
         stop_id = token in p.stop_token_ids
-        stop_hit = self._detok[req.request_id].add([token], stop_terminated=eos or stop_id)
+        detok = self._detok[req.request_id]
+        stop_hit = detok.add([token], stop_terminated=eos or stop_id)
         grammar_done = False
         if req.matcher is not None:
             if not req.matcher.accept_token(token):
                 raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
             grammar_done = req.matcher.is_terminated()
         if eos or grammar_done:
+            detok.stop_reason = None  # vLLM's: EOS ends it, whatever else the token did
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")
         elif stop_id or stop_hit:
+            if stop_id:
+                detok.stop_reason = token
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_model_len:
             self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH, "length")
@@ -442,12 +446,15 @@ class EngineCore:
         self, req: Request, tokens: list[int], logprobs: list[float] | None = None,
         top_logprobs: list[list[tuple[int, float]]] | None = None,
     ) -> StreamDelta:
-        text = self._detok[req.request_id].take(final=req.finished)
+        detok = self._detok[req.request_id]
+        text = detok.take(final=req.finished)
         if req.finished:
             self.requests.pop(req.request_id, None)
         delta = StreamDelta(
             req.request_id, req.fork_index, tokens, text, req.finished, req.finish_reason, req.error, logprobs, top_logprobs
         )
+        if req.finished and req.finish_reason == "stop":
+            delta.stop_reason = detok.stop_reason
         if req.sampling.prompt_logprobs is not None and tokens and req.num_output_tokens == len(tokens):
             src = req.parent or req  # forks share their parent's prompt, which only the parent computed
             delta.prompt_logprobs = list(src.prompt_logprobs)
@@ -468,6 +475,7 @@ class EngineCore:
                     index=r.fork_index, text=detok.text if detok else "", token_ids=list(r.output_token_ids),
                     finish_reason=r.finish_reason, logprobs=list(r.output_logprobs) if p.wants_logprobs else None,
                     error=r.error, top_logprobs=list(r.output_top_logprobs) if p.top_logprobs else None,
+                    stop_reason=detok.stop_reason if detok and r.finish_reason == "stop" else None,
                 )
             )
         metrics = RequestMetrics(

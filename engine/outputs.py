@@ -26,6 +26,8 @@ class CompletionOutput:
     error: str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the top_logprobs most likely
     # (token id, log-prob), best first; None unless top_logprobs > 0
+    stop_reason: int | str | None = None  # what ended a "stop": the stop string, or the stop token id;
+    # None for EOS, a grammar's end, and every other finish (vLLM's)
 
     @property
     def num_output_tokens(self) -> int:
@@ -89,6 +91,7 @@ class StreamDelta:
     # SamplingParams.prompt_logprobs is set: per prompt token, its log-prob (None for the first)
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # with it, per prompt position its
     # prompt_logprobs most likely (token id, log-prob) (None for the first); None unless prompt_logprobs > 0
+    stop_reason: int | str | None = None  # on the last delta, CompletionOutput.stop_reason
 
 
 @dataclass(slots=True)
@@ -110,6 +113,7 @@ class Detokenizer:
     min_tokens: int = 0  # SamplingParams.min_tokens: no stop string ends the output before
     include_stop: bool = False  # SamplingParams.include_stop_str_in_output
     skip_special_tokens: bool = True
+    stop_reason: int | str | None = None  # the stop string found, or (set by the engine) the stop token id
 
     def add(self, token_ids: list[int], stop_terminated: bool = False) -> bool:
         """Append tokens; True when a stop string appeared (the text is cut before it, or after it with
@@ -129,9 +133,10 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if self.stop and len(self.ids) > self.min_tokens:
             start = max(0, old_len - max(len(s) for s in self.stop) + 1)
-            hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            hits = [(i + len(s) if self.include_stop else i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:  # with include_stop, the output ends where the first stop string to appear ends
-                self.text = self.text[: min(e for _, e in hits) if self.include_stop else min(i for i, _ in hits)]
+                end, self.stop_reason = min(hits, key=lambda h: h[0])
+                self.text = self.text[:end]
                 return True
         return False
 

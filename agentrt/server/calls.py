@@ -216,6 +216,25 @@ class StreamUsage:
         return Usage(self.prompt_tokens, self.completion_tokens, self.prompt_tokens + self.completion_tokens)
 
 
+class PendingIds:
+    """With vLLM's return_token_ids, each choice's token ids not sent yet: the next chunk a stream sends
+    for that choice takes them, so every token is reported once whether its text showed or not."""
+
+    def __init__(self, on: bool, n: int) -> None:
+        self.on = on
+        self.ids: list[list[int]] = [[] for _ in range(n)] if on else []
+
+    def add(self, index: int, ids: list[int]) -> None:
+        if self.on:
+            self.ids[index] += ids
+
+    def take(self, index: int) -> list[int] | None:
+        if not self.on:
+            return None
+        out, self.ids[index] = self.ids[index], []
+        return out
+
+
 def usage_of(outs: list[RequestOutput]) -> Usage:
     prompt = sum(o.num_prompt_tokens for o in outs)
     completion = sum(o.num_output_tokens for o in outs)

@@ -35,6 +35,7 @@ from agentrt.server.calls import (
     prompt_logprobs_of,
     results,
     sampling_params,
+    PendingIds,
     StreamUsage,
     submit,
     token_text,
@@ -50,7 +51,9 @@ from agentrt.server.schemas import (
     ChatCompletionRequest,
     ChatDelta,
     ChatResponseMessage,
+    ChoiceLogprobs,
     Completion,
+    CompletionLogprobs,
     CompletionChoice,
     CompletionRequest,
     FunctionCall,
@@ -127,7 +130,8 @@ async def chat_completions(request: Request) -> Response:
     rid, created, head = new_id("chatcmpl"), int(time.time()), _echoed(req)
     if req.stream:
         usage = StreamUsage(req.stream_options, len(prompt_ids))
-        return SSEResponse(_chat_events(st, call, plan, rid, created, req.n, usage, head),
+        return SSEResponse(_chat_events(st, call, plan, rid, created, req.n, usage, head,
+                                        prompt_ids if req.return_token_ids else None),
                            {"X-Program-Id": call.program_id})
     (out,) = await results(request, [call])
     text = token_text(st)
@@ -139,37 +143,46 @@ async def chat_completions(request: Request) -> Response:
         message = ChatResponseMessage(content=content, tool_calls=[
             ToolCall(k.id, FunctionCall(k.name, k.arguments)) for k in calls] or None)
         choices.append(ChatChoice(c.index, message, "tool_calls" if calls else c.finish_reason,
-                                  chat_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs)))
-    body = ChatCompletion(rid, created, st.model_name, choices, usage_of([out]), program_id=call.program_id)
+                                  chat_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs), c.stop_reason,
+                                  c.token_ids if req.return_token_ids else None))
+    body = ChatCompletion(rid, created, st.model_name, choices, usage_of([out]), program_id=call.program_id,
+                          prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None)
     if req.prompt_logprobs is not None:
         body.prompt_logprobs = prompt_logprobs_of(text, out, req.prompt_logprobs)
     return Response(_encode(body), headers={"X-Program-Id": call.program_id}, media_type="application/json")
 
 
 async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, created: int, n: int,
-                       usage: StreamUsage, head: str) -> AsyncIterator[bytes]:
+                       usage: StreamUsage, head: str, prompt_ids: list[int] | None) -> AsyncIterator[bytes]:
     """Content deltas as generated (each choice's first one with `head`, the echoed last message);
     tool calls (held back from the content) as `tool_calls` deltas when their choice ends, which then
-    ends with finish_reason "tool_calls"."""
+    ends with finish_reason "tool_calls". With `prompt_ids` (return_token_ids) the first chunk carries
+    them and each choice's chunks its new token ids."""
     model, text = st.model_name, token_text(st)
     streamers = [plan.streamer() for _ in range(n)]
     full = [""] * n
+    pending = PendingIds(prompt_ids is not None, n)
 
-    def chunk(choices: list[ChatChunkChoice]) -> bytes:
-        return event(ChatCompletionChunk(rid, created, model, choices, usage=usage.now()))
+    def chunk(i: int, delta: ChatDelta, reason: str | None = None, logprobs: ChoiceLogprobs | None = None,
+              stop_reason: int | str | None = None) -> bytes:
+        choice = ChatChunkChoice(i, delta, reason, logprobs, stop_reason, pending.take(i))
+        return event(ChatCompletionChunk(rid, created, model, [choice], usage=usage.now()))
 
     async with call:
-        for i in range(n):
-            yield chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=head))])
+        for i in range(n):  # the prompt's ids (return_token_ids) on the first chunk
+            opening = ChatChunkChoice(i, ChatDelta(role="assistant", content=head), token_ids=pending.take(i))
+            yield event(ChatCompletionChunk(rid, created, model, [opening], usage=usage.now(),
+                                            prompt_token_ids=prompt_ids if i == 0 else None))
         try:
             async for d in call:
                 i, streamer = d.index, streamers[d.index]
                 full[i] += d.new_text
                 usage.add(len(d.new_token_ids))
+                pending.add(i, d.new_token_ids)
                 show = streamer.feed(d.new_text) if streamer is not None else d.new_text
                 if show or (d.new_logprobs and d.new_token_ids):
                     logprobs = chat_logprobs(text, d.new_token_ids, d.new_logprobs, d.new_top_logprobs)
-                    yield chunk([ChatChunkChoice(i, ChatDelta(content=show), None, logprobs)])
+                    yield chunk(i, ChatDelta(content=show), None, logprobs)
                 if d.finished:
                     reason = d.finish_reason
                     if streamer is not None:
@@ -177,11 +190,11 @@ async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, cr
                         if calls:
                             deltas = [ToolCallDelta(k, c.id, "function", FunctionCall(c.name, c.arguments))
                                       for k, c in enumerate(calls)]
-                            yield chunk([ChatChunkChoice(i, ChatDelta(tool_calls=deltas))])
+                            yield chunk(i, ChatDelta(tool_calls=deltas))
                             reason = "tool_calls"
                         elif streamer.held:  # it looked like a call but was not one: it is content
-                            yield chunk([ChatChunkChoice(i, ChatDelta(content=streamer.held))])
-                    yield chunk([ChatChunkChoice(i, ChatDelta(), reason)])
+                            yield chunk(i, ChatDelta(content=streamer.held))
+                    yield chunk(i, ChatDelta(), reason, None, d.stop_reason)
             out = await call.result()
         except AgentrtError as e:
             yield error_event(e)
@@ -258,7 +271,8 @@ async def completions(request: Request) -> Response:
     headers = {"X-Program-Id": calls[0].program_id}
     if req.stream:
         usage = StreamUsage(req.stream_options, sum(len(i) for i in ids))
-        return SSEResponse(_completion_events(st, calls, rid, created, req.n, usage, echo, req.max_tokens > 0), headers)
+        return SSEResponse(_completion_events(st, calls, rid, created, req.n, usage, echo, req.max_tokens > 0,
+                                              ids if req.return_token_ids else None), headers)
     outs = await results(request, calls)
     text, generated = token_text(st), req.max_tokens > 0
     choices = []
@@ -271,7 +285,10 @@ async def completions(request: Request) -> Response:
                 tops = None if tops is None else [None if t is None else t[: req.logprobs] for t in tops]
                 logprobs = echoed_logprobs(text, prompt_ids, out.prompt_logprobs, tops, logprobs)
             choice = CompletionChoice(k * req.n + c.index, head + (c.text if generated else ""),
-                                      c.finish_reason if generated else "length", logprobs)
+                                      c.finish_reason if generated else "length", logprobs,
+                                      stop_reason=c.stop_reason if generated else None)
+            if req.return_token_ids:
+                choice.prompt_token_ids, choice.token_ids = list(out.prompt_token_ids), c.token_ids if generated else []
             if req.prompt_logprobs is not None:
                 choice.prompt_logprobs = prompt_logprobs_of(text, out, req.prompt_logprobs)
             choices.append(choice)
@@ -287,39 +304,50 @@ def _usage(outs: list[RequestOutput], generated: bool) -> Usage:
 
 
 async def _completion_events(st: ServerState, calls: list[Call], rid: str, created: int, n: int, usage: StreamUsage,
-                             echo: list[tuple[str, list[int]]] | None, generated: bool) -> AsyncIterator[bytes]:
+                             echo: list[tuple[str, list[int]]] | None, generated: bool,
+                             prompt_ids: list[list[int]] | None) -> AsyncIterator[bytes]:
     """Prompts' choices one prompt after another (all of them run in the engine meanwhile). With `echo`
     (per prompt, its text and token ids) each choice's first chunk is its prompt, with the prompt's
-    log-probs when they were asked; without `generated` (max_tokens=0) nothing follows but the finish."""
+    log-probs when they were asked; without `generated` (max_tokens=0) nothing follows but the finish.
+    With `prompt_ids` (return_token_ids) each choice's first chunk carries its prompt's token ids and
+    every chunk the tokens since the choice's last one."""
     model, text = st.model_name, token_text(st)
     outs: list[RequestOutput] = []
 
-    def chunk(choice: CompletionChoice) -> bytes:
+    def chunk(k: int, i: int, piece: str, reason: str | None = None, logprobs: CompletionLogprobs | None = None,
+              stop_reason: int | str | None = None) -> bytes:
+        choice = CompletionChoice(k * n + i, piece, reason, logprobs, stop_reason=stop_reason,
+                                  token_ids=pending.take(i))
+        if prompt_ids is not None and not started[i]:
+            choice.prompt_token_ids = prompt_ids[k]
+        started[i] = True
         return event(Completion(rid, created, model, [choice], usage.now()))
 
     try:
         for k, call in enumerate(calls):
             async with call:
-                offsets = [0] * n
+                offsets, started = [0] * n, [False] * n
                 echoed = [echo is None] * n
+                pending = PendingIds(prompt_ids is not None, n)
                 async for d in call:
                     if not echoed[d.index]:
-                        head, prompt_ids = echo[k]
-                        logprobs = echoed_logprobs(text, prompt_ids, d.prompt_logprobs, d.prompt_top_logprobs, None)
-                        yield chunk(CompletionChoice(k * n + d.index, head, None, logprobs))
+                        head, echo_ids = echo[k]
+                        logprobs = echoed_logprobs(text, echo_ids, d.prompt_logprobs, d.prompt_top_logprobs, None)
+                        yield chunk(k, d.index, head, None, logprobs)
                         echoed[d.index], offsets[d.index] = True, len(head)
                     if not generated:
                         if d.finished:
-                            yield chunk(CompletionChoice(k * n + d.index, "", "length"))
+                            yield chunk(k, d.index, "", "length")
                         continue
                     usage.add(len(d.new_token_ids))
+                    pending.add(d.index, d.new_token_ids)
                     lps = d.new_logprobs
                     if d.new_text or d.finished or (lps and d.new_token_ids):
                         logprobs = completion_logprobs(text, d.new_token_ids, lps, d.new_top_logprobs,
                                                        offsets[d.index])
                         offsets[d.index] += len(d.new_text)
-                        yield chunk(CompletionChoice(k * n + d.index, d.new_text, d.finish_reason if d.finished else None,
-                                                     logprobs))
+                        yield chunk(k, d.index, d.new_text, d.finish_reason if d.finished else None, logprobs,
+                                    d.stop_reason)
                 outs.append(await call.result())
     except AgentrtError as e:
         yield error_event(e)

@@ -135,6 +135,7 @@ class GenerationExtras(Struct, kw_only=True):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) that ended the output
+    return_token_ids: bool = False  # the prompt's and the output's token ids in the response
     skip_special_tokens: bool = True  # leave special tokens out of the text
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -235,6 +236,8 @@ class ChatChoice(Struct):
     message: ChatResponseMessage
     finish_reason: str | None
     logprobs: ChoiceLogprobs | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (None: EOS)
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the generated token ids
 
 
 class ChatCompletion(Struct):
@@ -246,6 +249,7 @@ class ChatCompletion(Struct):
     object: str = "chat.completion"
     program_id: str | None = None  # the program the call ran in (agentrt)
     prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM)
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatDelta(Struct, omit_defaults=True):
@@ -259,6 +263,8 @@ class ChatChunkChoice(Struct):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the tokens since the choice's last chunk
 
 
 class ChatCompletionChunk(Struct):
@@ -268,6 +274,7 @@ class ChatCompletionChunk(Struct):
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
 
 
 # --- completions ----------------------------------------------------------------------------
@@ -308,6 +315,9 @@ class CompletionChoice(Struct):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM)
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (None: EOS)
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids (streamed: on the choice's first chunk)
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids (streamed: the tokens since the last chunk)
 
 
 class Completion(Struct):

@@ -131,6 +131,7 @@ def test_same_results_through_connect(tiny_model_path, rt_kw):
             continue
         assert [c.text for c in a.choices] == [c.text for c in b.choices]
         assert [c.finish_reason for c in a.choices] == [c.finish_reason for c in b.choices]
+        assert [(c.token_ids, c.stop_reason) for c in a.choices] == [(c.token_ids, c.stop_reason) for c in b.choices]
         assert a.usage.completion_tokens == b.usage.completion_tokens
         for x, y in zip(a.choices[0].logprobs or (), b.choices[0].logprobs or ()):
             assert (x.token, len(x.top_logprobs)) == (y.token, len(y.top_logprobs))

@@ -32,6 +32,8 @@ def test_stop_string_kept_with_include_stop_str_in_output(llm):
     assert cut.text == text[:at]
     assert kept.text == text[: at + len(needle)]
     assert kept.token_ids == cut.token_ids  # the same tokens: only the text differs
+    assert cut.outputs[0].stop_reason == kept.outputs[0].stop_reason == needle  # vLLM's stop_reason
+    assert full.outputs[0].stop_reason is None  # "length"
     assert_all_blocks_free(llm.core)
 
 
@@ -47,6 +49,7 @@ def test_stop_token_text_only_with_include_stop_str_in_output(llm, tiny_model_pa
     assert cut.text == tok.decode(full.token_ids[:k], skip_special_tokens=True)
     assert kept.text == tok.decode(full.token_ids[: k + 1], skip_special_tokens=True)
     assert kept.text != cut.text
+    assert cut.outputs[0].stop_reason == kept.outputs[0].stop_reason == stop_tok
 
 
 def test_eos_text_needs_both_options(llm):
@@ -59,7 +62,7 @@ def test_eos_text_needs_both_options(llm):
     for include in (False, True):
         for skip in (True, False):
             out = llm.generate([5, 6, 7], greedy(include_stop_str_in_output=include, skip_special_tokens=skip, **force))[0]
-            assert out.token_ids == [eos] and out.finish_reason == "stop"
+            assert out.token_ids == [eos] and out.finish_reason == "stop" and out.outputs[0].stop_reason is None
             texts[include, skip] = out.text
     assert texts == {(False, True): "", (False, False): "", (True, True): "", (True, False): tok.eos_token}
 

@@ -201,3 +201,58 @@ def test_continuous_usage_stats_on_both_endpoints(client):
     assert last.usage.completion_tokens == 10 and last.usage.prompt_tokens == body[0].usage.prompt_tokens
     seen = [c.usage.completion_tokens for c in body]
     assert seen == sorted(seen) and seen[-1] == 10
+
+
+# --- token ids and stop reasons (vLLM's return_token_ids, stop_reason) -------------------------
+def test_return_token_ids_on_chat(client, tok):
+    r = chat(client, n=2, temperature=1.0, seed=1, max_tokens=10, return_token_ids=True)
+    text = tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
+    assert r.model_extra["prompt_token_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    for c in r.choices:
+        ids = c.model_extra["token_ids"]
+        assert len(ids) == r.usage.completion_tokens // 2 or c.finish_reason == "stop"
+        assert tok.decode(ids, skip_special_tokens=True) == c.message.content
+    streamed = list(chat(client, n=2, temperature=1.0, seed=1, max_tokens=10, return_token_ids=True, stream=True))
+    assert streamed[0].model_extra["prompt_token_ids"] == r.model_extra["prompt_token_ids"]
+    for i, c in enumerate(r.choices):  # every token once, in order, on the choice's chunks
+        ids = [t for ch in streamed for x in ch.choices if x.index == i for t in x.model_extra["token_ids"]]
+        assert ids == c.model_extra["token_ids"]
+    plain = chat(client)
+    assert "token_ids" not in plain.choices[0].model_extra or plain.choices[0].model_extra["token_ids"] is None
+
+
+def test_return_token_ids_on_completions(client, tok):
+    prompts = ["One two", "Three four five"]
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    for p, c in zip(prompts, r.choices):
+        assert c.model_extra["prompt_token_ids"] == tok(p)["input_ids"]
+        assert len(c.model_extra["token_ids"]) == 6 and tok.decode(c.model_extra["token_ids"]) == c.text
+    streamed = list(client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                              extra_body={"return_token_ids": True, "ignore_eos": True}))
+    for k, c in enumerate(r.choices):
+        mine = [x for ch in streamed for x in ch.choices if x.index == k]
+        assert mine[0].model_extra["prompt_token_ids"] == c.model_extra["prompt_token_ids"]
+        assert all(x.model_extra.get("prompt_token_ids") is None for x in mine[1:])
+        assert [t for x in mine for t in x.model_extra["token_ids"]] == c.model_extra["token_ids"]
+
+
+def test_stop_reason_names_the_stop_string_or_token(client):
+    full = chat(client, max_tokens=16, ignore_eos=True)
+    content = full.choices[0].message.content
+    assert full.choices[0].model_extra["stop_reason"] is None  # "length"
+    needle = next(content[i : i + 3] for i in range(len(content) // 3, len(content) - 3) if content[i : i + 3].strip())
+    r = chat(client, max_tokens=16, ignore_eos=True, stop=[needle, "\u2603never"])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == needle
+    ids = chat(client, max_tokens=16, ignore_eos=True, return_token_ids=True).choices[0].model_extra["token_ids"]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    gen = client.completions.create(model="tiny", prompt="x", max_tokens=16, temperature=0, extra_body=extra)
+    stop_at = gen.choices[0].model_extra["token_ids"][2]
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=16, temperature=0, stream=True,
+                                  extra_body={**extra, "stop_token_ids": [stop_at]})
+    last = [c for c in r if c.choices][-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop_at
+    r = chat(client, max_tokens=16, ignore_eos=True, stop_token_ids=[ids[3]])
+    assert r.choices[0].model_extra["stop_reason"] == ids[3]
+    streamed = list(chat(client, max_tokens=16, ignore_eos=True, stop_token_ids=[ids[3]], stream=True))
+    assert [c for c in streamed if c.choices][-1].choices[0].model_extra["stop_reason"] == ids[3]
