@@ -150,10 +150,10 @@ def test_bad_ids_are_refused_and_leave_no_trace(engine, solo):
 
 
 class ExplodingDetokenizer(Detokenizer):
-    def add(self, token_ids):
+    def add(self, token_ids, stop_terminated=False):
         if len(self.ids) >= 2:
             raise RuntimeError("boom")
-        return Detokenizer.add(self, token_ids)
+        return Detokenizer.add(self, token_ids, stop_terminated)
 
 
 def test_error_serving_one_request_fails_it_alone(engine, solo):
