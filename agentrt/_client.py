@@ -38,7 +38,7 @@ from engine.sampling_params import SamplingParams
 
 _FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "n", "logprobs", "top_logprobs",
            "include_stop_str_in_output", "skip_special_tokens", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "min_p", "min_tokens")
+           "repetition_penalty", "min_p", "min_tokens", "priority")
 _DEFAULTS = SamplingParams()
 
 

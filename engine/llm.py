@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -50,11 +51,13 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         progress: bool | str = "auto",
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order. Prompts are text or token id lists; `params` is one
         SamplingParams for all or one per prompt. Bad input raises InvalidRequestError (a ValueError)
         before anything runs. `progress`: a rich progress bar on stderr (True, False, or "auto": on a
-        terminal from PROGRESS_MIN_PROMPTS prompts)."""
+        terminal from PROGRESS_MIN_PROMPTS prompts). `priority`: per prompt its scheduling class (vLLM's;
+        SamplingParams.priority), smaller first."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -65,6 +68,10 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+            params = [dataclasses.replace(sp, priority=p) for sp, p in zip(params, priority)]
         # everything checked before anything is queued
         checked = [self.core.check_request(p, sp)[:2] for p, sp in zip(prompts, params)]
         reqs: list[Request] = []

@@ -11,6 +11,7 @@ from typing import Any
 MAX_TOP_LOGPROBS = 20  # most alternatives per token `top_logprobs` may ask for
 MAX_N = 128  # most completions per prompt: each is a request of its own in the batch
 MAX_SEED = 2**63 - 1
+MAX_PRIORITY = 2**31 - 1  # |priority| at most
 MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI's API
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (dividing by them overflows fp32)
 
@@ -58,6 +59,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string that ended the output, or the text of the
     # EOS / stop_token_ids token that did (vLLM's rule: without it, neither is in the text; the ids always are)
     skip_special_tokens: bool = True  # leave special tokens (e.g. <|im_end|>) out of the output text
+    priority: int = 0  # scheduling class (vLLM's request priority): a smaller class is served, admitted and
+    # kept before a larger one, ahead of the policy's order within a class (engine.scheduler)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,6 +100,7 @@ class SamplingParams:
         self.logit_bias = _logit_bias(self.logit_bias)
         self.include_stop_str_in_output = _bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.priority = _int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS,
                                         what=f"None or an int in [0, {MAX_TOP_LOGPROBS}]")

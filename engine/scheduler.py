@@ -7,6 +7,12 @@ request, or an otherwise idle engine), and only then is the policy's victim amon
 running requests preempted (recompute: its full blocks stay in the prefix cache). A request that could
 never fit fails alone. Expired pins are dropped at the start of every step (engine.kv_cache_manager).
 
+Priority classes (vLLM's request `priority`, SamplingParams.priority) come before any policy: a
+request of a smaller class runs, is admitted and keeps its blocks before any of a larger one, and
+one waiting without room displaces a running request of a larger class, whatever the policy; within a
+class the policy orders as it would alone. With every request in class 0 (the default) nothing
+changes.
+
 Two policy switches concern pins (SchedulingPolicy attributes, False unless a policy sets them):
 `pinned_first` puts waiting calls of programs holding a pin ahead of the others (Continuum's order);
 `protect_pins` is admission control for a KV-bound engine: while others run, a waiting call goes in only
@@ -101,6 +107,26 @@ class Scheduler:
         if isinstance(op, EndProgram):
             self.policy.end_program(op.program_id)
 
+    # ---- priority classes over the policy ---------------------------------------------------
+    def _key(self, req: Request) -> tuple[int, object]:
+        return (req.sampling.priority, self.policy.priority(req))
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        """The policy's victim among the requests of the largest class."""
+        worst = max(r.sampling.priority for r in candidates)
+        return self.policy.pick_victim([r for r in candidates if r.sampling.priority == worst])
+
+    def _displaces(self, waiting: Request, running: Request) -> bool:
+        a, b = waiting.sampling.priority, running.sampling.priority
+        if a != b:
+            return a < b
+        return self.policy.preemptive and self.policy.displaces(waiting, running)
+
+    def _class_waits(self) -> bool:
+        """A waiting request of a smaller class than some running one."""
+        return bool(self.waiting and self.running) and (
+            min(r.sampling.priority for r in self.waiting) < max(r.sampling.priority for r in self.running))
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req, retain=False)
@@ -118,10 +144,10 @@ class Scheduler:
         now = self.clock()
         self.expire_pins()
         self.policy.before_schedule(self.waiting, self.running, now)
-        self.running.sort(key=self.policy.priority)
+        self.running.sort(key=self._key)
         self.waiting.sort(key=self._waiting_key())
         out = SchedulerOutput(reqs=[], num_tokens=[], block_copies=[])
-        if self.policy.preemptive:
+        if self.policy.preemptive or self._class_waits():
             self._displace_for_better_waiting(out)
         budget = self.config.max_num_batched_tokens
         out.num_steps = steps = self._multi_steps(budget)
@@ -140,7 +166,7 @@ class Scheduler:
                 continue
             while not self.kv.allocate_slots(req, n, may_take_reserved=True):
                 victims = [r for r in self.running if id(r) not in scheduled and r is not req]
-                victim = self.policy.pick_victim(victims) if victims else req
+                victim = self._pick_victim(victims) if victims else req
                 self._preempt(victim, out)
                 short_of_blocks = True
                 if victim is req:
@@ -216,17 +242,17 @@ class Scheduler:
         return k
 
     def _waiting_key(self) -> Callable[[Request], object]:
-        """The order of the waiting queue: the policy's, with `pinned_first` calls of programs holding a
-        pin ahead of the rest."""
+        """The order of the waiting queue: by class, then the policy's order, with `pinned_first` calls
+        of programs holding a pin ahead of the rest of their class."""
         key = self.policy.priority
         if not self.policy.pinned_first:
-            return key
+            return self._key
         holds_pin = self.kv.holds_pin
-        return lambda r: (not holds_pin(r.program_id), key(r))
+        return lambda r: (r.sampling.priority, not holds_pin(r.program_id), key(r))
 
     def _displace_for_better_waiting(self, out: SchedulerOutput) -> None:
-        """Preemptive policies: a waiting request that ranks above the worst running one takes its
-        place when there is no seat or no blocks for it."""
+        """A waiting request that ranks above the worst running one (by class; within a class only
+        under a preemptive policy) takes its place when there is no seat or no blocks for it."""
         key = self._waiting_key()
         max_seqs, max_tokens = self.config.max_num_seqs, self.config.max_num_batched_tokens
         allocatable: dict[str | None, int] = {}  # per owner, until the next preemption changes it
@@ -243,8 +269,8 @@ class Scheduler:
                         room = allocatable[owner] = self.kv.num_allocatable(w.program_id)
                     if need <= room:
                         break
-                worst = self.policy.pick_victim(self.running)
-                if not self.policy.displaces(w, worst):
+                worst = self._pick_victim(self.running)
+                if not self._displaces(w, worst):
                     return
                 self._preempt(worst, out)
                 allocatable.clear()

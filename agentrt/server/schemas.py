@@ -136,6 +136,7 @@ class GenerationExtras(Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) that ended the output
     return_token_ids: bool = False  # the prompt's and the output's token ids in the response
+    priority: int = 0  # scheduling class: smaller first, ahead of the policy's order (vLLM's)
     skip_special_tokens: bool = True  # leave special tokens out of the text
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -154,7 +155,7 @@ class GenerationExtras(Struct, kw_only=True):
         return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
                 "logit_bias": bias, "include_stop_str_in_output": self.include_stop_str_in_output,
-                "skip_special_tokens": self.skip_special_tokens}
+                "skip_special_tokens": self.skip_special_tokens, "priority": self.priority}
 
 
 class ChatCompletionRequest(GenerationExtras):

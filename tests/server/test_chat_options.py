@@ -256,3 +256,38 @@ def test_stop_reason_names_the_stop_string_or_token(client):
     assert r.choices[0].model_extra["stop_reason"] == ids[3]
     streamed = list(chat(client, max_tokens=16, ignore_eos=True, stop_token_ids=[ids[3]], stream=True))
     assert [c for c in streamed if c.choices][-1].choices[0].model_extra["stop_reason"] == ids[3]
+
+
+# --- priority (vLLM's request field) ------------------------------------------------------------
+def test_priority_lets_an_urgent_call_past_a_long_one(tiny_model_path):
+    """One seat, FCFS (which never preempts by itself): a long call of class 5 runs; an urgent call of
+    class -1 displaces it (a preemption), and the long one then completes (recomputed, nothing lost)."""
+    import httpx
+
+    with live_server(tiny_config(tiny_model_path, policy="fcfs", engine={"max_num_seqs": 1})) as srv:
+        long_body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                     "stream": True, "priority": 5}
+        with httpx.Client(base_url=srv.url, timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json=long_body) as stream:
+                lines = stream.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))  # the long call runs
+                r = http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, "temperature": 0,
+                                                            "priority": -1})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+                rest = [line for line in lines if line.startswith("data:")]
+            assert rest[-1] == "data: [DONE]"
+            finished = [c for c in rest[:-1] if '"finish_reason":"length"' in c]
+            assert finished  # the long call completed after the urgent one
+            metrics = http.get("/metrics").text
+        preemptions = [float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith("agentrt:num_preemptions_total")]
+        assert preemptions and preemptions[0] >= 1
+        srv.wait_idle()
+        assert_all_blocks_free(srv.state.runtime.engine.core)
+
+
+def test_priority_must_be_an_int(client):
+    e = error_of(chat, client=client, priority="high")
+    assert e.param == "priority"
+    e = error_of(chat, client=client, priority=2**40)
+    assert e.param == "priority"
