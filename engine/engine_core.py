@@ -455,7 +455,10 @@ class EngineCore:
         )
         if req.finished and req.finish_reason == "stop":
             delta.stop_reason = detok.stop_reason
-        if req.sampling.prompt_logprobs is not None and tokens and req.num_output_tokens == len(tokens):
+        first = bool(tokens) and req.num_output_tokens == len(tokens)
+        if first:
+            delta.num_cached_tokens = (req.parent or req).num_prefix_hit_tokens
+        if req.sampling.prompt_logprobs is not None and first:
             src = req.parent or req  # forks share their parent's prompt, which only the parent computed
             delta.prompt_logprobs = list(src.prompt_logprobs)
             if req.sampling.prompt_logprobs:

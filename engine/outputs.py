@@ -92,6 +92,8 @@ class StreamDelta:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # with it, per prompt position its
     # prompt_logprobs most likely (token id, log-prob) (None for the first); None unless prompt_logprobs > 0
     stop_reason: int | str | None = None  # on the last delta, CompletionOutput.stop_reason
+    num_cached_tokens: int | None = None  # on a completion's first delta with tokens: prompt tokens served
+    # from the prefix cache (RequestOutput.num_cached_tokens, known before the end)
 
 
 @dataclass(slots=True)

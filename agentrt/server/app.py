@@ -155,14 +155,16 @@ class ServerState:
         and the request has none of them."""
         if not self._keys:
             return None
-        auth = request.headers.get("authorization", "")
-        scheme, _, key = auth.partition(" ")
-        if scheme.lower() == "bearer" and key:
-            fp = hashlib.sha256(key.strip().encode()).hexdigest()[:16]
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":  # Anthropic's clients send `x-api-key: <key>`
+            key = request.headers.get("x-api-key", "")
+        key = key.strip()
+        if key:
+            fp = hashlib.sha256(key.encode()).hexdigest()[:16]
             expected = self._keys.get(fp)
-            if expected is not None and hmac.compare_digest(expected, key.strip().encode()):
+            if expected is not None and hmac.compare_digest(expected, key.encode()):
                 return fp
-        raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+        raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
                        "authentication_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
     def check_model(self, model: str | None) -> None:
@@ -237,7 +239,7 @@ async def openapi(request: Request) -> Response:
 
 
 def _operations() -> list[Operation]:
-    from agentrt.server import openai_routes, program_routes, responses_routes, tokenize_routes
+    from agentrt.server import messages_routes, openai_routes, program_routes, responses_routes, tokenize_routes
 
     return [
         Operation("get", "/health", "liveness", Health, errors=(503,), auth=False),
@@ -246,6 +248,7 @@ def _operations() -> list[Operation]:
         Operation("get", "/openapi.json", "this document", None, media_type="application/json", errors=(401,)),
         *openai_routes.OPERATIONS,
         *responses_routes.OPERATIONS,
+        *messages_routes.OPERATIONS,
         *program_routes.OPERATIONS,
         *tokenize_routes.OPERATIONS,
         *ui.OPERATIONS,
@@ -255,7 +258,7 @@ def _operations() -> list[Operation]:
 def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = None) -> Starlette:
     """The server app. `runtime`: an existing (not yet entered) Runtime to serve, e.g. for tests;
     by default one is made from `config`."""
-    from agentrt.server import openai_routes, program_routes, responses_routes, tokenize_routes
+    from agentrt.server import messages_routes, openai_routes, program_routes, responses_routes, tokenize_routes
 
     config = config or ServerConfig()
     if runtime is None:
@@ -300,6 +303,7 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
         Route("/openapi.json", openapi, methods=["GET"]),
         *openai_routes.ROUTES,
         *responses_routes.ROUTES,
+        *messages_routes.ROUTES,
         *program_routes.ROUTES,
         *tokenize_routes.ROUTES,
         *ui.ROUTES,

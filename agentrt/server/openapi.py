@@ -24,14 +24,14 @@ class Operation:
     auth: bool = True
     query: tuple[tuple[str, dict[str, Any]], ...] = ()  # (name, schema) of query parameters
     ok: int = 200  # status of a success
+    error_body: type = ErrorResponse  # JSON body of an error (Anthropic's shape on /v1/messages)
 
 
 def build(operations: list[Operation], title: str, version: str) -> dict[str, Any]:
-    used = {t for op in operations for t in (op.body, op.response, op.streams) if t is not None}
-    types = sorted(used | {ErrorResponse}, key=lambda t: t.__name__)
+    used = {t for op in operations for t in (op.body, op.response, op.streams, op.error_body) if t is not None}
+    types = sorted(used, key=lambda t: t.__name__)
     schemas, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     ref = dict(zip(types, schemas))
-    error = {"application/json": {"schema": ref[ErrorResponse]}}
     paths: dict[str, dict[str, Any]] = {}
     for op in operations:
         if op.response is not None:
@@ -40,8 +40,9 @@ def build(operations: list[Operation], title: str, version: str) -> dict[str, An
             media_type = op.media_type or "text/plain"
             content = {media_type: {"schema": {"type": "object" if media_type == "application/json" else "string"}}}
         if op.streams is not None:
-            content["text/event-stream"] = {"schema": _sse_event(ref[op.streams], ref[ErrorResponse])}
+            content["text/event-stream"] = {"schema": _sse_event(ref[op.streams], ref[op.error_body])}
         responses: dict[str, Any] = {str(op.ok): {"description": "OK", "content": content}}
+        error = {"application/json": {"schema": ref[op.error_body]}}
         for status in op.errors:
             responses[str(status)] = {"description": _REASONS.get(status, "error"), "content": error}
         spec: dict[str, Any] = {"summary": op.summary, "operationId": _op_id(op), "responses": responses}
