@@ -76,22 +76,32 @@ def error_body(err: APIError) -> bytes:
     return msgspec.json.encode(ErrorResponse(ErrorInfo(err.message, err.type, err.param, err.code)))
 
 
-def error_response(exc: BaseException) -> Response:
+def error_response(exc: BaseException, render: Callable[[APIError], bytes] = error_body) -> Response:
     err = to_api_error(exc)
-    return Response(error_body(err), err.status, headers=err.headers, media_type="application/json")
+    return Response(render(err), err.status, headers=err.headers, media_type="application/json")
 
 
-def api(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """A route whose every error becomes an OpenAI-style body (and a client that left, an empty 499)."""
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def api_with(render: Callable[[APIError], bytes]) -> Callable[[Handler], Handler]:
+    """A decorator for routes whose every error becomes a body `render` writes (and a client that left,
+    an empty 499)."""
     from agentrt.server.sse import ClientDisconnected
 
-    @functools.wraps(fn)
-    async def handler(request: Request) -> Response:
-        try:
-            return await fn(request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as e:  # noqa: BLE001 - mapped, and logged when unexpected
-            return error_response(e)
+    def decorate(fn: Handler) -> Handler:
+        @functools.wraps(fn)
+        async def handler(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except ClientDisconnected:
+                return Response(status_code=499)
+            except Exception as e:  # noqa: BLE001 - mapped, and logged when unexpected
+                return error_response(e, render)
 
-    return handler
+        return handler
+
+    return decorate
+
+
+api = api_with(error_body)  # OpenAI-style error bodies

@@ -14,10 +14,9 @@ from it (the template's continue_final_message). The call belongs to the program
 
 from __future__ import annotations
 
-import functools
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -31,7 +30,7 @@ from agentrt._errors import AgentrtError
 from agentrt._toolcalls import ChatPlan, ToolCall, check_schema, plan_call
 from agentrt.server.app import ServerState, read_body, state_of
 from agentrt.server.calls import plan_chat, program_keys, program_name, results, sampling_params, submit
-from agentrt.server.errors import APIError, bad_request, to_api_error
+from agentrt.server.errors import APIError, api_with, bad_request, to_api_error
 from agentrt.server.messages_schemas import (
     AnthropicError,
     AnthropicErrorInfo,
@@ -47,7 +46,7 @@ from agentrt.server.messages_schemas import (
 )
 from agentrt.server.openapi import Operation
 from agentrt.server.schemas import decode
-from agentrt.server.sse import ClientDisconnected, SSEResponse
+from agentrt.server.sse import SSEResponse
 from engine.outputs import RequestOutput
 from engine.structured import Constraint
 
@@ -60,21 +59,7 @@ def _error_info(err: APIError) -> AnthropicErrorInfo:
     return AnthropicErrorInfo(kind, err.message, err.param)
 
 
-def anthropic_api(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """A route whose every error becomes an Anthropic-style body (and a client that left, an empty 499)."""
-
-    @functools.wraps(fn)
-    async def handler(request: Request) -> Response:
-        try:
-            return await fn(request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as e:  # noqa: BLE001 - mapped, and logged when unexpected
-            err = to_api_error(e)
-            return Response(msgspec.json.encode(AnthropicError(_error_info(err))), err.status, headers=err.headers,
-                            media_type="application/json")
-
-    return handler
+anthropic_api = api_with(lambda err: msgspec.json.encode(AnthropicError(_error_info(err))))  # Anthropic's errors
 
 
 # --- the request as chat messages -------------------------------------------------------------

@@ -24,6 +24,7 @@ import pytest
 
 from agentrt.server import ServerConfig
 from tests.conftest import assert_all_blocks_free, requires_default_model
+from tests.server.conftest import check_idle
 from tests.server.live import live_server, tiny_config
 
 BLOCK = 16  # the engine's KV block size: the prefix cache works in whole blocks
@@ -62,20 +63,6 @@ STOP_REASON = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_u
 
 
 # --- fixtures and peers -----------------------------------------------------------------------
-def check_idle(s) -> None:
-    s.wait_idle()
-    core = s.state.runtime.engine.core
-    assert_all_blocks_free(core)
-    assert not any(core.num_tracked().values()), core.num_tracked()
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model_path):
-    with live_server(tiny_config(tiny_model_path, served_model_name="tiny")) as s:
-        yield s
-        check_idle(s)
-
-
 @pytest.fixture(scope="module")
 def client(srv):
     with anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=60) as c:
@@ -86,11 +73,6 @@ def client(srv):
 def oai(srv):
     with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def tok(srv):
-    return srv.state.runtime.tokenizer
 
 
 def chat_ids(tok, messages, **kw) -> list[int]:

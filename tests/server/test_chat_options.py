@@ -23,27 +23,6 @@ MSGS = [{"role": "user", "content": "Say something about the sea."}]
 PREFILL = [*MSGS, {"role": "assistant", "content": "The sea is"}]
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_model_path):
-    with live_server(tiny_config(tiny_model_path, served_model_name="tiny")) as s:
-        yield s
-        s.wait_idle()
-        core = s.state.runtime.engine.core
-        assert_all_blocks_free(core)
-        assert not any(core.num_tracked().values()), core.num_tracked()
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tok(srv):
-    return srv.state.runtime.tokenizer
-
-
 def chat(client, messages=MSGS, **kw):
     extra = {k: kw.pop(k) for k in list(kw) if k not in ("max_tokens", "temperature", "stream", "stream_options", "n",
                                                         "stop", "seed", "response_format")}

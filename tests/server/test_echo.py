@@ -9,35 +9,11 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 import torch
 
-from tests.conftest import assert_all_blocks_free
-from tests.server.live import live_server, tiny_config
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model_path):
-    with live_server(tiny_config(tiny_model_path, served_model_name="tiny")) as s:
-        yield s
-        s.wait_idle()
-        core = s.state.runtime.engine.core
-        assert_all_blocks_free(core)
-        assert not any(core.num_tracked().values()), core.num_tracked()
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tok(srv):
-    return srv.state.runtime.tokenizer
 
 
 @pytest.fixture(scope="module")

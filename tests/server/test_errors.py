@@ -48,12 +48,6 @@ def srv(tiny_model_path):
         yield s
 
 
-@pytest.fixture(scope="module")
-def http(srv):
-    with httpx.Client(base_url=srv.url, timeout=60) as c:
-        yield c
-
-
 # --- bad input --------------------------------------------------------------------------------
 BAD_BODIES = [
     # (path, body, param)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import anyio
-import httpx
 import openai
 import pytest
 
@@ -29,23 +28,6 @@ def srv(tiny_model_path):
         yield s
         s.wait_idle()
         assert_all_blocks_free(s.state.runtime.engine.core)
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(srv):
-    with httpx.Client(base_url=srv.url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tok(srv):
-    return srv.state.runtime.tokenizer
 
 
 def chat_ids(tok, messages) -> list[int]:

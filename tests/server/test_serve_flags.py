@@ -22,20 +22,13 @@ from agentrt.server import ServerConfig, create_app
 from agentrt_cli import main as cli
 from engine.config import EngineConfig
 from tests.server.live import free_port, live_server, tiny_config
+from tests.test_cli import one_line_error
 
 ORIGIN = "http://localhost:3000"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
 KEY = {"Authorization": "Bearer k1"}
-
-
-def one_line_error(capsys, *needles: str) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 @pytest.fixture
@@ -191,12 +184,6 @@ def srv(tiny_model_path):
                          chat_template=TEMPLATE)
     with live_server(config) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def http(srv):
-    with httpx.Client(base_url=srv.url, timeout=60) as c:
-        yield c
 
 
 def test_preflight_from_an_allowed_origin_needs_no_key(http):

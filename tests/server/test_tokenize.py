@@ -4,7 +4,6 @@ text, `GET /v1/models/{model}` the model (OpenAI's retrieve), `/version` the ver
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
@@ -19,18 +18,6 @@ TOOL = {"type": "function", "function": {"name": "add", "description": "Add two 
 def srv(tiny_model_path):
     with live_server(tiny_config(tiny_model_path, served_model_name="tiny")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def http(srv):
-    with httpx.Client(base_url=srv.url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-        yield c
 
 
 def test_tokenize_a_prompt_as_completions_does(srv, http, client):

@@ -77,19 +77,8 @@ def srv():
 
 
 @pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def model(srv):
     return srv.state.model_name
-
-
-@pytest.fixture(scope="module")
-def tok(srv):
-    return srv.state.runtime.tokenizer
 
 
 def chat_ids(tok, messages) -> list[int]:
