@@ -22,6 +22,8 @@ from agentrt._errors import AgentrtError
 from agentrt._toolcalls import ChatPlan
 from agentrt.server.app import ServerState, read_body, state_of
 from agentrt.server.calls import (
+    PendingIds,
+    StreamUsage,
     chat_logprobs,
     completion_logprobs,
     echoed_logprobs,
@@ -35,8 +37,6 @@ from agentrt.server.calls import (
     prompt_logprobs_of,
     results,
     sampling_params,
-    PendingIds,
-    StreamUsage,
     submit,
     token_text,
     usage_of,
@@ -53,8 +53,8 @@ from agentrt.server.schemas import (
     ChatResponseMessage,
     ChoiceLogprobs,
     Completion,
-    CompletionLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     FunctionCall,
     ToolCall,
