@@ -63,6 +63,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._classes = False  # this step: some request is in a class other than 0
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -107,14 +108,17 @@ class Scheduler:
         if isinstance(op, EndProgram):
             self.policy.end_program(op.program_id)
 
-    # ---- priority classes over the policy ---------------------------------------------------
+    # ---- priority classes over the policy (self._classes: some request is not in class 0; else the
+    # policy's own keys, at no cost) ----------------------------------------------------------------
     def _key(self, req: Request) -> tuple[int, object]:
         return (req.sampling.priority, self.policy.priority(req))
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         """The policy's victim among the requests of the largest class."""
-        worst = max(r.sampling.priority for r in candidates)
-        return self.policy.pick_victim([r for r in candidates if r.sampling.priority == worst])
+        if self._classes:
+            worst = max(r.sampling.priority for r in candidates)
+            candidates = [r for r in candidates if r.sampling.priority == worst]
+        return self.policy.pick_victim(candidates)
 
     def _displaces(self, waiting: Request, running: Request) -> bool:
         a, b = waiting.sampling.priority, running.sampling.priority
@@ -124,7 +128,7 @@ class Scheduler:
 
     def _class_waits(self) -> bool:
         """A waiting request of a smaller class than some running one."""
-        return bool(self.waiting and self.running) and (
+        return self._classes and bool(self.waiting and self.running) and (
             min(r.sampling.priority for r in self.waiting) < max(r.sampling.priority for r in self.running))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -144,7 +148,8 @@ class Scheduler:
         now = self.clock()
         self.expire_pins()
         self.policy.before_schedule(self.waiting, self.running, now)
-        self.running.sort(key=self._key)
+        self._classes = any(r.sampling.priority for r in self.running) or any(r.sampling.priority for r in self.waiting)
+        self.running.sort(key=self._key if self._classes else self.policy.priority)
         self.waiting.sort(key=self._waiting_key())
         out = SchedulerOutput(reqs=[], num_tokens=[], block_copies=[])
         if self.policy.preemptive or self._class_waits():
@@ -246,8 +251,10 @@ class Scheduler:
         of programs holding a pin ahead of the rest of their class."""
         key = self.policy.priority
         if not self.policy.pinned_first:
-            return self._key
+            return self._key if self._classes else key
         holds_pin = self.kv.holds_pin
+        if not self._classes:
+            return lambda r: (not holds_pin(r.program_id), key(r))
         return lambda r: (r.sampling.priority, not holds_pin(r.program_id), key(r))
 
     def _displace_for_better_waiting(self, out: SchedulerOutput) -> None:
