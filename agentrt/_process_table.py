@@ -58,6 +58,7 @@ class ProgramInfo:
     children: list[str] = field(default_factory=list)  # ids of programs it called
     owner: str | None = None  # the client (API-key fingerprint) that started it, for programs started by id
     kv_reserve_tokens: int | None = None  # KV declared for it (`@agentrt.program(kv_reserve_tokens=...)`)
+    priority: int = 0  # the scheduling class of its calls (SamplingParams.priority) unless a call names its own
     kv: Any = None  # engine.kv_cache_manager.OwnerKV at its latest call's end (and at its end): blocks held,
     # pinned, reserved, TTL hits / misses / expiries, recomputed prefill tokens; Runtime.program_kv for now
 

@@ -27,6 +27,7 @@ import anyio
 from agentrt._context import Host, current_runtime
 from agentrt._errors import UsageError
 from agentrt._process_table import ProgramInfo
+from engine.sampling_params import MAX_PRIORITY
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -82,18 +83,29 @@ def current_program_id() -> str | None:
     return None if cur is None else cur[0].program_id
 
 
+def check_priority(priority: Any, where: str) -> int:
+    """A program's scheduling class: an int in SamplingParams.priority's range; UsageError naming `where`."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
+        raise UsageError(f"{where} must be an int in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
+    return priority
+
+
 def enter_program(
-    name: str, make_current: bool = True, kv_reserve_tokens: int | None = None
+    name: str, make_current: bool = True, kv_reserve_tokens: int | None = None, priority: int | None = None
 ) -> tuple[ProgramHandle, contextvars.Token | None]:
-    """Register a new program (child of the current one, if any) and make it current."""
+    """Register a new program (child of the current one, if any) and make it current. `priority`: its
+    calls' scheduling class; None = its parent's (0 without one)."""
     parent = _current.get()
     runtime = current_runtime(required=False)
+    if priority is None:
+        priority = parent[0].info.priority if parent is not None else 0
     info = ProgramInfo(
         program_id=new_program_id(),
         name=name,
         parent_id=parent[0].program_id if parent is not None else None,
         start_time=time.monotonic(),
         kv_reserve_tokens=kv_reserve_tokens,
+        priority=priority,
     )
     handle = ProgramHandle(info, runtime)
     if runtime is not None:
@@ -122,17 +134,21 @@ def exit_program(handle: ProgramHandle, token: contextvars.Token | None, exc: Ba
 def program(fn: Callable[P, Awaitable[T]], /) -> Callable[P, Coroutine[Any, Any, T]]: ...
 @overload
 def program(
-    *, name: str | None = None, kv_reserve_tokens: int | None = None
+    *, name: str | None = None, kv_reserve_tokens: int | None = None, priority: int | None = None
 ) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Coroutine[Any, Any, T]]]: ...
 
 
 def program(
-    fn: Callable[P, Awaitable[T]] | None = None, /, *, name: str | None = None, kv_reserve_tokens: int | None = None
+    fn: Callable[P, Awaitable[T]] | None = None, /, *, name: str | None = None, kv_reserve_tokens: int | None = None,
+    priority: int | None = None,
 ) -> Any:
     """Make an async function a program: `@agentrt.program` or `@agentrt.program(name="react")`.
 
     `kv_reserve_tokens`: KV blocks for this many tokens are set aside for each run of it, used by its
     calls first and by no one else's (capped with all reservations; agentrt._retention).
+
+    `priority`: the scheduling class of its calls (smaller first, before the policy's order; a call's
+    own non-zero `priority` wins); None = the calling program's (0 at the top).
 
     Each call runs as a new program (a child of the calling program, if any). Its LLM calls carry
     its id; when it returns, raises or is cancelled it ends, and the runtime aborts whatever calls
@@ -143,6 +159,8 @@ def program(
         isinstance(kv_reserve_tokens, bool) or not isinstance(kv_reserve_tokens, int) or kv_reserve_tokens < 0
     ):
         raise UsageError(f"@agentrt.program(kv_reserve_tokens=...) must be an int >= 0, got {kv_reserve_tokens!r}")
+    if priority is not None:
+        check_priority(priority, "@agentrt.program(priority=...)")
 
     def decorate(f: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
         if not inspect.iscoroutinefunction(f):
@@ -151,7 +169,7 @@ def program(
 
         @functools.wraps(f)
         async def run_program(*args: P.args, **kwargs: P.kwargs) -> T:
-            handle, token = enter_program(prog_name, kv_reserve_tokens=kv_reserve_tokens)
+            handle, token = enter_program(prog_name, kv_reserve_tokens=kv_reserve_tokens, priority=priority)
             try:
                 result = await f(*args, **kwargs)
             except BaseException as exc:

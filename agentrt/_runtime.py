@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import itertools
 import math
 import time
@@ -32,7 +33,7 @@ from agentrt._errors import (
 )
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
 from agentrt._retention import RetentionConfig, RetentionPolicy
-from agentrt._program import ProgramHandle, current, enter_program, exit_program, new_program_id
+from agentrt._program import ProgramHandle, check_priority, current, enter_program, exit_program, new_program_id
 from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
 from engine.kv_cache_manager import OwnerKV
 from engine.outputs import RequestOutput, StreamDelta
@@ -182,11 +183,13 @@ class Runtime:
             self._engine().abort(rid)
         return len(rids)
 
-    def start_program(self, program_id: str | None = None, *, name: str = "program", owner: str | None = None) -> ProgramInfo:
+    def start_program(self, program_id: str | None = None, *, name: str = "program", owner: str | None = None,
+                      priority: int = 0) -> ProgramInfo:
         """Start a program known by id rather than by a running `@program` function (the server's
         programs). Its calls go through `submit(..., program_id=...)`; it ends with `end_program`,
         or by itself after `program_idle_timeout_s` without calls. An id whose program has ended may
-        be started again (a new record replaces the old)."""
+        be started again (a new record replaces the old). `priority`: its calls' scheduling class."""
+        check_priority(priority, "priority")
         if program_id is None:
             program_id = new_program_id()
         old = self.programs.get(program_id)
@@ -194,7 +197,8 @@ class Runtime:
             raise ProgramExistsError("a program with this id is already running", program_id=program_id)
         if old is not None and old.owner != owner:  # an ended program's id stays its owner's while the table keeps it
             raise ProgramExistsError("this program id belongs to another client", program_id=program_id)
-        info = ProgramInfo(program_id=program_id, name=name, parent_id=None, start_time=time.monotonic(), owner=owner)
+        info = ProgramInfo(program_id=program_id, name=name, parent_id=None, start_time=time.monotonic(), owner=owner,
+                           priority=priority)
         handle = ProgramHandle(info, self)
         self._keyed[program_id] = handle
         self._program_started(info)
@@ -322,6 +326,8 @@ class Runtime:
         pid = handle.program_id
         thread_id = thread_id or f"{pid}.t0"
         rid = f"{pid}-c{next(self._call_ids)}"
+        if handle.info.priority and not params.priority:  # the program's class, unless the call names its own
+            params = dataclasses.replace(params, priority=handle.info.priority)
         try:
             if isinstance(prompt, str):
                 prompt = self.tokenizer(prompt)["input_ids"]

@@ -37,7 +37,7 @@ def live_view(st: ServerState, info: ProgramInfo) -> Program:
         critical_path_s=info.critical_path_s, wait_s=info.wait_s, num_prompt_tokens=info.num_prompt_tokens,
         num_output_tokens=info.num_output_tokens, queue_level=rt.program_queue_level(pid),
         kv_blocks=rt.program_kv_blocks(pid) if info.state == "running" else 0, num_threads=info.num_threads,
-        num_prefix_hit_tokens=info.num_prefix_hit_tokens, error=info.error, **retention,
+        num_prefix_hit_tokens=info.num_prefix_hit_tokens, error=info.error, priority=info.priority, **retention,
     )
 
 
@@ -56,7 +56,7 @@ async def create_program(request: Request) -> Response:
     owner = st.owner(request)
     body = await read_body(request, st.config.max_body_bytes)
     spec = decode(body, ProgramCreate) if body.strip() else ProgramCreate()
-    info = st.runtime.start_program(spec.program_id, name=spec.name, owner=owner)
+    info = st.runtime.start_program(spec.program_id, name=spec.name, owner=owner, priority=spec.priority)
     return json_response(live_view(st, info), 201)
 
 

@@ -23,6 +23,7 @@ TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 PromptLogprobsCount = Annotated[int, Meta(ge=0, le=20)]  # most likely tokens besides the prompt's own
+Priority = Annotated[int, Meta(ge=-(2**31 - 1), le=2**31 - 1)]  # a scheduling class (engine.SamplingParams.priority)
 Stop = str | list[str]
 
 
@@ -136,7 +137,7 @@ class GenerationExtras(Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) that ended the output
     return_token_ids: bool = False  # the prompt's and the output's token ids in the response
-    priority: int = 0  # scheduling class: smaller first, ahead of the policy's order (vLLM's)
+    priority: Priority = 0  # scheduling class: smaller first, ahead of the policy's order (vLLM's)
     skip_special_tokens: bool = True  # leave special tokens out of the text
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -382,6 +383,7 @@ class DetokenizeResponse(Struct):
 class ProgramCreate(Struct):
     program_id: ProgramId | None = None  # None: the server picks one
     name: Annotated[str, Meta(min_length=1, max_length=128)] = "program"
+    priority: Priority = 0  # its calls' scheduling class (smaller first), unless a call names its own
 
 
 class Program(Struct):
@@ -411,6 +413,7 @@ class Program(Struct):
     recomputed_prefill_tokens: int = 0  # prompt tokens it had computed in an earlier call, computed again
     error: str | None = None
     live: bool = True  # False: served from the database (a program of an earlier server run)
+    priority: int = 0  # its calls' scheduling class
     object: str = "program"
 
 

@@ -128,3 +128,39 @@ def test_runtime_calls_take_a_priority(tiny_model_path):
 
     anyio.run(main)
     assert order.index("urgent") < order.index("b")
+
+
+def test_a_programs_priority_is_its_calls_class(tiny_model_path):
+    """`@agentrt.program(priority=...)`: its calls run in its class (a call's own non-zero priority wins);
+    a program it calls inherits the class; a bad value is refused where the program is declared."""
+    seen: list[tuple[str, int]] = []
+
+    @agentrt.program(priority=-2)
+    async def urgent():
+        await agentrt.generate([1, 2, 3], max_tokens=1, temperature=0)
+        await agentrt.generate([1, 2, 3], max_tokens=1, temperature=0, priority=4)
+        await helper()
+
+    @agentrt.program
+    async def helper():
+        await agentrt.generate([1, 2, 3], max_tokens=1, temperature=0)
+
+    async def main():
+        async with agentrt.Runtime(model=str(tiny_model_path), num_blocks=64) as rt:
+            add = rt.engine.add_request
+
+            def spy(prompt, params, **kw):
+                seen.append((kw["program_id"], params.priority))
+                return add(prompt, params, **kw)
+
+            rt.engine.add_request = spy
+            await urgent()
+            await helper()
+
+    anyio.run(main)
+    assert [p for _, p in seen] == [-2, 4, -2, 0]
+    assert seen[2][0] != seen[0][0]  # the helper ran as a program of its own, in its caller's class
+    with pytest.raises(TypeError, match="priority"):
+        agentrt.program(priority="high")
+    with pytest.raises(TypeError, match="priority"):
+        agentrt.program(priority=2**40)

@@ -25,7 +25,7 @@ PREFILL = [*MSGS, {"role": "assistant", "content": "The sea is"}]
 
 def chat(client, messages=MSGS, **kw):
     extra = {k: kw.pop(k) for k in list(kw) if k not in ("max_tokens", "temperature", "stream", "stream_options", "n",
-                                                        "stop", "seed", "response_format")}
+                                                        "stop", "seed", "response_format", "extra_headers")}
     return client.chat.completions.create(model="tiny", messages=messages, extra_body=extra or None,
                                           **{"max_tokens": 8, "temperature": 0, **kw})
 
@@ -270,3 +270,24 @@ def test_priority_must_be_an_int(client):
     assert e.param == "priority"
     e = error_of(chat, client=client, priority=2**40)
     assert e.param == "priority"
+
+
+def test_a_programs_priority_applies_to_its_calls(srv, client, http, monkeypatch):
+    r = http.post("/v1/programs", json={"program_id": "prio-prog", "priority": -3})
+    assert r.status_code == 201 and r.json()["priority"] == -3
+    rt = srv.state.runtime
+    seen = []
+    submit = rt.submit
+    monkeypatch.setattr(rt, "submit", lambda ids, params, **kw: (seen.append(kw["program_id"]), submit(ids, params, **kw))[1])
+    add = rt.engine.add_request
+    monkeypatch.setattr(rt.engine, "add_request", lambda ids, params, **kw: (seen.append(params.priority),
+                                                                             add(ids, params, **kw))[1])
+    headers = {"X-Program-Id": "prio-prog"}
+    chat(client, extra_headers=headers)
+    chat(client, extra_headers=headers, priority=2)  # a call's own class wins
+    chat(client)  # another program: class 0
+    assert seen[1::2] == [-3, 2, 0] and seen[0] == seen[2] == "prio-prog"
+    assert http.get("/v1/programs/prio-prog").json()["priority"] == -3
+    bad = http.post("/v1/programs", json={"priority": 2**40})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    assert http.delete("/v1/programs/prio-prog").status_code == 200
