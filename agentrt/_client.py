@@ -169,6 +169,9 @@ class RemoteRuntime:
             body["stop_token_ids"] = list(params.stop_token_ids)
         if params.logit_bias:  # OpenAI's shape: token ids as strings
             body["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+        cur = current()
+        if cur is not None and cur[0].info.priority and not params.priority:  # the program's class, as in-process
+            body["priority"] = cur[0].info.priority
         if completions:  # /v1/completions: logprobs is the number of alternatives
             body.pop("top_logprobs", None)
             body["logprobs"] = params.top_logprobs if params.wants_logprobs else None

@@ -114,10 +114,25 @@ def test_same_results_through_connect(tiny_model_path, rt_kw):
         async with agentrt.connect(url):
             return await fn()
 
+    @agentrt.program(priority=-2)
+    async def urgent():
+        await agentrt.generate("Hi", max_tokens=1)
+        await agentrt.generate("Hi", max_tokens=1, priority=3)
+
+    async def remote_urgent(url):
+        async with agentrt.connect(url):
+            await urgent()
+
     with live_server(tiny_config(tiny_model_path)) as srv:
         far = anyio.run(remote, srv.url)
         with pytest.raises(agentrt.InvalidCallError, match="prompt_logprobs"):  # refused, not dropped
             anyio.run(lambda: _connect_chat(srv.url, prompt_logprobs=1))
+        seen = []  # a program's class reaches the server with its calls
+        add = srv.state.runtime.engine.add_request
+        srv.state.runtime.engine.add_request = lambda ids, params, **kw: (seen.append(params.priority),
+                                                                           add(ids, params, **kw))[1]
+        anyio.run(remote_urgent, srv.url)
+        assert seen == [-2, 3]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model_path))
