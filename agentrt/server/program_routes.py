@@ -18,7 +18,8 @@ from agentrt.server.app import ServerState, json_response, read_body, state_of
 from agentrt.server.errors import APIError, api, bad_request
 from agentrt.server.openapi import Operation
 from agentrt.server.recorder import wall_time
-from agentrt.server.schemas import Program, ProgramCall, ProgramCallList, ProgramCreate, ProgramList, decode
+from agentrt.server.program_schemas import Program, ProgramCall, ProgramCallList, ProgramCreate, ProgramList
+from agentrt.server.schemas import decode
 from agentrt.server.store import ProgramRecord
 
 
