@@ -17,6 +17,7 @@ from agentrt.policies import POLICY_NAMES
 BENCHES = {
     "throughput": "bench.throughput",
     "decode-cpu": "bench.decode_cpu",
+    "priority": "bench.priority",
     "kernels": "bench.kernels",
     "prefix": "bench.prefix",
     "programs": "bench.programs",
