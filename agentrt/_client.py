@@ -124,7 +124,8 @@ class RemoteRuntime:
     async def chat_stream(
         self, messages: Sequence[dict[str, Any]], *, full: bool = False, **sampling: Any
     ) -> AsyncIterator[str | Chunk]:
-        body = {"messages": list(messages), "stream": True, **pop_template_options(sampling), **self._sampling(sampling)}
+        options = pop_template_options(sampling)
+        body = {"messages": list(messages), "stream": True, **options, **self._sampling(sampling)}
         chunks = wants_result(sampling, full)
         async for chunk in self._stream("/v1/chat/completions", body):
             for choice in chunk.get("choices", ()):

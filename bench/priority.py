@@ -100,8 +100,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         b = base.get(r["policy"])
         gain = (f"{b['interactive_latency_mean_s'] / r['interactive_latency_mean_s']:.2f}x"
                 if b is not None and r is not b else "-")
-        out.append([r["policy"], r["interactive_class"], r["interactive_latency_mean_s"], r["interactive_latency_max_s"],
-                    r["interactive_ttft_max_s"], gain, r["batch_tokens_per_s"], r["makespan_s"], r["preemptions"]])
+        out.append([r["policy"], r["interactive_class"], r["interactive_latency_mean_s"],
+                    r["interactive_latency_max_s"], r["interactive_ttft_max_s"], gain, r["batch_tokens_per_s"],
+                    r["makespan_s"], r["preemptions"]])
     return _common.markdown_table(
         ["policy", "interactive class", "interactive latency mean s", "max s", "TTFT max s",
          "mean class 0 / this", "batch tok/s", "makespan s", "preemptions"], out)

@@ -135,7 +135,8 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if self.stop and len(self.ids) > self.min_tokens:
             start = max(0, old_len - max(len(s) for s in self.stop) + 1)
-            hits = [(i + len(s) if self.include_stop else i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            hits = [(i + len(s) if self.include_stop else i, s) for i, s in found]
             if hits:  # with include_stop, the output ends where the first stop string to appear ends
                 end, self.stop_reason = min(hits, key=lambda h: h[0])
                 self.text = self.text[:end]
