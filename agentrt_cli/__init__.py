@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _user_errors(prog: str, run) -> int:
-    """Run a command; a user error (a `SystemExit` with a message, an `InvalidRequestError`) prints one
-    line and exits 2, never a traceback."""
+    """Run a command; a user error (a `SystemExit` with a message, an `InvalidRequestError`, a model that
+    is not there) prints one line and exits 2, never a traceback."""
+    from engine.loader import ModelNotFoundError
     from engine.sampling_params import InvalidRequestError
 
     try:
@@ -82,7 +83,7 @@ def _user_errors(prog: str, run) -> int:
             print(f"{prog}: error: {e.code}", file=sys.stderr)
             return 2
         raise
-    except InvalidRequestError as e:
+    except (InvalidRequestError, ModelNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
 

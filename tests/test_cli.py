@@ -142,3 +142,9 @@ def test_run_file_main_is_awaited(tmp_path, tiny_model_path, capsys, monkeypatch
                  "    print('ran', argv, type(await agentrt.generate('Hi', max_tokens=2)).__name__)\n    return 3\n")
     assert cli(["run", "--model", str(tiny_model_path), "--policy", "fcfs", str(f), "--", "a", "b"]) == 3
     assert "ran ['a', 'b'] str" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["priority", "retention", "sampling"])
+def test_a_bench_on_a_missing_model_says_so_in_one_line(name, capsys):
+    assert cli(["bench", name, "--model", "/nonexistent/model"]) == 2
+    one_line_error(capsys, f"agentrt bench {name}: error", "unknown model path '/nonexistent/model'")
