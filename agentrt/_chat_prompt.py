@@ -2,7 +2,8 @@
 last prompt + reply kept so its next prompt reuses the ids the engine generated.
 
 Options as vLLM's chat endpoint has them (engine.chat_template): `add_generation_prompt`,
-`continue_final_message`, `chat_template_kwargs`; the in-process chat calls take them by the same names.
+`continue_final_message`, `chat_template_kwargs`, and a `chat_template` of the call's own; the in-process
+chat calls take them by the same names.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from agentrt._errors import InvalidCallError
-from engine import chat_template
+from engine import chat_template as templates
 from engine.outputs import RequestOutput
 
 
-TEMPLATE_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+TEMPLATE_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template")
 
 
 def pop_template_options(kw: dict[str, Any]) -> dict[str, Any]:
@@ -35,6 +36,7 @@ class ChatPrompts:
     def token_ids(
         self, messages: Sequence[dict[str, Any]], program_id: str | None = None, *, add_generation_prompt: bool = True,
         continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
         """Token ids of `messages` under the chat template. InvalidCallError names a bad argument."""
         def bad(message: str, param: str) -> InvalidCallError:
@@ -45,15 +47,14 @@ class ChatPrompts:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise bad(f"each message needs a str 'role' and 'content', got {m!r}", "messages")
-        problem = chat_template.option_error(messages, add_generation_prompt, continue_final_message,
-                                             chat_template_kwargs)
+        problem = templates.option_error(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
         if problem is not None:
             raise bad(*problem)
         tok = self._tokenizer()
         try:
-            text = chat_template.render(tok, messages, add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message,
-                                        template_kwargs=chat_template_kwargs)
+            text = templates.render(tok, messages, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    template_kwargs=chat_template_kwargs, chat_template=chat_template)
             conv = self.convs.get(program_id) if program_id is not None else None
             if conv is not None and text.startswith(conv[0]):  # the program's last prompt + reply, then more
                 ids = conv[1] + tok(text[len(conv[0]) :], add_special_tokens=False)["input_ids"]

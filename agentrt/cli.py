@@ -81,7 +81,8 @@ def _serve(a: argparse.Namespace) -> int:
         served_model_name=a.served_model_name, program_idle_timeout_s=a.program_idle_timeout,
         max_waiting=a.max_waiting, drain_timeout_s=a.drain_timeout, max_body_bytes=a.max_body_bytes, max_n=a.max_n,
         max_tokens_limit=a.max_tokens_limit, exclude_tools_when_tool_choice_none=a.exclude_tools_when_tool_choice_none,
-        chat_template=a.chat_template, allow_credentials=a.allow_credentials, **cors,
+        chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
+        allow_credentials=a.allow_credentials, **cors,
     )
     return serve(config, a.host, a.port, a.log_level, root_path=a.root_path, ssl_keyfile=a.ssl_keyfile,
                  ssl_certfile=a.ssl_certfile, access_log=not a.disable_uvicorn_access_log)
@@ -139,6 +140,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="Jinja chat template, or a path to one, for every chat call (default: the model's)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request bring its own chat_template (vLLM's flag; off: such a request is a 400)")
     s.add_argument("--program-idle-timeout", type=float, default=600.0, help="seconds without calls after which "
                    "a program ends by itself")
     s.add_argument("--max-waiting", type=int, default=256, help="queued calls beyond which new calls get 429")

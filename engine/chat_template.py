@@ -38,6 +38,18 @@ def option_error(messages: Sequence[Mapping[str, Any]], add_generation_prompt: b
     return None
 
 
+def syntax_error(template: str) -> str | None:
+    """Why a Jinja chat template does not compile, or None (the loop controls transformers' template
+    environment allows, {% break %} / {% continue %}, included)."""
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        return f"{e.message} (line {e.lineno})"
+    return None
+
+
 def render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
            continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None,
            chat_template: str | None = None) -> str:

@@ -71,6 +71,7 @@ class ServerConfig:
     max_n: int = 16  # completions per call at most
     max_tokens_limit: int | None = None  # max_tokens at most; None = the model's context
     max_programs_kept: int = 100_000  # ended programs kept in the database (older ones pruned)
+    trust_request_chat_template: bool = False  # vLLM's flag: a request may bring its own chat_template
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: tool_choice "none" leaves the tools out
     # of the prompt (by default they stay described, so a conversation's calls share their prefix)
     chat_template: str | None = None  # Jinja chat template, or a path to one; None = the model's.
@@ -108,7 +109,7 @@ class ServerConfig:
 def load_chat_template(value: str) -> str:
     """The text of a chat template given as a file path or as the template itself (vLLM's --chat-template
     takes both). ValueError when it is neither, or when it does not compile."""
-    import jinja2
+    from engine.chat_template import syntax_error
 
     if not isinstance(value, str) or not value:
         raise ValueError(f"chat_template must be a Jinja template or a path to one, got {value!r}")
@@ -126,10 +127,9 @@ def load_chat_template(value: str) -> str:
         text, where = value, "text"
     else:
         raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
-    try:  # loopcontrols: {% break %} / {% continue %}, which transformers' template environment allows
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"chat_template {where} does not compile: {e.message} (line {e.lineno})") from None
+    problem = syntax_error(text)
+    if problem is not None:
+        raise ValueError(f"chat_template {where} does not compile: {problem}")
     return text
 
 

@@ -33,7 +33,7 @@ from agentrt.server.schemas import (
     Usage,
 )
 from agentrt.server.sse import until_disconnect
-from engine import SamplingParams
+from engine import SamplingParams, chat_template
 from engine.outputs import RequestOutput
 from engine.structured import Constraint
 
@@ -254,6 +254,20 @@ async def results(request: Request, calls: list[Call]) -> list[RequestOutput]:
 
 def error_event(e: BaseException) -> bytes:
     return b"data: " + error_body(to_api_error(e)) + b"\n\n"
+
+
+def request_template(st: ServerState, template: str | None) -> str | None:
+    """A chat template a request brings: only on a server started with --trust-request-chat-template
+    (vLLM's rule), and only one that compiles; a 400 naming chat_template otherwise."""
+    if template is None:
+        return None
+    if not st.config.trust_request_chat_template:
+        raise bad_request("this server does not take chat templates in requests (start it with "
+                          "--trust-request-chat-template)", "chat_template")
+    problem = chat_template.syntax_error(template)
+    if problem is not None:
+        raise bad_request(f"chat_template does not compile: {problem}", "chat_template")
+    return template
 
 
 def output_constraint(req: Any) -> tuple[Constraint | None, str | None]:

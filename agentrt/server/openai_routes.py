@@ -35,6 +35,7 @@ from agentrt.server.calls import (
     program_keys,
     program_name,
     prompt_logprobs_of,
+    request_template,
     results,
     sampling_params,
     submit,
@@ -115,7 +116,7 @@ async def chat_completions(request: Request) -> Response:
         st, message_dicts(req.messages), tools=tools, tool_choice=choice, output=constraint,
         output_param=constraint_param or "response_format", program_id=pid,
         add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-        chat_template_kwargs=req.chat_template_kwargs)
+        chat_template_kwargs=req.chat_template_kwargs, chat_template=request_template(st, req.chat_template))
     params = sampling_params(
         st, max_tokens=req.max_completion_tokens or req.max_tokens, prompt_len=len(prompt_ids),
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop,

@@ -185,6 +185,7 @@ class ChatCompletionRequest(GenerationExtras):
     add_generation_prompt: bool = True  # vLLM's: open the assistant's turn after the messages
     continue_final_message: bool = False  # vLLM's: the last (assistant) message goes on, left open
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    chat_template: str | None = None  # vLLM's: this call's own Jinja template (--trust-request-chat-template)
     user: str | None = None
     program_id: ProgramId | None = None
     thread_id: ProgramId | None = None
@@ -360,6 +361,7 @@ class TokenizeRequest(Struct):
     add_generation_prompt: bool = True  # with messages: end with the assistant's turn opened
     continue_final_message: bool = False  # with messages: the last (assistant) message left open
     chat_template_kwargs: dict[str, Any] | None = None  # with messages: extra variables for the chat template
+    chat_template: str | None = None  # with messages: the call's own template (--trust-request-chat-template)
     return_token_strs: bool = False
 
 

@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from agentrt._toolcalls import plan_call
 from agentrt.server.app import VERSION, ServerState, json_response, read_body, state_of
-from agentrt.server.calls import message_dicts
+from agentrt.server.calls import message_dicts, request_template
 from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
 from agentrt.server.schemas import (
@@ -64,7 +64,8 @@ def _chat_ids(st: ServerState, req: TokenizeRequest) -> list[int]:
     messages = plan_call(tools).render(message_dicts(req.messages))
     return st.runtime.chat_token_ids(messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message,
-                                     chat_template_kwargs=req.chat_template_kwargs)
+                                     chat_template_kwargs=req.chat_template_kwargs,
+                                     chat_template=request_template(st, req.chat_template))
 
 
 @api

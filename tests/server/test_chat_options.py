@@ -291,3 +291,22 @@ def test_a_programs_priority_applies_to_its_calls(srv, client, http, monkeypatch
     bad = http.post("/v1/programs", json={"priority": 2**40})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
     assert http.delete("/v1/programs/prio-prog").status_code == 200
+
+
+def test_a_request_brings_its_own_template_only_where_trusted(tiny_model_path, client, tok):
+    """vLLM's request `chat_template`: refused (400 naming it) unless the server trusts request templates;
+    there it renders this call's prompt (chat and /tokenize alike), and one that does not compile is a
+    400 naming it."""
+    import httpx
+
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    assert error_of(chat, client=client, chat_template=own).param == "chat_template"
+    with live_server(tiny_config(tiny_model_path, served_model_name="tiny", trust_request_chat_template=True)) as s:
+        with openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60) as trusted:
+            r = chat(trusted, chat_template=own)
+            expected = tok(f"[user] {MSGS[0]['content']}\n[assistant]", add_special_tokens=False)["input_ids"]
+            assert r.usage.prompt_tokens == len(expected) != chat(trusted).usage.prompt_tokens
+            ids = httpx.post(s.url + "/tokenize", json={"messages": MSGS, "chat_template": own}).json()["tokens"]
+            assert ids == expected
+            assert error_of(chat, client=trusted, chat_template="{% for m in messages %}").param == "chat_template"
+        s.wait_idle()
