@@ -256,6 +256,16 @@ def error_event(e: BaseException) -> bytes:
     return b"data: " + error_body(to_api_error(e)) + b"\n\n"
 
 
+def note_tool(st: ServerState, pid: str | None, owner: str | None, name: str | None) -> None:
+    """A call answering a tool names the tool its program ran since its previous call; the gap is the
+    tool's duration (agentrt._retention). Only for a running program of the caller's."""
+    if pid is None or not name:
+        return
+    info = st.runtime.programs.get(pid)
+    if info is not None and info.owner == owner and info.state == "running":
+        st.runtime.tool_started(info, name)
+
+
 def request_template(st: ServerState, template: str | None) -> str | None:
     """A chat template a request brings: only on a server started with --trust-request-chat-template
     (vLLM's rule), and only one that compiles; a 400 naming chat_template otherwise."""

@@ -29,7 +29,15 @@ from agentrt._call import Call
 from agentrt._errors import AgentrtError
 from agentrt._toolcalls import ChatPlan, ToolCall, check_schema, plan_call
 from agentrt.server.app import ServerState, read_body, state_of
-from agentrt.server.calls import plan_chat, program_keys, program_name, results, sampling_params, submit
+from agentrt.server.calls import (
+    note_tool,
+    plan_chat,
+    program_keys,
+    program_name,
+    results,
+    sampling_params,
+    submit,
+)
 from agentrt.server.errors import APIError, api_with, bad_request, to_api_error
 from agentrt.server.messages_schemas import (
     AnthropicError,
@@ -153,17 +161,13 @@ def _template_options(messages: list[dict[str, Any]]) -> dict[str, Any]:
     return {"add_generation_prompt": False, "continue_final_message": True}
 
 
-def _note_tool(st: ServerState, pid: str | None, owner: str | None, req: MessagesRequest,
-               names: dict[str, str]) -> None:
-    """A call answering a tool names the tool the program ran since its previous call (its duration
-    is the gap: agentrt._retention), as the chat endpoint does."""
+def _answered_tool(req: MessagesRequest, names: dict[str, str]) -> str | None:
+    """The tool the last user message's tool_result answers, if any (calls.note_tool)."""
     last = req.messages[-1]
-    if pid is None or last.role != "user" or isinstance(last.content, str):
-        return
+    if last.role != "user" or isinstance(last.content, str):
+        return None
     used = [names[b.tool_use_id] for b in last.content if b.type == "tool_result" and b.tool_use_id in names]
-    info = st.runtime.programs.get(pid)
-    if used and info is not None and info.owner == owner and info.state == "running":
-        st.runtime.tool_started(info, used[-1])
+    return used[-1] if used else None
 
 
 # --- the reply --------------------------------------------------------------------------------
@@ -223,7 +227,7 @@ async def create_message(request: Request) -> Response:
         logprobs=False, top_logprobs=0, constraint=plan.constraint,
     )
     st.check_capacity()
-    _note_tool(st, pid, owner, req, names)
+    note_tool(st, pid, owner, _answered_tool(req, names))
     call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
                   kind="messages", name=program_name(request))
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"

@@ -30,6 +30,7 @@ from agentrt.server.calls import (
     error_event,
     message_dicts,
     new_id,
+    note_tool,
     output_constraint,
     plan_chat,
     program_keys,
@@ -73,12 +74,11 @@ def _last_call(request: Request) -> bool:
     return request.headers.get("x-last-call", "").strip().lower() in ("1", "true", "yes")
 
 
-def _note_tool(st: Any, pid: str | None, owner: str | None, messages: list[Any]) -> None:
-    """A call answering a tool (its last message has role "tool") names the tool the program ran since its
-    previous call: by the message's name, else the function its tool_call_id answers. The gap is
-    the tool's duration (agentrt._retention)."""
-    if pid is None or not messages or messages[-1].role != "tool":
-        return
+def _answered_tool(messages: list[Any]) -> str | None:
+    """The tool a call answers (its last message has role "tool"): by the message's name, else the
+    function its tool_call_id answers (calls.note_tool)."""
+    if not messages or messages[-1].role != "tool":
+        return None
     last = messages[-1]
     name = last.name
     if name is None and last.tool_call_id is not None:
@@ -86,9 +86,7 @@ def _note_tool(st: Any, pid: str | None, owner: str | None, messages: list[Any])
             for c in m.tool_calls or ():
                 if c.id == last.tool_call_id:
                     name = c.function.name
-    info = st.runtime.programs.get(pid)
-    if name and info is not None and info.owner == owner and info.state == "running":
-        st.runtime.tool_started(info, name)
+    return name
 
 
 def _echoed(req: ChatCompletionRequest) -> str:
@@ -125,7 +123,7 @@ async def chat_completions(request: Request) -> Response:
         prompt_logprobs=req.prompt_logprobs,
     )
     st.check_capacity()
-    _note_tool(st, pid, owner, req.messages)
+    note_tool(st, pid, owner, _answered_tool(req.messages))
     call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
                   kind="chat", name=program_name(request), last_call=_last_call(request))
     rid, created, head = new_id("chatcmpl"), int(time.time()), _echoed(req)

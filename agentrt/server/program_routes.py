@@ -17,8 +17,8 @@ from agentrt._process_table import ProgramInfo
 from agentrt.server.app import ServerState, json_response, read_body, state_of
 from agentrt.server.errors import APIError, api, bad_request
 from agentrt.server.openapi import Operation
-from agentrt.server.recorder import wall_time
 from agentrt.server.program_schemas import Program, ProgramCall, ProgramCallList, ProgramCreate, ProgramList
+from agentrt.server.recorder import wall_time
 from agentrt.server.schemas import decode
 from agentrt.server.store import ProgramRecord
 
