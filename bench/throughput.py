@@ -24,7 +24,7 @@ Workload: N requests (default 64), prompt lengths uniform in [16, 512], output l
   headline comparison. Prompts of random token ids make a small model loop, which prompt lookup
   exploits, so these rows show what speculation does on repetitive output, not on natural text.
 
-On a GPU machine without the checkpoint, `--random-weights smollm2-135m|llama-3.1-8b` builds a
+On a GPU machine without the checkpoint, `--random-weights smollm2-135m|llama-3.1-8b|qwen3-0.6b` builds a
 model of that shape with random weights (tokenizer from `--tokenizer`, default: the default
 model's); the engine and HF then run the same weights, and a check prints how many of the first
 `--check-requests` requests get HF's greedy tokens (first token, and all `--check-tokens`).
@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import markdown_table, write_section
+from engine.testing import PRESETS
 
 
 def workload(n: int, seed: int, vocab_lo: int = 100, vocab_hi: int = 40000):
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculative", type=int, default=3, help="n-gram drafts per step for the extra rows (0 = skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--random-weights", default=None, metavar="PRESET",
-                    help="random weights of a real shape instead of --model: smollm2-135m or llama-3.1-8b")
+                    help="random weights of a real shape instead of --model: " + ", ".join(PRESETS))
     ap.add_argument("--tokenizer", default=None, help="model directory to take the tokenizer from (--random-weights)")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache size (default: the engine's)")
     ap.add_argument("--check-requests", type=int, default=8, help="requests compared with HF token by token")

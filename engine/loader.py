@@ -140,6 +140,9 @@ def _save_dequantized(hf, out: Path) -> None:
     save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
 
 
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # HF config model_type (engine/model.py)
+
+
 def load_hf_config(path: Path):
     from transformers import AutoConfig
 
@@ -159,8 +162,9 @@ def load_model(path: Path, dtype: torch.dtype, device: str):
     from engine.model import LlamaForCausalLM, ModelArgs, rope_inv_freq
 
     hf_config = load_hf_config(path)
-    if hf_config.model_type not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"unsupported model type {hf_config.model_type!r} in {str(path)!r}: expected llama or qwen2")
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model type {hf_config.model_type!r} in {str(path)!r}: expected one of "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     args = ModelArgs.from_hf(hf_config)
     inv_freq, scaling = rope_inv_freq(hf_config, args.head_dim)
     with torch.device("meta"):

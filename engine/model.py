@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama, SmolLM, Qwen2 layouts) over a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3 layouts) over a paged KV cache.
 
-RMSNorm, RoPE (any HF rope type), GQA, SwiGLU, optional QKV bias (Qwen2), tied embeddings.
+RMSNorm, RoPE (any HF rope type), GQA, SwiGLU, optional QKV bias (Qwen2), optional per-head RMSNorm of
+q and k before RoPE (Qwen3), tied embeddings.
 Q/K/V and gate/up projections are fused into one matmul each; q/k projection rows are reordered
 at load time to adjacent (x1, x2) pairs, so RoPE on q and k together is one complex multiply (the
 KV cache holds K in that order; q.k is unchanged). Attention goes through
@@ -44,6 +45,7 @@ class ModelArgs:
     max_position: int  # positions the rotary table covers (the model's context)
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2 layout
+    qk_norm: bool = False  # Qwen3 layout: RMSNorm over each head of q and of k, before RoPE
 
     @classmethod
     def from_hf(cls, cfg) -> ModelArgs:
@@ -57,10 +59,27 @@ class ModelArgs:
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
-            max_position=cfg.max_position_embeddings,
+            max_position=min(cfg.max_position_embeddings, sliding_window(cfg) or cfg.max_position_embeddings),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            qk_norm=cfg.model_type == "qwen3",
         )
+
+
+def sliding_window(cfg) -> int | None:
+    """The attention window of a checkpoint whose layers (some or all) attend to only the last W
+    positions, else None. The engine attends to every position, so it serves such a model up to W
+    positions, where the two agree (its context is capped there, as vLLM does without a sliding-window
+    kernel)."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    if cfg.model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+        return None
+    return int(window)
 
 
 def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -145,11 +164,16 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
         self.o_proj = Linear(self.q_size, a.hidden_size, bias=False)
         self.scale = a.head_dim**-0.5
+        # Qwen3: q and k normalized per head (weights [head_dim], in the adjacent-pair rope layout)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
 
     def forward(self, x, rope: Rope, k_cache, v_cache, meta, slot_mapping):
         # x: [T, hidden]
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            self._norm_qk(qkv)
         if (rope.cos_sin is not None and self.head_dim % 8 == 0 and (ops := _cpu_ops(qkv)) is not None
                 and k_cache.dtype == qkv.dtype and k_cache.is_contiguous()):
             q = ops.rope_store_kv(qkv, rope.positions, rope.cos_sin, k_cache, v_cache, slot_mapping, self.num_heads)
@@ -161,6 +185,13 @@ class Attention(nn.Module):
             kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
         o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        """Qwen3's per-head RMSNorm of q and k, in place in the fused projection's output [T, q + 2 kv]."""
+        T, D = qkv.shape[0], self.head_dim
+        q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+        q.copy_(self.q_norm(q.reshape(T * self.num_heads, D)).view(T, self.q_size))
+        k.copy_(self.k_norm(k.reshape(T * self.num_kv_heads, D)).view(T, self.kv_size))
 
 
 class MLP(nn.Module):
@@ -266,7 +297,9 @@ class LlamaForCausalLM(nn.Module):
                 [layer.input_layernorm.weight for layer in ls], [packed(layer.self_attn.qkv_proj) for layer in ls],
                 [bias(layer.self_attn.qkv_proj) for layer in ls], [packed(layer.self_attn.o_proj) for layer in ls],
                 [layer.post_attention_layernorm.weight for layer in ls], [packed(layer.mlp.gate_up_proj) for layer in ls],
-                [packed(layer.mlp.down_proj) for layer in ls])
+                [packed(layer.mlp.down_proj) for layer in ls],
+                [n.weight for layer in ls if layer.self_attn.q_norm is not None
+                 for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)])  # Qwen3's, else empty
         return self._decode_cache
 
     def streamed_weights(self) -> list[tuple[PackCache, torch.Tensor]]:
@@ -354,7 +387,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load HF Llama/Qwen2 weight names, fusing q/k/v and gate/up."""
+        """Load HF Llama/Qwen2/Qwen3 weight names, fusing q/k/v and gate/up."""
         def take(name):
             try:
                 return sd.pop(name)
@@ -379,6 +412,9 @@ class LlamaForCausalLM(nn.Module):
                 parts[:2] = [interleave_rope_rows(t, heads[n], att.head_dim) for n, t in zip("qk", parts)]
                 getattr(att.qkv_proj, kind).copy_(torch.cat(parts))
             att.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            if att.q_norm is not None:  # same rope layout as the q and k rows
+                for n, norm in (("q", att.q_norm), ("k", att.k_norm)):
+                    norm.weight.copy_(interleave_rope_rows(take(p + f"self_attn.{n}_norm.weight"), 1, att.head_dim))
             layer.mlp.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
             layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
         leftover = [k for k in sd if "rotary_emb" not in k]

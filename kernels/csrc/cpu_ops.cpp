@@ -281,8 +281,9 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions, con
 // thread, a spin barrier between dependent phases instead of an OpenMP fork and join per op.
 at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::TensorList qkv,
                           const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList o_proj,
-                          at::TensorList post_norms, at::TensorList gate_up, at::TensorList down, at::Tensor& kv_cache,
-                          const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& cos_sin,
+                          at::TensorList post_norms, at::TensorList gate_up, at::TensorList down,
+                          at::TensorList qk_norms, at::Tensor& kv_cache, const at::Tensor& positions,
+                          const at::Tensor& slot_mapping, const at::Tensor& cos_sin,
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                           const at::Tensor& block_tables, int64_t num_heads, int64_t intermediate, double eps,
                           double scale) {
@@ -310,6 +311,11 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
     check_packed(gate_up[i], std::nullopt, hidden, 2 * intermediate, bf);
     check_packed(down[i], std::nullopt, intermediate, hidden, bf);
   }
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
+              "decode_forward: qk_norms is empty or each layer's q norm and k norm, got ", qk_norms.size());
+  for (const at::Tensor& w : qk_norms)
+    TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.numel() == D,
+                "decode_forward: q and k norm weights [head_dim] contiguous, of x's dtype");
   const auto opts = x.options();
   at::Tensor qkv_out = at::empty({T, qkv_n}, opts), q = at::empty({T, H, D}, opts), attn = at::empty({T, H, D}, opts);
   at::Tensor o_out = at::empty({T, hidden}, opts), normed = at::empty({T, hidden}, opts);
@@ -402,6 +408,9 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
         });
         linear(np, hidden, qkv[i], biases[i], qkvp, qkv_n);
         agentrt::single([&] {
+          if (!qk_norms.empty())
+            agentrt::qk_head_norms<E>(qkvp, qkv_n, ptr<E>(qk_norms[2 * i]), ptr<E>(qk_norms[2 * i + 1]), feps, T, H,
+                                      KVH, D);
           agentrt::rope_store_kv<E>(qkvp, qkv_n, pos, cs, qp, kc, vc, slots, T, H, KVH, D);
         });
 #if defined(__AVX512BF16__)
@@ -486,8 +495,8 @@ at::Tensor logsumexp_rows(const at::Tensor& x) {
 std::tuple<at::Tensor, at::Tensor> decode_steps(
     const at::Tensor& input_ids, const at::Tensor& embed, at::TensorList input_norms, at::TensorList qkv,
     const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList o_proj, at::TensorList post_norms,
-    at::TensorList gate_up, at::TensorList down, at::Tensor& kv_cache, const at::Tensor& positions,
-    const at::Tensor& cos_sin, const at::Tensor& block_tables, const at::Tensor& final_norm,
+    at::TensorList gate_up, at::TensorList down, at::TensorList qk_norms, at::Tensor& kv_cache,
+    const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& block_tables, const at::Tensor& final_norm,
     const at::Tensor& lm_head, int64_t vocab, const at::Tensor& stop_ids, int64_t steps, int64_t num_heads,
     int64_t intermediate, double eps, double scale) {
   const int64_t R = input_ids.numel();
@@ -536,8 +545,8 @@ std::tuple<at::Tensor, at::Tensor> decode_steps(
       lenp[r] = static_cast<int32_t>(posp[r] + 1);
     }
     const at::Tensor x = embed.index_select(0, ids);
-    const at::Tensor h = decode_forward(x, input_norms, qkv, qkv_bias, o_proj, post_norms, gate_up, down, kv_cache,
-                                        pos, slots, cos_sin, qsl, seq_lens, block_tables, num_heads, intermediate,
+    const at::Tensor h = decode_forward(x, input_norms, qkv, qkv_bias, o_proj, post_norms, gate_up, down, qk_norms,
+                                        kv_cache, pos, slots, cos_sin, qsl, seq_lens, block_tables, num_heads, intermediate,
                                         eps, scale);
     const at::Tensor normed = rms_norm(h, final_norm, eps);
     const at::Tensor logits = bf ? packed_linear_bf16(normed, lm_head, std::nullopt, vocab)
@@ -584,12 +593,13 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
       "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out) -> ()");
   m.def(
       "decode_forward(Tensor x, Tensor[] input_norms, Tensor[] qkv, Tensor?[] qkv_bias, Tensor[] o_proj, "
-      "Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor(a!) kv_cache, Tensor positions, "
-      "Tensor slot_mapping, Tensor cos_sin, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
+      "Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor[] qk_norms, Tensor(a!) kv_cache, "
+      "Tensor positions, Tensor slot_mapping, Tensor cos_sin, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
       "int num_heads, int intermediate, float eps, float scale) -> Tensor");
   m.def(
       "decode_steps(Tensor input_ids, Tensor embed, Tensor[] input_norms, Tensor[] qkv, Tensor?[] qkv_bias, "
-      "Tensor[] o_proj, Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor(a!) kv_cache, Tensor positions, "
+      "Tensor[] o_proj, Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor[] qk_norms, Tensor(a!) kv_cache, "
+      "Tensor positions, "
       "Tensor cos_sin, Tensor block_tables, Tensor final_norm, Tensor lm_head, int vocab, Tensor stop_ids, int steps, "
       "int num_heads, int intermediate, float eps, float scale) -> (Tensor, Tensor)");
   m.def(

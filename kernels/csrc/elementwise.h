@@ -20,6 +20,21 @@ namespace agentrt {
 // also written to `sum`). HF LlamaRMSNorm: statistics in fp32, the normalized row rounded to the
 // dtype before the weight multiplies it.
 template <typename T>
+inline void rms_norm_row(const T* src, const T* w, float eps, T* yr, int64_t hidden) {
+  const int64_t h8 = hidden & ~int64_t(7);
+  v8 ss8 = splat(0.f);
+  for (int64_t i = 0; i < h8; i += 8) {
+    const v8 v = load8(src + i);
+    ss8 += v * v;
+  }
+  float ss = hsum(ss8);
+  for (int64_t i = h8; i < hidden; ++i) ss += to_f32(src[i]) * to_f32(src[i]);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+  for (int64_t i = 0; i < h8; i += 8) store8(yr + i, load8(w + i) * round_as<T>(load8(src + i) * splat(r)));
+  for (int64_t i = h8; i < hidden; ++i) yr[i] = from_f32<T>(to_f32(w[i]) * round_as<T>(to_f32(src[i]) * r));
+}
+
+template <typename T>
 void rms_norm(const T* x, const T* residual, const T* w, float eps, T* y, T* sum, int64_t rows, int64_t hidden) {
   const int64_t h8 = hidden & ~int64_t(7);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden, 1)), [&](int64_t t0, int64_t t1) {
@@ -33,19 +48,20 @@ void rms_norm(const T* x, const T* residual, const T* w, float eps, T* y, T* sum
         for (int64_t i = h8; i < hidden; ++i) sr[i] = from_f32<T>(to_f32(xr[i]) + to_f32(rr[i]));
         src = sr;
       }
-      T* yr = y + t * hidden;
-      v8 ss8 = splat(0.f);
-      for (int64_t i = 0; i < h8; i += 8) {
-        const v8 v = load8(src + i);
-        ss8 += v * v;
-      }
-      float ss = hsum(ss8);
-      for (int64_t i = h8; i < hidden; ++i) ss += to_f32(src[i]) * to_f32(src[i]);
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
-      for (int64_t i = 0; i < h8; i += 8) store8(yr + i, load8(w + i) * round_as<T>(load8(src + i) * splat(r)));
-      for (int64_t i = h8; i < hidden; ++i) yr[i] = from_f32<T>(to_f32(w[i]) * round_as<T>(to_f32(src[i]) * r));
+      rms_norm_row<T>(src, w, eps, y + t * hidden, hidden);
     }
   });
+}
+
+// Qwen3's q and k norms: rms_norm_row over each head of q (weight qw [D]) and of k (kw [D]), in place in
+// the fused projection's output qkv [T, (H + 2 KVH) D] (row stride `stride`); v is left as it is.
+template <typename T>
+void qk_head_norms(T* qkv, int64_t stride, const T* qw, const T* kw, float eps, int64_t T_, int64_t H, int64_t KVH,
+                   int64_t D) {
+  for (int64_t t = 0; t < T_; ++t) {
+    T* row = qkv + t * stride;
+    for (int64_t h = 0; h < H + KVH; ++h) rms_norm_row<T>(row + h * D, h < H ? qw : kw, eps, row + h * D, D);
+  }
 }
 
 // silu(x[:, :I]) * x[:, I:] for x [rows, 2I] (the fused gate/up projection's output) -> y [rows, I];

@@ -128,7 +128,7 @@ def test_python_loop_matches_the_cpp_loop(model_path, tiny_model_path, monkeypat
         pytest.skip("C++ CPU kernels unavailable")
     calls = []
     real = ops.decode_steps
-    monkeypatch.setattr(ops, "decode_steps", lambda *a: calls.append(a[17]) or real(*a), raising=False)
+    monkeypatch.setattr(ops, "decode_steps", lambda *a: calls.append(a[18]) or real(*a), raising=False)
     want = LLM(str(model_path), **kw).generate(prompts, params)
     assert calls and max(calls) == 5  # the C++ loop ran
     calls.clear()
