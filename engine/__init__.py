@@ -40,6 +40,7 @@ from engine.engine_core import EngineCore, KVStats
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from engine.policy import FCFS, SchedulingPolicy, make_policy, register_policy
+from engine.pooling import PoolingParams
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ __all__ = [
     "EngineConfig",
     "EngineCore",
     "KVStats",
+    "PoolingParams",
     "Request",
     "RequestOutput",
     "RequestStatus",

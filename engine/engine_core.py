@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model, load_tokenizer, resolve_model
@@ -178,6 +177,12 @@ class EngineCore:
             raise InvalidRequestError(
                 f"SamplingParams.logit_bias keys must be < the vocabulary size {vocab}, got {show_value(bad[:5], False)}"
             )
+        hidden = self.model.args.hidden_size
+        if params.pooling is not None:
+            params.pooling = dataclasses.replace(params.pooling)  # checked again, and ours
+            if (params.pooling.dimensions or 0) > hidden:
+                raise InvalidRequestError(f"PoolingParams.dimensions must be <= the model's hidden size {hidden}, "
+                                          f"got {params.pooling.dimensions}")
         return params
 
     def check_request(
@@ -364,6 +369,8 @@ class EngineCore:
             self.num_rejected_tokens += sum(result.num_rejected)
         for p in result.prompt_logprobs or ():
             _add_prompt_logprobs(p.req, p.first_token, p.logprobs, p.top, p.ranks)
+        for req, start, rows in result.pooled or ():
+            deltas += self._pool(req, start, rows)
         self.num_steps += 1
         now = time.monotonic()
         for i, req in enumerate(result.sampled_reqs):
@@ -379,6 +386,28 @@ class EngineCore:
                 logger.exception("request %r failed", req.request_id)
                 deltas += self._fail(req, f"request {req.request_id!r} failed in the engine: {e!r}")
         return deltas
+
+    def _pool(self, req: Request, start: int, rows) -> list[StreamDelta]:
+        """Add a pooling request's rows of this step; once its prompt is computed, its embedding, and it ends."""
+        if req.finished:
+            return []
+        if start == 0:  # its first chunk, or computing again after a preemption
+            req.pooled = None
+        if rows is not None:
+            req.pooled = rows if req.pooled is None else req.pooled + rows
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            return []
+        try:
+            req.embedding = req.sampling.pooling.finish(req.pooled, req.num_prompt_tokens)
+        except Exception as e:
+            logger.exception("request %r failed", req.request_id)
+            return self._fail(req, f"request {req.request_id!r} failed in the engine: {e!r}")
+        req.pooled = None
+        req.first_token_time = time.monotonic()
+        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")
+        delta = self._delta(req, [])
+        delta.embedding = req.embedding
+        return [delta]
 
     def _take_tokens(self, req: Request, tokens: list[int], lps: list, tops: list, now: float) -> list[StreamDelta]:
         """Append a request's sampled tokens (n for a request about to fork: one per completion)."""
@@ -485,7 +514,7 @@ class EngineCore:
             req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finish_time,
             sum(r.service_s for r in [req, *req.children]), req.num_prefix_hit_tokens, req.num_preemptions,
         )
-        out = RequestOutput(req.request_id, list(req.prompt_token_ids), comps, metrics)
+        out = RequestOutput(req.request_id, list(req.prompt_token_ids), comps, metrics, embedding=req.embedding)
         if req.sampling.prompt_logprobs is not None:
             out.prompt_logprobs = list(req.prompt_logprobs)
             out.prompt_ranks = list(req.prompt_ranks)

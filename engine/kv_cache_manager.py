@@ -199,8 +199,10 @@ class KVCacheManager:
         """Longest cached prefix of a request that holds no blocks: (block ids, tokens covered).
 
         At least the last token is always left to compute (its logits are needed)."""
-        if not self.enable_prefix_caching or req.block_ids or req.sampling.prompt_logprobs is not None:
-            return [], 0  # prompt_logprobs: every prompt position's logits are needed
+        p = req.sampling
+        if (not self.enable_prefix_caching or req.block_ids or p.prompt_logprobs is not None
+                or (p.pooling is not None and not p.pooling.reads_cache)):
+            return [], 0  # prompt_logprobs, mean / cls pooling: those prompt positions' rows are needed
         o = self.owners.get(req.program_id) if req.program_id is not None else None
         if o is not None and o.last_tokens is not None and not req.block_hashes and o.last_salt == req.cache_salt:
             # the program's next prompt extends its last call: reuse those hashes instead of rehashing a

@@ -11,6 +11,7 @@ from engine import chat_template as chat_template_
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.request import Request
 from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
 
@@ -58,9 +59,7 @@ class LLM:
         before anything runs. `progress`: a rich progress bar on stderr (True, False, or "auto": on a
         terminal from PROGRESS_MIN_PROMPTS prompts). `priority`: per prompt its scheduling class (vLLM's;
         SamplingParams.priority), smaller first."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
@@ -124,8 +123,32 @@ class LLM:
             prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return self.generate(prompts, params, progress=progress)
 
+    def embed(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        progress: bool | str = "auto",
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One embedding per prompt, in prompt order (vLLM's `LLM.embed`): each output's `.embedding`,
+        the prompt's final hidden states pooled by `pooling_params` (engine.pooling; default: the last
+        token's, L2-normalized). One PoolingParams for all or one per prompt."""
+        prompts = _prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        params = [SamplingParams(max_tokens=1, pooling=p) for p in pooling_params]
+        return self.generate(prompts, params, progress=progress, priority=priority)
+
     def kv_stats(self) -> KVStats:
         return self.core.kv_stats()
+
+
+def _prompt_list(prompts: Any) -> list:
+    """One prompt (text or a token id list) as a list of one; a sequence of prompts as a list."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _is_conversation(x: Any) -> bool:

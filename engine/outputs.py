@@ -46,6 +46,8 @@ class RequestOutput:
     # prompt_logprobs most likely (token id, log-prob) (None for the first); None unless prompt_logprobs > 0
     prompt_ranks: list[int | None] | None = None  # with prompt_logprobs, per prompt token 1 + how many tokens
     # the model found more likely at its position (vLLM's rank; None for the first)
+    embedding: list[float] | None = None  # a pooling request's vector (engine.pooling); its one completion
+    # then has no tokens and finish_reason "stop"
 
     @property
     def text(self) -> str:
@@ -94,6 +96,7 @@ class StreamDelta:
     stop_reason: int | str | None = None  # on the last delta, CompletionOutput.stop_reason
     num_cached_tokens: int | None = None  # on a completion's first delta with tokens: prompt tokens served
     # from the prefix cache (RequestOutput.num_cached_tokens, known before the end)
+    embedding: list[float] | None = None  # on a pooling request's last (and only) delta, its vector
 
 
 @dataclass(slots=True)

@@ -74,6 +74,8 @@ class Request:
     # position, the sampling.prompt_logprobs most likely (token id, log-prob) (None for the first)
     prompt_ranks: list[int | None] = field(default_factory=list)  # per prompt token, 1 + how many tokens
     # the model found more likely at its position (None for the first)
+    pooled: Any = None  # a pooling request's fp32 sum of the rows its pooling read so far [hidden]
+    embedding: list[float] | None = None  # a pooling request's vector, once its prompt is computed
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

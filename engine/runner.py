@@ -32,6 +32,8 @@ class ModelOutput:
     # its request's top_logprobs best (token id, log-prob), or None where the request asked for none
     prompt_logprobs: list[PromptLogprobs] | None = None  # for requests with sampling.prompt_logprobs whose
     # prompt positions were computed this step
+    pooled: list[tuple[Request, int, torch.Tensor | None]] | None = None  # per pooling request in the step:
+    # (request, first prompt position computed, fp32 sum of the final-norm rows its pooling reads, or None)
 
 
 @dataclass(slots=True)
@@ -62,6 +64,7 @@ class ModelRunner:
         bs = self.block_size
         ids, positions, slots, qsl, seq_lens, tables, sample_rows, sample_reqs = [], [], [], [0], [], [], [], []
         prompt_rows: list[tuple[Request, int, int, int]] = []  # (request, first position, first row, rows)
+        pool_rows: list[tuple[Request, int, int, int]] = []  # (request, first position, first row, rows)
         for req, n in zip(out.reqs, out.num_tokens):
             start = req.num_computed_tokens
             base = min(n, req.num_tokens - start)  # known tokens; the rest are draft tokens
@@ -75,6 +78,12 @@ class ModelRunner:
             if req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 # row of position p predicts prompt token p + 1
                 prompt_rows.append((req, start, qsl[-1], min(start + base, req.num_prompt_tokens - 1) - start))
+            if (pooling := req.sampling.pooling) is not None:  # a prompt alone: its rows pooled, nothing sampled
+                rows = pooling.rows(start, n, req.num_prompt_tokens)
+                pool_rows.append((req, start, qsl[-1] + rows[0], rows[1]) if rows else (req, start, 0, 0))
+                qsl.append(qsl[-1] + n)
+                seq_lens.append(start + n)
+                continue
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             if start + base == req.num_tokens:  # reaches the end: sample at the last row and each draft's row
@@ -100,6 +109,7 @@ class ModelRunner:
             torch.tensor(sample_rows, dtype=torch.long, device=dev),
             sample_reqs,
             prompt_rows,
+            pool_rows,
         )
 
     @torch.inference_mode()
@@ -111,10 +121,12 @@ class ModelRunner:
             return ModelOutput([], [], None, time.perf_counter() - t0)
         if out.num_steps > 1:
             return self._execute_steps(out, t0)
-        input_ids, positions, slot_mapping, meta, sample_rows, sample_reqs, prompt_rows = self._prepare(out)
+        input_ids, positions, slot_mapping, meta, sample_rows, sample_reqs, prompt_rows, pool_rows = self._prepare(out)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, slot_mapping)
         tokens, logprobs, tops, rejected = [], None, None, None
         prompt_lps = [self._prompt_logprobs(hidden, *p) for p in prompt_rows] if prompt_rows else None
+        pooled = [(req, start, self.model.norm(hidden[row : row + count]).float().sum(dim=0).cpu() if count else None)
+                  for req, start, row, count in pool_rows] or None
         if sample_reqs:
             logits = self.model.compute_logits(hidden[sample_rows])
             # Per logits row, the requests sampling from it: a request with n > 1 samples its first
@@ -156,7 +168,7 @@ class ModelRunner:
                         if tops is not None:
                             tops[i] = tops[i][: len(tokens[i])]
                 rejected = [num_rejected.get(id(r), 0) for r in out.reqs]
-        return ModelOutput(sample_reqs, tokens, logprobs, time.perf_counter() - t0, rejected, tops, prompt_lps)
+        return ModelOutput(sample_reqs, tokens, logprobs, time.perf_counter() - t0, rejected, tops, prompt_lps, pooled)
 
     def _execute_steps(self, out: SchedulerOutput, t0: float) -> ModelOutput:
         """`out.num_steps` greedy decode steps of one row per request (slots allocated for all of

@@ -61,6 +61,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens (e.g. <|im_end|>) out of the output text
     priority: int = 0  # scheduling class (vLLM's request priority): a smaller class is served, admitted and
     # kept before a larger one, ahead of the policy's order within a class (engine.scheduler)
+    pooling: Any = None  # engine.pooling.PoolingParams: an embedding request (prompt only, nothing sampled;
+    # `LLM.embed`); then n is 1 and nothing about sampled tokens (log-probs, a grammar) may be asked
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,6 +106,20 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS,
                                         what=f"None or an int in [0, {MAX_TOP_LOGPROBS}]")
+        if self.pooling is not None:
+            self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        from engine.pooling import PoolingParams
+
+        if not isinstance(self.pooling, PoolingParams):
+            raise InvalidRequestTypeError(
+                f"SamplingParams.pooling must be an engine.pooling.PoolingParams or None, got {show_value(self.pooling)}")
+        for name, off in (("n", 1), ("logprobs", False), ("top_logprobs", 0), ("constraint", None),
+                          ("prompt_logprobs", None)):
+            if getattr(self, name) != off:
+                raise InvalidRequestError(f"SamplingParams.{name} must be {off!r} for a pooling (embedding) request, "
+                                          f"got {show_value(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:

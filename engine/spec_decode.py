@@ -46,10 +46,11 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
 
 def speculates(req: Request) -> bool:
     """Whether a request may carry drafts: greedy, no logprobs, no forks, no grammar, no penalties or
-    min_tokens, in its decode phase."""
+    min_tokens, not pooling, in its decode phase."""
     p = req.sampling
     return (
         p.greedy
+        and p.pooling is None
         and req.matcher is None
         and not p.logprobs
         and not p.reads_history

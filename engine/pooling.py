@@ -1,0 +1,68 @@
+"""Embeddings: a prompt's final hidden states pooled into one vector (vLLM's pooling, `LLM.embed`).
+
+A pooling request computes its prompt and ends there: no token is sampled, and the LM head never
+runs for it. The vector comes from the rows after the model's final norm (what HF's base model
+returns as `last_hidden_state`), pooled one of three ways:
+
+- `last`: the last prompt token's row (decoder embedding models such as Qwen3-Embedding; the prefix
+  cache still serves every earlier position, the last one is always computed);
+- `mean`: the mean of every prompt row (the request then reads no cached prefix: each row is needed);
+- `cls`: the first prompt token's row (likewise computed, not cached).
+
+Then `dimensions` keeps the first D values (Matryoshka embeddings), and `normalize` scales the vector
+to unit L2 norm, in that order, as vLLM and OpenAI's `dimensions` do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+POOLING_METHODS = ("last", "mean", "cls")
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """How a pooling request turns its prompt into a vector; checked on construction (a bad field
+    raises InvalidRequestError / InvalidRequestTypeError naming it)."""
+
+    method: str = "last"  # POOLING_METHODS
+    normalize: bool = True  # unit L2 norm (after `dimensions`)
+    dimensions: int | None = None  # keep the first D values (1 <= D <= hidden size, checked at add)
+
+    def __post_init__(self) -> None:
+        from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, show_value
+
+        if not isinstance(self.method, str) or self.method not in POOLING_METHODS:
+            raise InvalidRequestError(f"PoolingParams.method must be one of {', '.join(POOLING_METHODS)}, "
+                                      f"got {show_value(self.method)}")
+        if not isinstance(self.normalize, bool):
+            raise InvalidRequestTypeError(f"PoolingParams.normalize must be a bool, got {show_value(self.normalize)}")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise InvalidRequestError(f"PoolingParams.dimensions must be None or an int >= 1, "
+                                      f"got {show_value(self.dimensions)}")
+
+    @property
+    def reads_cache(self) -> bool:
+        """Whether a cached prefix may serve the prompt (only the last row is needed)."""
+        return self.method == "last"
+
+    def rows(self, start: int, count: int, num_prompt: int) -> tuple[int, int] | None:
+        """Of a chunk computing prompt positions start .. start + count - 1, the (offset, count) of the
+        rows this pooling reads; None when it reads none of them."""
+        if self.method == "last":
+            return (num_prompt - 1 - start, 1) if start + count == num_prompt else None
+        if self.method == "cls":
+            return (0, 1) if start == 0 else None
+        return 0, count
+
+    def finish(self, pooled: torch.Tensor, num_prompt: int) -> list[float]:
+        """The embedding from the pooled rows' fp32 sum [hidden]."""
+        v = pooled / num_prompt if self.method == "mean" else pooled
+        if self.dimensions is not None:
+            v = v[: self.dimensions]
+        if self.normalize:
+            v = v / v.norm().clamp_min(1e-12)
+        return v.tolist()
