@@ -396,6 +396,9 @@ class LlamaForCausalLM(nn.Module):
 
         self._decode_cache = None
         self._packs_homed = False
+        if "model.embed_tokens.weight" not in sd and "embed_tokens.weight" in sd:
+            # a base model's checkpoint (HF AutoModel, e.g. an embedding model): no "model." prefix, no LM head
+            sd = {f"model.{k}" if not k.startswith("lm_head.") else k: v for k, v in sd.items()}
         self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
         if self.lm_head is not None:

@@ -15,11 +15,28 @@ to unit L2 norm, in that order, as vLLM and OpenAI's `dimensions` do.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 POOLING_METHODS = ("last", "mean", "cls")
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+
+
+def default_method(model_dir: str | os.PathLike) -> str:
+    """The pooling a checkpoint declares (sentence-transformers' `modules.json` and its Pooling module's
+    config, as embedding models such as Qwen3-Embedding ship), else "last" (vLLM's default for decoders)."""
+    root = Path(model_dir)
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+        folder = next(m["path"] for m in modules if m.get("type", "").endswith("Pooling"))
+        cfg = json.loads((root / folder / "config.json").read_text())
+    except (OSError, ValueError, StopIteration, KeyError, TypeError):
+        return "last"
+    return next((method for key, method in _ST_MODES.items() if cfg.get(key)), "last")
 
 
 @dataclass(slots=True)

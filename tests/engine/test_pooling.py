@@ -118,3 +118,26 @@ def test_dimensions_past_the_hidden_size_refused_before_anything_runs(llm):
     with pytest.raises(InvalidRequestError, match="dimensions must be <= the model's hidden size 64, got 65"):
         llm.embed(PROMPTS, PoolingParams(dimensions=65))
     assert set(llm.core.num_tracked().values()) == {0}
+
+
+def test_base_model_checkpoint_and_declared_pooling(tmp_path, tiny_model_path, hf):
+    """An embedding model's checkpoint as HF's AutoModel saves it (no "model." prefix, no LM head) loads,
+    and the pooling its sentence-transformers files declare is found (else "last")."""
+    import json
+
+    from engine.loader import load_tokenizer
+    from engine.pooling import default_method
+
+    hf.save_pretrained(tmp_path)
+    load_tokenizer(tiny_model_path).save_pretrained(tmp_path)
+    assert default_method(tmp_path) == "last"
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}))
+    assert default_method(tmp_path) == "mean"
+    out = LLM(str(tmp_path), num_blocks=32, block_size=4).embed(PROMPTS[1], PoolingParams("mean", normalize=False))[0]
+    torch.testing.assert_close(torch.tensor(out.embedding, dtype=torch.float64), reference(hf, PROMPTS[1], "mean"),
+                               rtol=1e-4, atol=1e-4)
