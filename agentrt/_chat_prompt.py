@@ -33,12 +33,16 @@ class ChatPrompts:
         self.convs: dict[str, tuple[str, list[int]]] = {}  # program id -> (text, ids): last prompt + reply
         self.prompts: dict[str, tuple[str, list[int]]] = {}  # program id -> its latest prompt (text, ids)
 
-    def token_ids(
+    def token_ids(self, messages: Sequence[dict[str, Any]], program_id: str | None = None, **options: Any) -> list[int]:
+        """Token ids of `messages` under the chat template. InvalidCallError names a bad argument."""
+        return self.prompt(messages, program_id, **options)[1]
+
+    def prompt(
         self, messages: Sequence[dict[str, Any]], program_id: str | None = None, *, add_generation_prompt: bool = True,
         continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
         chat_template: str | None = None,
-    ) -> list[int]:
-        """Token ids of `messages` under the chat template. InvalidCallError names a bad argument."""
+    ) -> tuple[str, list[int]]:
+        """The text of `messages` under the chat template and its token ids."""
         def bad(message: str, param: str) -> InvalidCallError:
             return InvalidCallError(message, program_id=program_id, param=param)
 
@@ -66,7 +70,7 @@ class ChatPrompts:
             raise bad(f"messages cannot be rendered by the chat template: {e}", "messages") from None
         if program_id is not None:
             self.prompts[program_id] = (text, ids)
-        return ids
+        return text, ids
 
     def remember_reply(self, program_id: str, out: RequestOutput | None) -> None:
         """Keep a chat call's prompt and reply as (text, ids) so the program's next prompt reuses the ids

@@ -110,7 +110,8 @@ class RemoteRuntime:
             calls = [ToolCall(t["id"], t["function"]["name"], t["function"]["arguments"])
                      for t in c["message"].get("tool_calls") or []]
             choices.append(Choice(c["index"], c["message"].get("content"), c.get("finish_reason"), calls,
-                                  remote_logprobs(c.get("logprobs")), c.get("token_ids"), c.get("stop_reason")))
+                                  remote_logprobs(c.get("logprobs")), c.get("token_ids"), c.get("stop_reason"),
+                                  c["message"].get("reasoning")))
         return Result(choices, _usage(data))
 
     async def generate(self, prompt: str | list[int], *, full: bool = False, **sampling: Any) -> str | Result:
@@ -129,9 +130,11 @@ class RemoteRuntime:
         chunks = wants_result(sampling, full)
         async for chunk in self._stream("/v1/chat/completions", body):
             for choice in chunk.get("choices", ()):
-                text = choice.get("delta", {}).get("content") or ""
-                if chunks and (text or choice.get("finish_reason")):
-                    yield Chunk(choice["index"], text, choice.get("finish_reason"), remote_logprobs(choice.get("logprobs")))
+                delta = choice.get("delta", {})
+                text, reasoning = delta.get("content") or "", delta.get("reasoning") or ""
+                if chunks and (text or reasoning or choice.get("finish_reason")):
+                    yield Chunk(choice["index"], text, choice.get("finish_reason"),
+                                remote_logprobs(choice.get("logprobs")), reasoning)
                 elif text and not chunks:
                     yield text
 

@@ -4,6 +4,8 @@
     r = await agentrt.chat(messages, n=3, logprobs=True)         # Result
     [c.text for c in r.choices], r.usage.completion_tokens, r.choices[0].logprobs[0].logprob
 
+With a reasoning parser (`Runtime(reasoning_parser="qwen3")`, or a server started with `--reasoning-parser`)
+the text is the answer alone and each choice's `reasoning` holds the thinking before it.
 The call returns a `Result` (OpenAI's shape: choices, usage) when it asks for more than one text:
 n > 1, logprobs / top_logprobs, prompt_logprobs, tools / tool_choice / response_format, or
 `full=True`. Streams follow the same rule: `str` pieces in the simple case, `Chunk`s (with the
@@ -64,13 +66,15 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None  # per token, when logprobs / top_logprobs were asked
     token_ids: list[int] | None = None
     stop_reason: int | str | None = None  # what ended a "stop": the stop string or stop token id (None: EOS)
+    reasoning: str | None = None  # the thinking before the answer (with a reasoning parser; agentrt._reasoning)
 
     @property
     def content(self) -> str | None:
         return self.text
 
     def message(self) -> dict[str, Any]:
-        """The choice as an assistant message to append to the conversation (OpenAI's format)."""
+        """The choice as an assistant message to append to the conversation (OpenAI's format; the
+        reasoning stays out, as reasoning models' templates leave it out of earlier turns)."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.text}
         if self.tool_calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function",
@@ -95,6 +99,10 @@ class Result:
         return self.choices[0].text
 
     @property
+    def reasoning(self) -> str | None:
+        return self.choices[0].reasoning
+
+    @property
     def tool_calls(self) -> list[ToolCall]:
         return self.choices[0].tool_calls
 
@@ -117,6 +125,7 @@ class Chunk:
     text: str
     finish_reason: str | None = None  # set on the choice's last chunk
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""  # with a reasoning parser: the piece of thinking (`text` is then the answer's)
 
 
 def token_logprobs(text_of: Any, ids: list[int], lps: list[float] | None,

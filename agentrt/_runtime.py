@@ -22,6 +22,7 @@ import anyio
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
 from agentrt._call import Call, CallSummary
+from agentrt._chat_plan import ChatPlan, Reply, ReplyStreamer, plan_call
 from agentrt._chat_prompt import ChatPrompts, pop_template_options
 from agentrt._context import _runtime, current_runtime
 from agentrt._errors import (
@@ -32,14 +33,15 @@ from agentrt._errors import (
     ProgramNotFoundError,
 )
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
-from agentrt._retention import RetentionConfig, RetentionPolicy
 from agentrt._program import ProgramHandle, check_priority, current, enter_program, exit_program, new_program_id
+from agentrt._reasoning import reasoning_parser as make_reasoning_parser
+from agentrt._results import Choice, Chunk, Result, Usage, token_logprobs, wants_result
+from agentrt._retention import RetentionConfig, RetentionPolicy
+from agentrt._toolcalls import render_messages, response_format_constraint, tool_specs
 from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
 from engine.kv_cache_manager import OwnerKV
 from engine.outputs import RequestOutput, StreamDelta
 from engine.program_ops import ProgramOp
-from agentrt._results import Chunk, Choice, Result, Usage, token_logprobs, wants_result
-from agentrt._toolcalls import plan_call, render_messages, response_format_constraint, tool_specs
 from engine.structured import Constraint
 
 ANY_OWNER: Any = object()  # `owner=` default of the program look-ups: any client's program
@@ -61,6 +63,8 @@ class Runtime:
         model: model directory or .gguf file; None = the default model.
         policy: scheduling policy name ("plas", "atlas", "mlfq", "fcfs") or a policy instance.
         policy_kwargs: arguments for a policy given by name (e.g. `{"beta": 4.0}`).
+        reasoning_parser: vLLM's `--reasoning-parser` ("qwen3", "deepseek_r1"): chat replies come
+            with the thinking apart from the answer (agentrt._reasoning); None: the text as written.
         **engine_config: any other `engine.EngineConfig` field (num_blocks, max_num_seqs, ...).
     """
 
@@ -72,9 +76,11 @@ class Runtime:
         policy_kwargs: dict[str, Any] | None = None,
         program_idle_timeout_s: float | None = None,
         retention: RetentionConfig | bool = True,
+        reasoning_parser: str | None = None,
         **engine_config: Any,
     ) -> None:
         try:
+            self.reasoning = make_reasoning_parser(reasoning_parser)  # splits chat replies' thinking off; None: no
             if isinstance(retention, bool):
                 retention = RetentionConfig(ttl=retention)
             if not isinstance(retention, RetentionConfig):
@@ -282,6 +288,11 @@ class Runtime:
         (`options`: add_generation_prompt, continue_final_message, chat_template_kwargs; agentrt._chat_prompt)."""
         return self._chat.token_ids(messages, program_id, **options)
 
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], program_id: str | None = None,
+                    **options: Any) -> tuple[str, list[int]]:
+        """The prompt text of `messages` and its token ids, as `chat_token_ids`."""
+        return self._chat.prompt(messages, program_id, **options)
+
     def compile_constraint(self, constraint: Constraint, param: str | None = None) -> None:
         """Compile (and cache) an output grammar now, so a bad one fails here, naming `param`, and a good
         one costs nothing when its call is added. Blocking: the server runs it in a thread."""
@@ -409,17 +420,22 @@ class Runtime:
         functions (`@agentrt.tool`); see `agentrt._toolcalls`. The chat template's options
         (add_generation_prompt, continue_final_message, chat_template_kwargs) go with the sampling ones."""
         options = pop_template_options(sampling)
-        if tools is None and tool_choice is None and response_format is None:
-            ids = self.chat_token_ids(_rendered(messages), _pid(), **options)
-            out = await self._collect(ids, sampling, "chat")
-            return self._result(out) if wants_result(sampling, full) else out.text
-        plan = plan_call(tool_specs(tools), tool_choice, response_format_constraint(response_format))
-        ids = self.chat_token_ids(plan.render(list(messages)), _pid(), **options)
+        plain = tools is None and tool_choice is None and response_format is None
+        if plain:
+            plan, rendered = ChatPlan(), _rendered(messages)
+        else:
+            plan = plan_call(tool_specs(tools), tool_choice, response_format_constraint(response_format))
+            rendered = plan.render(list(messages))
+        text, ids = self.chat_prompt(rendered, _pid(), **options)
+        plan.think(self.reasoning, text)
         if plan.constraint is not None:
             param = "tool_choice" if plan.forced_call else "response_format"
             await anyio.to_thread.run_sync(self.compile_constraint, plan.constraint, param)
             sampling["constraint"] = plan.constraint
-        return self._result(await self._collect(ids, sampling, "chat"), plan.split)
+        out = await self._collect(ids, sampling, "chat")
+        if plain and not wants_result(sampling, full):
+            return out.text if plan.reasoning is None else plan.split(out.text).content or ""
+        return self._result(out, plan)
 
     async def generate(self, prompt: str | list[int], *, full: bool = False, **sampling: Any) -> str | Result:
         """The completion's text; a `Result` under the same rule as `chat`."""
@@ -429,9 +445,12 @@ class Runtime:
     async def chat_stream(
         self, messages: Sequence[dict[str, Any]], *, full: bool = False, **sampling: Any
     ) -> AsyncIterator[str | Chunk]:
-        """Text pieces as generated; `Chunk`s (with their choice's index) under `chat`'s rule for a `Result`."""
-        ids = self.chat_token_ids(_rendered(messages), _pid(), **pop_template_options(sampling))
-        async with contextlib.aclosing(self._pieces(ids, sampling, "chat", wants_result(sampling, full))) as gen:
+        """Text pieces as generated; `Chunk`s (with their choice's index) under `chat`'s rule for a `Result`.
+        With a reasoning parser the pieces are the answer's, and chunks carry the thinking's apart."""
+        text, ids = self.chat_prompt(_rendered(messages), _pid(), **pop_template_options(sampling))
+        plan = ChatPlan().think(self.reasoning, text) if self.reasoning is not None else None
+        pieces = self._pieces(ids, sampling, "chat", wants_result(sampling, full), plan)
+        async with contextlib.aclosing(pieces) as gen:
             async for piece in gen:
                 yield piece
 
@@ -444,16 +463,24 @@ class Runtime:
                 yield piece
 
     async def _pieces(
-        self, prompt: str | list[int], sampling: dict[str, Any], kind: str, chunks: bool
+        self, prompt: str | list[int], sampling: dict[str, Any], kind: str, chunks: bool, plan: ChatPlan | None = None
     ) -> AsyncIterator[str | Chunk]:
+        streamers: dict[int, ReplyStreamer] = {}  # with a plan: per choice, its splitter
         async with contextlib.aclosing(self._call(prompt, sampling, kind, [])) as gen:
             async for d in gen:
+                reasoning, text = "", d.new_text
+                if plan is not None:
+                    streamer = streamers.setdefault(d.index, plan.streamer())
+                    reasoning, text = streamer.feed(d.new_text)
+                    if d.finished:
+                        rest = streamer.finish()
+                        reasoning, text = reasoning + rest.reasoning, text + rest.content
                 if not chunks:
-                    if d.new_text:
-                        yield d.new_text
+                    if text:
+                        yield text
                 elif d.new_text or d.finished:
                     lps = token_logprobs(self._token_text, d.new_token_ids, d.new_logprobs, d.new_top_logprobs)
-                    yield Chunk(d.index, d.new_text, d.finish_reason if d.finished else None, lps)
+                    yield Chunk(d.index, text, d.finish_reason if d.finished else None, lps, reasoning)
 
     async def _collect(self, prompt: str | list[int], sampling: dict[str, Any], kind: str) -> RequestOutput:
         out: list[RequestOutput] = []
@@ -465,13 +492,14 @@ class Runtime:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _result(self, out: RequestOutput, split: Callable[[str], tuple[str | None, list]] | None = None) -> Result:
+    def _result(self, out: RequestOutput, plan: ChatPlan | None = None) -> Result:
         choices = []
         for c in out.outputs:
-            text, calls = split(c.text) if split is not None else (c.text, [])
-            reason = "tool_calls" if calls else c.finish_reason
+            reply = plan.split(c.text) if plan is not None else Reply(None, c.text, [])
+            reason = "tool_calls" if reply.tool_calls else c.finish_reason
             lps = token_logprobs(self._token_text, c.token_ids, c.logprobs, c.top_logprobs)
-            choices.append(Choice(c.index, text, reason, calls, lps, list(c.token_ids), c.stop_reason))
+            choices.append(Choice(c.index, reply.content, reason, reply.tool_calls, lps, list(c.token_ids),
+                                  c.stop_reason, reply.reasoning))
         return Result(choices, Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens), out.prompt_logprobs)
 
 

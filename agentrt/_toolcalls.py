@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from agentrt._errors import InvalidCallError
@@ -242,48 +242,6 @@ class CallStreamer:
         keep = next((k for k in range(min(len(OPEN) - 1, len(buf)), 0, -1) if OPEN.startswith(buf[-k:])), 0)
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep]
-
-
-@dataclass(slots=True)
-class ChatPlan:
-    """How one chat call handles tools and output formats."""
-
-    tools: list[FunctionTool] = field(default_factory=list)
-    mode: str = "none"  # tool choice: "none" | "auto" | "required"
-    constraint: Constraint | None = None  # grammar of the output (a forced call, or a response format)
-    forced_call: bool = False  # the output is a call object decoded under `constraint`
-
-    def render(self, messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-        return render_messages(messages, self.tools)
-
-    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a finished output."""
-        if self.forced_call:
-            calls = parse_forced(text, self.tools)
-            return (None if calls else text), calls
-        if self.mode == "auto":
-            return parse_tool_calls(text, self.tools)
-        return text, []
-
-    def streamer(self) -> CallStreamer | None:
-        """How streamed text is split: None = all of it is content."""
-        if self.forced_call:
-            s = CallStreamer()
-            s.in_call = True  # everything is the call
-            return s
-        return CallStreamer() if self.mode == "auto" else None
-
-
-def plan_call(tools: Any = None, tool_choice: Any = None, output: Constraint | None = None,
-              tools_param: str = "tools") -> ChatPlan:
-    """Validate tools, the tool choice and the output format into a plan; InvalidCallError naming the
-    bad argument otherwise."""
-    specs = normalize_tools(tools, tools_param) if tools else []
-    mode, name = tool_choice_of(tool_choice, specs)
-    plan = ChatPlan(specs, mode, output)
-    if mode == "required":  # the output is the call: a response format governs text, which it has none of
-        plan.constraint, plan.forced_call = call_constraint(specs, name), True
-    return plan
 
 
 def response_format_constraint(fmt: Any, param: str = "response_format") -> Constraint | None:

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 
+from agentrt._reasoning import REASONING_PARSERS
 from agentrt.policies import POLICY_NAMES
 
 
@@ -82,7 +83,7 @@ def _serve(a: argparse.Namespace) -> int:
         max_waiting=a.max_waiting, drain_timeout_s=a.drain_timeout, max_body_bytes=a.max_body_bytes, max_n=a.max_n,
         max_tokens_limit=a.max_tokens_limit, exclude_tools_when_tool_choice_none=a.exclude_tools_when_tool_choice_none,
         chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
-        allow_credentials=a.allow_credentials, **cors,
+        allow_credentials=a.allow_credentials, reasoning_parser=a.reasoning_parser, **cors,
     )
     return serve(config, a.host, a.port, a.log_level, root_path=a.root_path, ssl_keyfile=a.ssl_keyfile,
                  ssl_certfile=a.ssl_certfile, access_log=not a.disable_uvicorn_access_log)
@@ -165,6 +166,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="leave the tools out of the prompt of a call with tool_choice 'none' (vLLM's flag; by default "
                         "they stay, so the calls of a conversation share their prompt's prefix)")
+    s.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split reasoning models' thinking (<think>...</think>) from their answer into the reply's "
+                        f"`reasoning` field (vLLM's flag; one of {', '.join(sorted(REASONING_PARSERS))})")
     s.add_argument("--log-level", default="info")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn log line per request")
     s.set_defaults(fn=_serve)

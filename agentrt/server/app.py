@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from agentrt._reasoning import reasoning_parser
 from agentrt._runtime import Runtime
 from agentrt.server import ui
 from agentrt.server.errors import APIError, error_response
@@ -80,6 +81,7 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])  # CORS: methods a browser may use
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])  # CORS: request headers a browser may send
     allow_credentials: bool = False  # CORS: browsers may send cookies and credentials
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat replies' thinking apart from the answer
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_body_bytes", "max_n", "max_programs_kept"):
@@ -104,6 +106,7 @@ class ServerConfig:
             raise ValueError(f"allow_credentials must be a bool, got {self.allow_credentials!r}")
         if self.chat_template is not None:
             self.chat_template = load_chat_template(self.chat_template)
+        reasoning_parser(self.reasoning_parser)  # an unknown name fails here, naming the choices
 
 
 def load_chat_template(value: str) -> str:
@@ -263,9 +266,13 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
     config = config or ServerConfig()
     if runtime is None:
         runtime = Runtime(config.model, config.policy, policy_kwargs=config.policy_kwargs,
-                          program_idle_timeout_s=config.program_idle_timeout_s, **config.engine)
-    elif runtime.program_idle_timeout_s is None:
-        runtime.program_idle_timeout_s = config.program_idle_timeout_s
+                          program_idle_timeout_s=config.program_idle_timeout_s,
+                          reasoning_parser=config.reasoning_parser, **config.engine)
+    else:
+        if runtime.program_idle_timeout_s is None:
+            runtime.program_idle_timeout_s = config.program_idle_timeout_s
+        if config.reasoning_parser is not None:
+            runtime.reasoning = reasoning_parser(config.reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

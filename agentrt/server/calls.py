@@ -15,8 +15,9 @@ import msgspec
 from starlette.requests import Request
 
 from agentrt._call import Call
+from agentrt._chat_plan import ChatPlan, plan_call
 from agentrt._errors import InvalidCallError
-from agentrt._toolcalls import ChatPlan, check_schema, plan_call, response_format_constraint
+from agentrt._toolcalls import check_schema, response_format_constraint
 from agentrt.server.app import ServerState
 from agentrt.server.errors import bad_request, error_body, to_api_error
 from agentrt.server.schemas import (
@@ -235,6 +236,11 @@ class PendingIds:
         return out
 
 
+def reasoning_tokens(st: ServerState, reasoning: str | None) -> int:
+    """How many tokens a reply's reasoning text takes (Responses' usage.output_tokens_details)."""
+    return len(st.runtime.tokenizer(reasoning, add_special_tokens=False)["input_ids"]) if reasoning else 0
+
+
 def usage_of(outs: list[RequestOutput]) -> Usage:
     prompt = sum(o.num_prompt_tokens for o in outs)
     completion = sum(o.num_output_tokens for o in outs)
@@ -327,14 +333,16 @@ async def plan_chat(
     **options: Any,
 ) -> tuple[ChatPlan, list[int]]:
     """The plan and the prompt's token ids; rendering, tokenizing and compiling the grammar (cached)
-    run off the event loop. Bad input raises InvalidCallError naming the field. `options`: the chat
+    run off the event loop. With the runtime's reasoning parser, the plan splits the thinking off the
+    reply, knowing from the prompt whether the template opened the think block itself. Bad input raises InvalidCallError naming the field. `options`: the chat
     template's (Runtime.chat_token_ids)."""
     rt = st.runtime
     plan = plan_call(tools, tool_choice, output)
     if plan.mode == "none" and st.config.exclude_tools_when_tool_choice_none:
         plan.tools = []  # "none" parses no call: the tools served only the prompt
     rendered = plan.render(messages)
-    ids = await anyio.to_thread.run_sync(lambda: rt.chat_token_ids(rendered, program_id, **options))
+    text, ids = await anyio.to_thread.run_sync(lambda: rt.chat_prompt(rendered, program_id, **options))
+    plan.think(rt.reasoning, text)
     if plan.constraint is not None:
         param = "tool_choice" if plan.forced_call else output_param
         await anyio.to_thread.run_sync(lambda: rt.compile_constraint(plan.constraint, param))

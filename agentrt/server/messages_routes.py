@@ -26,8 +26,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from agentrt._call import Call
+from agentrt._chat_plan import ChatPlan, Reply, plan_call
 from agentrt._errors import AgentrtError
-from agentrt._toolcalls import ChatPlan, ToolCall, check_schema, plan_call
+from agentrt._toolcalls import check_schema
 from agentrt.server.app import ServerState, read_body, state_of
 from agentrt.server.calls import (
     note_tool,
@@ -42,6 +43,7 @@ from agentrt.server.errors import APIError, api_with, bad_request, to_api_error
 from agentrt.server.messages_schemas import (
     AnthropicError,
     AnthropicErrorInfo,
+    ContentBlock,
     CountTokensRequest,
     CountTokensResponse,
     Message,
@@ -50,6 +52,7 @@ from agentrt.server.messages_schemas import (
     MessageUsage,
     TextBlock,
     TextPart,
+    ThinkingBlock,
     ToolUseBlock,
 )
 from agentrt.server.openapi import Operation
@@ -98,6 +101,8 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict[
             where = f"messages[{i}].content[{j}]"
             if b.type == "text":
                 text.append(b.text or "")
+            elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # an earlier reply's thinking: the template leaves it out of earlier turns
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.id or not b.name or b.input is None:
                     raise bad_request(f"{where} (tool_use) needs id, name and input", where)
@@ -114,7 +119,7 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict[
                 out.append({"role": "tool", "content": f"Error: {result}" if b.is_error else result,
                             "tool_call_id": b.tool_use_id})
             else:
-                allowed = "text, tool_use" if m.role == "assistant" else "text, tool_result"
+                allowed = "text, tool_use, thinking" if m.role == "assistant" else "text, tool_result"
                 raise bad_request(f"{where} has type {b.type!r}, which a {m.role} message cannot carry "
                                   f"(supported: {allowed})", f"{where}.type")
         if m.role == "assistant":
@@ -179,13 +184,14 @@ def _input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _message(out: RequestOutput, plan: ChatPlan, req: MessagesRequest, msg_id: str,
-             model: str) -> tuple[Message, str | None, list[ToolCall]]:
+def _message(out: RequestOutput, plan: ChatPlan, req: MessagesRequest, msg_id: str, model: str) -> tuple[Message, Reply]:
     c = out.outputs[0]
-    content, calls = plan.split(c.text)
+    reply = plan.split(c.text)
+    reasoning, content, calls = reply
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         calls = calls[:1]
-    blocks: list[TextBlock | ToolUseBlock] = [TextBlock(content)] if content else []
+    blocks: list[ContentBlock] = [ThinkingBlock(reasoning)] if reasoning else []
+    blocks += [TextBlock(content)] if content else []
     blocks += [ToolUseBlock("toolu_" + k.id.removeprefix("call_"), k.name, _input(k.arguments)) for k in calls]
     if calls:
         reason = "tool_use"
@@ -198,7 +204,7 @@ def _message(out: RequestOutput, plan: ChatPlan, req: MessagesRequest, msg_id: s
     cached = out.num_cached_tokens
     usage = MessageUsage(out.num_prompt_tokens - cached, out.num_output_tokens, cached)
     msg = Message(msg_id, model, blocks, reason, c.stop_reason if reason == "stop_sequence" else None, usage)
-    return msg, content, calls
+    return msg, reply
 
 
 @anthropic_api
@@ -234,7 +240,7 @@ async def create_message(request: Request) -> Response:
     if req.stream:
         return SSEResponse(_events(st, call, plan, req, msg_id, len(prompt_ids)), {"X-Program-Id": call.program_id})
     (out,) = await results(request, [call])
-    msg, _, _ = _message(out, plan, req, msg_id, st.model_name)
+    msg, _ = _message(out, plan, req, msg_id, st.model_name)
     return Response(msgspec.json.encode(msg), headers={"X-Program-Id": call.program_id}, media_type="application/json")
 
 
@@ -242,22 +248,56 @@ def _event(kind: str, **payload: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode({"type": kind, **payload}) + b"\n\n"
 
 
+class _Block:
+    """A thinking or text block streamed as it grows."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind  # "thinking" | "text"
+        self.index: int | None = None  # once started
+        self.sent = ""  # streamed so far
+        self.stopped = False
+
+    def start(self, index: int) -> bytes:
+        self.index = index
+        return _event("content_block_start", index=index,
+                      content_block=ThinkingBlock("") if self.kind == "thinking" else TextBlock(""))
+
+    def delta(self, text: str, index: int) -> list[bytes]:
+        """`text` streamed, the block started at `index` first if it is not yet."""
+        out = [self.start(index)] if self.index is None else []
+        self.sent += text
+        delta = {"type": f"{self.kind}_delta", self.kind: text}
+        out.append(_event("content_block_delta", index=self.index, delta=delta))
+        return out
+
+    def stop(self, text: str, index: int) -> list[bytes]:
+        """The block's whole text (started at `index` if it is not yet): what was held back (a partial tag,
+        text that might have been a call), then its end."""
+        self.stopped = True
+        out = [self.start(index)] if self.index is None else []
+        rest = text[len(self.sent):] if text.startswith(self.sent) else ""
+        if rest:
+            out += self.delta(rest, index)
+        if self.kind == "thinking":  # Anthropic's streams sign a thinking block before it stops
+            delta = {"type": "signature_delta", "signature": ""}
+            out.append(_event("content_block_delta", index=self.index, delta=delta))
+        out.append(_event("content_block_stop", index=self.index))
+        return out
+
+
 async def _events(st: ServerState, call: Call, plan: ChatPlan, req: MessagesRequest, msg_id: str,
                   prompt_tokens: int) -> AsyncIterator[bytes]:
     """The event sequence Anthropic's SDKs parse: message_start (once the first token is there, so its
     usage splits the prompt between computed and cached tokens), each content block's start, deltas and
-    stop (text as generated; tool_use blocks, held back from the text, when the reply ends), then
-    message_delta with the stop reason and the usage, and message_stop."""
+    stop (thinking, with a reasoning parser, then text, as generated; tool_use blocks, held back from the
+    text, when the reply ends), then message_delta with the stop reason and the usage, and message_stop."""
     streamer = plan.streamer()
-    sent = ""  # text streamed so far (block 0)
+    thought, said = _Block("thinking"), _Block("text")
     started = False
 
     def start(cached: int) -> list[bytes]:
         usage = MessageUsage(prompt_tokens - cached, 0, cached)
         return [_event("message_start", message=Message(msg_id, st.model_name, [], None, None, usage)), _event("ping")]
-
-    def open_text() -> bytes:
-        return _event("content_block_start", index=0, content_block=TextBlock(""))
 
     async with call:
         try:
@@ -266,29 +306,32 @@ async def _events(st: ServerState, call: Call, plan: ChatPlan, req: MessagesRequ
                     started = True
                     for e in start(d.num_cached_tokens or 0):
                         yield e
-                show = streamer.feed(d.new_text) if streamer is not None else d.new_text
+                reasoning, show = streamer.feed(d.new_text)
+                for e in thought.delta(reasoning, 0) if reasoning else ():
+                    yield e
                 if show:
-                    if not sent:
-                        yield open_text()
-                    sent += show
-                    yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": show})
+                    if thought.index is not None and not thought.stopped:  # the answer began: the thinking is over
+                        for e in thought.stop(thought.sent, 0):
+                            yield e
+                    for e in said.delta(show, 0 if thought.index is None else 1):
+                        yield e
             out = await call.result()
         except AgentrtError as e:
             yield _event("error", error=_error_info(to_api_error(e)))
             return
-    msg, content, _ = _message(out, plan, req, msg_id, st.model_name)
+    msg, (reasoning, content, _) = _message(out, plan, req, msg_id, st.model_name)
     if not started:
         for e in start(msg.usage.cache_read_input_tokens):
             yield e
     index = 0
-    if content or sent:
-        if not sent:
-            yield open_text()
-        rest = content[len(sent):] if content and content.startswith(sent) else ""
-        if rest:  # text held back while it might have been a call
-            yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": rest})
-        yield _event("content_block_stop", index=0)
+    if reasoning or thought.index is not None:
+        for e in () if thought.stopped else thought.stop(reasoning or "", 0):
+            yield e
         index = 1
+    if content or said.index is not None:
+        for e in said.stop(content or "", index):
+            yield e
+        index += 1
     for block in msg.content:
         if not isinstance(block, ToolUseBlock):
             continue

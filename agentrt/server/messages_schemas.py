@@ -20,7 +20,7 @@ class TextPart(Struct):
 
 
 class InputBlock(Struct):
-    type: str  # "text" | "tool_use" | "tool_result" (others are refused, naming the block)
+    type: str  # "text" | "tool_use" | "tool_result" | "thinking" (skipped); others are refused, naming the block
     text: str | None = None
     id: str | None = None  # tool_use
     name: str | None = None  # tool_use
@@ -98,7 +98,14 @@ class ToolUseBlock(Struct, tag="tool_use"):
     input: dict[str, Any]
 
 
-ContentBlock = TextBlock | ToolUseBlock
+class ThinkingBlock(Struct, tag="thinking"):
+    """The thinking before the answer, with a reasoning parser (`agentrt serve --reasoning-parser`)."""
+
+    thinking: str
+    signature: str = ""  # Anthropic's proof that Claude wrote it: none here
+
+
+ContentBlock = ThinkingBlock | TextBlock | ToolUseBlock
 
 
 class MessageUsage(Struct):

@@ -18,8 +18,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from agentrt._call import Call
+from agentrt._chat_plan import ChatPlan
 from agentrt._errors import AgentrtError
-from agentrt._toolcalls import ChatPlan
 from agentrt.server.app import ServerState, read_body, state_of
 from agentrt.server.calls import (
     PendingIds,
@@ -136,11 +136,12 @@ async def chat_completions(request: Request) -> Response:
     text = token_text(st)
     choices = []
     for c in out.outputs:
-        content, calls = plan.split(c.text)
+        reasoning, content, calls = plan.split(c.text)
         if head:
             content = head + (content or "")
         message = ChatResponseMessage(content=content, tool_calls=[
-            ToolCall(k.id, FunctionCall(k.name, k.arguments)) for k in calls] or None)
+            ToolCall(k.id, FunctionCall(k.name, k.arguments)) for k in calls] or None, reasoning=reasoning,
+            reasoning_content=reasoning)
         choices.append(ChatChoice(c.index, message, "tool_calls" if calls else c.finish_reason,
                                   chat_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs), c.stop_reason,
                                   c.token_ids if req.return_token_ids else None))
@@ -153,13 +154,12 @@ async def chat_completions(request: Request) -> Response:
 
 async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, created: int, n: int,
                        usage: StreamUsage, head: str, prompt_ids: list[int] | None) -> AsyncIterator[bytes]:
-    """Content deltas as generated (each choice's first one with `head`, the echoed last message);
-    tool calls (held back from the content) as `tool_calls` deltas when their choice ends, which then
-    ends with finish_reason "tool_calls". With `prompt_ids` (return_token_ids) the first chunk carries
-    them and each choice's chunks its new token ids."""
+    """Content deltas as generated (each choice's first one with `head`, the echoed last message), after
+    `reasoning` deltas with a reasoning parser; tool calls (held back from the content) as `tool_calls`
+    deltas when their choice ends, which then ends with finish_reason "tool_calls". With `prompt_ids`
+    (return_token_ids) the first chunk carries them and each choice's chunks its new token ids."""
     model, text = st.model_name, token_text(st)
     streamers = [plan.streamer() for _ in range(n)]
-    full = [""] * n
     pending = PendingIds(prompt_ids is not None, n)
 
     def chunk(i: int, delta: ChatDelta, reason: str | None = None, logprobs: ChoiceLogprobs | None = None,
@@ -175,24 +175,22 @@ async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, cr
         try:
             async for d in call:
                 i, streamer = d.index, streamers[d.index]
-                full[i] += d.new_text
                 usage.add(len(d.new_token_ids))
                 pending.add(i, d.new_token_ids)
-                show = streamer.feed(d.new_text) if streamer is not None else d.new_text
-                if show or (d.new_logprobs and d.new_token_ids):
+                reasoning, show = streamer.feed(d.new_text)
+                if show or reasoning or (d.new_logprobs and d.new_token_ids):
                     logprobs = chat_logprobs(text, d.new_token_ids, d.new_logprobs, d.new_top_logprobs)
-                    yield chunk(i, ChatDelta(content=show), None, logprobs)
+                    yield chunk(i, _delta(reasoning, show), None, logprobs)
                 if d.finished:
                     reason = d.finish_reason
-                    if streamer is not None:
-                        _, calls = plan.split(full[i])
-                        if calls:
-                            deltas = [ToolCallDelta(k, c.id, "function", FunctionCall(c.name, c.arguments))
-                                      for k, c in enumerate(calls)]
-                            yield chunk(i, ChatDelta(tool_calls=deltas))
-                            reason = "tool_calls"
-                        elif streamer.held:  # it looked like a call but was not one: it is content
-                            yield chunk(i, ChatDelta(content=streamer.held))
+                    rest = streamer.finish()
+                    if rest.reasoning or rest.content:  # held back: a tag that was not one, text that was no call
+                        yield chunk(i, _delta(rest.reasoning, rest.content))
+                    if rest.tool_calls:
+                        deltas = [ToolCallDelta(k, c.id, "function", FunctionCall(c.name, c.arguments))
+                                  for k, c in enumerate(rest.tool_calls)]
+                        yield chunk(i, ChatDelta(tool_calls=deltas))
+                        reason = "tool_calls"
                     yield chunk(i, ChatDelta(), reason, None, d.stop_reason)
             out = await call.result()
         except AgentrtError as e:
@@ -202,6 +200,13 @@ async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, cr
         if usage.final:
             yield event(ChatCompletionChunk(rid, created, model, [], usage=usage_of([out])))
         yield DONE
+
+
+def _delta(reasoning: str, content: str) -> ChatDelta:
+    """A chunk's delta: a piece of reasoning (under both of its names) and / or of content."""
+    if not reasoning:
+        return ChatDelta(content=content)
+    return ChatDelta(content=content or None, reasoning=reasoning, reasoning_content=reasoning)
 
 
 def _check_prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> None:

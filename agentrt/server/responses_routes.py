@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -24,20 +22,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from agentrt._call import Call
-from agentrt._errors import AgentrtError
-from agentrt._toolcalls import ChatPlan, ToolCall, response_format_constraint
+from agentrt._chat_plan import Reply
+from agentrt._toolcalls import ToolCall, response_format_constraint
 from agentrt.server.app import ServerState, read_body, state_of
 from agentrt.server.calls import (
     plan_chat,
     program_keys,
     program_name,
+    reasoning_tokens,
     results,
     sampling_params,
     submit,
 )
-from agentrt.server.errors import APIError, api, bad_request, to_api_error
+from agentrt.server.errors import APIError, api, bad_request
 from agentrt.server.openapi import Operation
+from agentrt.server.responses_events import response_events
 from agentrt.server.responses_schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -49,6 +48,9 @@ from agentrt.server.responses_schemas import (
     OutputItem,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
     ResponseCreate,
     ResponseDeleted,
     ResponseInputItems,
@@ -141,6 +143,8 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue  # an earlier reply's thinking: the template leaves it out of earlier turns
         elif kind == "function_call_output":
             if not it.call_id or it.output is None:
                 raise bad_request(f"{where} (function_call_output) needs call_id and output", where)
@@ -153,8 +157,11 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
     return out
 
 
-def _items(content: str | None, calls: list[ToolCall], msg_id: str | None = None) -> list[OutputItem]:
+def _items(reasoning: str | None, content: str | None, calls: list[ToolCall], msg_id: str | None = None,
+           rs_id: str | None = None) -> list[OutputItem]:
     items: list[OutputItem] = []
+    if reasoning:
+        items.append(ReasoningItem(rs_id or f"rs_{uuid.uuid4().hex[:24]}", [ReasoningText(reasoning)]))
     if content:
         items.append(OutputMessage(msg_id or f"msg_{uuid.uuid4().hex[:24]}", [OutputText(content)]))
     items += [FunctionCallItem(f"fc_{uuid.uuid4().hex[:24]}", c.id, c.name, c.arguments) for c in calls]
@@ -209,12 +216,15 @@ async def create_response(request: Request) -> Response:
         store=req.store, program_id=pid,
     )
 
-    def finish(out: RequestOutput, content: str | None, calls: list[ToolCall], msg_id: str | None = None) -> ResponseObject:
+    def finish(out: RequestOutput, reply: Reply, msg_id: str | None = None, rs_id: str | None = None) -> ResponseObject:
         n_in, n_out = out.num_prompt_tokens, out.num_output_tokens
         length = out.finish_reason == "length"
+        reasoning, content, calls = reply
         done = msgspec.structs.replace(
-            base, output=_items(content, calls, msg_id), status="incomplete" if length else "completed",
-            usage=ResponseUsage(n_in, n_out, n_in + n_out, InputTokensDetails(out.num_cached_tokens)),
+            base, output=_items(reasoning, content, calls, msg_id, rs_id),
+            status="incomplete" if length else "completed",
+            usage=ResponseUsage(n_in, n_out, n_in + n_out, InputTokensDetails(out.num_cached_tokens),
+                                OutputTokensDetails(reasoning_tokens(st, reasoning))),
             incomplete_details=IncompleteDetails("max_output_tokens") if length else None,
         )
         if req.store:
@@ -225,77 +235,10 @@ async def create_response(request: Request) -> Response:
         return done
 
     if req.stream:
-        return SSEResponse(_events(call, plan, base, finish), {"X-Program-Id": pid})
+        return SSEResponse(response_events(call, plan, base, finish), {"X-Program-Id": pid})
     (out,) = await results(request, [call])
-    content, calls = plan.split(out.text)
-    return Response(msgspec.json.encode(finish(out, content, calls)), headers={"X-Program-Id": pid},
+    return Response(msgspec.json.encode(finish(out, plan.split(out.text))), headers={"X-Program-Id": pid},
                     media_type="application/json")
-
-
-async def _events(call: Call, plan: ChatPlan, base: ResponseObject, finish: Any) -> AsyncIterator[bytes]:
-    """The event sequence OpenAI's SDKs parse: created, in_progress, output items with their deltas,
-    then completed (or incomplete)."""
-    seq = itertools.count()
-
-    def ev(kind: str, **payload: Any) -> bytes:
-        data = msgspec.json.encode({"type": kind, "sequence_number": next(seq), **payload})
-        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
-
-    yield ev("response.created", response=base)
-    yield ev("response.in_progress", response=base)
-    streamer = plan.streamer()
-    msg_id = f"msg_{uuid.uuid4().hex[:24]}"
-    sent = ""  # message text streamed so far
-
-    def open_message() -> list[bytes]:
-        item = OutputMessage(msg_id, [], status="in_progress")
-        return [ev("response.output_item.added", output_index=0, item=item),
-                ev("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
-                   part=OutputText(""))]
-
-    async with call:
-        try:
-            async for d in call:
-                show = streamer.feed(d.new_text) if streamer is not None else d.new_text
-                if show:
-                    if not sent:
-                        for e in open_message():
-                            yield e
-                    sent += show
-                    yield ev("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta=show)
-            out = await call.result()
-        except AgentrtError as e:
-            err = to_api_error(e)
-            yield ev("error", code=err.code, message=err.message, param=err.param)
-            return
-    content, calls = plan.split(out.text)
-    index = 0
-    if content:
-        if not sent:
-            for e in open_message():
-                yield e
-        rest = content[len(sent):] if content.startswith(sent) else ""
-        if rest:
-            yield ev("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta=rest)
-        yield ev("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=content)
-        yield ev("response.content_part.done", item_id=msg_id, output_index=0, content_index=0,
-                 part=OutputText(content))
-        yield ev("response.output_item.done", output_index=0, item=OutputMessage(msg_id, [OutputText(content)]))
-        index = 1
-    done = finish(out, content, calls, msg_id)
-    for item in done.output:
-        if not isinstance(item, FunctionCallItem):
-            continue
-        added = msgspec.structs.replace(item, arguments="", status="in_progress")
-        yield ev("response.output_item.added", output_index=index, item=added)
-        yield ev("response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=item.arguments)
-        yield ev("response.function_call_arguments.done", item_id=item.id, output_index=index,
-                 arguments=item.arguments)
-        yield ev("response.output_item.done", output_index=index, item=item)
-        index += 1
-    # "response.completed" even when cut by max_output_tokens (its status says "incomplete"): the SDKs'
-    # stream helpers wait for this event to hand out the final response
-    yield ev("response.completed", response=done)
 
 
 @api

@@ -21,6 +21,7 @@ class InputPart(Struct):
 
 class InputItem(Struct):
     type: str | None = None  # "message" (or absent, with a role) | "function_call" | "function_call_output"
+    # | "reasoning" (an earlier reply's thinking, sent back: skipped, as templates leave it out of earlier turns)
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputPart] | None = None
     call_id: str | None = None
@@ -95,7 +96,20 @@ class FunctionCallItem(Struct, tag="function_call", tag_field="type"):
     status: str = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(Struct, tag="reasoning_text", tag_field="type"):
+    text: str
+
+
+class ReasoningItem(Struct, tag="reasoning", tag_field="type"):
+    """The thinking before the answer, with a reasoning parser (`agentrt serve --reasoning-parser`)."""
+
+    id: str
+    content: list[ReasoningText]
+    summary: list[Any] = []  # no summaries: the reasoning comes whole, in `content`
+    status: str = "completed"
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(Struct, frozen=True):
@@ -190,7 +204,7 @@ class ResponseStreamEvent(Struct):
     item: OutputItem | None = None
     item_id: str | None = None
     content_index: int | None = None
-    part: OutputText | None = None
+    part: OutputText | ReasoningText | None = None
     delta: str | None = None
     text: str | None = None
     arguments: str | None = None

@@ -212,6 +212,8 @@ class ChatResponseMessage(Struct):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None  # vLLM's, with --reasoning-parser: the thinking before the answer
+    reasoning_content: str | None = None  # the same, under its older name (clients read either)
 
 
 class ToolCallDelta(Struct, omit_defaults=True):
@@ -259,6 +261,8 @@ class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning: str | None = None  # vLLM's, with --reasoning-parser: a piece of the thinking
+    reasoning_content: str | None = None  # the same, under its older name
 
 
 class ChatChunkChoice(Struct):

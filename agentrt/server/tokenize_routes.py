@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from agentrt._toolcalls import plan_call
+from agentrt._chat_plan import plan_call
 from agentrt.server.app import VERSION, ServerState, json_response, read_body, state_of
 from agentrt.server.calls import message_dicts, request_template
 from agentrt.server.errors import api, bad_request
