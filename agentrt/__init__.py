@@ -34,6 +34,7 @@ from agentrt._runtime import (
     run,
 )
 from agentrt._client import RemoteRuntime, connect
+from agentrt._embed import embed
 from agentrt._tool import tool
 from agentrt._results import ChatReply, Choice, Chunk, Result, TokenLogprob, TopLogprob, Usage
 from agentrt._toolcalls import ToolCall, function_spec, run_tool_calls
@@ -69,6 +70,7 @@ __all__ = [
     "connect",
     "current_program_id",
     "current_runtime",
+    "embed",
     "function_spec",
     "gather",
     "generate",

@@ -22,6 +22,7 @@ import httpx
 
 from agentrt._chat_prompt import pop_template_options
 from agentrt._context import _runtime
+from agentrt._embed import embed_inputs
 from agentrt._errors import (
     AgentrtError,
     CallAbortedError,
@@ -113,6 +114,16 @@ class RemoteRuntime:
                                   remote_logprobs(c.get("logprobs")), c.get("token_ids"), c.get("stop_reason"),
                                   c["message"].get("reasoning")))
         return Result(choices, _usage(data))
+
+    async def embed(self, inputs: Any, *, dimensions: int | None = None, normalize: bool = True,
+                    priority: int = 0) -> list[float] | list[list[float]]:
+        one, items = embed_inputs(inputs)
+        body = {"input": items, "normalize": normalize, "priority": priority}
+        if dimensions is not None:
+            body["dimensions"] = dimensions
+        data = await self._post("/v1/embeddings", body)
+        vectors = [d["embedding"] for d in sorted(data["data"], key=lambda d: d["index"])]
+        return vectors[0] if one else vectors
 
     async def generate(self, prompt: str | list[int], *, full: bool = False, **sampling: Any) -> str | Result:
         data = await self._post("/v1/completions", {"prompt": prompt, **self._sampling(sampling, completions=True)})

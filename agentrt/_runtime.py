@@ -25,6 +25,7 @@ from agentrt._call import Call, CallSummary
 from agentrt._chat_plan import ChatPlan, Reply, ReplyStreamer, plan_call
 from agentrt._chat_prompt import ChatPrompts, pop_template_options
 from agentrt._context import _runtime, current_runtime
+from agentrt._embed import embed_inputs
 from agentrt._errors import (
     ConfigError,
     InvalidCallError,
@@ -41,6 +42,8 @@ from agentrt._toolcalls import render_messages, response_format_constraint, tool
 from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
 from engine.kv_cache_manager import OwnerKV
 from engine.outputs import RequestOutput, StreamDelta
+from engine.pooling import PoolingParams
+from engine.pooling import default_method as default_pooling
 from engine.program_ops import ProgramOp
 from engine.structured import Constraint
 
@@ -101,6 +104,7 @@ class Runtime:
         self.engine: AsyncEngine | None = None
         self.retention: RetentionPolicy | None = None  # while the engine runs
         self.observers: list[RuntimeObserver] = []  # told of program starts / ends and call ends
+        self._pooling: str | None = None  # embed's pooling: what the checkpoint declares (found on first use)
         self._inflight: dict[str, set[str]] = {}  # program id -> request ids in the engine
         self._chat = ChatPrompts(lambda: self.tokenizer)  # per program: its last chat prompt and reply
         self._keyed: dict[str, ProgramHandle] = {}  # running programs started by id (`start_program`, the server)
@@ -436,6 +440,27 @@ class Runtime:
         if plain and not wants_result(sampling, full):
             return out.text if plan.reasoning is None else plan.split(out.text).content or ""
         return self._result(out, plan)
+
+    async def embed(self, inputs: Any, *, dimensions: int | None = None, normalize: bool = True,
+                    priority: int = 0) -> list[float] | list[list[float]]:
+        """Embeddings of the inputs, each one call (agentrt._embed), all at once."""
+        one, items = embed_inputs(inputs)
+        if self._pooling is None:
+            self._pooling = default_pooling(self._engine().core.model_path)
+        try:
+            pooling = PoolingParams(self._pooling, normalize, dimensions)
+        except ValueError as e:
+            raise InvalidCallError(str(e)) from None
+        vectors: list[Any] = [None] * len(items)
+
+        async def run(i: int, x: str | list[int]) -> None:
+            out = await self._collect(x, {"max_tokens": 1, "priority": priority, "pooling": pooling}, "embedding")
+            vectors[i] = out.embedding
+
+        async with anyio.create_task_group() as tg:
+            for i, x in enumerate(items):
+                tg.start_soon(run, i, x)
+        return vectors[0] if one else vectors
 
     async def generate(self, prompt: str | list[int], *, full: bool = False, **sampling: Any) -> str | Result:
         """The completion's text; a `Result` under the same rule as `chat`."""

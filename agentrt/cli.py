@@ -14,6 +14,7 @@ import time
 
 from agentrt._reasoning import REASONING_PARSERS
 from agentrt.policies import POLICY_NAMES
+from engine.pooling import POOLING_METHODS
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -83,7 +84,8 @@ def _serve(a: argparse.Namespace) -> int:
         max_waiting=a.max_waiting, drain_timeout_s=a.drain_timeout, max_body_bytes=a.max_body_bytes, max_n=a.max_n,
         max_tokens_limit=a.max_tokens_limit, exclude_tools_when_tool_choice_none=a.exclude_tools_when_tool_choice_none,
         chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
-        allow_credentials=a.allow_credentials, reasoning_parser=a.reasoning_parser, **cors,
+        allow_credentials=a.allow_credentials, reasoning_parser=a.reasoning_parser, pooling=a.pooling,
+        max_embedding_inputs=a.max_embedding_inputs, **cors,
     )
     return serve(config, a.host, a.port, a.log_level, root_path=a.root_path, ssl_keyfile=a.ssl_keyfile,
                  ssl_certfile=a.ssl_certfile, access_log=not a.disable_uvicorn_access_log)
@@ -169,6 +171,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split reasoning models' thinking (<think>...</think>) from their answer into the reply's "
                         f"`reasoning` field (vLLM's flag; one of {', '.join(sorted(REASONING_PARSERS))})")
+    s.add_argument("--pooling", default=None, choices=POOLING_METHODS,
+                   help="how /v1/embeddings pools a prompt's final hidden states (default: what the checkpoint's "
+                        "sentence-transformers files declare, else the last token's)")
+    s.add_argument("--max-embedding-inputs", type=int, default=2048, help="inputs of one /v1/embeddings request at most")
     s.add_argument("--log-level", default="info")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn log line per request")
     s.set_defaults(fn=_serve)

@@ -38,6 +38,8 @@ from agentrt.server.openapi import Operation, build
 from agentrt.server.recorder import Recorder
 from agentrt.server.schemas import Health, Model, ModelList
 from agentrt.server.store import Store
+from engine.pooling import POOLING_METHODS
+from engine.pooling import default_method as default_pooling
 
 
 def _version() -> str:
@@ -82,9 +84,11 @@ class ServerConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])  # CORS: request headers a browser may send
     allow_credentials: bool = False  # CORS: browsers may send cookies and credentials
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat replies' thinking apart from the answer
+    pooling: str | None = None  # /v1/embeddings' pooling (engine.pooling); None = the checkpoint's, else "last"
+    max_embedding_inputs: int = 2048  # inputs of one /v1/embeddings request at most (OpenAI's limit)
 
     def __post_init__(self) -> None:
-        for name in ("max_waiting", "max_body_bytes", "max_n", "max_programs_kept"):
+        for name in ("max_waiting", "max_body_bytes", "max_n", "max_programs_kept", "max_embedding_inputs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -107,6 +111,8 @@ class ServerConfig:
         if self.chat_template is not None:
             self.chat_template = load_chat_template(self.chat_template)
         reasoning_parser(self.reasoning_parser)  # an unknown name fails here, naming the choices
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {self.pooling!r}")
 
 
 def load_chat_template(value: str) -> str:
@@ -149,6 +155,7 @@ class ServerState:
         self.max_model_len = core.max_model_len
         self.vocab_size = core.model.args.vocab_size
         self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
+        self.pooling_method = config.pooling or default_pooling(core.model_path)
         self.created = int(time.time())
         self.draining = False
         self._keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k.encode() for k in config.api_keys}
@@ -242,7 +249,14 @@ async def openapi(request: Request) -> Response:
 
 
 def _operations() -> list[Operation]:
-    from agentrt.server import messages_routes, openai_routes, program_routes, responses_routes, tokenize_routes
+    from agentrt.server import (
+        embeddings_routes,
+        messages_routes,
+        openai_routes,
+        program_routes,
+        responses_routes,
+        tokenize_routes,
+    )
 
     return [
         Operation("get", "/health", "liveness", Health, errors=(503,), auth=False),
@@ -254,6 +268,7 @@ def _operations() -> list[Operation]:
         *messages_routes.OPERATIONS,
         *program_routes.OPERATIONS,
         *tokenize_routes.OPERATIONS,
+        *embeddings_routes.OPERATIONS,
         *ui.OPERATIONS,
     ]
 
@@ -261,7 +276,14 @@ def _operations() -> list[Operation]:
 def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = None) -> Starlette:
     """The server app. `runtime`: an existing (not yet entered) Runtime to serve, e.g. for tests;
     by default one is made from `config`."""
-    from agentrt.server import messages_routes, openai_routes, program_routes, responses_routes, tokenize_routes
+    from agentrt.server import (
+        embeddings_routes,
+        messages_routes,
+        openai_routes,
+        program_routes,
+        responses_routes,
+        tokenize_routes,
+    )
 
     config = config or ServerConfig()
     if runtime is None:
@@ -313,6 +335,7 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
         *messages_routes.ROUTES,
         *program_routes.ROUTES,
         *tokenize_routes.ROUTES,
+        *embeddings_routes.ROUTES,
         *ui.ROUTES,
     ]
     middleware = []
