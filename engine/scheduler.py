@@ -2,6 +2,9 @@
 
 Each step: running requests in policy order get `min(remaining, budget)` tokens (chunked prefill
 falls out of this); then waiting requests are admitted in policy order with their cached prefix.
+A waiting request whose next block a request of this step is computing (same content hash) waits a step
+and then reads it from the prefix cache: requests that arrive together with a shared prefix (a system
+prompt, an embedding instruction, parallel threads of a program) compute it once (in-batch prefix sharing).
 When blocks run out, pinned blocks give way first, then others' unused reservations (for a running
 request, or an otherwise idle engine), and only then is the policy's victim among the not-yet-served
 running requests preempted (recompute: its full blocks stay in the prefix cache). A request that could
@@ -184,11 +187,14 @@ class Scheduler:
                 i += 1
 
         protect_pins = self.policy.protect_pins
-        while not short_of_blocks and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        in_flight: set[bytes] | None = None  # hashes of the full blocks this step computes (made on first need)
+        j = 0  # waiting requests before j wait for blocks this step computes
+        while (not short_of_blocks and j < len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[j]
             max_tokens = min(req.num_prompt_tokens + req.sampling.max_tokens, req.max_model_len)
             if self.kv.blocks_for(max_tokens) > self.kv.num_blocks:  # would preempt itself forever
-                self.waiting.pop(0)
+                self.waiting.pop(j)
                 out.failed.append(req)
                 req.error = (
                     f"request {req.request_id!r} needs {self.kv.blocks_for(max_tokens)} KV blocks for "
@@ -198,6 +204,14 @@ class Scheduler:
                 self.finish(req, RequestStatus.FINISHED_ERROR, "error")
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
+            if self.kv.enable_prefix_caching and num_hit + self.kv.block_size < req.num_tokens:
+                if in_flight is None:
+                    in_flight = self._computed_this_step(out)
+                if self.kv.block_hashes(req, len(hits) + 1)[-1] in in_flight:
+                    # its next block is being computed by a request of this step: waiting a step finds it
+                    # in the prefix cache, instead of computing the same prefix twice (in-batch prefix sharing)
+                    j += 1
+                    continue
             n = min(req.num_tokens - num_hit, budget)
             idle = not self.running  # nobody would free blocks: reservations must give way
             take_pins = idle or not protect_pins or self.kv.holds_pin(req.program_id)
@@ -205,7 +219,7 @@ class Scheduler:
                 break
             if not self.kv.allocate_slots(req, n, hits, may_take_reserved=idle, may_take_pinned=take_pins):
                 break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
-            self.waiting.pop(0)
+            self.waiting.pop(j)
             if req.num_preemptions:
                 req.num_recomputed_tokens += n
             elif req.first_scheduled_time is None:
@@ -221,8 +235,23 @@ class Scheduler:
             out.reqs.append(req)
             out.num_tokens.append(n)
             budget -= n
+            if in_flight is not None:
+                in_flight.update(self._blocks_computed(req, n))
         out.block_copies = self.kv.take_pending_copies()
         return out
+
+    def _blocks_computed(self, req: Request, n: int) -> list[bytes]:
+        """Hashes of the full blocks of `req` that computing its next `n` tokens completes."""
+        bs = self.kv.block_size
+        first, end = req.num_computed_tokens // bs, min(req.num_computed_tokens + n, req.num_tokens) // bs
+        return self.kv.block_hashes(req, end)[first:] if end > first else []
+
+    def _computed_this_step(self, out: SchedulerOutput) -> set[bytes]:
+        hashes: set[bytes] = set()
+        if out.num_steps == 1:  # a multi-step decode completes blocks of tokens not known yet
+            for req, n in zip(out.reqs, out.num_tokens):
+                hashes.update(self._blocks_computed(req, n))
+        return hashes
 
     def _multi_steps(self, budget: int) -> int:
         """Decode steps to run in one go (config.num_scheduler_steps, vLLM's multi-step scheduling): more

@@ -60,11 +60,13 @@ class RetentionMachine(RuleBasedStateMachine):
         self.now += dt
         out = self.s.schedule()
         if not out.preempted and self.s.waiting and len(self.s.running) < MAX_SEQS and out.total_tokens < BUDGET:
-            head = self.s.waiting[0]  # left waiting: it must not have fit, even with every pin given way
-            hits, num_hit = self.s.kv.get_computed_blocks(head)
+            head = self.s.waiting[0]  # left waiting: it must not have fit, even with every pin given way,
+            hits, num_hit = self.s.kv.get_computed_blocks(head)  # or its next block is computed this step
+            deferred = (num_hit + self.s.kv.block_size < head.num_tokens
+                        and self.s.kv.block_hashes(head, len(hits) + 1)[-1] in self.s._computed_this_step(out))
             n = min(head.num_tokens - num_hit, BUDGET - out.total_tokens)
             need = self.s.kv.blocks_for(num_hit + n) - len(hits) + sum(1 for b in hits if self.s.kv.pool.ref_cnt[b] == 0)
-            assert need > self.s.kv.num_allocatable(head.program_id, protect=hits)  # its hits cannot give way to it
+            assert deferred or need > self.s.kv.num_allocatable(head.program_id, protect=hits)  # hits cannot give way
         self.s.update_from_output(out, 0.01)
         for r in list(out.reqs):
             if r.finished or r.num_computed_tokens < r.num_tokens:

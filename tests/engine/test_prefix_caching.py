@@ -82,16 +82,18 @@ def test_multi_turn_chat_same_tokens_with_hits_and_dedup(llms, tok):
 
         assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]], f"turn {turn}"
         hits = [o.metrics.num_prefix_hit_tokens for o in outs[True]]
-        assert hits == [expected_hit(p, computed) for p in prompts], f"turn {turn}"
         assert after[True].prefix_hit_tokens - before[True].prefix_hit_tokens == sum(hits)
         assert after[False].prefix_hit_tokens == after[False].dedup_merges == 0
         if turn == 0:
-            # both prefilled in one step: the shared system prompt is computed twice and the second
-            # copy is merged into the first
+            # both arrive together: the second waits one step for the shared system prompt's blocks, which
+            # the first computes, and reads them from the cache (in-batch prefix sharing): computed once,
+            # nothing left to merge
             shared = common_prefix(prompts[0], prompts[1]) // BS
             assert shared >= 3
-            assert after[True].dedup_merges - before[True].dedup_merges == shared
+            assert hits == [0, shared * BS]
+            assert after[True].dedup_merges == before[True].dedup_merges
         else:  # the chat template is prefix-stable: the whole previous prompt comes from the cache
+            assert hits == [expected_hit(p, computed) for p in prompts], f"turn {turn}"
             assert all(h >= len(prev) // BS * BS for h, prev in zip(hits, prev_prompts)), f"turn {turn}"
         prev_prompts = prompts
         for llm in llms.values():
@@ -168,3 +170,23 @@ def test_preemption_resumes_from_cache_with_same_tokens(default_model_path, llms
         else:
             assert set(resumed_hits) == {0}
         assert_all_blocks_free(small.core)
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(tiny_model_path):
+    """In-batch prefix sharing: of requests admitted together that share a prefix, the first computes it
+    and the others wait for its blocks, then read them from the cache, through a chunked prefill too (a
+    budget of 8 tokens a step: they wait until the first has passed the shared part). Same tokens as
+    without the cache; every block back."""
+    shared = list(range(500, 524))  # 6 blocks of 4
+    prompts = [shared + [900 + 10 * i + k for k in range(3 + i)] for i in range(5)]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(tiny_model_path), enable_prefix_caching=False, num_blocks=64,
+                                      block_size=4).generate(prompts, greedy)]
+    for budget in (256, 8):
+        llm = LLM(str(tiny_model_path), num_blocks=64, block_size=4, max_num_batched_tokens=budget)
+        before = llm.kv_stats()
+        outs = llm.generate(prompts, greedy)
+        assert [o.token_ids for o in outs] == want
+        assert [o.metrics.num_prefix_hit_tokens for o in outs] == [0] + [24] * 4
+        assert llm.kv_stats().dedup_merges == before.dedup_merges  # nothing computed twice to merge
+        assert_all_blocks_free(llm.core)
