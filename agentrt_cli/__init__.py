@@ -29,6 +29,7 @@ BENCHES = {
     "retention": "bench.retention",
     "sampling": "bench.sampling",
     "structured": "bench.structured",
+    "embed": "bench.embed",
 }
 
 
