@@ -116,9 +116,9 @@ def markdown(result: dict) -> str:
         markdown_table(["workload", "input tokens", "engine tok/s", "HF tok/s", "engine / HF",
                         "prefix-cache hits a pass", "lowest cosine"], rows),
         "",
-        (f"`shared prefix`: every input after the same {result['shared_prefix']}-token instruction. The engine "
-         "admits the first inputs of a pass together, before the instruction's blocks are cached, so those "
-         "compute it each; the rest read it from the prefix cache."),
+        (f"`shared prefix`: every input after the same {result['shared_prefix']}-token instruction. The first "
+         "input of a pass computes it; the others wait for its blocks and read them from the prefix cache "
+         "(in-batch prefix sharing)."),
     ]) + "\n"
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model, load_tokenizer, resolve_model
@@ -177,9 +178,9 @@ class EngineCore:
             raise InvalidRequestError(
                 f"SamplingParams.logit_bias keys must be < the vocabulary size {vocab}, got {show_value(bad[:5], False)}"
             )
-        hidden = self.model.args.hidden_size
         if params.pooling is not None:
             params.pooling = dataclasses.replace(params.pooling)  # checked again, and ours
+            hidden = self.model.args.hidden_size
             if (params.pooling.dimensions or 0) > hidden:
                 raise InvalidRequestError(f"PoolingParams.dimensions must be <= the model's hidden size {hidden}, "
                                           f"got {params.pooling.dimensions}")

@@ -15,7 +15,7 @@ def test_bench_embed_smoke(tiny_model_path, capsys):
     before = DOCS.read_text()
     argv = ["--model", str(tiny_model_path), "--num-inputs", "6", "--min-len", "4", "--max-len", "20",
             "--shared-prefix", "32", "--hf-batch-size", "4", "--repeats", "2", "--json",
-            "--max-num-batched-tokens", "48"]  # a step holds one input or two: the later ones find the prefix
+            "--max-num-batched-tokens", "48"]
     assert bench.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     distinct, shared = res["workloads"]
