@@ -1,11 +1,16 @@
-"""How one chat call handles its output: the reasoning split off first (agentrt._reasoning), then
-tool calls parsed out of the rest (agentrt._toolcalls), under the output's grammar if it has one.
+"""How one chat call handles its prompt and its output: tools in the prompt as the chat template takes
+them; the reasoning split off the output first (agentrt._reasoning), then tool calls parsed out of the
+rest (agentrt._toolparsers), under the output's grammar if it has one.
 
-    plan = plan_call(tools, tool_choice, output).think(parser, prompt_text)
+    plan = plan_call(tools, tool_choice, output).use_template(template_source, tool_parser)
+    messages, tools = plan.render(messages), plan.template_tools()    # for the chat template
+    plan.think(reasoning_parser, prompt_text)
     reasoning, content, calls = plan.split(output_text)        # a finished output
     s = plan.streamer(); s.feed(piece) -> (reasoning, content); s.finish() -> Reply   # a streamed one
 
-Without a reasoning parser (the default) the whole output goes to the tool-call parsing, as before.
+Without a reasoning parser (the default) the whole output goes to the tool-call parsing. A template that
+renders no tools gets ours in the system message and the Hermes parser reads the calls, unless a parser
+is named (`--tool-call-parser`).
 """
 
 from __future__ import annotations
@@ -13,18 +18,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from agentrt._chat_prompt import renders_tools
 from agentrt._reasoning import ThinkTagParser
 from agentrt._toolcalls import (
-    CallStreamer,
     FunctionTool,
     ToolCall,
     call_constraint,
+    native_messages,
     normalize_tools,
     parse_forced,
-    parse_tool_calls,
     render_messages,
     tool_choice_of,
 )
+from agentrt._toolparsers import HERMES, ToolParser, pick_parser
 from engine.structured import Constraint
 
 
@@ -46,9 +52,25 @@ class ChatPlan:
     forced_call: bool = False  # the output is a call object decoded under `constraint`
     reasoning: ThinkTagParser | None = None  # splits the thinking off the output; None: no reasoning parsing
     thinking: bool = False  # the prompt ends inside an open think block: the output starts in reasoning
+    native: bool = False  # the chat template renders tools: tools, calls and results go to it as they are
+    parser: ToolParser = HERMES  # reads the calls out of the output (tool choice "auto")
 
-    def render(self, messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-        return render_messages(messages, self.tools)
+    def use_template(self, template: str | None, parser: ToolParser | None = None) -> ChatPlan:
+        """Fit the plan to the source of the chat template the prompt renders with: native tools when it
+        renders them; the calls read by `parser`, or (None: `--tool-call-parser auto`) by the parser of
+        the format the template teaches, Hermes when it renders no tools (ours, in the system message)."""
+        self.native = renders_tools(template)
+        self.parser = parser or (pick_parser(template or "") if self.native else HERMES)
+        return self
+
+    def render(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages for the chat template: as they are (tool calls with parsed arguments) for a template
+        that renders tools, else plain {role, content} with the tools and calls in our Hermes text."""
+        return native_messages(messages) if self.native else render_messages(messages, self.tools)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the template's `tools` variable (OpenAI function specs); None: it gets none."""
+        return [t.spec() for t in self.tools] if self.native and self.tools else None
 
     def think(self, parser: ThinkTagParser | None, prompt: str) -> ChatPlan:
         """Split reasoning off the output with `parser` (None: no reasoning), given the rendered prompt
@@ -69,7 +91,7 @@ class ChatPlan:
             calls = parse_forced(content, self.tools)
             return Reply(reasoning, None if calls else content, calls)
         if self.mode == "auto":
-            return Reply(reasoning, *parse_tool_calls(content, self.tools))
+            return Reply(reasoning, *self.parser.parse(content, self.tools))
         return Reply(reasoning, content, [])
 
     def streamer(self) -> ReplyStreamer:
@@ -83,31 +105,33 @@ class ReplyStreamer:
     def __init__(self, plan: ChatPlan) -> None:
         self.plan = plan
         self.think = plan.reasoning.streamer(plan.thinking) if plan.reasoning is not None else None
-        self.calls: CallStreamer | None = None  # None: no call is parsed, all content shows
-        if plan.forced_call:
-            self.calls = CallStreamer()
-            self.calls.in_call = True  # everything is the call
-        elif plan.mode == "auto":
-            self.calls = CallStreamer()
-        self.text = ""  # the output so far (parsed for calls at the end)
+        self.forced: str | None = "" if plan.forced_call else None  # a forced call: all of it, held to the end
+        # the calls the model may write, read by the plan's parser; None: no call is parsed, all content shows
+        self.calls = plan.parser.streamer() if plan.mode == "auto" and not plan.forced_call else None
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) to show now for the next piece of the output."""
         reasoning, content = self.think.feed(text) if self.think is not None else ("", text)
+        if self.forced is not None:
+            self.forced += content
+            return reasoning, ""
         if self.calls is not None:
-            self.text += text
             content = self.calls.feed(content)
         return reasoning, content
 
     def finish(self) -> Reply:
         """What is left when the output ends: reasoning and content held back (a partial tag; text that
-        looked like a call but is not one; "" when nothing is), and the calls."""
+        looked like a call but is not one; text after the calls; "" when nothing is), and the calls."""
         reasoning, content = self.think.finish() if self.think is not None else ("", "")
+        if self.forced is not None:
+            text = self.forced + content
+            calls = parse_forced(text, self.plan.tools)
+            return Reply(reasoning, "" if calls else text, calls)
         if self.calls is None:
             return Reply(reasoning, content, [])
         content = self.calls.feed(content)
-        calls = self.plan.split(self.text).tool_calls
-        return Reply(reasoning, content if calls else content + self.calls.held, calls)
+        rest, calls = self.calls.finish(self.plan.tools)
+        return Reply(reasoning, content + rest, calls)
 
 
 def plan_call(tools: Any = None, tool_choice: Any = None, output: Constraint | None = None,

@@ -3,11 +3,12 @@ last prompt + reply kept so its next prompt reuses the ids the engine generated.
 
 Options as vLLM's chat endpoint has them (engine.chat_template): `add_generation_prompt`,
 `continue_final_message`, `chat_template_kwargs`, and a `chat_template` of the call's own; the in-process
-chat calls take them by the same names.
+chat calls take them by the same names. A template that renders tools (`renders_tools`) is given them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,22 @@ TEMPLATE_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_tem
 def pop_template_options(kw: dict[str, Any]) -> dict[str, Any]:
     """The chat template's options among a chat call's keyword arguments (taken out of them)."""
     return {k: kw.pop(k) for k in TEMPLATE_OPTIONS if k in kw}
+
+
+@functools.lru_cache(maxsize=64)
+def renders_tools(template: str | None) -> bool:
+    """Whether a Jinja chat template renders tools: its source reads the `tools` variable (a template that
+    does not compile reads nothing; rendering it reports the error)."""
+    import jinja2
+    from jinja2 import meta
+
+    if not template:
+        return False
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    return "tools" in meta.find_undeclared_variables(tree)
 
 
 class ChatPrompts:
@@ -40,9 +57,10 @@ class ChatPrompts:
     def prompt(
         self, messages: Sequence[dict[str, Any]], program_id: str | None = None, *, add_generation_prompt: bool = True,
         continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
+        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
-        """The text of `messages` under the chat template and its token ids."""
+        """The text of `messages` under the chat template and its token ids; `tools` (OpenAI function specs)
+        for a template that renders them."""
         def bad(message: str, param: str) -> InvalidCallError:
             return InvalidCallError(message, program_id=program_id, param=param)
 
@@ -55,10 +73,13 @@ class ChatPrompts:
         if problem is not None:
             raise bad(*problem)
         tok = self._tokenizer()
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:  # apply_chat_template's own argument, past the check on the caller's kwargs
+            kwargs["tools"] = tools
         try:
             text = templates.render(tok, messages, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message,
-                                    template_kwargs=chat_template_kwargs, chat_template=chat_template)
+                                    template_kwargs=kwargs, chat_template=chat_template)
             conv = self.convs.get(program_id) if program_id is not None else None
             if conv is not None and text.startswith(conv[0]):  # the program's last prompt + reply, then more
                 ids = conv[1] + tok(text[len(conv[0]) :], add_special_tokens=False)["input_ids"]
@@ -71,6 +92,17 @@ class ChatPrompts:
         if program_id is not None:
             self.prompts[program_id] = (text, ids)
         return text, ids
+
+    def template_source(self, chat_template: str | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> str | None:
+        """The source of the template a prompt renders with: `chat_template` (a template, or the name of one
+        of the tokenizer's), else the tokenizer's (its "tool_use" one, when it has one, for a call with
+        tools, as transformers picks); None when there is none."""
+        try:
+            source = self._tokenizer().get_chat_template(chat_template, tools)
+        except Exception:  # noqa: BLE001 - no template: rendering the prompt names the problem
+            return None
+        return source if isinstance(source, str) else None
 
     def remember_reply(self, program_id: str, out: RequestOutput | None) -> None:
         """Keep a chat call's prompt and reply as (text, ids) so the program's next prompt reuses the ids

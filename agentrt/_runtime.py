@@ -38,7 +38,8 @@ from agentrt._program import ProgramHandle, check_priority, current, enter_progr
 from agentrt._reasoning import reasoning_parser as make_reasoning_parser
 from agentrt._results import Choice, Chunk, Result, Usage, token_logprobs, wants_result
 from agentrt._retention import RetentionConfig, RetentionPolicy
-from agentrt._toolcalls import render_messages, response_format_constraint, tool_specs
+from agentrt._toolcalls import response_format_constraint, tool_specs
+from agentrt._toolparsers import tool_call_parser as make_tool_parser
 from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
 from engine.kv_cache_manager import OwnerKV
 from engine.outputs import RequestOutput, StreamDelta
@@ -68,6 +69,9 @@ class Runtime:
         policy_kwargs: arguments for a policy given by name (e.g. `{"beta": 4.0}`).
         reasoning_parser: vLLM's `--reasoning-parser` ("qwen3", "deepseek_r1"): chat replies come
             with the thinking apart from the answer (agentrt._reasoning); None: the text as written.
+        tool_call_parser: vLLM's `--tool-call-parser` ("hermes", "llama3_json", "mistral", "pythonic"):
+            the format tool calls are read in (agentrt._toolparsers); "auto": the format the chat
+            template teaches when it renders tools, else Hermes (ours, described in the system message).
         **engine_config: any other `engine.EngineConfig` field (num_blocks, max_num_seqs, ...).
     """
 
@@ -80,10 +84,12 @@ class Runtime:
         program_idle_timeout_s: float | None = None,
         retention: RetentionConfig | bool = True,
         reasoning_parser: str | None = None,
+        tool_call_parser: str | None = "auto",
         **engine_config: Any,
     ) -> None:
         try:
             self.reasoning = make_reasoning_parser(reasoning_parser)  # splits chat replies' thinking off; None: no
+            self.tool_parser = make_tool_parser(tool_call_parser)  # reads chat replies' calls; None: per template
             if isinstance(retention, bool):
                 retention = RetentionConfig(ttl=retention)
             if not isinstance(retention, RetentionConfig):
@@ -294,8 +300,16 @@ class Runtime:
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], program_id: str | None = None,
                     **options: Any) -> tuple[str, list[int]]:
-        """The prompt text of `messages` and its token ids, as `chat_token_ids`."""
+        """The prompt text of `messages` and its token ids, as `chat_token_ids` (`tools` too: for a template
+        that renders them, `ChatPlan.template_tools`)."""
         return self._chat.prompt(messages, program_id, **options)
+
+    def plan_template(self, plan: ChatPlan, chat_template: str | None = None) -> ChatPlan:
+        """Fit a chat call's plan to the template its prompt renders with (`chat_template`, else the
+        tokenizer's): the tools, calls and results go to a template that renders tools as they are, and
+        the reply's calls are read by this runtime's tool-call parser (`ChatPlan.use_template`)."""
+        specs = [t.spec() for t in plan.tools] or None
+        return plan.use_template(self._chat.template_source(chat_template, specs), self.tool_parser)
 
     def compile_constraint(self, constraint: Constraint, param: str | None = None) -> None:
         """Compile (and cache) an output grammar now, so a bad one fails here, naming `param`, and a good
@@ -426,11 +440,12 @@ class Runtime:
         options = pop_template_options(sampling)
         plain = tools is None and tool_choice is None and response_format is None
         if plain:
-            plan, rendered = ChatPlan(), _rendered(messages)
+            plan = self.plan_template(ChatPlan(), options.get("chat_template"))
+            rendered = _rendered(messages, plan)
         else:
             plan = plan_call(tool_specs(tools), tool_choice, response_format_constraint(response_format))
-            rendered = plan.render(list(messages))
-        text, ids = self.chat_prompt(rendered, _pid(), **options)
+            rendered = self.plan_template(plan, options.get("chat_template")).render(list(messages))
+        text, ids = self.chat_prompt(rendered, _pid(), tools=plan.template_tools(), **options)
         plan.think(self.reasoning, text)
         if plan.constraint is not None:
             param = "tool_choice" if plan.forced_call else "response_format"
@@ -472,8 +487,10 @@ class Runtime:
     ) -> AsyncIterator[str | Chunk]:
         """Text pieces as generated; `Chunk`s (with their choice's index) under `chat`'s rule for a `Result`.
         With a reasoning parser the pieces are the answer's, and chunks carry the thinking's apart."""
-        text, ids = self.chat_prompt(_rendered(messages), _pid(), **pop_template_options(sampling))
-        plan = ChatPlan().think(self.reasoning, text) if self.reasoning is not None else None
+        options = pop_template_options(sampling)
+        plan = self.plan_template(ChatPlan(), options.get("chat_template"))
+        text, ids = self.chat_prompt(_rendered(messages, plan), _pid(), **options)
+        plan = plan.think(self.reasoning, text) if self.reasoning is not None else None
         pieces = self._pieces(ids, sampling, "chat", wants_result(sampling, full), plan)
         async with contextlib.aclosing(pieces) as gen:
             async for piece in gen:
@@ -539,11 +556,12 @@ class RuntimeObserver:
     def call_ended(self, summary: CallSummary) -> None: ...
 
 
-def _rendered(messages: Any) -> Any:
-    """Earlier tool calls and tool results in a conversation written as the model reads them."""
+def _rendered(messages: Any, plan: ChatPlan) -> Any:
+    """Earlier tool calls and tool results in a conversation as the template reads them (`ChatPlan.render`);
+    a conversation without any goes as given."""
     if isinstance(messages, (list, tuple)) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
                                                    for m in messages):
-        return render_messages(list(messages), [])
+        return plan.render(list(messages))
     return messages
 
 

@@ -1,6 +1,8 @@
 """Tool calling for any model: tools in the prompt, calls out of the text, forced calls by grammar.
 
-When the model's chat template renders tools it is used; otherwise (SmolLM2 among them) tools are
+When the chat template renders tools (its source uses `tools`, as Qwen's, Llama 3.1's and Mistral's do),
+the tools, assistant tool calls and tool results go to it as they are (`native_messages`) and the calls
+come out in the model's own format (agentrt._toolparsers). Otherwise (SmolLM2 among them) tools are
 described in the system prompt in a Hermes-style format and the model calls one by writing
 
     <tool_call>
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +176,34 @@ def render_messages(messages: list[dict[str, Any]], tools: list[FunctionTool]) -
     return out
 
 
+def native_messages(messages: list[Any]) -> list[Any]:
+    """Messages for a chat template that renders tools itself: an assistant's calls as OpenAI's `tool_calls`
+    (`{"id", "type": "function", "function": {"name", "arguments"}}`, the arguments parsed into an object,
+    which templates write with `tojson`), a tool result with its `tool_call_id` and, when known, the name of
+    the function it answers. Other messages go as they are."""
+    out: list[Any] = []
+    names: dict[Any, str] = {}  # call id -> function name
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            out.append(m)  # the caller's validation names it
+        elif m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = []
+            for j, c in enumerate(m["tool_calls"]):
+                f = c.get("function", c) if isinstance(c, dict) else None
+                if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                    raise _bad(f"messages[{i}].tool_calls[{j}] needs a function name, got {c!r}",
+                               f"messages[{i}].tool_calls[{j}]")
+                names[c.get("id")] = f["name"]
+                calls.append({"id": c.get("id"), "type": "function",
+                              "function": {"name": f["name"], "arguments": _loads(f.get("arguments") or {})}})
+            out.append({**m, "content": m.get("content") or "", "tool_calls": calls})
+        elif m.get("role") == "tool" and not m.get("name") and m.get("tool_call_id") in names:
+            out.append({**m, "name": names[m["tool_call_id"]]})
+        else:
+            out.append(m)
+    return out
+
+
 def _loads(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
@@ -182,66 +213,23 @@ def _loads(arguments: Any) -> Any:
     return arguments
 
 
-def _call_from(obj: Any, names: set[str]) -> ToolCall | None:
+def call_from(obj: Any, names: set[str], new_id: Callable[[], str] = new_call_id) -> ToolCall | None:
+    """A call written as `{"name", "arguments" (or "parameters")}` of one of the tools `names`; None otherwise."""
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         args = _loads(args)
-    return ToolCall(new_call_id(), obj["name"], json.dumps(args))
+    return ToolCall(new_id(), obj["name"], json.dumps(args))
 
 
 def parse_forced(text: str, tools: list[FunctionTool]) -> list[ToolCall]:
     """The call a constrained decode wrote (empty when it was cut short, e.g. by max_tokens)."""
     try:
-        call = _call_from(json.loads(text), {t.name for t in tools})
+        call = call_from(json.loads(text), {t.name for t in tools})
     except ValueError:
         return []
     return [call] if call is not None else []
-
-
-def parse_tool_calls(text: str, tools: list[FunctionTool]) -> tuple[str | None, list[ToolCall]]:
-    """(content without the calls, calls) from free text with `<tool_call>` blocks. A block that does
-    not parse, or names an unknown tool, stays in the content."""
-    names = {t.name for t in tools}
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    pos = 0
-    for m in re.finditer(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", text, re.S):
-        try:
-            call = _call_from(json.loads(m.group(1).strip()), names)
-        except ValueError:
-            call = None
-        if call is None:
-            continue
-        kept.append(text[pos:m.start()])
-        calls.append(call)
-        pos = m.end()
-    kept.append(text[pos:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None), calls
-
-
-class CallStreamer:
-    """Splits a stream of text into content to show now and tool-call text held back: content flows
-    until `<tool_call>` may be starting; from there on everything is kept until the end."""
-
-    def __init__(self) -> None:
-        self.held = ""
-        self.in_call = False
-
-    def feed(self, text: str) -> str:
-        if self.in_call:
-            self.held += text
-            return ""
-        buf = self.held + text
-        i = buf.find(OPEN)
-        if i >= 0:
-            self.in_call, self.held = True, buf[i:]
-            return buf[:i]
-        keep = next((k for k in range(min(len(OPEN) - 1, len(buf)), 0, -1) if OPEN.startswith(buf[-k:])), 0)
-        self.held = buf[len(buf) - keep:] if keep else ""
-        return buf[: len(buf) - keep]
 
 
 def response_format_constraint(fmt: Any, param: str = "response_format") -> Constraint | None:

@@ -13,6 +13,7 @@ import sys
 import time
 
 from agentrt._reasoning import REASONING_PARSERS
+from agentrt._toolparsers import PARSER_CHOICES
 from agentrt.policies import POLICY_NAMES
 from engine.pooling import POOLING_METHODS
 
@@ -84,7 +85,8 @@ def _serve(a: argparse.Namespace) -> int:
         max_waiting=a.max_waiting, drain_timeout_s=a.drain_timeout, max_body_bytes=a.max_body_bytes, max_n=a.max_n,
         max_tokens_limit=a.max_tokens_limit, exclude_tools_when_tool_choice_none=a.exclude_tools_when_tool_choice_none,
         chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
-        allow_credentials=a.allow_credentials, reasoning_parser=a.reasoning_parser, pooling=a.pooling,
+        allow_credentials=a.allow_credentials, reasoning_parser=a.reasoning_parser,
+        tool_call_parser=a.tool_call_parser, pooling=a.pooling,
         max_embedding_inputs=a.max_embedding_inputs, **cors,
     )
     return serve(config, a.host, a.port, a.log_level, root_path=a.root_path, ssl_keyfile=a.ssl_keyfile,
@@ -171,6 +173,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split reasoning models' thinking (<think>...</think>) from their answer into the reply's "
                         f"`reasoning` field (vLLM's flag; one of {', '.join(sorted(REASONING_PARSERS))})")
+    s.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                   help="the format tool calls are read in (vLLM's flag; one of " + ", ".join(PARSER_CHOICES) +
+                        "); auto: the one the chat template teaches when it renders tools, else hermes")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines; does nothing: tool_choice 'auto' is always on")
     s.add_argument("--pooling", default=None, choices=POOLING_METHODS,
                    help="how /v1/embeddings pools a prompt's final hidden states (default: what the checkpoint's "
                         "sentence-transformers files declare, else the last token's)")

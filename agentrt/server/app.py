@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from agentrt._reasoning import reasoning_parser
 from agentrt._runtime import Runtime
+from agentrt._toolparsers import tool_call_parser
 from agentrt.server import ui
 from agentrt.server.errors import APIError, error_response
 from agentrt.server.metrics import EngineState, Metrics
@@ -84,6 +85,7 @@ class ServerConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])  # CORS: request headers a browser may send
     allow_credentials: bool = False  # CORS: browsers may send cookies and credentials
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat replies' thinking apart from the answer
+    tool_call_parser: str = "auto"  # vLLM's --tool-call-parser: the format calls are read in (agentrt._toolparsers)
     pooling: str | None = None  # /v1/embeddings' pooling (engine.pooling); None = the checkpoint's, else "last"
     max_embedding_inputs: int = 2048  # inputs of one /v1/embeddings request at most (OpenAI's limit)
 
@@ -111,6 +113,7 @@ class ServerConfig:
         if self.chat_template is not None:
             self.chat_template = load_chat_template(self.chat_template)
         reasoning_parser(self.reasoning_parser)  # an unknown name fails here, naming the choices
+        tool_call_parser(self.tool_call_parser)  # likewise
         if self.pooling is not None and self.pooling not in POOLING_METHODS:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {self.pooling!r}")
 
@@ -289,12 +292,15 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
     if runtime is None:
         runtime = Runtime(config.model, config.policy, policy_kwargs=config.policy_kwargs,
                           program_idle_timeout_s=config.program_idle_timeout_s,
-                          reasoning_parser=config.reasoning_parser, **config.engine)
+                          reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
+                          **config.engine)
     else:
         if runtime.program_idle_timeout_s is None:
             runtime.program_idle_timeout_s = config.program_idle_timeout_s
         if config.reasoning_parser is not None:
             runtime.reasoning = reasoning_parser(config.reasoning_parser)
+        if config.tool_call_parser != "auto":
+            runtime.tool_parser = tool_call_parser(config.tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

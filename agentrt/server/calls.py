@@ -333,15 +333,20 @@ async def plan_chat(
     **options: Any,
 ) -> tuple[ChatPlan, list[int]]:
     """The plan and the prompt's token ids; rendering, tokenizing and compiling the grammar (cached)
-    run off the event loop. With the runtime's reasoning parser, the plan splits the thinking off the
-    reply, knowing from the prompt whether the template opened the think block itself. Bad input raises InvalidCallError naming the field. `options`: the chat
-    template's (Runtime.chat_token_ids)."""
+    run off the event loop. The tools, calls and results go to a template that renders tools as they are
+    (Runtime.plan_template). With the runtime's reasoning parser, the plan splits the thinking off the
+    reply, knowing from the prompt whether the template opened the think block itself. Bad input raises
+    InvalidCallError naming the field. `options`: the chat template's (Runtime.chat_token_ids)."""
     rt = st.runtime
     plan = plan_call(tools, tool_choice, output)
     if plan.mode == "none" and st.config.exclude_tools_when_tool_choice_none:
         plan.tools = []  # "none" parses no call: the tools served only the prompt
-    rendered = plan.render(messages)
-    text, ids = await anyio.to_thread.run_sync(lambda: rt.chat_prompt(rendered, program_id, **options))
+
+    def prompt() -> tuple[str, list[int]]:
+        rendered = rt.plan_template(plan, options.get("chat_template")).render(messages)
+        return rt.chat_prompt(rendered, program_id, tools=plan.template_tools(), **options)
+
+    text, ids = await anyio.to_thread.run_sync(prompt)
     plan.think(rt.reasoning, text)
     if plan.constraint is not None:
         param = "tool_choice" if plan.forced_call else output_param
@@ -364,7 +369,11 @@ def message_dicts(messages: list[Any]) -> list[dict[str, Any]]:
         if m.tool_calls:
             d["tool_calls"] = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
                                for c in m.tool_calls]
-        if m.role == "tool" and not m.tool_call_id:
-            raise bad_request("a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise bad_request("a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
+            d["tool_call_id"] = m.tool_call_id  # for a template that renders tool results (with the name)
+            if m.name:
+                d["name"] = m.name
         out.append(d)
     return out

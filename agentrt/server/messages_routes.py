@@ -354,9 +354,13 @@ async def count_tokens(request: Request) -> Response:
     st.check_model(req.model)
     messages, _ = chat_messages(req)
     tools, choice = _tools(req)
-    plan = plan_call(tools, choice)
-    rendered, options = plan.render(messages), _template_options(messages)
-    ids = await anyio.to_thread.run_sync(lambda: st.runtime.chat_token_ids(rendered, **options))
+    plan, options = plan_call(tools, choice), _template_options(messages)
+
+    def token_ids() -> list[int]:
+        rendered = st.runtime.plan_template(plan).render(messages)
+        return st.runtime.chat_token_ids(rendered, tools=plan.template_tools(), **options)
+
+    ids = await anyio.to_thread.run_sync(token_ids)
     return Response(msgspec.json.encode(CountTokensResponse(len(ids))), media_type="application/json")
 
 

@@ -61,11 +61,12 @@ def _chat_ids(st: ServerState, req: TokenizeRequest) -> list[int]:
     """The conversation's token ids as /v1/chat/completions builds them (tools described the same way)."""
     assert req.messages is not None
     tools: Any = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
-    messages = plan_call(tools).render(message_dicts(req.messages))
-    return st.runtime.chat_token_ids(messages, add_generation_prompt=req.add_generation_prompt,
+    template = request_template(st, req.chat_template)
+    plan = st.runtime.plan_template(plan_call(tools), template)
+    return st.runtime.chat_token_ids(plan.render(message_dicts(req.messages)), tools=plan.template_tools(),
+                                     add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message,
-                                     chat_template_kwargs=req.chat_template_kwargs,
-                                     chat_template=request_template(st, req.chat_template))
+                                     chat_template_kwargs=req.chat_template_kwargs, chat_template=template)
 
 
 @api
