@@ -251,7 +251,8 @@ async def openapi(request: Request) -> Response:
     return json_response(request.app.state.openapi)
 
 
-def _operations() -> list[Operation]:
+def _route_modules() -> list[Any]:
+    """The modules holding the API's routes (each with ROUTES and OPERATIONS), in the document's order."""
     from agentrt.server import (
         embeddings_routes,
         messages_routes,
@@ -261,32 +262,22 @@ def _operations() -> list[Operation]:
         tokenize_routes,
     )
 
+    return [openai_routes, responses_routes, messages_routes, program_routes, tokenize_routes, embeddings_routes, ui]
+
+
+def _operations() -> list[Operation]:
     return [
         Operation("get", "/health", "liveness", Health, errors=(503,), auth=False),
         Operation("get", "/v1/models", "the served model", ModelList, errors=(401,)),
         Operation("get", "/metrics", "Prometheus metrics", None, media_type="text/plain", errors=(401,)),
         Operation("get", "/openapi.json", "this document", None, media_type="application/json", errors=(401,)),
-        *openai_routes.OPERATIONS,
-        *responses_routes.OPERATIONS,
-        *messages_routes.OPERATIONS,
-        *program_routes.OPERATIONS,
-        *tokenize_routes.OPERATIONS,
-        *embeddings_routes.OPERATIONS,
-        *ui.OPERATIONS,
+        *(op for m in _route_modules() for op in m.OPERATIONS),
     ]
 
 
 def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = None) -> Starlette:
     """The server app. `runtime`: an existing (not yet entered) Runtime to serve, e.g. for tests;
     by default one is made from `config`."""
-    from agentrt.server import (
-        embeddings_routes,
-        messages_routes,
-        openai_routes,
-        program_routes,
-        responses_routes,
-        tokenize_routes,
-    )
 
     config = config or ServerConfig()
     if runtime is None:
@@ -336,13 +327,7 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
         Route("/v1/models", models, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
-        *openai_routes.ROUTES,
-        *responses_routes.ROUTES,
-        *messages_routes.ROUTES,
-        *program_routes.ROUTES,
-        *tokenize_routes.ROUTES,
-        *embeddings_routes.ROUTES,
-        *ui.ROUTES,
+        *(route for m in _route_modules() for route in m.ROUTES),
     ]
     middleware = []
     if config.allowed_origins is not None:  # preflights are answered here, before any route asks for a key
