@@ -1,4 +1,5 @@
-"""`POST /v1/embeddings`: OpenAI's embeddings API (and vLLM's extras), keyed by program id like every call.
+"""`POST /v1/embeddings`: OpenAI's embeddings API (and vLLM's extras), keyed by program id like every call;
+vLLM's `/score` and `/rerank` on the same embeddings (cosine similarity, as vLLM scores with an embedding model).
 
 Each input is one pooling call of the engine (engine.pooling): its prompt is computed, its final
 hidden states pooled (the server's `--pooling`, by default what the checkpoint declares, else the
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import anyio
 import msgspec
@@ -81,50 +82,176 @@ def _inputs(value: Any) -> list[str | list[int]]:
                       "list of such lists", "input")
 
 
-@api
-async def create_embeddings(request: Request) -> Response:
-    st = state_of(request)
+class _Pooled(NamedTuple):
+    vectors: list[list[float]]
+    prompt_tokens: int
+    program_id: str
+
+
+async def _pool(request: Request, st: Any, inputs: list[str | list[int]], param: str, *, program_id: str | None,
+                thread_id: str | None, normalize: bool = True, dimensions: int | None = None,
+                truncate: int | None = None, add_special_tokens: bool = True, priority: int = 0) -> _Pooled:
+    """The inputs' embeddings, each one pooling call of the program; a 400 naming `param` for bad input."""
     owner = st.owner(request)
-    req: EmbeddingRequest = decode(await read_body(request, st.config.max_body_bytes), EmbeddingRequest)
-    st.check_model(req.model)
-    pid, tid = program_keys(request, req.program_id, req.thread_id)
-    inputs = _inputs(req.input)
     if len(inputs) > st.config.max_embedding_inputs:
         raise bad_request(f"{len(inputs)} inputs is over the server's limit of {st.config.max_embedding_inputs} "
-                          "(--max-embedding-inputs)", "input")
-    hidden = st.runtime._engine().core.model.args.hidden_size
-    if req.dimensions is not None and req.dimensions > hidden:
-        raise bad_request(f"dimensions={req.dimensions} is over the model's hidden size {hidden}", "dimensions")
+                          "(--max-embedding-inputs)", param)
     tok = st.runtime.tokenizer
     ids = []
     for x in inputs:
         if isinstance(x, str):
-            x = await anyio.to_thread.run_sync(lambda x=x: tok(x, add_special_tokens=req.add_special_tokens)["input_ids"])
-        if req.truncate_prompt_tokens is not None:
-            keep = st.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+            x = await anyio.to_thread.run_sync(lambda x=x: tok(x, add_special_tokens=add_special_tokens)["input_ids"])
+        if truncate is not None:
+            keep = st.max_model_len if truncate == -1 else truncate
             x = x[len(x) - keep:] if 0 < keep < len(x) else x
         if not x:
-            raise bad_request("an input has no tokens", "input")
+            raise bad_request("an input has no tokens", param)
         ids.append(x)
-    params = SamplingParams(max_tokens=1, priority=req.priority,
-                            pooling=PoolingParams(st.pooling_method, req.normalize, req.dimensions))
+    params = SamplingParams(max_tokens=1, priority=priority,
+                            pooling=PoolingParams(st.pooling_method, normalize, dimensions))
     st.check_capacity()
     calls: list[Call] = []
     try:
         for x in ids:
-            calls.append(submit(st, x, params, "input", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                                kind="embedding", name=program_name(request)))
+            calls.append(submit(st, x, params, param, program_id=program_id, thread_id=thread_id, owner=owner,
+                                cache_salt=owner, kind="embedding", name=program_name(request)))
     except BaseException:
         for c in calls:
             c.close()
         raise
     outs = await results(request, calls)
-    data = [Embedding(_encode(o.embedding, req.encoding_format), i) for i, o in enumerate(outs)]
-    tokens = sum(o.num_prompt_tokens for o in outs)
-    body = EmbeddingList(new_id("embd"), int(time.time()), st.model_name, data, EmbeddingUsage(tokens, tokens),
-                         program_id=calls[0].program_id)
-    return Response(msgspec.json.encode(body), headers={"X-Program-Id": calls[0].program_id},
-                    media_type="application/json")
+    return _Pooled([o.embedding for o in outs], sum(o.num_prompt_tokens for o in outs), calls[0].program_id)
+
+
+def _json(body: object, program_id: str) -> Response:
+    return Response(msgspec.json.encode(body), headers={"X-Program-Id": program_id}, media_type="application/json")
+
+
+@api
+async def create_embeddings(request: Request) -> Response:
+    st = state_of(request)
+    st.owner(request)
+    req: EmbeddingRequest = decode(await read_body(request, st.config.max_body_bytes), EmbeddingRequest)
+    st.check_model(req.model)
+    pid, tid = program_keys(request, req.program_id, req.thread_id)
+    inputs = _inputs(req.input)
+    hidden = st.runtime._engine().core.model.args.hidden_size
+    if req.dimensions is not None and req.dimensions > hidden:
+        raise bad_request(f"dimensions={req.dimensions} is over the model's hidden size {hidden}", "dimensions")
+    got = await _pool(request, st, inputs, "input", program_id=pid, thread_id=tid, normalize=req.normalize,
+                      dimensions=req.dimensions, truncate=req.truncate_prompt_tokens,
+                      add_special_tokens=req.add_special_tokens, priority=req.priority)
+    data = [Embedding(_encode(v, req.encoding_format), i) for i, v in enumerate(got.vectors)]
+    usage = EmbeddingUsage(got.prompt_tokens, got.prompt_tokens)
+    return _json(EmbeddingList(new_id("embd"), int(time.time()), st.model_name, data, usage,
+                               program_id=got.program_id), got.program_id)
+
+
+# --- vLLM's /score and /rerank: cosine similarity of embeddings -------------------------------
+class ScoreRequest(Struct):
+    text_1: str | list[str]  # one text scored against each of text_2, or a list paired with text_2's
+    text_2: str | list[str]
+    model: str | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    priority: Priority = 0
+    program_id: ProgramId | None = None
+    thread_id: ProgramId | None = None
+
+
+class ScoreData(Struct):
+    index: int
+    score: float
+    object: str = "score"
+
+
+class ScoreResponse(Struct):
+    id: str
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
+class RerankRequest(Struct):
+    query: str
+    documents: list[str]
+    model: str | None = None
+    top_n: Annotated[int, Meta(ge=0)] = 0  # the best N (0: all)
+    return_documents: bool = True
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    priority: Priority = 0
+    program_id: ProgramId | None = None
+    thread_id: ProgramId | None = None
+
+
+class RerankDocument(Struct):
+    text: str
+
+
+class RerankResult(Struct):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(Struct):
+    total_tokens: int
+
+
+class RerankResponse(Struct):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+def _texts(value: str | list[str], param: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if not texts or any(not t for t in texts):
+        raise bad_request(f"{param} must be a non-empty string or a non-empty list of non-empty strings", param)
+    return texts
+
+
+def _cosines(query: list[list[float]], docs: list[list[float]]) -> list[float]:
+    """Cosine similarity of each pair (query[i] or the one query, docs[i]); the vectors are unit length."""
+    q, d = np.asarray(query, dtype=np.float64), np.asarray(docs, dtype=np.float64)
+    return [float(x) for x in (np.broadcast_to(q, d.shape) * d).sum(axis=1)]
+
+
+@api
+async def score(request: Request) -> Response:
+    st = state_of(request)
+    st.owner(request)
+    req: ScoreRequest = decode(await read_body(request, st.config.max_body_bytes), ScoreRequest)
+    st.check_model(req.model)
+    pid, tid = program_keys(request, req.program_id, req.thread_id)
+    first, second = _texts(req.text_1, "text_1"), _texts(req.text_2, "text_2")
+    if len(first) != 1 and len(first) != len(second):
+        raise bad_request(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
+                          "as text_2", "text_1")
+    got = await _pool(request, st, [*first, *second], "text_2", program_id=pid, thread_id=tid,
+                      truncate=req.truncate_prompt_tokens, priority=req.priority)
+    scores = _cosines(got.vectors[: len(first)], got.vectors[len(first):])
+    data = [ScoreData(i, s) for i, s in enumerate(scores)]
+    return _json(ScoreResponse(new_id("score"), int(time.time()), st.model_name, data,
+                               EmbeddingUsage(got.prompt_tokens, got.prompt_tokens)), got.program_id)
+
+
+@api
+async def rerank(request: Request) -> Response:
+    st = state_of(request)
+    st.owner(request)
+    req: RerankRequest = decode(await read_body(request, st.config.max_body_bytes), RerankRequest)
+    st.check_model(req.model)
+    pid, tid = program_keys(request, req.program_id, req.thread_id)
+    query, docs = _texts(req.query, "query"), _texts(req.documents, "documents")
+    got = await _pool(request, st, [*query, *docs], "documents", program_id=pid, thread_id=tid,
+                      truncate=req.truncate_prompt_tokens, priority=req.priority)
+    scores = _cosines(got.vectors[:1], got.vectors[1:])
+    order = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or None]
+    out = [RerankResult(i, scores[i], RerankDocument(docs[i]) if req.return_documents else None) for i in order]
+    return _json(RerankResponse(new_id("rerank"), st.model_name, out, RerankUsage(got.prompt_tokens)), got.program_id)
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:
@@ -133,9 +260,19 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return vector
 
 
-ROUTES = [Route("/v1/embeddings", create_embeddings, methods=["POST"])]
+ROUTES = [
+    Route("/v1/embeddings", create_embeddings, methods=["POST"]),
+    *(Route(path, score, methods=["POST"]) for path in ("/score", "/v1/score")),
+    *(Route(path, rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
+]
 
+_ERRORS = (400, 401, 404, 413, 429, 500, 503)
 OPERATIONS = [
     Operation("post", "/v1/embeddings", "embeddings (OpenAI-compatible)", EmbeddingList, EmbeddingRequest,
-              errors=(400, 401, 404, 413, 429, 500, 503)),
+              errors=_ERRORS),
+    # documented once each (operation ids are unique); /score, /rerank and /v2/rerank answer the same
+    Operation("post", "/v1/score", "cosine similarity of text pairs' embeddings (vLLM's; also at /score)",
+              ScoreResponse, ScoreRequest, errors=_ERRORS),
+    Operation("post", "/v1/rerank", "documents ordered by their embeddings' similarity to a query (vLLM's, Jina / "
+              "Cohere-compatible; also at /rerank and /v2/rerank)", RerankResponse, RerankRequest, errors=_ERRORS),
 ]

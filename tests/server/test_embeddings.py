@@ -152,3 +152,40 @@ def test_server_pooling_flag(tiny_model_path, hf):
         want = hf(torch.tensor([ids])).last_hidden_state[0].mean(0).numpy()
     np.testing.assert_allclose(v, want, rtol=1e-4, atol=1e-4)
     assert over.status_code == 400 and "--max-embedding-inputs" in over.json()["error"]["message"]
+
+
+def test_score_and_rerank_are_cosines_of_the_embeddings(http):
+    """vLLM's /score (one text against many, or pairs) and /rerank (Jina / Cohere shape, best first, top_n)
+    give the cosine similarity of the inputs' embeddings, at every path vLLM serves them."""
+    query, docs = "red apples", ["green pears", "red apples and more", "a blue car"]
+    vec = {d["index"]: np.asarray(d["embedding"]) for d in
+           http.post("/v1/embeddings", json={"input": [query, *docs]}).json()["data"]}
+    want = [float(vec[0] @ vec[i + 1]) for i in range(3)]
+    for path in ("/score", "/v1/score"):
+        r = http.post(path, json={"text_1": query, "text_2": docs}).json()
+        assert [d["index"] for d in r["data"]] == [0, 1, 2] and r["data"][0]["object"] == "score"
+        np.testing.assert_allclose([d["score"] for d in r["data"]], want, rtol=1e-5, atol=1e-6)
+    pairs = http.post("/score", json={"text_1": [query, docs[0]], "text_2": [docs[1], docs[0]]}).json()["data"]
+    np.testing.assert_allclose([d["score"] for d in pairs], [want[1], 1.0], rtol=1e-5, atol=1e-5)
+    order = sorted(range(3), key=lambda i: -want[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = http.post(path, json={"query": query, "documents": docs, "top_n": 2}).json()
+        assert [x["index"] for x in r["results"]] == order[:2]
+        assert [x["document"]["text"] for x in r["results"]] == [docs[i] for i in order[:2]]
+        np.testing.assert_allclose([x["relevance_score"] for x in r["results"]], [want[i] for i in order[:2]],
+                                   rtol=1e-5, atol=1e-6)
+        assert r["usage"]["total_tokens"] > 0
+    bare = http.post("/rerank", json={"query": query, "documents": docs, "return_documents": False}).json()
+    assert len(bare["results"]) == 3 and bare["results"][0].get("document") is None
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
+    ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+    ("/rerank", {"query": "", "documents": ["a"]}, "query"),
+    ("/rerank", {"query": "q", "documents": []}, "documents"),
+    ("/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+])
+def test_bad_score_and_rerank_requests(http, path, body, param):
+    r = http.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
