@@ -32,19 +32,24 @@ from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
-class EmbeddingRequest(Struct):
-    input: Any  # a string, a list of strings, a list of token ids, or a list of those lists
+class PoolingCallFields(Struct, kw_only=True):
+    """What every embedding-based request takes besides its inputs."""
+
     model: str | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last k tokens (-1: the context)
+    priority: Priority = 0
+    program_id: ProgramId | None = None
+    thread_id: ProgramId | None = None
+
+
+class EmbeddingRequest(PoolingCallFields, kw_only=True):
+    input: Any  # a string, a list of strings, a list of token ids, or a list of those lists
     encoding_format: Literal["float", "base64"] = "float"  # base64: the vector's float32 bytes, little-endian
     dimensions: Annotated[int, Meta(ge=1)] | None = None  # keep the first D values (then normalize)
     user: str | None = None
     # vLLM's extras
     normalize: bool = True  # scale to unit L2 norm
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last k tokens (-1: the context)
     add_special_tokens: bool = True  # the tokenizer's special tokens (e.g. BOS) around text inputs
-    priority: Priority = 0
-    program_id: ProgramId | None = None
-    thread_id: ProgramId | None = None
 
 
 class Embedding(Struct):
@@ -148,14 +153,9 @@ async def create_embeddings(request: Request) -> Response:
 
 
 # --- vLLM's /score and /rerank: cosine similarity of embeddings -------------------------------
-class ScoreRequest(Struct):
+class ScoreRequest(PoolingCallFields, kw_only=True):
     text_1: str | list[str]  # one text scored against each of text_2, or a list paired with text_2's
     text_2: str | list[str]
-    model: str | None = None
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
-    priority: Priority = 0
-    program_id: ProgramId | None = None
-    thread_id: ProgramId | None = None
 
 
 class ScoreData(Struct):
@@ -173,16 +173,11 @@ class ScoreResponse(Struct):
     object: str = "list"
 
 
-class RerankRequest(Struct):
+class RerankRequest(PoolingCallFields, kw_only=True):
     query: str
     documents: list[str]
-    model: str | None = None
     top_n: Annotated[int, Meta(ge=0)] = 0  # the best N (0: all)
     return_documents: bool = True
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
-    priority: Priority = 0
-    program_id: ProgramId | None = None
-    thread_id: ProgramId | None = None
 
 
 class RerankDocument(Struct):
