@@ -36,7 +36,7 @@ from engine.runner import ModelRunner
 from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import propose
-from engine.structured import Constraint, GrammarCache
+from engine.structured import Constraint, GrammarCache, allows_no_token
 
 _CPU_KV_BYTES = 1 << 30
 
@@ -438,17 +438,22 @@ class EngineCore:
     ) -> StreamDelta:
         if req.first_token_time is None:
             req.first_token_time = now
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            if allows_no_token(req.matcher, self.model.args.vocab_size):
+                # a dead end: no token of the vocabulary continues the grammar (e.g. a regex character whose
+                # bytes no token spells), so the sampled row was all -inf. The vocabulary is the limit: the
+                # output ends here, as at max_tokens
+                logger.info("request %r: its grammar allows no next token; ending it", req.request_id)
+                self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH, "length")
+                return self._delta(req, [])
+            raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
         req.append_token(token, logprob, top)
         p = req.sampling
         eos = not p.ignore_eos and token in req.eos_token_ids
         stop_id = token in p.stop_token_ids
         detok = self._detok[req.request_id]
         stop_hit = detok.add([token], stop_terminated=eos or stop_id)
-        grammar_done = False
-        if req.matcher is not None:
-            if not req.matcher.accept_token(token):
-                raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
-            grammar_done = req.matcher.is_terminated()
+        grammar_done = req.matcher is not None and req.matcher.is_terminated()
         if eos or grammar_done:
             detok.stop_reason = None  # vLLM's: EOS ends it, whatever else the token did
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")

@@ -108,6 +108,15 @@ class GrammarCache:
         return self._xgr.GrammarMatcher(self.compile(c))
 
 
+def allows_no_token(matcher: Any, vocab_size: int) -> bool:
+    """Whether a matcher's grammar is at a dead end: not a single token (stop tokens included) is allowed."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return not bool(bitmask.any())
+
+
 _PENALTIES: dict[torch.device, torch.Tensor] = {}
 
 

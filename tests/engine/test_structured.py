@@ -290,3 +290,18 @@ def test_compiled_grammars_are_cached(tiny):
     tiny.generate(PROMPTS[:1], SamplingParams(max_tokens=4, constraint=Constraint("regex", "[ab]+")))
     assert cache.num_compiles == compiles + 1
     assert_clean(core)
+
+
+def test_a_grammar_at_a_dead_end_ends_the_output_like_max_tokens(tiny):
+    """A regex whose characters' bytes no token of the vocabulary spells (found by the schema fuzz test):
+    after the tokens that do spell its start, the grammar allows nothing. The output ends there with
+    finish_reason "length" (not a failed request with a token the grammar refused), the batch's other
+    request is untouched, and every block comes back."""
+    regex = "\x84\x99\U000863e1!"
+    free = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    stuck, other = tiny.generate([[1, 2, 3], [4, 5, 6]], [SamplingParams(max_tokens=10, constraint=Constraint(
+        "regex", regex)), free])
+    assert stuck.finish_reason == "length" and 1 <= len(stuck.token_ids) < 10 and stuck.outputs[0].error is None
+    assert regex.startswith(stuck.text) and stuck.text != regex
+    assert other.token_ids == tiny.generate([[4, 5, 6]], free)[0].token_ids
+    assert_all_blocks_free(tiny.core)
