@@ -23,6 +23,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from agentrt._call import Call
+from agentrt._embed import embed_inputs
+from agentrt._errors import InvalidCallError
 from agentrt.server.app import read_body, state_of
 from agentrt.server.calls import new_id, program_keys, program_name, results, submit
 from agentrt.server.errors import api, bad_request
@@ -74,17 +76,11 @@ class EmbeddingList(Struct):
 
 
 def _inputs(value: Any) -> list[str | list[int]]:
-    def token_ids(x: Any) -> bool:
-        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-    if isinstance(value, str):
-        return [value]
-    if token_ids(value):
-        return [value]
-    if isinstance(value, list) and value and (all(isinstance(x, str) for x in value) or all(map(token_ids, value))):
-        return list(value)
-    raise bad_request("input must be a non-empty string, a list of strings, a non-empty list of token ids, or a "
-                      "list of such lists", "input")
+    try:
+        return embed_inputs(value)[1]  # the rule agentrt.embed checks
+    except InvalidCallError:
+        raise bad_request("input must be a non-empty string, a list of strings, a non-empty list of token ids, or "
+                          "a list of such lists", "input") from None
 
 
 class _Pooled(NamedTuple):
@@ -93,11 +89,28 @@ class _Pooled(NamedTuple):
     program_id: str
 
 
-async def _pool(request: Request, st: Any, inputs: list[str | list[int]], param: str, *, program_id: str | None,
-                thread_id: str | None, normalize: bool = True, dimensions: int | None = None,
-                truncate: int | None = None, add_special_tokens: bool = True, priority: int = 0) -> _Pooled:
-    """The inputs' embeddings, each one pooling call of the program; a 400 naming `param` for bad input."""
+class _Begun(NamedTuple):
+    st: Any  # ServerState
+    owner: str | None
+    req: Any  # a PoolingCallFields request
+    program_id: str | None
+    thread_id: str | None
+
+
+async def _begin(request: Request, type_: type) -> _Begun:
+    """What every embedding-based route starts with: the key checked (401 before anything else), the body
+    decoded into `type_`, the model and the program keys."""
+    st = state_of(request)
     owner = st.owner(request)
+    req = decode(await read_body(request, st.config.max_body_bytes), type_)
+    st.check_model(req.model)
+    return _Begun(st, owner, req, *program_keys(request, req.program_id, req.thread_id))
+
+
+async def _pool(request: Request, b: _Begun, inputs: list[str | list[int]], param: str, *, normalize: bool = True,
+                dimensions: int | None = None, add_special_tokens: bool = True) -> _Pooled:
+    """The inputs' embeddings, each one pooling call of the program; a 400 naming `param` for bad input."""
+    st, truncate = b.st, b.req.truncate_prompt_tokens
     if len(inputs) > st.config.max_embedding_inputs:
         raise bad_request(f"{len(inputs)} inputs is over the server's limit of {st.config.max_embedding_inputs} "
                           "(--max-embedding-inputs)", param)
@@ -112,14 +125,14 @@ async def _pool(request: Request, st: Any, inputs: list[str | list[int]], param:
         if not x:
             raise bad_request("an input has no tokens", param)
         ids.append(x)
-    params = SamplingParams(max_tokens=1, priority=priority,
+    params = SamplingParams(max_tokens=1, priority=b.req.priority,
                             pooling=PoolingParams(st.pooling_method, normalize, dimensions))
     st.check_capacity()
     calls: list[Call] = []
     try:
         for x in ids:
-            calls.append(submit(st, x, params, param, program_id=program_id, thread_id=thread_id, owner=owner,
-                                cache_salt=owner, kind="embedding", name=program_name(request)))
+            calls.append(submit(st, x, params, param, program_id=b.program_id, thread_id=b.thread_id, owner=b.owner,
+                                cache_salt=b.owner, kind="embedding", name=program_name(request)))
     except BaseException:
         for c in calls:
             c.close()
@@ -134,18 +147,14 @@ def _json(body: object, program_id: str) -> Response:
 
 @api
 async def create_embeddings(request: Request) -> Response:
-    st = state_of(request)
-    st.owner(request)
-    req: EmbeddingRequest = decode(await read_body(request, st.config.max_body_bytes), EmbeddingRequest)
-    st.check_model(req.model)
-    pid, tid = program_keys(request, req.program_id, req.thread_id)
+    b = await _begin(request, EmbeddingRequest)
+    st, req = b.st, b.req
     inputs = _inputs(req.input)
     hidden = st.runtime._engine().core.model.args.hidden_size
     if req.dimensions is not None and req.dimensions > hidden:
         raise bad_request(f"dimensions={req.dimensions} is over the model's hidden size {hidden}", "dimensions")
-    got = await _pool(request, st, inputs, "input", program_id=pid, thread_id=tid, normalize=req.normalize,
-                      dimensions=req.dimensions, truncate=req.truncate_prompt_tokens,
-                      add_special_tokens=req.add_special_tokens, priority=req.priority)
+    got = await _pool(request, b, inputs, "input", normalize=req.normalize, dimensions=req.dimensions,
+                      add_special_tokens=req.add_special_tokens)
     data = [Embedding(_encode(v, req.encoding_format), i) for i, v in enumerate(got.vectors)]
     usage = EmbeddingUsage(got.prompt_tokens, got.prompt_tokens)
     return _json(EmbeddingList(new_id("embd"), int(time.time()), st.model_name, data, usage,
@@ -216,17 +225,13 @@ def _cosines(query: list[list[float]], docs: list[list[float]]) -> list[float]:
 
 @api
 async def score(request: Request) -> Response:
-    st = state_of(request)
-    st.owner(request)
-    req: ScoreRequest = decode(await read_body(request, st.config.max_body_bytes), ScoreRequest)
-    st.check_model(req.model)
-    pid, tid = program_keys(request, req.program_id, req.thread_id)
+    b = await _begin(request, ScoreRequest)
+    st, req = b.st, b.req
     first, second = _texts(req.text_1, "text_1"), _texts(req.text_2, "text_2")
     if len(first) != 1 and len(first) != len(second):
         raise bad_request(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
                           "as text_2", "text_1")
-    got = await _pool(request, st, [*first, *second], "text_2", program_id=pid, thread_id=tid,
-                      truncate=req.truncate_prompt_tokens, priority=req.priority)
+    got = await _pool(request, b, [*first, *second], "text_2")
     scores = _cosines(got.vectors[: len(first)], got.vectors[len(first):])
     data = [ScoreData(i, s) for i, s in enumerate(scores)]
     return _json(ScoreResponse(new_id("score"), int(time.time()), st.model_name, data,
@@ -235,14 +240,10 @@ async def score(request: Request) -> Response:
 
 @api
 async def rerank(request: Request) -> Response:
-    st = state_of(request)
-    st.owner(request)
-    req: RerankRequest = decode(await read_body(request, st.config.max_body_bytes), RerankRequest)
-    st.check_model(req.model)
-    pid, tid = program_keys(request, req.program_id, req.thread_id)
+    b = await _begin(request, RerankRequest)
+    st, req = b.st, b.req
     query, docs = _texts(req.query, "query"), _texts(req.documents, "documents")
-    got = await _pool(request, st, [*query, *docs], "documents", program_id=pid, thread_id=tid,
-                      truncate=req.truncate_prompt_tokens, priority=req.priority)
+    got = await _pool(request, b, [*query, *docs], "documents")
     scores = _cosines(got.vectors[:1], got.vectors[1:])
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or None]
     out = [RerankResult(i, scores[i], RerankDocument(docs[i]) if req.return_documents else None) for i in order]
