@@ -76,6 +76,7 @@ class Call:
         self._closed = False
         self._waiting = True  # counted in the runtime's waiting calls until its first token
         self.one_call: ProgramHandle | None = None  # set when the call is a program of its own
+        self.model: str | None = None  # the LoRA adapter it runs with (agentrt._lora); None: the base model
 
     # --- consuming -------------------------------------------------------------------------
     def __aiter__(self) -> AsyncIterator[StreamDelta]:

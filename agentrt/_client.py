@@ -39,7 +39,8 @@ from engine.sampling_params import SamplingParams
 
 _FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "n", "logprobs", "top_logprobs",
            "include_stop_str_in_output", "skip_special_tokens", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "min_p", "min_tokens", "priority")
+           "repetition_penalty", "min_p", "min_tokens", "priority", "allowed_token_ids", "bad_words",
+           "truncate_prompt_tokens")
 _DEFAULTS = SamplingParams()
 
 
@@ -116,9 +117,11 @@ class RemoteRuntime:
         return Result(choices, _usage(data))
 
     async def embed(self, inputs: Any, *, dimensions: int | None = None, normalize: bool = True,
-                    priority: int = 0) -> list[float] | list[list[float]]:
+                    priority: int = 0, model: str | None = None) -> list[float] | list[list[float]]:
         one, items = embed_inputs(inputs)
         body = {"input": items, "normalize": normalize, "priority": priority}
+        if model is not None:
+            body["model"] = model
         if dimensions is not None:
             body["dimensions"] = dimensions
         data = await self._post("/v1/embeddings", body)
@@ -169,6 +172,9 @@ class RemoteRuntime:
         return self._client
 
     def _sampling(self, sampling: dict[str, Any], completions: bool = False) -> dict[str, Any]:
+        model = sampling.pop("model", None)  # a LoRA adapter's name; the server checks it
+        if model is not None and not isinstance(model, str):
+            raise InvalidCallError(f"model must be a LoRA adapter's name (a str) or None, got {model!r}", program_id=_pid())
         try:
             params = SamplingParams(**sampling)
         except (TypeError, ValueError) as e:
@@ -180,6 +186,8 @@ class RemoteRuntime:
                                    program_id=_pid())
         body = {f: getattr(params, f) for f in _FIELDS if f in sampling}
         body["return_token_ids"] = True  # a Result's choices carry them, as in-process
+        if model is not None:
+            body["model"] = model
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
         if params.logit_bias:  # OpenAI's shape: token ids as strings

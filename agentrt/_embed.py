@@ -35,9 +35,9 @@ def embed_inputs(inputs: Any) -> tuple[bool, list[str | list[int]]]:
 
 
 async def embed(inputs: Inputs, *, dimensions: int | None = None, normalize: bool = True,
-                priority: int = 0) -> list[float] | list[list[float]]:
+                priority: int = 0, model: str | None = None) -> list[float] | list[list[float]]:
     """The embedding of `inputs` (one vector for one input, a list of vectors for a list) as calls of
-    the current program."""
+    the current program; `model`: a LoRA adapter's name (None: the base model)."""
     rt = current_runtime()
     assert rt is not None
-    return await rt.embed(inputs, dimensions=dimensions, normalize=normalize, priority=priority)
+    return await rt.embed(inputs, dimensions=dimensions, normalize=normalize, priority=priority, model=model)

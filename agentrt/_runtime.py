@@ -26,6 +26,7 @@ from agentrt._chat_plan import ChatPlan, Reply, ReplyStreamer, plan_call
 from agentrt._chat_prompt import ChatPrompts, pop_template_options
 from agentrt._context import _runtime, current_runtime
 from agentrt._embed import embed_inputs
+from agentrt._lora import LoRAModules, parse_lora_modules
 from agentrt._errors import (
     ConfigError,
     InvalidCallError,
@@ -42,10 +43,12 @@ from agentrt._toolcalls import response_format_constraint, tool_specs
 from agentrt._toolparsers import tool_call_parser as make_tool_parser
 from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
 from engine.kv_cache_manager import OwnerKV
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput, StreamDelta
 from engine.pooling import PoolingParams
 from engine.pooling import default_method as default_pooling
 from engine.program_ops import ProgramOp
+from engine.sampling_params import truncate_prompt
 from engine.structured import Constraint
 
 ANY_OWNER: Any = object()  # `owner=` default of the program look-ups: any client's program
@@ -72,6 +75,9 @@ class Runtime:
         tool_call_parser: vLLM's `--tool-call-parser` ("hermes", "llama3_json", "mistral", "pythonic"):
             the format tool calls are read in (agentrt._toolparsers); "auto": the format the chat
             template teaches when it renders tools, else Hermes (ours, described in the system message).
+        lora_modules: LoRA adapters served by name (vLLM's `--lora-modules`): {name: directory}, or
+            `name=path` strings; a call names one as its model (`chat(..., model="sql")`). Giving any
+            turns on the engine's enable_lora (adapters loaded later: `load_lora_adapter`).
         **engine_config: any other `engine.EngineConfig` field (num_blocks, max_num_seqs, ...).
     """
 
@@ -85,8 +91,17 @@ class Runtime:
         retention: RetentionConfig | bool = True,
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = "auto",
+        lora_modules: Any = None,
         **engine_config: Any,
     ) -> None:
+        self.loras = LoRAModules()  # adapter name -> engine.LoRARequest
+        for name, path, base in parse_lora_modules(lora_modules):
+            try:
+                self.loras.add(name, path, base)
+            except ValueError as e:
+                raise ConfigError(f"bad lora_modules: {e}") from None
+        if self.loras:
+            engine_config.setdefault("enable_lora", True)
         try:
             self.reasoning = make_reasoning_parser(reasoning_parser)  # splits chat replies' thinking off; None: no
             self.tool_parser = make_tool_parser(tool_call_parser)  # reads chat replies' calls; None: per template
@@ -126,6 +141,11 @@ class Runtime:
             engine = AsyncEngine(self.engine_config)
             stack.callback(engine.close)  # after the engine stops serving: its thread goes (engine/engine_thread.py)
             self.engine = await stack.enter_async_context(engine)
+            for req in self.loras.requests():  # a bad adapter fails the start, naming it
+                try:
+                    engine.core.lora_adapter(req)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
             kv = engine.core.kv
             self.retention = RetentionPolicy(self.retention_config, self._program_op, kv.num_blocks * kv.block_size)
             if self.program_idle_timeout_s is not None:
@@ -153,8 +173,38 @@ class Runtime:
     def tokenizer(self) -> Any:
         return self._engine().tokenizer
 
+    async def load_lora_adapter(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Serve the LoRA adapter at `path` under `name` from now on (vLLM's /v1/load_lora_adapter); the
+        engine needs enable_lora. Its files are read and checked here, in a worker thread; a bad adapter or
+        a taken name raises InvalidCallError and leaves nothing behind."""
+        try:
+            req = self.loras.add(name, path, base_model_name)
+        except ValueError as e:
+            raise InvalidCallError(str(e), param="lora_name") from None
+        try:
+            await anyio.to_thread.run_sync(self._engine().core.lora_adapter, req)
+        except BaseException as e:
+            self.loras.remove(name)
+            if isinstance(e, ValueError):
+                raise InvalidCallError(str(e), param="lora_path") from None
+            raise
+        return req
+
+    def unload_lora_adapter(self, name: str) -> LoRARequest:
+        """Stop serving the adapter `name` (calls running with it finish with it); KeyError if none has it."""
+        req = self.loras.remove(name)
+        core = self._engine().core
+        if core.loras is not None:
+            core.loras.remove(req.lora_int_id)
+        return req
+
     def kv_stats(self) -> Any:
         return self._engine().kv_stats()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the engine's cached prefixes that no call holds (vLLM's reset_prefix_cache; programs' pins
+        stay): later calls compute them again. True when nothing cached is left."""
+        return await self._engine().reset_prefix_cache()
 
     def _engine(self) -> AsyncEngine:
         if self.engine is None:
@@ -331,25 +381,29 @@ class Runtime:
         kind: str = "generate",
         last_call: bool = False,
         name: str = "program",
+        model: str | None = None,
     ) -> Call:
         """Submit one call for the program `program_id` (started if unknown; None: a one-call
         program). Bad input raises `InvalidCallError` here; see `agentrt._call.Call`. `last_call`: the
         program makes no more calls, so nothing of it is pinned when this one ends. `name`: the name of
-        a program this call starts."""
+        a program this call starts. `model`: a LoRA adapter's name (None: the base model)."""
+        lora = self.loras.resolve(model, program_id)
         if program_id is None:
             info = self.start_program(name=kind, owner=owner)
-            return self._submit(self._keyed[info.program_id], None, prompt, params, kind, cache_salt, one_call=True)
+            return self._submit(self._keyed[info.program_id], None, prompt, params, kind, cache_salt, one_call=True,
+                                lora=lora)
         handle = self._keyed.get(program_id)
         if handle is None or handle.info.owner != owner:
             if handle is not None or (program_id in self.programs and self.programs[program_id].state == "running"):
                 raise ProgramNotFoundError("no such program", program_id=program_id)  # another owner's
             self.start_program(program_id, name=name, owner=owner)
             handle = self._keyed[program_id]
-        return self._submit(handle, thread_id, prompt, params, kind, cache_salt, last_call=last_call)
+        return self._submit(handle, thread_id, prompt, params, kind, cache_salt, last_call=last_call, lora=lora)
 
     def _submit(
         self, handle: ProgramHandle, thread_id: str | None, prompt: str | list[int], params: SamplingParams,
         kind: str, cache_salt: str | None, one_call: bool = False, last_call: bool = False,
+        lora: LoRARequest | None = None,
     ) -> Call:
         engine = self._engine()
         pid = handle.program_id
@@ -360,10 +414,11 @@ class Runtime:
         try:
             if isinstance(prompt, str):
                 prompt = self.tokenizer(prompt)["input_ids"]
+            prompt = truncate_prompt(prompt, params.truncate_prompt_tokens, engine.core.max_model_len)  # as counted
             if self.retention is not None:  # before the add: the TTL its end pins for is in place first
                 self.retention.call_submitted(pid, time.monotonic(), last=last_call or one_call)
             stream = engine.add_request(prompt, params, request_id=rid, program_id=pid, thread_id=thread_id,
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, lora_request=lora)
         except (TypeError, ValueError, UnicodeError) as e:
             if one_call:
                 self._end_program(handle, "failed", repr(e))
@@ -377,6 +432,7 @@ class Runtime:
         self._num_waiting += 1
         call = Call(self, handle.info, thread_id, rid, kind, stream, record, len(prompt))
         call.one_call = handle if one_call else None
+        call.model = lora.lora_name if lora is not None else None
         return call
 
     def _call_closed(self, call: Call) -> None:
@@ -416,8 +472,9 @@ class Runtime:
         prog, thread_id = cur
         exc: BaseException | None = None
         try:
+            lora = self.loras.resolve(sampling.pop("model", None), prog.program_id)
             params = _sampling_params(sampling, prog.program_id)
-            async with self._submit(prog, thread_id, prompt, params, kind, None) as call:
+            async with self._submit(prog, thread_id, prompt, params, kind, None, lora=lora) as call:
                 async for delta in call:
                     yield delta
                 out.append(await call.result())
@@ -457,8 +514,9 @@ class Runtime:
         return self._result(out, plan)
 
     async def embed(self, inputs: Any, *, dimensions: int | None = None, normalize: bool = True,
-                    priority: int = 0) -> list[float] | list[list[float]]:
-        """Embeddings of the inputs, each one call (agentrt._embed), all at once."""
+                    priority: int = 0, model: str | None = None) -> list[float] | list[list[float]]:
+        """Embeddings of the inputs, each one call (agentrt._embed), all at once; `model`: a LoRA adapter's
+        name (None: the base model)."""
         one, items = embed_inputs(inputs)
         if self._pooling is None:
             self._pooling = default_pooling(self._engine().core.model_path)
@@ -469,7 +527,8 @@ class Runtime:
         vectors: list[Any] = [None] * len(items)
 
         async def run(i: int, x: str | list[int]) -> None:
-            out = await self._collect(x, {"max_tokens": 1, "priority": priority, "pooling": pooling}, "embedding")
+            out = await self._collect(x, {"max_tokens": 1, "priority": priority, "pooling": pooling, "model": model},
+                                      "embedding")
             vectors[i] = out.embedding
 
         async with anyio.create_task_group() as tg:

@@ -1,4 +1,4 @@
-"""The runtime library's own commands: `python -m agentrt.cli serve | generate`.
+"""The runtime library's own commands: `python -m agentrt.cli serve | generate | run-batch`.
 
 The `agentrt` command (`agentrt_cli`, the top floor) adds `run`, `demo`, `bench` and `simulate`,
 which start example programs and benchmarks; this module, like the rest of `agentrt`, imports
@@ -12,6 +12,8 @@ import json
 import sys
 import time
 
+from agentrt import run_batch
+from agentrt._cli_options import add_engine_options, engine_options
 from agentrt._reasoning import REASONING_PARSERS
 from agentrt._toolparsers import PARSER_CHOICES
 from agentrt.policies import POLICY_NAMES
@@ -67,14 +69,7 @@ def _serve(a: argparse.Namespace) -> int:
     # every argument is checked before the model loads
     if a.model_tag is not None and a.model is not None and a.model_tag != a.model:
         raise ValueError(f"two models given: {a.model_tag!r} (positional) and {a.model!r} (--model); give one")
-    if a.seed is not None and not 0 <= a.seed < 2**63:
-        raise ValueError(f"--seed must be an int in [0, 2**63 - 1], got {a.seed}")
-    engine = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_num_batched_tokens),
-                                ("kv_cache_bytes", a.kv_cache_bytes), ("num_blocks", a.num_blocks),
-                                ("max_model_len", a.max_model_len), ("dtype", a.dtype), ("device", a.device),
-                                ("num_speculative_tokens", a.num_speculative_tokens),
-                                ("num_scheduler_steps", a.num_scheduler_steps), ("seed", a.seed),
-                                ("enable_prefix_caching", a.enable_prefix_caching)) if v is not None}
+    engine = engine_options(a)
     cors = {name: _json_strings(flag, text) for name, flag, text in (
         ("allowed_origins", "--allowed-origins", a.allowed_origins),
         ("allowed_methods", "--allowed-methods", a.allowed_methods),
@@ -87,7 +82,8 @@ def _serve(a: argparse.Namespace) -> int:
         chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
         allow_credentials=a.allow_credentials, reasoning_parser=a.reasoning_parser,
         tool_call_parser=a.tool_call_parser, pooling=a.pooling,
-        max_embedding_inputs=a.max_embedding_inputs, **cors,
+        max_embedding_inputs=a.max_embedding_inputs, lora_modules=a.lora_modules, **cors,
+        **({} if a.allow_runtime_lora_updating is None else {"allow_runtime_lora_updating": True}),
     )
     return serve(config, a.host, a.port, a.log_level, root_path=a.root_path, ssl_keyfile=a.ssl_keyfile,
                  ssl_certfile=a.ssl_certfile, access_log=not a.disable_uvicorn_access_log)
@@ -104,7 +100,7 @@ def _json_strings(flag: str, text: str) -> list[str]:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Add `generate` and `serve` to a command line (this one's and the `agentrt` command's)."""
+    """Add `generate`, `serve` and `run-batch` to a command line (this one's and the `agentrt` command's)."""
     g = sub.add_parser("generate", help="generate text from one prompt with the engine")
     g.add_argument("prompt")
     g.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -154,19 +150,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-body-bytes", type=int, default=4 << 20)
     s.add_argument("--max-n", type=int, default=16)
     s.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: context)")
-    s.add_argument("--max-num-seqs", type=int, default=None)
-    s.add_argument("--max-num-batched-tokens", type=int, default=None)
-    s.add_argument("--kv-cache-bytes", type=int, default=None)
-    s.add_argument("--num-blocks", type=int, default=None)
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--dtype", default=None)
-    s.add_argument("--device", default=None)
-    s.add_argument("--seed", type=int, default=None, help="seed for calls without their own (default 0)")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse the KV of shared prompt prefixes (default: on)")
-    s.add_argument("--num-speculative-tokens", type=int, default=None)
-    s.add_argument("--num-scheduler-steps", type=int, default=None,
-                   help="greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens come in bursts of this many; default 1)")
+    add_engine_options(s)
     s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="leave the tools out of the prompt of a call with tool_choice 'none' (vLLM's flag; by default "
                         "they stay, so the calls of a conversation share their prompt's prefix)")
@@ -182,9 +166,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="how /v1/embeddings pools a prompt's final hidden states (default: what the checkpoint's "
                         "sentence-transformers files declare, else the last token's)")
     s.add_argument("--max-embedding-inputs", type=int, default=2048, help="inputs of one /v1/embeddings request at most")
+    s.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
+                   help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn log line per request")
     s.set_defaults(fn=_serve)
+    run_batch.add_command(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

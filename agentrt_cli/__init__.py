@@ -30,6 +30,7 @@ BENCHES = {
     "sampling": "bench.sampling",
     "structured": "bench.structured",
     "embed": "bench.embed",
+    "lora": "bench.lora",
 }
 
 

@@ -38,6 +38,7 @@ from engine.async_engine import AsyncEngine, RequestStream
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats
 from engine.llm import LLM
+from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from engine.policy import FCFS, SchedulingPolicy, make_policy, register_policy
 from engine.pooling import PoolingParams
@@ -52,6 +53,7 @@ __all__ = [
     "EngineConfig",
     "EngineCore",
     "KVStats",
+    "LoRARequest",
     "PoolingParams",
     "Request",
     "RequestOutput",

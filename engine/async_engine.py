@@ -12,7 +12,8 @@ served alone, and the loop below survives any exception. Every per-request entry
 its stream ends, and a stream dropped unread (garbage-collected) aborts its request.
 
 Program operations (`engine.program_ops`: start, reserve, pin, release, end) take the same road:
-`program_op` applies one now, or queues it behind the adds and aborts received during a step.
+`program_op` applies one now, or queues it behind the adds and aborts received during a step; so does
+`reset_prefix_cache`, which its caller awaits.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import queue
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -32,6 +33,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats, family_ids
 from engine.engine_thread import EngineThread
 from engine.llm import make_config
+from engine.lora import LoRAAdapter, LoRARequest
 from engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from engine.program_ops import ProgramOp
 from engine.request import Request
@@ -122,6 +124,15 @@ class _Add:
     program_id: str | None
     thread_id: str | None
     cache_salt: str | None
+    lora: LoRAAdapter | None
+
+
+@dataclass(slots=True)
+class _Reset:
+    """A prefix-cache reset asked for during a step, applied right after it."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)  # set once applied (or the engine stopped)
+    reset: bool = False  # EngineCore.reset_prefix_cache's answer
 
 
 class AsyncEngine:
@@ -138,7 +149,8 @@ class AsyncEngine:
         self._streams: dict[str, _Sink] = {}  # root request id -> its stream's engine side, until it ends
         self._roots: dict[str, str] = {}  # request id (forks included) -> its root's id, until the stream ends
         self._root_reqs: dict[str, Request] = {}  # root id -> its Request once in the core, until the stream ends
-        self._queued: list[_Add | str | ProgramOp] = []  # adds, aborts (by id), program ops received during a step
+        self._queued: list[_Add | str | ProgramOp | _Reset] = []  # adds, aborts (by id), program ops, prefix-cache
+        # resets received during a step
         # streams collected unread; a finalizer may run on any thread, so a thread-safe queue. Drained
         # before every step: a request still in the core keeps the loop stepping, so no wake-up is needed.
         self._abandoned: queue.SimpleQueue[_Sink] = queue.SimpleQueue()
@@ -177,6 +189,9 @@ class AsyncEngine:
         finally:
             self._tg = None
             self._stepping = False
+            for item in self._queued:
+                if isinstance(item, _Reset):
+                    item.done.set()
             self._queued.clear()
             for rid in list(self._streams):
                 self._fail(rid, EngineError(f"engine stopped before request {rid!r} finished"))
@@ -194,18 +209,19 @@ class AsyncEngine:
         program_id: str | None = None,
         thread_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | LoRAAdapter | None = None,
     ) -> RequestStream:
         """Queue a request. Everything is checked here, before anything is recorded: bad input raises
         `InvalidRequestError` (a ValueError; `InvalidRequestTypeError` is also a TypeError) naming the
         field and value, and leaves no trace."""
         if self._closed or self._tg is None:
             raise EngineError("AsyncEngine is not running: use `async with AsyncEngine(...) as engine`")
-        ids, params, request_id = self.core.check_request(
-            prompt, params, request_id, program_id, thread_id, cache_salt, taken=self._roots
+        ids, params, request_id, adapter = self.core.check_request(
+            prompt, params, request_id, program_id, thread_id, cache_salt, taken=self._roots, lora_request=lora_request
         )
         sink = _Sink(request_id, params.n)
         stream = RequestStream(sink)
-        add = _Add(sink, ids, params, program_id, thread_id, cache_salt)
+        add = _Add(sink, ids, params, program_id, thread_id, cache_salt, adapter)
         self._streams[request_id] = sink
         for rid in family_ids(request_id, params.n):
             self._roots[rid] = request_id
@@ -234,6 +250,16 @@ class AsyncEngine:
             self._queued.append(op)
         else:
             self.core.program_op(op)
+
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's reset_prefix_cache, between steps (EngineCore.reset_prefix_cache): cached blocks no one holds
+        are forgotten. True when nothing cached is left (False too when the engine stopped first)."""
+        if not self._stepping:
+            return self.core.reset_prefix_cache()
+        item = _Reset()
+        self._queued.append(item)
+        await item.done.wait()
+        return item.reset
 
     def close(self) -> None:
         """Stop the engine's thread once it is not serving (it cannot serve again). An engine dropped without
@@ -268,7 +294,7 @@ class AsyncEngine:
         if self._streams.get(rid) is not add.sink:  # aborted (and maybe the id reused) before it was added
             return
         req = self.core.add_request(
-            add.prompt_token_ids, add.params, rid, add.program_id, add.thread_id, add.cache_salt
+            add.prompt_token_ids, add.params, rid, add.program_id, add.thread_id, add.cache_salt, add.lora
         )
         self._root_reqs[rid] = req
 
@@ -378,6 +404,11 @@ class AsyncEngine:
                         self._add_now(item)
                     elif isinstance(item, str):
                         self._abort_now(item)
+                    elif isinstance(item, _Reset):
+                        try:
+                            item.reset = self.core.reset_prefix_cache()
+                        finally:
+                            item.done.set()
                     else:
                         self.core.program_op(item)
                 except Exception as e:

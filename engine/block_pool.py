@@ -173,6 +173,16 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 self._put(b)
 
+    def drop_unused_cached(self) -> int:
+        """Forget the hash of every free cached block (each moves to the free queue's head with the other
+        blocks that have nothing to lose); how many cached blocks are left (all in use)."""
+        dropped = [b for b in self.free_queue if self.block_hash[b] is not None]
+        for b in reversed(dropped):  # keeps their order, ahead of the blocks that had no hash
+            del self.cached[self.block_hash[b]]
+            self.block_hash[b] = None
+            self.free_queue.move_to_end(b, last=False)
+        return len(self.cached)
+
     def lookup(self, h: bytes) -> int | None:
         return self.cached.get(h)
 

@@ -38,6 +38,9 @@ class EngineConfig:
     # nobody waits and every running request decodes greedily with no log-probs or logit processors:
     # the model loops over them itself (on CPU one C++ call: no Python between steps) and tokens
     # reach the caller in bursts of up to this many; 1 = one step per call
+    enable_lora: bool = False  # serve LoRA adapters (engine.lora): requests may name one with lora_request
+    max_loras: int = 8  # adapters kept loaded at most (least recently used dropped; a request holds its own)
+    max_lora_rank: int = 64  # an adapter of a higher rank is refused
     dtype_reason: str = field(default="", init=False)  # how `dtype` was chosen, for the start-up line
 
     def __post_init__(self) -> None:
@@ -56,6 +59,10 @@ class EngineConfig:
         if isinstance(self.num_scheduler_steps, bool) or not isinstance(self.num_scheduler_steps, int) \
                 or self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be an int >= 1, got {self.num_scheduler_steps!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min!r} "
                              f"and {self.prompt_lookup_max!r}")

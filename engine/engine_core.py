@@ -28,12 +28,20 @@ import kernels
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model, load_tokenizer, resolve_model
+from engine.lora import LoRAAdapter, LoRARegistry, LoRARequest, load_adapter
+from engine.model import interleave_rope_rows
 from engine.outputs import CompletionOutput, Detokenizer, RequestMetrics, RequestOutput, StreamDelta
 from engine.policy import make_policy
 from engine.program_ops import ProgramOp
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
+from engine.sampling_params import (
+    InvalidRequestError,
+    InvalidRequestTypeError,
+    SamplingParams,
+    show_value,
+    truncate_prompt,
+)
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import propose
 from engine.structured import Constraint, GrammarCache, allows_no_token
@@ -94,6 +102,7 @@ class EngineCore:
         self._detok: dict[str, Detokenizer] = {}
         self._grammars: GrammarCache | None = None  # built on the first constrained request
         self._grammars_lock = threading.Lock()
+        self.loras = LoRARegistry(config.max_loras, self._load_lora) if config.enable_lora else None
         self._ids = itertools.count()
         self.num_steps = 0
         self.busy_s = 0.0  # executor wall time summed over steps (input prep + forward + sampling)
@@ -115,10 +124,11 @@ class EngineCore:
         return max(1, budget // per_block)
 
     # ---- requests ------------------------------------------------------------------------
-    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt that can run; InvalidRequestError (a ValueError) naming what is wrong
-        otherwise: not a str or list of ints (bytes included), empty, a lone surrogate, an id out of the
-        vocabulary, no room left in the context."""
+    def validate_prompt(self, prompt: str | list[int], truncate_prompt_tokens: int | None = None) -> list[int]:
+        """Token ids of a prompt that can run, its last `truncate_prompt_tokens` only when set (vLLM's rule:
+        sampling_params.truncate_prompt); InvalidRequestError (a ValueError) naming what is wrong otherwise:
+        not a str or list of ints (bytes included), empty, a lone surrogate, an id out of the vocabulary, no
+        room left in the context."""
         if isinstance(prompt, str):
             ids = self._tokenize(prompt)
         elif isinstance(prompt, (list, tuple)):
@@ -126,6 +136,7 @@ class EngineCore:
         else:
             hint = " (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray, memoryview)) else ""
             raise InvalidRequestTypeError(f"prompt must be a str or a list of token ids, got {show_value(prompt)}{hint}")
+        ids = truncate_prompt(ids, truncate_prompt_tokens, self.max_model_len)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens "
@@ -161,7 +172,7 @@ class EngineCore:
 
     def validate_params(self, params: SamplingParams | None) -> SamplingParams:
         """A checked copy of `params` (None = the defaults): every field re-checked, in case it was
-        changed after construction, and stop_token_ids against the vocabulary."""
+        changed after construction, and token ids against the vocabulary; bad_words tokenized."""
         if params is None:
             return SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -178,6 +189,13 @@ class EngineCore:
             raise InvalidRequestError(
                 f"SamplingParams.logit_bias keys must be < the vocabulary size {vocab}, got {show_value(bad[:5], False)}"
             )
+        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"SamplingParams.allowed_token_ids must be < the vocabulary size {vocab}, got {show_value(bad[:5], False)}"
+            )
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.pooling is not None:
             params.pooling = dataclasses.replace(params.pooling)  # checked again, and ours
             hidden = self.model.args.hidden_size
@@ -185,6 +203,25 @@ class EngineCore:
                 raise InvalidRequestError(f"PoolingParams.dimensions must be <= the model's hidden size {hidden}, "
                                           f"got {params.pooling.dimensions}")
         return params
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad_words: each word with its leading spaces stripped, and again after one
+        space where that gives a sequence of as many tokens starting with another token (the word inside a
+        text rather than at its start)."""
+        out: list[list[int]] = []
+        vocab = self.model.args.vocab_size
+        for word in words:
+            plain, spaced = (self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                             for text in (word.lstrip(), " " + word.lstrip()))
+            if not plain:
+                raise InvalidRequestError(f"SamplingParams.bad_words: {word!r} is empty once tokenized")
+            if any(t >= vocab for t in plain + spaced):
+                raise InvalidRequestError(f"SamplingParams.bad_words: {word!r} tokenizes to ids outside the model's "
+                                          f"vocabulary of {vocab}")
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return out
 
     def check_request(
         self,
@@ -195,11 +232,14 @@ class EngineCore:
         thread_id: str | None = None,
         cache_salt: str | None = None,
         taken: Container[str] = (),
-    ) -> tuple[list[int], SamplingParams, str]:
-        """Everything `add_request` checks, without adding: (prompt token ids, checked params, request id).
-        `taken`: more ids to treat as in use (requests the caller has yet to add)."""
+        lora_request: LoRARequest | LoRAAdapter | None = None,
+    ) -> tuple[list[int], SamplingParams, str, LoRAAdapter | None]:
+        """Everything `add_request` checks, without adding: (prompt token ids, checked params, request id,
+        the loaded LoRA adapter or None). `taken`: more ids to treat as in use (requests the caller has yet
+        to add)."""
         params = self.validate_params(params)
-        ids = self.validate_prompt(prompt)
+        adapter = self.lora_adapter(lora_request)
+        ids = self.validate_prompt(prompt, params.truncate_prompt_tokens)
         for name, value in (("program_id", program_id), ("thread_id", thread_id), ("cache_salt", cache_salt)):
             if value is not None and not isinstance(value, str):
                 raise InvalidRequestTypeError(f"{name} must be a str or None, got {show_value(value)}")
@@ -221,7 +261,20 @@ class EngineCore:
             )
         if params.constraint is not None:
             self.compile_constraint(params.constraint)
-        return ids, params, request_id
+        return ids, params, request_id, adapter
+
+    def lora_adapter(self, lora_request: LoRARequest | LoRAAdapter | None) -> LoRAAdapter | None:
+        """The adapter a request names, loaded on first use (InvalidRequestError when it cannot serve)."""
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise InvalidRequestError(f"lora_request {getattr(lora_request, 'lora_name', lora_request)!r}: this engine "
+                                      "serves no LoRA adapters (start it with enable_lora=True, `--enable-lora`)")
+        return self.loras.get(lora_request)
+
+    def _load_lora(self, req: LoRARequest) -> LoRAAdapter:
+        return load_adapter(req, self.model.args, self.config.torch_dtype, self.config.device,
+                            self.config.max_lora_rank, interleave_rope_rows)
 
     def compile_constraint(self, constraint: Constraint) -> None:
         """Compile (cached) an output grammar; InvalidRequestError if it does not compile."""
@@ -242,18 +295,20 @@ class EngineCore:
         program_id: str | None = None,
         thread_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | LoRAAdapter | None = None,
     ) -> Request:
         """Queue a request; bad input raises InvalidRequestError (a ValueError) and leaves no trace."""
-        ids, params, request_id = self.check_request(prompt, params, request_id, program_id, thread_id, cache_salt)
+        ids, params, request_id, adapter = self.check_request(
+            prompt, params, request_id, program_id, thread_id, cache_salt, lora_request=lora_request)
         req = Request(
             request_id, ids, params, program_id=program_id, thread_id=thread_id, cache_salt=cache_salt,
-            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, lora=adapter,
         )
         for i, rid in enumerate(family_ids(request_id, params.n)[1:], start=1):
             child = Request(
                 rid, ids, params, program_id=program_id, thread_id=thread_id,
                 cache_salt=cache_salt, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                arrival_time=req.arrival_time, parent=req, fork_index=i,
+                arrival_time=req.arrival_time, parent=req, fork_index=i, lora=adapter,
             )
             req.children.append(child)
         if params.constraint is not None:
@@ -330,6 +385,12 @@ class EngineCore:
     def program_op(self, op: ProgramOp) -> None:
         """Apply a program operation (engine.program_ops: start, reserve, pin, release, end)."""
         self.scheduler.program_op(op)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's reset_prefix_cache: forget every cached block no one holds, so later requests compute those
+        prefixes again; blocks in use (running requests, programs' pins) keep theirs. True when nothing
+        cached is left. Call it between steps (AsyncEngine.reset_prefix_cache does)."""
+        return self.kv.reset_prefix_cache()
 
     def num_tracked(self) -> dict[str, int]:
         """Entries of each per-request map (debugging, leak tests): all 0 once every output is taken."""

@@ -58,7 +58,7 @@ class _Owner:
     last_tokens: list[int] | None = None  # token ids of its last finished call ...
     last_len: int = 0  # ... of which this many were computed
     last_hashes: list[bytes] = field(default_factory=list)  # ... and its block hashes (reused by the next call)
-    last_salt: str | None = None
+    last_key: str | None = None  # that call's Request.cache_key
     stats: RetentionStats = field(default_factory=RetentionStats)
 
 
@@ -93,7 +93,7 @@ def _common_prefix(prompt: list[int], last: list[int], last_len: int) -> int:
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes) -> bytes:
-    """Chained content hash of one full block; `extra` (model, cache salt) enters via the chain root."""
+    """Chained content hash of one full block; `extra` (model, cache salt, adapter) enters via the chain root."""
     if parent is None:
         # the root is a digest of `extra`, not `extra` itself: raw bytes of variable length followed by
         # token digits would be ambiguous (salt "x" + [12, ...] vs salt "x1" + [2, ...])
@@ -189,7 +189,7 @@ class KVCacheManager:
         """Hashes of the first `num_blocks` full blocks of `req` (computed lazily, memoized)."""
         bs = self.block_size
         hashes = req.block_hashes
-        extra = f"{self.model_key}|{req.cache_salt or ''}".encode()
+        extra = f"{self.model_key}|{req.cache_key}".encode()
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs : (i + 1) * bs], extra))
@@ -204,7 +204,7 @@ class KVCacheManager:
                 or (p.pooling is not None and not p.pooling.reads_cache)):
             return [], 0  # prompt_logprobs, mean / cls pooling: those prompt positions' rows are needed
         o = self.owners.get(req.program_id) if req.program_id is not None else None
-        if o is not None and o.last_tokens is not None and not req.block_hashes and o.last_salt == req.cache_salt:
+        if o is not None and o.last_tokens is not None and not req.block_hashes and o.last_key == req.cache_key:
             # the program's next prompt extends its last call: reuse those hashes instead of rehashing a
             # context of tens of thousands of tokens every call
             n = self._common_with_last(req, o) // self.block_size
@@ -285,7 +285,7 @@ class KVCacheManager:
         o = self.owners.get(req.program_id) if req.program_id is not None else None
         if retain and o is not None:
             o.last_tokens, o.last_len = req.all_token_ids, req.num_computed_tokens  # a finished call's ids stay put
-            o.last_hashes, o.last_salt = req.block_hashes, req.cache_salt
+            o.last_hashes, o.last_key = req.block_hashes, req.cache_key
             if o.ttl_s > 0:
                 keep = [b for b in req.block_ids if self.pool.block_hash[b] is not None and b not in o.pin]
                 self.pool.touch(keep)
@@ -307,6 +307,11 @@ class KVCacheManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the hashes of the cached blocks no one holds (no later request hits them); blocks in use
+        (block tables, pins) keep theirs. True when no cached block is left."""
+        return self.pool.drop_unused_cached() == 0
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         out, self._pending_copies = self._pending_copies, []

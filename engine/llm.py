@@ -10,6 +10,7 @@ from typing import Any
 from engine import chat_template as chat_template_
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
 from engine.pooling import PoolingParams
 from engine.request import Request
@@ -53,12 +54,14 @@ class LLM:
         *,
         progress: bool | str = "auto",
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order. Prompts are text or token id lists; `params` is one
         SamplingParams for all or one per prompt. Bad input raises InvalidRequestError (a ValueError)
         before anything runs. `progress`: a rich progress bar on stderr (True, False, or "auto": on a
         terminal from PROGRESS_MIN_PROMPTS prompts). `priority`: per prompt its scheduling class (vLLM's;
-        SamplingParams.priority), smaller first."""
+        SamplingParams.priority), smaller first. `lora_request`: the LoRA adapter (engine.lora) of every
+        prompt, or one per prompt (None: the base model); the engine needs enable_lora=True."""
         prompts = _prompt_list(prompts)
         if params is None:
             params = SamplingParams()
@@ -71,13 +74,16 @@ class LLM:
             if len(priority) != len(prompts):
                 raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompts)} prompts")
             params = [dataclasses.replace(sp, priority=p) for sp, p in zip(params, priority)]
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         # everything checked before anything is queued
-        checked = [self.core.check_request(p, sp)[:2] for p, sp in zip(prompts, params)]
+        checked = [self.core.check_request(p, sp, lora_request=lr) for p, sp, lr in zip(prompts, params, loras)]
         reqs: list[Request] = []
         with _Progress(len(prompts), progress) as bar:
             try:
-                for ids, sp in checked:
-                    reqs.append(self.core.add_request(ids, sp))
+                for ids, sp, _, adapter in checked:
+                    reqs.append(self.core.add_request(ids, sp, lora_request=adapter))
                 while self.core.has_work():
                     for d in self.core.step():
                         if d.finished:
@@ -98,6 +104,7 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         progress: bool | str = "auto",
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per conversation (a list of {role, content} messages, or a list of such lists),
         rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat`:
@@ -121,7 +128,7 @@ class LLM:
             except Exception as e:  # jinja errors on a message the template cannot render
                 raise InvalidRequestError(f"conversation {i} cannot be rendered by the chat template: {e}") from None
             prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return self.generate(prompts, params, progress=progress)
+        return self.generate(prompts, params, progress=progress, lora_request=lora_request)
 
     def embed(
         self,
@@ -130,6 +137,7 @@ class LLM:
         *,
         progress: bool | str = "auto",
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One embedding per prompt, in prompt order (vLLM's `LLM.embed`): each output's `.embedding`,
         the prompt's final hidden states pooled by `pooling_params` (engine.pooling; default: the last
@@ -138,7 +146,7 @@ class LLM:
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
         params = [SamplingParams(max_tokens=1, pooling=p) for p in pooling_params]
-        return self.generate(prompts, params, progress=progress, priority=priority)
+        return self.generate(prompts, params, progress=progress, priority=priority, lora_request=lora_request)
 
     def kv_stats(self) -> KVStats:
         return self.core.kv_stats()

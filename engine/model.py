@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from engine.lora import LoRASlot
 from engine.model_args import ModelArgs
 from kernels.linear import (
     BF16_PACKED_MAX_ROWS,
@@ -95,8 +96,9 @@ class Rope:
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int = 0, lora: LoRASlot | None = None):
         super().__init__()
+        self.layer, self.lora = layer, lora or LoRASlot()  # LoRA adapters' rows of the current forward
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
@@ -110,6 +112,8 @@ class Attention(nn.Module):
         # x: [T, hidden]
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if (lb := self.lora.batch) is not None:
+            lb.apply(self.layer, "qkv", x, qkv)
         if self.q_norm is not None:
             self._norm_qk(qkv)
         if (rope.cos_sin is not None and self.head_dim % 8 == 0 and (ops := _cpu_ops(qkv)) is not None
@@ -121,8 +125,11 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
             kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
-        o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(T, self.q_size)
+        out = self.o_proj(o)
+        if lb is not None:
+            lb.apply(self.layer, "o", o, out)
+        return out
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
         """Qwen3's per-head RMSNorm of q and k, in place in the fused projection's output [T, q + 2 kv]."""
@@ -133,27 +140,35 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int = 0, lora: LoRASlot | None = None):
         super().__init__()
+        self.layer, self.lora = layer, lora or LoRASlot()
         self.inter = a.intermediate_size
         self.gate_up_proj = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
+        if (lb := self.lora.batch) is not None:
+            lb.apply(self.layer, "gate_up", x, gate_up)
         if (ops := _cpu_ops(gate_up)) is not None:
-            return self.down_proj(ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            h = ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            h = F.silu(gate) * up
+        out = self.down_proj(h)
+        if lb is not None:
+            lb.apply(self.layer, "down", h, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int = 0, lora: LoRASlot | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = Attention(a)
+        self.self_attn = Attention(a, layer, lora)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = MLP(a)
+        self.mlp = MLP(a, layer, lora)
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta, slot_mapping):
         # x: [T, hidden], the previous layer's output, and residual its input stream (None at layer 0)
@@ -172,7 +187,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = a
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.lora = LoRASlot()  # the runner sets .batch around a forward whose rows use LoRA adapters
+        self.layers = nn.ModuleList(DecoderLayer(a, i, self.lora) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else Linear(a.hidden_size, a.vocab_size, bias=False)
         self._tied_head_pack = PackCache()  # packed embedding matrix for the CPU packed_linear
@@ -196,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if (ops := _cpu_ops(x)) is not None and not torch.is_grad_enabled():
             self._packs_on_huge_pages()
-        if ops is not None and self._decode_fusable(x.shape[0], meta.max_query_len, kv_cache):
+        if ops is not None and self.lora.batch is None and self._decode_fusable(x.shape[0], meta.max_query_len, kv_cache):
             a = self.args
             return ops.decode_forward(x, *self._decode_weights(), kv_cache, positions, slot_mapping, self.rope_cos_sin,
                                       meta.query_start_loc, meta.seq_lens, meta.block_tables, a.num_heads,
@@ -288,7 +304,8 @@ class LlamaForCausalLM(nn.Module):
         ops = _cpu_ops(w)
         if ops is not None:
             self._packs_on_huge_pages()
-        if ops is not None and self._decode_fusable(rows, 1, kv_cache) and self.norm.weight.dtype == w.dtype:
+        if (ops is not None and self.lora.batch is None and self._decode_fusable(rows, 1, kv_cache)
+                and self.norm.weight.dtype == w.dtype):
             head = (self.lm_head.pack_cache.get(self.lm_head.weight) if self.lm_head is not None
                     else self._tied_head_pack.get(w))
             return ops.decode_steps(input_ids, w, *self._decode_weights(), kv_cache, positions, self.rope_cos_sin,

@@ -40,6 +40,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: frozenset[int] = frozenset()  # from the model; ignored with sampling.ignore_eos
     max_model_len: int = 1 << 30  # context limit: finish with "length" when reached
+    lora: Any = None  # engine.lora.LoRAAdapter the request runs with; None = the base model
 
     all_token_ids: list[int] = field(init=False)  # prompt + output
     output_token_ids: list[int] = field(default_factory=list)
@@ -97,6 +98,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def cache_key(self) -> str:
+        """What prefix-cache hashes mix in besides the tokens: the tenant salt and the LoRA adapter (the
+        salt's length first, so no salt can spell another salt and adapter)."""
+        salt = self.cache_salt or ""
+        return f"{len(salt)}:{salt}|{self.lora.hash_key if self.lora is not None else ''}"
 
     def append_token(
         self, token_id: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None

@@ -4,7 +4,9 @@
 loop over requests except to build the per-row parameter tensors (done once per step), and none
 over the vocabulary. The processors follow vLLM's semantics and order:
 
-    raw logits -> log-probs returned (logprobs / top_logprobs: from the raw logits)
+    raw logits -> hard masks (-inf: tokens outside allowed_token_ids, tokens that would end a bad word)
+      -> log-probs returned (logprobs / top_logprobs: of the masked raw logits, as vLLM's logits
+         processors give them; a grammar's mask, applied by the runner before this, counts among them)
       -> min_tokens (EOS and stop_token_ids masked while the output is shorter)
       -> logit_bias (added)
       -> repetition_penalty (prompt and output tokens: logit / p if > 0 else logit * p)
@@ -14,7 +16,7 @@ over the vocabulary. The processors follow vLLM's semantics and order:
 
 Penalties touch only the (row, token) pairs a request has seen (one sort of its history's ids,
 kept per request as a tensor grown in place: `TokenHistory`), never a [B, V] count tensor.
-Requests that use penalties or min_tokens carry no speculative drafts (engine.spec_decode): each
+Requests that use penalties, min_tokens or bad_words carry no speculative drafts (engine.spec_decode): each
 draft row would need the history up to that draft.
 """
 
@@ -60,7 +62,7 @@ class TokenHistory:
 
 @dataclass(slots=True)
 class RowContext:
-    """What the history-dependent processors (penalties, min_tokens) read about one row's request."""
+    """What the history-dependent processors (penalties, min_tokens, bad_words) read about one row's request."""
 
     token_ids: torch.Tensor  # [L] int64 (CPU): the prompt, then the output so far
     num_prompt_tokens: int
@@ -71,7 +73,8 @@ class RowContext:
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64: the sampled token of each row
-    logprobs: torch.Tensor | None  # [B] fp32: its log-prob under the raw logits; None when no row wants it
+    logprobs: torch.Tensor | None  # [B] fp32: its log-prob under the raw logits after the hard masks (None when no
+    # row wants it)
     top_token_ids: torch.Tensor | None  # [B, N] int64: the N most likely tokens, best first
     # (N = the batch's largest top_logprobs); None when N = 0
     top_logprobs: torch.Tensor | None  # [B, N] fp32: their log-probs
@@ -85,11 +88,12 @@ def sample(
     inplace: bool = False,
 ) -> SamplerOutput:
     """Sample one token per row (order of the processors: module docstring); log-probs (of the
-    sampled and of the top-N tokens) come from the raw logits, before any processor (raw - logsumexp).
+    sampled and of the top-N tokens) come from the raw logits after the hard masks (allowed_token_ids,
+    bad_words), before any other processor (raw - logsumexp).
 
     logits: [B, V] (any float dtype; computed in fp32). contexts: per row, needed for the rows whose
-    params use penalties or min_tokens (None elsewhere). inplace: the processors may write into
-    fp32 logits (the caller reads them no more) instead of a copy.
+    params use penalties, min_tokens or bad_words (None elsewhere). inplace: the processors may write
+    into fp32 logits (the caller reads them no more) instead of a copy.
     """
     with _one_thread(logits.device):
         return _sample(logits, params, generators, contexts, inplace)
@@ -140,7 +144,7 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sample(logits, params, generators, contexts, inplace: bool) -> SamplerOutput:
-    raw = logits.float()
+    raw = mask_logits(logits.float(), params, contexts, inplace=inplace or logits.dtype != torch.float32)
     vocab = raw.shape[1]
     num_top = min(max(p.top_logprobs for p in params), vocab)
     # log-probs = raw logits - their logsumexp (no [B, V] log_softmax: ~half its time); raw is then read
@@ -264,6 +268,48 @@ def warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return scaled
+
+
+def mask_logits(
+    logits: torch.Tensor, params: list[SamplingParams], contexts: list[RowContext | None] | None,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """The logits with -inf at the tokens a row may not sample: those outside its allowed_token_ids, and the
+    last token of each bad word whose other tokens end its output (vLLM's rule). A new tensor when any
+    applies, unless `inplace`; `logits` itself when none does. logits: [B, V] fp32."""
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    worded = [i for i, p in enumerate(params) if p.bad_words_token_ids]
+    if not (allowed or worded):
+        return logits
+    if not inplace:
+        logits = logits.clone()
+    dev, vocab = logits.device, logits.shape[1]
+    if allowed:
+        ids = [np.asarray(params[i].allowed_token_ids, dtype=np.int64) for i in allowed]
+        where = np.repeat(np.arange(len(allowed)), [a.size for a in ids])  # row in `allowed` of each id
+        flat = np.concatenate(ids)
+        ok = flat < vocab
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool)  # [A, V]
+        keep[torch.from_numpy(where[ok]), torch.from_numpy(flat[ok])] = True
+        index = torch.tensor(allowed, device=dev)
+        logits[index] = logits[index].masked_fill(~keep.to(dev), -math.inf)
+    rows, toks = [], []
+    for i in worded:
+        ctx = contexts[i]
+        banned = [t for t in _bad_word_ends(params[i].bad_words_token_ids, ctx.token_ids[ctx.num_prompt_tokens :])
+                  if t < vocab]
+        rows += [i] * len(banned)
+        toks += banned
+    if rows:
+        logits[torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)] = -math.inf
+    return logits
+
+
+def _bad_word_ends(words: list[list[int]], output: torch.Tensor) -> list[int]:
+    """The last token of each bad word whose other tokens end `output` ([L] int64; a one-token word's always)."""
+    longest = max(len(w) for w in words) - 1
+    tail = output[max(0, output.numel() - longest) :].tolist() if longest else []
+    return [w[-1] for w in words if len(w) - 1 <= len(tail) and tail[len(tail) - len(w) + 1 :] == w[:-1]]
 
 
 def process_logits(

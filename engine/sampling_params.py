@@ -63,6 +63,15 @@ class SamplingParams:
     # kept before a larger one, ahead of the policy's order within a class (engine.scheduler)
     pooling: Any = None  # engine.pooling.PoolingParams: an embedding request (prompt only, nothing sampled;
     # `LLM.embed`); then n is 1 and nothing about sampled tokens (log-probs, a grammar) may be asked
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled (< vocab, checked at add);
+    # every other logit is -inf before the log-probs and the draw, so log-probs are of that distribution
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated: the last token of a word
+    # is banned wherever the output ends with its other tokens (a one-token word always); see bad_words_token_ids
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k >= 1 tokens; -1: as many as the
+    # context takes with one position left for the output (max_model_len - 1); None: the whole prompt
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+    # bad_words as token ids, set by the engine when it checks the request (EngineCore.validate_params): each word
+    # without and (where that is another token sequence of the same length) with a leading space, as vLLM does
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,7 +89,7 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _int("seed", self.seed, 0, MAX_SEED, what="an int in [0, 2**63 - 1] or None")
         self.stop = _stop_strings(self.stop)
-        self.stop_token_ids = _token_ids(self.stop_token_ids)
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         self.logprobs = _bool("logprobs", self.logprobs)
         self.top_logprobs = _int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
@@ -106,6 +115,14 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS,
                                         what=f"None or an int in [0, {MAX_TOP_LOGPROBS}]")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise InvalidRequestError("SamplingParams.allowed_token_ids must be None or a non-empty list of token ids, "
+                                          "got []")
+        self.bad_words = _bad_words(self.bad_words)
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _truncation(self.truncate_prompt_tokens)
         if self.pooling is not None:
             self._check_pooling()
 
@@ -116,7 +133,7 @@ class SamplingParams:
             raise InvalidRequestTypeError(
                 f"SamplingParams.pooling must be an engine.pooling.PoolingParams or None, got {show_value(self.pooling)}")
         for name, off in (("n", 1), ("logprobs", False), ("top_logprobs", 0), ("constraint", None),
-                          ("prompt_logprobs", None)):
+                          ("prompt_logprobs", None), ("allowed_token_ids", None), ("bad_words", [])):
             if getattr(self, name) != off:
                 raise InvalidRequestError(f"SamplingParams.{name} must be {off!r} for a pooling (embedding) request, "
                                           f"got {show_value(getattr(self, name))}")
@@ -136,15 +153,16 @@ class SamplingParams:
 
     @property
     def reads_history(self) -> bool:
-        """Whether sampling depends on the tokens so far (penalties, min_tokens): no drafts then."""
-        return self.uses_penalties or self.min_tokens > 0
+        """Whether sampling depends on the tokens so far (penalties, min_tokens, bad_words): no drafts then."""
+        return self.uses_penalties or self.min_tokens > 0 or bool(self.bad_words)
 
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that needs the logits in Python (log-probs, logit_bias, penalties,
-        min_tokens, a grammar): its tokens are argmaxes alone, so a multi-step decode can run it."""
+        min_tokens, bad_words, allowed_token_ids, a grammar): its tokens are argmaxes alone, so a
+        multi-step decode can run it."""
         return self.greedy and not (self.wants_logprobs or self.logit_bias or self.reads_history
-                                    or self.constraint is not None)
+                                    or self.allowed_token_ids is not None or self.constraint is not None)
 
 
 def show_value(value: Any, with_type: bool = True) -> str:
@@ -206,17 +224,51 @@ def _stop_strings(stop: Any) -> list[str]:
     return list(stop)
 
 
-def _token_ids(ids: Any) -> list[int]:
+def _token_ids(name: str, ids: Any) -> list[int]:
     if ids is None:
         return []
     if not isinstance(ids, (list, tuple)):
-        raise InvalidRequestTypeError(f"SamplingParams.stop_token_ids must be a list of int, got {show_value(ids)}")
+        raise InvalidRequestTypeError(f"SamplingParams.{name} must be a list of int, got {show_value(ids)}")
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise InvalidRequestTypeError(f"SamplingParams.stop_token_ids must be a list of int, got item {show_value(t)}")
+            raise InvalidRequestTypeError(f"SamplingParams.{name} must be a list of int, got item {show_value(t)}")
         if t < 0:
-            raise InvalidRequestError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {show_value(t, False)}")
+            raise InvalidRequestError(f"SamplingParams.{name} must be token ids >= 0, got {show_value(t, False)}")
     return [int(t) for t in ids]
+
+
+def _bad_words(words: Any) -> list[str]:
+    if words is None:
+        return []
+    if not isinstance(words, (list, tuple)):
+        raise InvalidRequestTypeError(f"SamplingParams.bad_words must be a list of str, got {show_value(words)}")
+    for w in words:
+        if not isinstance(w, str):
+            raise InvalidRequestTypeError(f"SamplingParams.bad_words must be a list of str, got item {show_value(w)}")
+        if not w.strip():  # vLLM tokenizes the word with its leading spaces stripped: nothing would be left
+            raise InvalidRequestError(f"SamplingParams.bad_words must be words with a non-space character, got {w!r}")
+        if not _encodable(w):
+            raise InvalidRequestError(f"SamplingParams.bad_words must be valid Unicode, got {w!r} (a lone surrogate)")
+    return list(words)
+
+
+def _truncation(keep: Any) -> int:
+    keep = _int("truncate_prompt_tokens", keep, -1, what="-1 (the context), an int >= 1 or None")
+    if keep == 0:
+        raise InvalidRequestError("SamplingParams.truncate_prompt_tokens must be -1 (the context), an int >= 1 or None, "
+                                  "got 0")
+    return keep
+
+
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens applied to a prompt: its last k tokens (-1: its last max_model_len - 1, all
+    that fits with a position left for the output; None: all of it). InvalidRequestError for another value."""
+    if truncate_prompt_tokens is None:
+        return token_ids
+    keep = _truncation(truncate_prompt_tokens)
+    if keep == -1:
+        keep = max(1, max_model_len - 1)
+    return token_ids[len(token_ids) - keep :] if len(token_ids) > keep else token_ids
 
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:

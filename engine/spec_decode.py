@@ -45,8 +45,8 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
 
 
 def speculates(req: Request) -> bool:
-    """Whether a request may carry drafts: greedy, no logprobs, no forks, no grammar, no penalties or
-    min_tokens, not pooling, in its decode phase."""
+    """Whether a request may carry drafts: greedy, no logprobs, no forks, no grammar, no penalties,
+    min_tokens or bad_words, not pooling, in its decode phase."""
     p = req.sampling
     return (
         p.greedy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -98,3 +99,59 @@ def make_random_model(path: str | Path, preset: str, *, dtype: torch.dtype = tor
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path, model
+
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(path: str | Path, hf_config, *, rank: int = 8, alpha: float = 16.0,
+                      targets: tuple[str, ...] = LORA_MODULES, seed: int = 0, std: float = 0.1,
+                      use_rslora: bool = False) -> Path:
+    """Write a random PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors, PEFT's key names)
+    for a model of `hf_config` (its HF config object) to `path`; return it. Unlike PEFT's init, B is
+    random too, so the adapter changes the model's outputs."""
+    from safetensors.torch import save_file
+
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    dims = {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv),
+            "o_proj": (q, c.hidden_size), "gate_proj": (c.hidden_size, c.intermediate_size),
+            "up_proj": (c.hidden_size, c.intermediate_size), "down_proj": (c.intermediate_size, c.hidden_size)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(c.num_hidden_layers):
+        for mod in targets:
+            fan_in, fan_out = dims[mod]
+            block = "self_attn" if mod in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{block}.{mod}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+              "bias": "none", "use_rslora": use_rslora, "task_type": "CAUSAL_LM", "lora_dropout": 0.0}
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def merge_lora(hf_model, adapter_path: str | Path):
+    """`hf_model` with the adapter's pairs merged into its weights (W + alpha / r * B @ A), in place; the
+    reference an engine serving the adapter unmerged is compared with."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(adapter_path) / "adapter_config.json").read_text())
+    sd = load_file(str(Path(adapter_path) / "adapter_model.safetensors"))
+    params = dict(hf_model.named_parameters())
+    with torch.no_grad():
+        for key, a in sd.items():
+            if ".lora_A." not in key:
+                continue
+            b = sd[key.replace(".lora_A.", ".lora_B.")]
+            r = a.shape[0]
+            scale = cfg["lora_alpha"] / (r**0.5 if cfg.get("use_rslora") else r)
+            name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            w = params[name]
+            w += (scale * b.float() @ a.float()).to(w.dtype)
+    return hf_model

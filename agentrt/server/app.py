@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from agentrt._lora import parse_lora_modules
 from agentrt._reasoning import reasoning_parser
 from agentrt._runtime import Runtime
 from agentrt._toolparsers import tool_call_parser
@@ -88,6 +89,10 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # vLLM's --tool-call-parser: the format calls are read in (agentrt._toolparsers)
     pooling: str | None = None  # /v1/embeddings' pooling (engine.pooling); None = the checkpoint's, else "last"
     max_embedding_inputs: int = 2048  # inputs of one /v1/embeddings request at most (OpenAI's limit)
+    lora_modules: list[str] = field(default_factory=list)  # vLLM's --lora-modules: name=path or JSON objects;
+    # clients name an adapter as the model. Any turns on the engine's enable_lora
+    allow_runtime_lora_updating: bool = field(  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
+        default_factory=lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_body_bytes", "max_n", "max_programs_kept", "max_embedding_inputs"):
@@ -114,6 +119,9 @@ class ServerConfig:
             self.chat_template = load_chat_template(self.chat_template)
         reasoning_parser(self.reasoning_parser)  # an unknown name fails here, naming the choices
         tool_call_parser(self.tool_call_parser)  # likewise
+        for name, path, _ in parse_lora_modules(self.lora_modules):  # a malformed entry fails here, naming it
+            if not (Path(path) / "adapter_config.json").is_file():
+                raise ValueError(f"--lora-modules {name}={path}: no adapter_config.json there (a PEFT LoRA directory)")
         if self.pooling is not None and self.pooling not in POOLING_METHODS:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {self.pooling!r}")
 
@@ -180,10 +188,25 @@ class ServerState:
         raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
                        "authentication_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, ""):
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "not_found_error", "model", "model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model; 404 for any other name."""
+        if model is None or model in (self.model_name, ""):
+            return None
+        if model in self.runtime.loras:
+            return model
+        adapters = "".join(f", {n!r}" for n in sorted(r.lora_name for r in self.runtime.loras.requests()))
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}{adapters}",
+                       "not_found_error", "model", "model_not_found")
+
+    def model_of(self, call: Any) -> str:
+        """The model name a call's response shows: its LoRA adapter's, else the served model's."""
+        return call.model or self.model_name
+
+    def model_cards(self) -> list[Model]:
+        """/v1/models' entries: the base model, then each LoRA adapter (its parent the base, as vLLM's)."""
+        return [Model(self.model_name, self.created, max_model_len=self.max_model_len),
+                *(Model(r.lora_name, self.created, max_model_len=self.max_model_len, root=r.lora_path,
+                        parent=self.model_name) for r in self.runtime.loras.requests())]
 
     def check_capacity(self) -> None:
         if self.draining:
@@ -236,7 +259,7 @@ async def health(request: Request) -> Response:
 async def models(request: Request) -> Response:
     st = state_of(request)
     st.owner(request)
-    return json_response(ModelList([Model(st.model_name, st.created, max_model_len=st.max_model_len)]))
+    return json_response(ModelList(st.model_cards()))
 
 
 async def metrics(request: Request) -> Response:
@@ -255,6 +278,7 @@ def _route_modules() -> list[Any]:
     """The modules holding the API's routes (each with ROUTES and OPERATIONS), in the document's order."""
     from agentrt.server import (
         embeddings_routes,
+        lora_routes,
         messages_routes,
         openai_routes,
         program_routes,
@@ -262,13 +286,14 @@ def _route_modules() -> list[Any]:
         tokenize_routes,
     )
 
-    return [openai_routes, responses_routes, messages_routes, program_routes, tokenize_routes, embeddings_routes, ui]
+    return [openai_routes, responses_routes, messages_routes, program_routes, tokenize_routes, embeddings_routes,
+            lora_routes, ui]
 
 
 def _operations() -> list[Operation]:
     return [
         Operation("get", "/health", "liveness", Health, errors=(503,), auth=False),
-        Operation("get", "/v1/models", "the served model", ModelList, errors=(401,)),
+        Operation("get", "/v1/models", "the served model and its LoRA adapters", ModelList, errors=(401,)),
         Operation("get", "/metrics", "Prometheus metrics", None, media_type="text/plain", errors=(401,)),
         Operation("get", "/openapi.json", "this document", None, media_type="application/json", errors=(401,)),
         *(op for m in _route_modules() for op in m.OPERATIONS),
@@ -284,7 +309,7 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
         runtime = Runtime(config.model, config.policy, policy_kwargs=config.policy_kwargs,
                           program_idle_timeout_s=config.program_idle_timeout_s,
                           reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
-                          **config.engine)
+                          lora_modules=config.lora_modules or None, **config.engine)
     else:
         if runtime.program_idle_timeout_s is None:
             runtime.program_idle_timeout_s = config.program_idle_timeout_s

@@ -36,9 +36,11 @@ from agentrt.server.schemas import (
 from agentrt.server.sse import until_disconnect
 from engine import SamplingParams, chat_template
 from engine.outputs import RequestOutput
+from engine.sampling_params import truncate_prompt
 from engine.structured import Constraint
 
 TopList = list[tuple[int, float]]
+MIN_LOGPROB = -9999.0  # what a masked token's -inf log-prob is shown as (vLLM's; JSON has no -inf)
 
 
 # --- shared -----------------------------------------------------------------------------------
@@ -74,7 +76,8 @@ def sampling_params(
     ignore_eos: bool, logprobs: bool, top_logprobs: int, constraint: Constraint | None = None,
     extras: GenerationExtras | None = None, prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """`extras`: the request whose penalties, min_p, min_tokens, logit_bias and output-text options apply."""
+    """`extras`: the request whose penalties, min_p, min_tokens, logit_bias, allowed_token_ids, bad_words,
+    truncate_prompt_tokens and output-text options apply (`prompt_len`: after the truncation)."""
     if n > st.config.max_n:
         raise bad_request(f"n={n} is over the server's limit of {st.config.max_n} (--max-n)", "n")
     if max_tokens is not None and max_tokens > st.max_tokens_limit:
@@ -101,6 +104,15 @@ def _param_of(message: str, default: str | None = None) -> str | None:
     `default` (what the prompt came in: "messages" or "prompt")."""
     m = _SAMPLING_FIELD.search(message)
     return m.group(1) if m else default
+
+
+def truncated(st: ServerState, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+    """A prompt's token ids cut as the engine cuts them (vLLM's truncate_prompt_tokens), so the usage, echo and
+    token ids a response shows are of what ran; a 400 naming the field for a value the engine refuses."""
+    try:
+        return truncate_prompt(ids, truncate_prompt_tokens, st.max_model_len)
+    except ValueError as e:
+        raise bad_request(str(e), "truncate_prompt_tokens") from None
 
 
 def submit(st: ServerState, ids: list[int], params: SamplingParams, prompt_param: str, **kw: Any) -> Call:
@@ -143,8 +155,8 @@ def chat_logprobs(text: TokenText, ids: list[int], lps: list[float] | None, tops
     content = []
     for i, (tok, lp) in enumerate(zip(ids, lps)):
         t = text(tok)
-        top = [TopLogprob(text(a), b, list(text(a).encode())) for a, b in (tops[i] if tops else [])]
-        content.append(TokenLogprob(t, lp, list(t.encode()), top))
+        top = [TopLogprob(text(a), max(b, MIN_LOGPROB), list(text(a).encode())) for a, b in (tops[i] if tops else [])]
+        content.append(TokenLogprob(t, max(lp, MIN_LOGPROB), list(t.encode()), top))
     return ChoiceLogprobs(content)
 
 
@@ -157,8 +169,9 @@ def completion_logprobs(text: TokenText, ids: list[int], lps: list[float] | None
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    top = [{text(a): b for a, b in tl} for tl in tops] if tops is not None else None
-    return CompletionLogprobs(tokens, list(lps), top, offsets)
+    top = [{text(a): max(b, MIN_LOGPROB) for a, b in tl} for tl in tops] if tops is not None else None
+    shown = [lp if lp is None else max(lp, MIN_LOGPROB) for lp in lps]  # None: an echoed prompt's first token
+    return CompletionLogprobs(tokens, shown, top, offsets)
 
 
 def echoed_logprobs(text: TokenText, prompt_ids: list[int], lps: list[float | None] | None,

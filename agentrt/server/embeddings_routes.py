@@ -26,10 +26,10 @@ from agentrt._call import Call
 from agentrt._embed import embed_inputs
 from agentrt._errors import InvalidCallError
 from agentrt.server.app import read_body, state_of
-from agentrt.server.calls import new_id, program_keys, program_name, results, submit
+from agentrt.server.calls import new_id, program_keys, program_name, results, submit, truncated
 from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
-from agentrt.server.schemas import Priority, ProgramId, decode
+from agentrt.server.schemas import Priority, ProgramId, TruncatePromptTokens, decode
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -38,7 +38,7 @@ class PoolingCallFields(Struct, kw_only=True):
     """What every embedding-based request takes besides its inputs."""
 
     model: str | None = None
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last k tokens (-1: the context)
+    truncate_prompt_tokens: TruncatePromptTokens | None = None  # keep the last k tokens (-1: all the context takes)
     priority: Priority = 0
     program_id: ProgramId | None = None
     thread_id: ProgramId | None = None
@@ -95,6 +95,7 @@ class _Begun(NamedTuple):
     req: Any  # a PoolingCallFields request
     program_id: str | None
     thread_id: str | None
+    adapter: str | None  # the LoRA adapter the request names as its model
 
 
 async def _begin(request: Request, type_: type) -> _Begun:
@@ -103,8 +104,8 @@ async def _begin(request: Request, type_: type) -> _Begun:
     st = state_of(request)
     owner = st.owner(request)
     req = decode(await read_body(request, st.config.max_body_bytes), type_)
-    st.check_model(req.model)
-    return _Begun(st, owner, req, *program_keys(request, req.program_id, req.thread_id))
+    adapter = st.check_model(req.model)
+    return _Begun(st, owner, req, *program_keys(request, req.program_id, req.thread_id), adapter)
 
 
 async def _pool(request: Request, b: _Begun, inputs: list[str | list[int]], param: str, *, normalize: bool = True,
@@ -119,9 +120,7 @@ async def _pool(request: Request, b: _Begun, inputs: list[str | list[int]], para
     for x in inputs:
         if isinstance(x, str):
             x = await anyio.to_thread.run_sync(lambda x=x: tok(x, add_special_tokens=add_special_tokens)["input_ids"])
-        if truncate is not None:
-            keep = st.max_model_len if truncate == -1 else truncate
-            x = x[len(x) - keep:] if 0 < keep < len(x) else x
+        x = truncated(st, x, truncate)  # the generation routes' rule (engine.sampling_params.truncate_prompt)
         if not x:
             raise bad_request("an input has no tokens", param)
         ids.append(x)
@@ -132,7 +131,7 @@ async def _pool(request: Request, b: _Begun, inputs: list[str | list[int]], para
     try:
         for x in ids:
             calls.append(submit(st, x, params, param, program_id=b.program_id, thread_id=b.thread_id, owner=b.owner,
-                                cache_salt=b.owner, kind="embedding", name=program_name(request)))
+                                cache_salt=b.owner, kind="embedding", name=program_name(request), model=b.adapter))
     except BaseException:
         for c in calls:
             c.close()
@@ -157,7 +156,7 @@ async def create_embeddings(request: Request) -> Response:
                       add_special_tokens=req.add_special_tokens)
     data = [Embedding(_encode(v, req.encoding_format), i) for i, v in enumerate(got.vectors)]
     usage = EmbeddingUsage(got.prompt_tokens, got.prompt_tokens)
-    return _json(EmbeddingList(new_id("embd"), int(time.time()), st.model_name, data, usage,
+    return _json(EmbeddingList(new_id("embd"), int(time.time()), b.adapter or st.model_name, data, usage,
                                program_id=got.program_id), got.program_id)
 
 
@@ -234,7 +233,7 @@ async def score(request: Request) -> Response:
     got = await _pool(request, b, [*first, *second], "text_2")
     scores = _cosines(got.vectors[: len(first)], got.vectors[len(first):])
     data = [ScoreData(i, s) for i, s in enumerate(scores)]
-    return _json(ScoreResponse(new_id("score"), int(time.time()), st.model_name, data,
+    return _json(ScoreResponse(new_id("score"), int(time.time()), b.adapter or st.model_name, data,
                                EmbeddingUsage(got.prompt_tokens, got.prompt_tokens)), got.program_id)
 
 
@@ -247,7 +246,7 @@ async def rerank(request: Request) -> Response:
     scores = _cosines(got.vectors[:1], got.vectors[1:])
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or None]
     out = [RerankResult(i, scores[i], RerankDocument(docs[i]) if req.return_documents else None) for i in order]
-    return _json(RerankResponse(new_id("rerank"), st.model_name, out, RerankUsage(got.prompt_tokens)), got.program_id)
+    return _json(RerankResponse(new_id("rerank"), b.adapter or st.model_name, out, RerankUsage(got.prompt_tokens)), got.program_id)
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:

@@ -212,7 +212,7 @@ async def create_message(request: Request) -> Response:
     st = state_of(request)
     owner = st.owner(request)
     req: MessagesRequest = decode(await read_body(request, st.config.max_body_bytes), MessagesRequest)
-    st.check_model(req.model)
+    adapter = st.check_model(req.model)
     pid, tid = program_keys(request, req.program_id, req.thread_id)
     messages, names = chat_messages(req)
     tools, choice = _tools(req)
@@ -235,12 +235,12 @@ async def create_message(request: Request) -> Response:
     st.check_capacity()
     note_tool(st, pid, owner, _answered_tool(req, names))
     call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                  kind="messages", name=program_name(request))
+                  kind="messages", name=program_name(request), model=adapter)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if req.stream:
         return SSEResponse(_events(st, call, plan, req, msg_id, len(prompt_ids)), {"X-Program-Id": call.program_id})
     (out,) = await results(request, [call])
-    msg, _ = _message(out, plan, req, msg_id, st.model_name)
+    msg, _ = _message(out, plan, req, msg_id, st.model_of(call))
     return Response(msgspec.json.encode(msg), headers={"X-Program-Id": call.program_id}, media_type="application/json")
 
 
@@ -297,7 +297,7 @@ async def _events(st: ServerState, call: Call, plan: ChatPlan, req: MessagesRequ
 
     def start(cached: int) -> list[bytes]:
         usage = MessageUsage(prompt_tokens - cached, 0, cached)
-        return [_event("message_start", message=Message(msg_id, st.model_name, [], None, None, usage)), _event("ping")]
+        return [_event("message_start", message=Message(msg_id, st.model_of(call), [], None, None, usage)), _event("ping")]
 
     async with call:
         try:
@@ -319,7 +319,7 @@ async def _events(st: ServerState, call: Call, plan: ChatPlan, req: MessagesRequ
         except AgentrtError as e:
             yield _event("error", error=_error_info(to_api_error(e)))
             return
-    msg, (reasoning, content, _) = _message(out, plan, req, msg_id, st.model_name)
+    msg, (reasoning, content, _) = _message(out, plan, req, msg_id, st.model_of(call))
     if not started:
         for e in start(msg.usage.cache_read_input_tokens):
             yield e

@@ -41,6 +41,7 @@ from agentrt.server.calls import (
     sampling_params,
     submit,
     token_text,
+    truncated,
     usage_of,
 )
 from agentrt.server.errors import api, bad_request
@@ -102,7 +103,7 @@ async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     owner = st.owner(request)
     req: ChatCompletionRequest = decode(await read_body(request, st.config.max_body_bytes), ChatCompletionRequest)
-    st.check_model(req.model)
+    adapter = st.check_model(req.model)
     pid, tid = program_keys(request, req.program_id, req.thread_id)
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -115,6 +116,7 @@ async def chat_completions(request: Request) -> Response:
         output_param=constraint_param or "response_format", program_id=pid,
         add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
         chat_template_kwargs=req.chat_template_kwargs, chat_template=request_template(st, req.chat_template))
+    prompt_ids = truncated(st, prompt_ids, req.truncate_prompt_tokens)
     params = sampling_params(
         st, max_tokens=req.max_completion_tokens or req.max_tokens, prompt_len=len(prompt_ids),
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop,
@@ -125,7 +127,7 @@ async def chat_completions(request: Request) -> Response:
     st.check_capacity()
     note_tool(st, pid, owner, _answered_tool(req.messages))
     call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                  kind="chat", name=program_name(request), last_call=_last_call(request))
+                  kind="chat", name=program_name(request), last_call=_last_call(request), model=adapter)
     rid, created, head = new_id("chatcmpl"), int(time.time()), _echoed(req)
     if req.stream:
         usage = StreamUsage(req.stream_options, len(prompt_ids))
@@ -145,7 +147,7 @@ async def chat_completions(request: Request) -> Response:
         choices.append(ChatChoice(c.index, message, "tool_calls" if calls else c.finish_reason,
                                   chat_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs), c.stop_reason,
                                   c.token_ids if req.return_token_ids else None))
-    body = ChatCompletion(rid, created, st.model_name, choices, usage_of([out]), program_id=call.program_id,
+    body = ChatCompletion(rid, created, st.model_of(call), choices, usage_of([out]), program_id=call.program_id,
                           prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None)
     if req.prompt_logprobs is not None:
         body.prompt_logprobs = prompt_logprobs_of(text, out, req.prompt_logprobs)
@@ -158,7 +160,7 @@ async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, cr
     `reasoning` deltas with a reasoning parser; tool calls (held back from the content) as `tool_calls`
     deltas when their choice ends, which then ends with finish_reason "tool_calls". With `prompt_ids`
     (return_token_ids) the first chunk carries them and each choice's chunks its new token ids."""
-    model, text = st.model_name, token_text(st)
+    model, text = st.model_of(call), token_text(st)
     streamers = [plan.streamer() for _ in range(n)]
     pending = PendingIds(prompt_ids is not None, n)
 
@@ -233,7 +235,7 @@ async def completions(request: Request) -> Response:
     st = state_of(request)
     owner = st.owner(request)
     req: CompletionRequest = decode(await read_body(request, st.config.max_body_bytes), CompletionRequest)
-    st.check_model(req.model)
+    adapter = st.check_model(req.model)
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens=0 generates nothing: it is allowed only with echo=true (the prompt scored)",
                           "max_tokens")
@@ -245,6 +247,7 @@ async def completions(request: Request) -> Response:
     rt = st.runtime
     tok = rt.tokenizer
     ids = [p if isinstance(p, list) else (await anyio.to_thread.run_sync(lambda p=p: tok(p)["input_ids"])) for p in prompts]
+    ids = [truncated(st, i, req.truncate_prompt_tokens) for i in ids]
     constraint, param = output_constraint(req)
     if constraint is not None:
         await anyio.to_thread.run_sync(lambda: rt.compile_constraint(constraint, param))
@@ -260,13 +263,14 @@ async def completions(request: Request) -> Response:
         )
         for i in ids
     ]
-    echo = [(p if isinstance(p, str) else tok.decode(i), i) for p, i in zip(prompts, ids)] if req.echo else None
+    echo = [(p if isinstance(p, str) and req.truncate_prompt_tokens is None else tok.decode(i), i)
+            for p, i in zip(prompts, ids)] if req.echo else None  # a truncated prompt echoes what ran
     st.check_capacity()
     calls: list[Call] = []
     try:
         for i, p in zip(ids, params):
             calls.append(submit(st, i, p, "prompt", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                                kind="completion", name=program_name(request)))
+                                kind="completion", name=program_name(request), model=adapter))
     except BaseException:
         for c in calls:
             c.close()
@@ -296,7 +300,7 @@ async def completions(request: Request) -> Response:
             if req.prompt_logprobs is not None:
                 choice.prompt_logprobs = prompt_logprobs_of(text, out, req.prompt_logprobs)
             choices.append(choice)
-    body = Completion(rid, created, st.model_name, choices, _usage(outs, generated), program_id=calls[0].program_id)
+    body = Completion(rid, created, st.model_of(calls[0]), choices, _usage(outs, generated), program_id=calls[0].program_id)
     return Response(_encode(body), headers=headers, media_type="application/json")
 
 
@@ -315,7 +319,7 @@ async def _completion_events(st: ServerState, calls: list[Call], rid: str, creat
     log-probs when they were asked; without `generated` (max_tokens=0) nothing follows but the finish.
     With `prompt_ids` (return_token_ids) each choice's first chunk carries its prompt's token ids and
     every chunk the tokens since the choice's last one."""
-    model, text = st.model_name, token_text(st)
+    model, text = st.model_of(calls[0]), token_text(st)
     outs: list[RequestOutput] = []
 
     def chunk(k: int, i: int, piece: str, reason: str | None = None, logprobs: CompletionLogprobs | None = None,

@@ -180,7 +180,7 @@ async def create_response(request: Request) -> Response:
     st = state_of(request)
     owner = st.owner(request)
     req: ResponseCreate = decode(await read_body(request, st.config.max_body_bytes), ResponseCreate)
-    st.check_model(req.model)
+    adapter = st.check_model(req.model)
     pid, tid = program_keys(request, req.program_id, None)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
@@ -206,9 +206,9 @@ async def create_response(request: Request) -> Response:
         name = program_name(request) if "x-program-name" in request.headers else "responses"
         pid = st.runtime.start_program(name=name, owner=owner).program_id
     call = submit(st, prompt_ids, params, "input", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                  kind="responses")
+                  kind="responses", model=adapter)
     base = ResponseObject(
-        id=f"resp_{uuid.uuid4().hex[:24]}", created_at=int(time.time()), model=st.model_name, output=[],
+        id=f"resp_{uuid.uuid4().hex[:24]}", created_at=int(time.time()), model=st.model_of(call), output=[],
         status="in_progress", usage=None, instructions=req.instructions, tools=req.tools or [],
         tool_choice=req.tool_choice or "auto", parallel_tool_calls=req.parallel_tool_calls,
         temperature=req.temperature, top_p=req.top_p, max_output_tokens=req.max_output_tokens,

@@ -4,7 +4,7 @@ Validation happens once, when a body is decoded into these types (constraints li
 the OpenAPI document at `/openapi.json` is generated from the same types (`openapi.py`). Unknown
 fields are ignored, as OpenAI's API does; a wrong type is a 400 naming the field.
 Extra fields agentrt understands as vLLM has them (`GenerationExtras`: logits processors, output-text
-options, structured outputs; `ignore_eos`, `top_k`, `stop_token_ids`, `prompt_logprobs`; on chat the
+options, structured outputs, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`; `ignore_eos`, `top_k`, `stop_token_ids`, `prompt_logprobs`; on chat the
 template's options, `continue_final_message` among them) and the program keys `program_id` /
 `thread_id` (also accepted as `X-Program-Id` / `X-Thread-Id` headers).
 """
@@ -23,6 +23,8 @@ TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 PromptLogprobsCount = Annotated[int, Meta(ge=0, le=20)]  # most likely tokens besides the prompt's own
+TruncatePromptTokens = Annotated[int, Meta(ge=-1)]  # keep the prompt's last k tokens; -1: what the context takes
+# (the engine refuses 0: engine.sampling_params.truncate_prompt)
 Priority = Annotated[int, Meta(ge=-(2**31 - 1), le=2**31 - 1)]  # a scheduling class (engine.SamplingParams.priority)
 Stop = str | list[str]
 
@@ -125,9 +127,9 @@ class StructuredOutputs(Struct):
 
 class GenerationExtras(Struct, kw_only=True):
     """Fields both completion endpoints take beyond OpenAI's core ones: logits processors (OpenAI's
-    penalties and logit_bias; vLLM's repetition_penalty, min_p, min_tokens; the engine checks their
-    ranges and names a bad one), vLLM's output-text options, and vLLM's structured outputs (which
-    `response_format` also gives; one of them per request)."""
+    penalties and logit_bias; vLLM's repetition_penalty, min_p, min_tokens, allowed_token_ids, bad_words;
+    the engine checks their ranges and names a bad one), vLLM's truncate_prompt_tokens and output-text
+    options, and vLLM's structured outputs (which `response_format` also gives; one of them per request)."""
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -135,6 +137,9 @@ class GenerationExtras(Struct, kw_only=True):
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+    allowed_token_ids: list[int] | None = None  # only these token ids may be sampled
+    bad_words: list[str] | None = None  # words never generated (engine.SamplingParams.bad_words)
+    truncate_prompt_tokens: TruncatePromptTokens | None = None  # keep the prompt's last k tokens (-1: all that fit)
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) that ended the output
     return_token_ids: bool = False  # the prompt's and the output's token ids in the response
     priority: Priority = 0  # scheduling class: smaller first, ahead of the policy's order (vLLM's)
@@ -156,7 +161,9 @@ class GenerationExtras(Struct, kw_only=True):
         return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
                 "logit_bias": bias, "include_stop_str_in_output": self.include_stop_str_in_output,
-                "skip_special_tokens": self.skip_special_tokens, "priority": self.priority}
+                "skip_special_tokens": self.skip_special_tokens, "priority": self.priority,
+                "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words or [],
+                "truncate_prompt_tokens": self.truncate_prompt_tokens}
 
 
 class ChatCompletionRequest(GenerationExtras):
@@ -344,6 +351,8 @@ class Model(Struct):
     owned_by: str = "agentrt"
     object: str = "model"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's directory (vLLM's model card)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(Struct):
@@ -383,6 +392,10 @@ class DetokenizeRequest(Struct):
 
 class DetokenizeResponse(Struct):
     prompt: str
+
+
+class PrefixCacheReset(Struct):
+    reset: bool  # nothing cached is left (False: blocks in use by running calls or programs' pins kept theirs)
 
 
 class Health(Struct):

@@ -1,6 +1,8 @@
 """What a vLLM client finds besides the completions: `GET /v1/models/{model}` (OpenAI's retrieve),
 `POST /tokenize` and `POST /detokenize` (vLLM's: token ids of a prompt or of a conversation exactly as
-the completion endpoints would send it to the engine, and text of token ids), `GET /version`."""
+the completion endpoints would send it to the engine, and text of token ids), `GET /version`, and
+`POST /reset_prefix_cache` (vLLM's: the engine forgets its cached prefixes no call holds, so later calls
+compute them again: benchmarks measure cold prompts with it)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from agentrt.server.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
     Model,
+    PrefixCacheReset,
     TokenizeRequest,
     TokenizeResponse,
     Version,
@@ -32,8 +35,8 @@ from agentrt.server.schemas import (
 async def retrieve_model(request: Request) -> Response:
     st = state_of(request)
     st.owner(request)
-    st.check_model(request.path_params["model"])
-    return json_response(Model(st.model_name, st.created, max_model_len=st.max_model_len))
+    name = st.check_model(request.path_params["model"]) or st.model_name
+    return json_response(next(card for card in st.model_cards() if card.id == name))
 
 
 @api
@@ -84,6 +87,13 @@ async def detokenize(request: Request) -> Response:
     return json_response(DetokenizeResponse(text))
 
 
+@api
+async def reset_prefix_cache(request: Request) -> Response:
+    st = state_of(request)
+    st.owner(request)
+    return json_response(PrefixCacheReset(await st.runtime.reset_prefix_cache()))
+
+
 async def version(request: Request) -> Response:
     return json_response(Version(VERSION))
 
@@ -93,6 +103,7 @@ ROUTES = [
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/version", version, methods=["GET"]),
+    Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
 ]
 
 OPERATIONS = [
@@ -102,4 +113,6 @@ OPERATIONS = [
     Operation("post", "/detokenize", "text of token ids (vLLM)", DetokenizeResponse, DetokenizeRequest,
               errors=(400, 401, 404, 413, 500)),
     Operation("get", "/version", "agentrt's version", Version, errors=(), auth=False),
+    Operation("post", "/reset_prefix_cache", "forget the cached prefixes no call holds (vLLM)", PrefixCacheReset,
+              errors=(401, 500)),
 ]

@@ -243,6 +243,7 @@ ENDPOINTS = [
     ("POST", "/v1/programs", {}), ("GET", "/v1/programs", None), ("GET", "/v1/programs/p", None),
     ("DELETE", "/v1/programs/p", None), ("GET", "/v1/models/tiny", None), ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/v1/responses/resp-x", None),
+    ("POST", "/reset_prefix_cache", None),
 ]
 
 

@@ -1,0 +1,47 @@
+"""Command-line options `agentrt serve` and `agentrt run-batch` share: the engine's (EngineConfig fields,
+with vLLM's flag names) and the LoRA adapters'. Unset options keep the engine's defaults."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# flag -> (type, help); each the EngineConfig field of its name
+_ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
+    "--max-num-seqs": (int, "requests in one batch at most (default 64)"),
+    "--max-num-batched-tokens": (int, "tokens in one step at most, chunked prefill beyond (default 1024)"),
+    "--kv-cache-bytes": (int, "the KV cache's size in bytes (default: 1 GiB on CPU, 90%% of free GPU memory)"),
+    "--num-blocks": (int, "the KV cache's size in blocks (overrides --kv-cache-bytes)"),
+    "--max-model-len": (int, "context limit (default: the model's)"),
+    "--dtype": (str, "auto, float32, bfloat16 or float16 (default: auto, the fastest on this machine)"),
+    "--device": (str, "cpu, cuda or cuda:N (default: cuda when there is one)"),
+    "--seed": (int, "seed for calls without their own (default 0)"),
+    "--num-speculative-tokens": (int, "n-gram (prompt lookup) drafts per step for greedy calls (default 0: off)"),
+    "--num-scheduler-steps": (int, "greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens "
+                                   "come in bursts of this many; default 1)"),
+    "--max-loras": (int, "LoRA adapters kept loaded at most (default 8)"),
+    "--max-lora-rank": (int, "the highest LoRA rank served (default 64)"),
+}
+_SWITCHES = ("enable_prefix_caching", "enable_lora")
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine's flags and `--lora-modules` (a ServerConfig field: read it as `a.lora_modules`)."""
+    g = p.add_argument_group("engine options (unset: the engine's defaults)")
+    for flag, (type_, help_) in _ENGINE_FLAGS.items():
+        g.add_argument(flag, type=type_, default=None, help=help_)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of shared prompt prefixes (default: on)")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters (PEFT directories): a request names one as its model")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help='LoRA adapters served from the start, as name=path or JSON {"name", "path"} (vLLM\'s flag; '
+                        "implies --enable-lora)")
+
+
+def engine_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields given on the command line (the others keep the engine's defaults)."""
+    if a.seed is not None and not 0 <= a.seed < 2**63:
+        raise ValueError(f"--seed must be an int in [0, 2**63 - 1], got {a.seed}")
+    names = [f[2:].replace("-", "_") for f in _ENGINE_FLAGS] + list(_SWITCHES)
+    return {n: getattr(a, n) for n in names if getattr(a, n) is not None}
