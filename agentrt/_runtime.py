@@ -15,8 +15,8 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import anyio
 
@@ -24,9 +24,8 @@ import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the e
 from agentrt._call import Call, CallSummary
 from agentrt._chat_plan import ChatPlan, Reply, ReplyStreamer, plan_call
 from agentrt._chat_prompt import ChatPrompts, pop_template_options
-from agentrt._context import _runtime, current_runtime
+from agentrt._context import _runtime
 from agentrt._embed import embed_inputs
-from agentrt._lora import LoRAModules, parse_lora_modules
 from agentrt._errors import (
     ConfigError,
     InvalidCallError,
@@ -34,6 +33,7 @@ from agentrt._errors import (
     ProgramExistsError,
     ProgramNotFoundError,
 )
+from agentrt._lora import LoRAModules, parse_lora_modules
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
 from agentrt._program import ProgramHandle, check_priority, current, enter_program, exit_program, new_program_id
 from agentrt._reasoning import reasoning_parser as make_reasoning_parser
@@ -52,15 +52,6 @@ from engine.sampling_params import truncate_prompt
 from engine.structured import Constraint
 
 ANY_OWNER: Any = object()  # `owner=` default of the program look-ups: any client's program
-
-P = ParamSpec("P")
-T = TypeVar("T")
-
-def process_table() -> ProcessTable:
-    """The current runtime's process table."""
-    rt = current_runtime()
-    assert rt is not None
-    return rt.programs
 
 
 class Runtime:
@@ -642,58 +633,3 @@ def _sampling_params(sampling: dict[str, Any], program_id: str) -> SamplingParam
         return SamplingParams(**sampling)
     except (TypeError, ValueError) as e:
         raise InvalidCallError(f"bad sampling arguments {sampling!r}: {e}", program_id=program_id) from None
-
-
-# --- module-level API: the current runtime --------------------------------------------------
-async def chat(messages: Sequence[dict[str, Any]], **sampling: Any) -> str | Result:
-    """Chat completion for the current program: the assistant's reply to `messages` (a str), or a
-    `Result` with every choice, logprobs and usage when the call asks for more than a text (n > 1,
-    logprobs, top_logprobs, prompt_logprobs, tools, tool_choice, response_format, full=True).
-    `sampling`: `engine.SamplingParams` fields (max_tokens, temperature, stop, seed, min_p, ...)."""
-    rt = current_runtime()
-    assert rt is not None
-    return await rt.chat(messages, **sampling)
-
-
-async def generate(prompt: str | list[int], **sampling: Any) -> str | Result:
-    """Plain completion of `prompt` (text or token ids) for the current program; a `Result` as for `chat`."""
-    rt = current_runtime()
-    assert rt is not None
-    return await rt.generate(prompt, **sampling)
-
-
-async def chat_stream(messages: Sequence[dict[str, Any]], **sampling: Any) -> AsyncIterator[str | Chunk]:
-    """Like `chat`, yielding text deltas as they are generated (`Chunk`s, which carry their choice's
-    index, when `chat` would return a `Result`)."""
-    rt = current_runtime()
-    assert rt is not None
-    async with contextlib.aclosing(rt.chat_stream(messages, **sampling)) as gen:
-        async for text in gen:
-            yield text
-
-
-async def generate_stream(prompt: str | list[int], **sampling: Any) -> AsyncIterator[str | Chunk]:
-    """Like `generate`, yielding text deltas (or `Chunk`s, as `chat_stream`) as they are generated."""
-    rt = current_runtime()
-    assert rt is not None
-    async with contextlib.aclosing(rt.generate_stream(prompt, **sampling)) as gen:
-        async for text in gen:
-            yield text
-
-
-def run(
-    fn: Callable[P, Awaitable[T]],
-    *args: Any,
-    model: str | None = None,
-    policy: str | SchedulingPolicy = "plas",
-    backend: str = "asyncio",
-    **engine_config: Any,
-) -> T:
-    """Start a `Runtime`, await `fn(*args)` inside it, shut down, return the result."""
-
-    async def main() -> T:
-        async with Runtime(model, policy, **engine_config):
-            return await fn(*args)
-
-    return anyio.run(main, backend=backend)
-

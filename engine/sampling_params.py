@@ -70,7 +70,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k >= 1 tokens; -1: as many as the
     # context takes with one position left for the output (max_model_len - 1); None: the whole prompt
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
-    # bad_words as token ids, set by the engine when it checks the request (EngineCore.validate_params): each word
+    # bad_words as token ids, set by the engine when it checks the request (engine.admission.RequestChecks.validate_params): each word
     # without and (where that is another token sequence of the same length) with a leading space, as vLLM does
 
     def __post_init__(self) -> None:

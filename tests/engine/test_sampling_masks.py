@@ -22,7 +22,7 @@ PROMPT = [311, 4090, 77, 1500, 23, 9000, 42, 311, 77]
 
 
 def with_bad_words(p: SamplingParams, words: list[list[int]]) -> SamplingParams:
-    p.bad_words_token_ids = words  # what EngineCore.validate_params sets from p.bad_words
+    p.bad_words_token_ids = words  # what RequestChecks.validate_params sets from p.bad_words
     return p
 
 

@@ -239,7 +239,7 @@ def test_mask_allows_only_grammar_tokens(tiny):
 def test_apply_constraints_masks_only_constrained_rows(tiny):
     core = tiny.core
     core.compile_constraint(Constraint("regex", "(yes|no)"))
-    m = core._grammars.matcher(Constraint("regex", "(yes|no)"))
+    m = core.checks.grammars.matcher(Constraint("regex", "(yes|no)"))
     vocab = core.model.args.vocab_size
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
@@ -282,7 +282,7 @@ def test_compiled_grammars_are_cached(tiny):
     core = tiny.core
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     tiny.generate(PROMPTS[:1], SamplingParams(max_tokens=4, constraint=Constraint.json_schema(schema)))
-    cache: GrammarCache = core._grammars
+    cache: GrammarCache = core.checks.grammars
     compiles, hits = cache.num_compiles, cache.num_hits
     same = Constraint.json_schema(json.loads(json.dumps(schema)))  # equal, not the same object
     tiny.generate(PROMPTS, SamplingParams(max_tokens=4, n=2, constraint=same))

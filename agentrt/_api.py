@@ -1,0 +1,84 @@
+"""The module-level API: `agentrt.chat`, `generate`, their `_stream` forms and `process_table` act on the
+current runtime (the one whose `async with` encloses the caller, in-process or `agentrt.connect`), as
+calls of the current program; `agentrt.run` starts a runtime around one coroutine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
+
+import anyio
+
+from agentrt._context import current_runtime
+from agentrt._process_table import ProcessTable
+from agentrt._results import Chunk, Result
+from agentrt._runtime import Runtime
+from engine import SchedulingPolicy
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def process_table() -> ProcessTable:
+    """The current runtime's process table."""
+    rt = current_runtime()
+    assert rt is not None
+    return rt.programs
+
+
+
+async def chat(messages: Sequence[dict[str, Any]], **sampling: Any) -> str | Result:
+    """Chat completion for the current program: the assistant's reply to `messages` (a str), or a
+    `Result` with every choice, logprobs and usage when the call asks for more than a text (n > 1,
+    logprobs, top_logprobs, prompt_logprobs, tools, tool_choice, response_format, full=True).
+    `sampling`: `engine.SamplingParams` fields (max_tokens, temperature, stop, seed, min_p, ...), and
+    `model`: the name of a LoRA adapter the runtime serves (`Runtime(lora_modules=...)`; None: the base model)."""
+    rt = current_runtime()
+    assert rt is not None
+    return await rt.chat(messages, **sampling)
+
+
+async def generate(prompt: str | list[int], **sampling: Any) -> str | Result:
+    """Plain completion of `prompt` (text or token ids) for the current program; a `Result` as for `chat`."""
+    rt = current_runtime()
+    assert rt is not None
+    return await rt.generate(prompt, **sampling)
+
+
+async def chat_stream(messages: Sequence[dict[str, Any]], **sampling: Any) -> AsyncIterator[str | Chunk]:
+    """Like `chat`, yielding text deltas as they are generated (`Chunk`s, which carry their choice's
+    index, when `chat` would return a `Result`)."""
+    rt = current_runtime()
+    assert rt is not None
+    async with contextlib.aclosing(rt.chat_stream(messages, **sampling)) as gen:
+        async for text in gen:
+            yield text
+
+
+async def generate_stream(prompt: str | list[int], **sampling: Any) -> AsyncIterator[str | Chunk]:
+    """Like `generate`, yielding text deltas (or `Chunk`s, as `chat_stream`) as they are generated."""
+    rt = current_runtime()
+    assert rt is not None
+    async with contextlib.aclosing(rt.generate_stream(prompt, **sampling)) as gen:
+        async for text in gen:
+            yield text
+
+
+def run(
+    fn: Callable[P, Awaitable[T]],
+    *args: Any,
+    model: str | None = None,
+    policy: str | SchedulingPolicy = "plas",
+    backend: str = "asyncio",
+    **engine_config: Any,
+) -> T:
+    """Start a `Runtime`, await `fn(*args)` inside it, shut down, return the result."""
+
+    async def main() -> T:
+        async with Runtime(model, policy, **engine_config):
+            return await fn(*args)
+
+    return anyio.run(main, backend=backend)
+
