@@ -4,6 +4,7 @@ with vLLM's flag names) and the LoRA adapters'. Unset options keep the engine's 
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 # flag -> (type, help); each the EngineConfig field of its name
@@ -21,6 +22,8 @@ _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
                                    "come in bursts of this many; default 1)"),
     "--max-loras": (int, "LoRA adapters kept loaded at most (default 8)"),
     "--max-lora-rank": (int, "the highest LoRA rank served (default 64)"),
+    "--generation-config": (str, "sampling defaults for unset request fields: auto (the model's "
+                                 "generation_config.json; the default), vllm (none) or a directory holding one"),
 }
 _SWITCHES = ("enable_prefix_caching", "enable_lora")
 
@@ -34,6 +37,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV of shared prompt prefixes (default: on)")
     g.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters (PEFT directories): a request names one as its model")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='sampling defaults on top of the generation config, e.g. \'{"temperature": 0.5}\'')
     g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help='LoRA adapters served from the start, as name=path or JSON {"name", "path"} (vLLM\'s flag; '
                         "implies --enable-lora)")
@@ -44,4 +49,13 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
     if a.seed is not None and not 0 <= a.seed < 2**63:
         raise ValueError(f"--seed must be an int in [0, 2**63 - 1], got {a.seed}")
     names = [f[2:].replace("-", "_") for f in _ENGINE_FLAGS] + list(_SWITCHES)
-    return {n: getattr(a, n) for n in names if getattr(a, n) is not None}
+    options = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
+    if a.override_generation_config is not None:
+        try:
+            override = json.loads(a.override_generation_config)
+        except ValueError:
+            override = None
+        if not isinstance(override, dict):
+            raise ValueError(f"--override-generation-config must be a JSON object, got {a.override_generation_config!r}")
+        options["override_generation_config"] = override
+    return options

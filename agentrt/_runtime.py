@@ -464,7 +464,7 @@ class Runtime:
         exc: BaseException | None = None
         try:
             lora = self.loras.resolve(sampling.pop("model", None), prog.program_id)
-            params = _sampling_params(sampling, prog.program_id)
+            params = _sampling_params({**self._engine().core.generation_defaults, **sampling}, prog.program_id)
             async with self._submit(prog, thread_id, prompt, params, kind, None, lora=lora) as call:
                 async for delta in call:
                     yield delta

@@ -41,6 +41,9 @@ class EngineConfig:
     enable_lora: bool = False  # serve LoRA adapters (engine.lora): requests may name one with lora_request
     max_loras: int = 8  # adapters kept loaded at most (least recently used dropped; a request holds its own)
     max_lora_rank: int = 64  # an adapter of a higher rank is refused
+    generation_config: str = "auto"  # sampling defaults (engine.generation_config): "auto" = the checkpoint's
+    # generation_config.json, "vllm" = none, or a directory holding such a file
+    override_generation_config: dict | None = None  # {field: value} on top of those, e.g. {"temperature": 0.5}
     dtype_reason: str = field(default="", init=False)  # how `dtype` was chosen, for the start-up line
 
     def __post_init__(self) -> None:

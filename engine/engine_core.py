@@ -23,6 +23,7 @@ import torch
 import kernels
 from engine.admission import RequestChecks
 from engine.config import EngineConfig
+from engine.generation_config import generation_defaults
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model, load_tokenizer, resolve_model
 from engine.lora import LoRAAdapter, LoRARegistry, LoRARequest
@@ -76,6 +77,12 @@ class EngineCore:
         self.config = config
         torch.manual_seed(config.seed)
         self.model_path = resolve_model(config.model)
+        # the model creator's sampling defaults for fields a request leaves unset (vLLM's generation config),
+        # checked before the model loads
+        self.generation_defaults = generation_defaults(self.model_path, config.generation_config,
+                                                       config.override_generation_config)
+        if self.generation_defaults:
+            logger.info("sampling defaults from the model's generation config: %s", self.generation_defaults)
         self.tokenizer = load_tokenizer(self.model_path)
         self.model, self.hf_config = load_model(self.model_path, config.torch_dtype, config.device)
         args = self.model.args
@@ -122,8 +129,13 @@ class EngineCore:
         return self.checks.validate_prompt(prompt, truncate_prompt_tokens)
 
     def validate_params(self, params: SamplingParams | None) -> SamplingParams:
-        """A checked copy of `params` (engine.admission.RequestChecks.validate_params)."""
-        return self.checks.validate_params(params)
+        """A checked copy of `params` (engine.admission.RequestChecks.validate_params); None: the default
+        sampling params (`default_sampling_params`)."""
+        return self.checks.validate_params(self.default_sampling_params() if params is None else params)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams of the model's generation config (engine.generation_config), else the defaults."""
+        return SamplingParams(**self.generation_defaults)
 
     def check_request(
         self,

@@ -64,7 +64,7 @@ class LLM:
         prompt, or one per prompt (None: the base model); the engine needs enable_lora=True."""
         prompts = _prompt_list(prompts)
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         params = list(params)
@@ -147,6 +147,12 @@ class LLM:
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
         params = [SamplingParams(max_tokens=1, pooling=p) for p in pooling_params]
         return self.generate(prompts, params, progress=progress, priority=priority, lora_request=lora_request)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's recommended sampling (its generation_config.json: temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens), else SamplingParams' defaults; what `generate` uses
+        when given no params."""
+        return self.core.default_sampling_params()
 
     def kv_stats(self) -> KVStats:
         return self.core.kv_stats()

@@ -167,6 +167,7 @@ class ServerState:
         self.vocab_size = core.model.args.vocab_size
         self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
         self.pooling_method = config.pooling or default_pooling(core.model_path)
+        self.sampling_defaults = core.generation_defaults  # the model's generation config (vLLM's)
         self.created = int(time.time())
         self.draining = False
         self._keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k.encode() for k in config.api_keys}

@@ -82,13 +82,15 @@ def sampling_params(
         raise bad_request(f"n={n} is over the server's limit of {st.config.max_n} (--max-n)", "n")
     if max_tokens is not None and max_tokens > st.max_tokens_limit:
         raise bad_request(f"max_tokens={max_tokens} is over the limit of {st.max_tokens_limit}", "max_tokens")
+    d = st.sampling_defaults  # the model's generation config, for what the request leaves unset
     if max_tokens is None:
-        max_tokens = max(1, min(st.max_tokens_limit, st.max_model_len - prompt_len))
+        max_tokens = max(1, min(st.max_tokens_limit, st.max_model_len - prompt_len, d.get("max_tokens", 1 << 62)))
     try:
-        extra = extras.sampling_args() if extras is not None else {}
+        extra = extras.sampling_args(d) if extras is not None else {}
         return SamplingParams(**extra,
-            max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k, n=n,
+            max_tokens=max_tokens, temperature=d.get("temperature", 1.0) if temperature is None else temperature,
+            top_p=d.get("top_p", 1.0) if top_p is None else top_p, top_k=d.get("top_k", -1) if top_k is None else top_k,
+            n=n,
             stop=[] if stop is None else stop, stop_token_ids=stop_token_ids or [], seed=seed, ignore_eos=ignore_eos, logprobs=logprobs,
             top_logprobs=top_logprobs, constraint=constraint, prompt_logprobs=prompt_logprobs,
         )

@@ -133,8 +133,8 @@ class GenerationExtras(Struct, kw_only=True):
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    repetition_penalty: float | None = None  # None: the model's generation config, else 1.0
+    min_p: float | None = None  # None: the model's generation config, else 0.0
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     allowed_token_ids: list[int] | None = None  # only these token ids may be sampled
@@ -150,8 +150,10 @@ class GenerationExtras(Struct, kw_only=True):
     guided_choice: list[str] | None = None
     structured_outputs: StructuredOutputs | None = None
 
-    def sampling_args(self) -> dict[str, Any]:
-        """These fields as SamplingParams arguments (the output constraint apart: see calls.output_constraint)."""
+    def sampling_args(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """These fields as SamplingParams arguments (the output constraint apart: see calls.output_constraint);
+        `defaults`: the model's generation config (engine.generation_config), for fields left unset."""
+        defaults = defaults or {}
         bias = None
         if self.logit_bias:
             bad = [k for k in self.logit_bias if not k.strip().lstrip("-").isdigit()]
@@ -159,7 +161,9 @@ class GenerationExtras(Struct, kw_only=True):
                 raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {bad[0]!r}")
             bias = {int(k): v for k, v in self.logit_bias.items()}
         return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "repetition_penalty": self.repetition_penalty, "min_p": self.min_p, "min_tokens": self.min_tokens,
+                "repetition_penalty": defaults.get("repetition_penalty", 1.0) if self.repetition_penalty is None
+                else self.repetition_penalty,
+                "min_p": defaults.get("min_p", 0.0) if self.min_p is None else self.min_p, "min_tokens": self.min_tokens,
                 "logit_bias": bias, "include_stop_str_in_output": self.include_stop_str_in_output,
                 "skip_special_tokens": self.skip_special_tokens, "priority": self.priority,
                 "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words or [],

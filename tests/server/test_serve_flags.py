@@ -62,7 +62,7 @@ def test_positional_model_as_vllm_serve(served):
     assert served["config"].model is None
 
 
-def test_engine_flags_reach_the_engine_config(served):
+def test_engine_flags_reach_the_engine_config(served, tmp_path):
     assert cli(["serve", "m", "--seed", "7", "--no-enable-prefix-caching"]) == 0
     engine = served["config"].engine
     assert engine["seed"] == 7 and engine["enable_prefix_caching"] is False
@@ -70,6 +70,12 @@ def test_engine_flags_reach_the_engine_config(served):
     assert config.seed == 7 and config.enable_prefix_caching is False
     assert cli(["serve", "m", "--enable-prefix-caching"]) == 0
     assert served["config"].engine["enable_prefix_caching"] is True
+    (tmp_path / "adapter_config.json").write_text("{}")
+    assert cli(["serve", "m", "--generation-config", "vllm", "--override-generation-config", '{"top_k": 5}',
+                "--lora-modules", f"a={tmp_path}", "--max-loras", "2"]) == 0
+    engine = served["config"].engine
+    assert engine["generation_config"] == "vllm" and engine["override_generation_config"] == {"top_k": 5}
+    assert engine["max_loras"] == 2 and served["config"].lora_modules == [f"a={tmp_path}"]
     assert cli(["serve", "m"]) == 0  # unset: the engine's defaults
     assert "seed" not in served["config"].engine and "enable_prefix_caching" not in served["config"].engine
 
@@ -119,11 +125,14 @@ def test_uvicorn_flags(served, tmp_path):
     (["--chat-template", "{% for m in messages %}{{ m }}"], ["does not compile", "endfor"]),
     (["--chat-template", "{{ messages[0] }"], ["does not compile", "'}'"]),
     (["--root-path", "llm"], ["root_path", "'llm'"]),
+    (["--override-generation-config", "[1]"], ["--override-generation-config", "[1]"]),
+    (["--lora-modules", "plain"], ["--lora-modules", "'plain'"]),
     (["--ssl-certfile", __file__], ["ssl_keyfile", "both or neither"]),
     (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", __file__], ["ssl_keyfile", "/no/key.pem"]),
     (["--ssl-keyfile", __file__, "--ssl-certfile", "/no/cert.pem"], ["ssl_certfile", "/no/cert.pem"]),
 ], ids=["two-models", "seed", "origins-not-json", "origins-not-list", "methods-not-strings", "headers-bad-json",
-        "template-missing-file", "template-unclosed", "template-syntax", "root-path", "ssl-half", "ssl-no-key",
+        "template-missing-file", "template-unclosed", "template-syntax", "root-path", "genconf-not-object",
+        "lora-modules-no-path", "ssl-half", "ssl-no-key",
         "ssl-no-cert"])
 def test_bad_values_fail_before_the_model_loads(args, needles, no_load, capsys):
     assert cli(["serve", *args]) == 2
