@@ -18,12 +18,12 @@ _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
     "--device": (str, "cpu, cuda or cuda:N (default: cuda when there is one)"),
     "--seed": (int, "seed for calls without their own (default 0)"),
     "--num-speculative-tokens": (int, "n-gram (prompt lookup) drafts per step for greedy calls (default 0: off)"),
-    "--num-scheduler-steps": (int, "greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens "
-                                   "come in bursts of this many; default 1)"),
+    "--num-scheduler-steps": (int, ("greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens "
+                                    "come in bursts of this many; default 1)")),
     "--max-loras": (int, "LoRA adapters kept loaded at most (default 8)"),
     "--max-lora-rank": (int, "the highest LoRA rank served (default 64)"),
-    "--generation-config": (str, "sampling defaults for unset request fields: auto (the model's "
-                                 "generation_config.json; the default), vllm (none) or a directory holding one"),
+    "--generation-config": (str, ("sampling defaults for unset request fields: auto (the model's "
+                                  "generation_config.json; the default), vllm (none) or a directory holding one")),
 }
 _SWITCHES = ("enable_prefix_caching", "enable_lora")
 
