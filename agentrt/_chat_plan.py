@@ -4,7 +4,7 @@ rest (agentrt._toolparsers), under the output's grammar if it has one.
 
     plan = plan_call(tools, tool_choice, output).use_template(template_source, tool_parser)
     messages, tools = plan.render(messages), plan.template_tools()    # for the chat template
-    plan.think(reasoning_parser, prompt_text)
+    plan.think(reasoning_parser, prompt_text, tag_ids)   # tag_ids: the tokenizer's ids of a tag
     reasoning, content, calls = plan.split(output_text)        # a finished output
     s = plan.streamer(); s.feed(piece) -> (reasoning, content); s.finish() -> Reply   # a streamed one
 
@@ -15,6 +15,8 @@ is named (`--tool-call-parser`).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -72,14 +74,24 @@ class ChatPlan:
         """The tools for the template's `tools` variable (OpenAI function specs); None: it gets none."""
         return [t.spec() for t in self.tools] if self.native and self.tools else None
 
-    def think(self, parser: ThinkTagParser | None, prompt: str) -> ChatPlan:
+    def think(self, parser: ThinkTagParser | None, prompt: str,
+              tag_ids: Callable[[str], list[int]] | None = None) -> ChatPlan:
         """Split reasoning off the output with `parser` (None: no reasoning), given the rendered prompt
-        text. A forced call or a JSON output has none: its grammar makes it JSON from the first token
-        (were it parsed, a prompt that opened a think block would make all of it reasoning). A regex or
-        grammar output is parsed: it may spell out a think block itself."""
+        text. When the prompt opens a think block, a grammar (a JSON output, a forced call, a regex) waits
+        for the block's end (vLLM's structured outputs with a reasoning parser): the constraint starts after
+        the end tag's token ids (`tag_ids`: the tokenizer's), and the reply is the thinking, then the
+        grammar's output. Otherwise a forced call or a JSON output has no reasoning: its grammar makes it
+        JSON from the first token; a regex or grammar output is parsed (it may spell a think block itself)."""
+        if parser is None:
+            return self
+        thinking = parser.prompt_thinking(prompt)
+        if self.constraint is not None and thinking and tag_ids is not None and (end := tag_ids(parser.end)):
+            self.constraint = dataclasses.replace(self.constraint, after=tuple(end))
+            self.reasoning, self.thinking = parser, True
+            return self
         json_output = self.constraint is not None and self.constraint.kind in ("json_schema", "json_object")
-        if parser is not None and not self.forced_call and not json_output:
-            self.reasoning, self.thinking = parser, parser.prompt_thinking(prompt)
+        if not self.forced_call and not json_output:
+            self.reasoning, self.thinking = parser, thinking
         return self
 
     def split(self, text: str) -> Reply:

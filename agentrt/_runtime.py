@@ -352,6 +352,10 @@ class Runtime:
         specs = [t.spec() for t in plan.tools] or None
         return plan.use_template(self._chat.template_source(chat_template, specs), self.tool_parser)
 
+    def tag_ids(self, tag: str) -> list[int]:
+        """The token ids of a tag (e.g. `</think>`) as the model writes it: no special tokens added."""
+        return self.tokenizer(tag, add_special_tokens=False)["input_ids"]
+
     def compile_constraint(self, constraint: Constraint, param: str | None = None) -> None:
         """Compile (and cache) an output grammar now, so a bad one fails here, naming `param`, and a good
         one costs nothing when its call is added. Blocking: the server runs it in a thread."""
@@ -494,7 +498,7 @@ class Runtime:
             plan = plan_call(tool_specs(tools), tool_choice, response_format_constraint(response_format))
             rendered = self.plan_template(plan, options.get("chat_template")).render(list(messages))
         text, ids = self.chat_prompt(rendered, _pid(), tools=plan.template_tools(), **options)
-        plan.think(self.reasoning, text)
+        plan.think(self.reasoning, text, self.tag_ids)
         if plan.constraint is not None:
             param = "tool_choice" if plan.forced_call else "response_format"
             await anyio.to_thread.run_sync(self.compile_constraint, plan.constraint, param)

@@ -118,6 +118,11 @@ class RequestChecks:
             raise InvalidRequestError(
                 f"SamplingParams.allowed_token_ids must be < the vocabulary size {vocab}, got {show_value(bad[:5], False)}"
             )
+        if params.constraint is not None:
+            bad = [t for t in params.constraint.after if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"SamplingParams.constraint.after must be token ids < the vocabulary size "
+                                          f"{vocab}, got {show_value(bad[:5], False)}")
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.pooling is not None:

@@ -216,7 +216,11 @@ class EngineCore:
             req.children.append(child)
         if params.constraint is not None:
             for r in (req, *req.children):  # compiled by check_request
-                r.matcher = self.checks.grammars.matcher(params.constraint)
+                m = self.checks.grammars.matcher(params.constraint)
+                if params.constraint.after:
+                    r.waiting_matcher = m  # until the output holds `after` (_append)
+                else:
+                    r.matcher = m
         self.requests[request_id] = req
         self._families[request_id] = req
         for r in (req, *req.children):  # every id of the family is taken until its output is
@@ -412,6 +416,10 @@ class EngineCore:
             raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
         req.append_token(token, logprob, top)
         p = req.sampling
+        if req.waiting_matcher is not None:
+            after = p.constraint.after
+            if req.output_token_ids[-len(after):] == list(after):  # e.g. the thinking ended: the grammar starts
+                req.matcher, req.waiting_matcher = req.waiting_matcher, None
         eos = not p.ignore_eos and token in req.eos_token_ids
         stop_id = token in p.stop_token_ids
         detok = self._detok[req.request_id]

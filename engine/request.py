@@ -68,6 +68,7 @@ class Request:
     policy_state: dict[str, Any] = field(default_factory=dict)  # scratch owned by the scheduling policy
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens for this step (spec_decode)
     matcher: Any = None  # grammar matcher of a constrained request (engine.structured), its own per fork
+    waiting_matcher: Any = None  # the matcher while its grammar waits for the constraint's `after` tokens
     history: Any = None  # engine.sampling.TokenHistory of all_token_ids, for penalties (made on first use)
     prompt_logprobs: list[float | None] = field(default_factory=list)  # per prompt token (the first's is
     # None), when sampling.prompt_logprobs is set; filled as prefill chunks are computed
@@ -98,6 +99,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar holds or will hold its output (no drafts, no multi-step decode)."""
+        return self.matcher is not None or self.waiting_matcher is not None
 
     @property
     def cache_key(self) -> str:

@@ -264,7 +264,7 @@ class Scheduler:
             return 1
         k = min(k, budget // len(self.running))
         for req in self.running:
-            if (req.num_tokens - req.num_computed_tokens != 1 or req.spec_token_ids or req.matcher is not None
+            if (req.num_tokens - req.num_computed_tokens != 1 or req.spec_token_ids or req.constrained
                     or not req.sampling.plain_greedy):
                 return 1
             k = min(k, req.sampling.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens)

@@ -51,7 +51,7 @@ def speculates(req: Request) -> bool:
     return (
         p.greedy
         and p.pooling is None
-        and req.matcher is None
+        and not req.constrained
         and not p.logprobs
         and not p.reads_history
         and p.n == 1

@@ -29,7 +29,7 @@ import collections
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -44,8 +44,13 @@ class Constraint:
 
     kind: ConstraintKind  # "json_schema" | "json_object" (any JSON object) | "regex" | "grammar" (EBNF)
     spec: str = ""  # the schema as JSON text, the regex, or the EBNF grammar; "" for json_object
+    after: tuple[int, ...] = field(default=(), compare=False)  # token ids the grammar starts after: until the
+    # output holds them, it is free (vLLM's structured outputs with a reasoning parser: the grammar applies
+    # once the thinking ends); () = from the first token. Not part of the cache key: the grammar is the same
 
     def __post_init__(self) -> None:
+        if not isinstance(self.after, tuple) or not all(isinstance(t, int) and t >= 0 for t in self.after):
+            raise TypeError(f"constraint after must be a tuple of token ids, got {self.after!r}")
         if self.kind not in _KINDS:
             raise ValueError(f"constraint kind must be one of {list(_KINDS)}, got {self.kind!r}")
         if not isinstance(self.spec, str):

@@ -362,7 +362,7 @@ async def plan_chat(
         return rt.chat_prompt(rendered, program_id, tools=plan.template_tools(), **options)
 
     text, ids = await anyio.to_thread.run_sync(prompt)
-    plan.think(rt.reasoning, text)
+    plan.think(rt.reasoning, text, rt.tag_ids)
     if plan.constraint is not None:
         param = "tool_choice" if plan.forced_call else output_param
         await anyio.to_thread.run_sync(lambda: rt.compile_constraint(plan.constraint, param))

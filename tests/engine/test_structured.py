@@ -305,3 +305,33 @@ def test_a_grammar_at_a_dead_end_ends_the_output_like_max_tokens(tiny):
     assert regex.startswith(stuck.text) and stuck.text != regex
     assert other.token_ids == tiny.generate([[4, 5, 6]], free)[0].token_ids
     assert_all_blocks_free(tiny.core)
+
+
+@pytest.mark.parametrize("drafts", [0, 3], ids=["plain", "n-gram-drafts"])
+def test_a_grammar_waits_for_its_after_tokens(tiny_model_path, drafts):
+    """Constraint.after (the end of thinking, with a reasoning parser): the output is free, and equal to an
+    unconstrained one, up to and including the first occurrence of those tokens; the grammar holds the rest.
+    Never reached, the grammar never applies."""
+    llm = LLM(str(tiny_model_path), num_blocks=128, num_speculative_tokens=drafts)
+    free = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                        progress=False)
+    regex = "(yes|no)"
+    for prompt, out in zip(PROMPTS, free, strict=True):
+        ids = out.outputs[0].token_ids
+        k = next(i for i in range(2, 8) if ids[i : i + 2] not in [ids[j : j + 2] for j in range(i)])
+        after = tuple(ids[k : k + 2])  # first seen at k: the grammar starts at k + 2
+        params = SamplingParams(max_tokens=12, temperature=0, n=2, seed=1,
+                                constraint=Constraint("regex", regex, after=after))
+        got = llm.generate([prompt], params, progress=False)[0]
+        for c in got.outputs:
+            assert c.token_ids[: k + 2] == ids[: k + 2]
+            assert re.fullmatch(regex, llm.tokenizer.decode(c.token_ids[k + 2:], skip_special_tokens=True))
+            assert c.finish_reason == "stop"
+        never = Constraint("regex", regex, after=(llm.core.model.args.vocab_size - 1,) * 3)
+        got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, constraint=never),
+                           progress=False)[0]
+        assert got.outputs[0].token_ids == ids
+    with pytest.raises(InvalidRequestError, match="constraint.after"):
+        llm.generate(PROMPTS[:1], SamplingParams(constraint=Constraint("regex", regex, after=(10**9,))),
+                     progress=False)
+    assert_all_blocks_free(llm.core)

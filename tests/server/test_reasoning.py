@@ -11,6 +11,7 @@ peer. A second server's chat template opens the block in the prompt, as DeepSeek
 
 from __future__ import annotations
 
+import json
 import re
 
 import anthropic
@@ -146,14 +147,54 @@ def test_a_tool_call_after_thinking(client, tok):
 
 # --- a template that opens the block ------------------------------------------------------------
 def test_the_prompt_opens_the_block(opened, tok):
-    r = opened.chat.completions.create(model="tiny", messages=ASK, max_tokens=64, temperature=0, extra_body={
-        "structured_outputs": {"regex": regex(OPENED)}, "return_token_ids": True})
+    """Everything until the end tag is thinking; the tiny model never writes one, so all of it is, and a
+    grammar (here a regex) waits for the end of the thinking: the output is the free one."""
+    free = chat(opened, r"[a-z]")  # the regex never applies
+    ids = free.choices[0].token_ids
+    r = opened.chat.completions.create(model="tiny", messages=ASK, max_tokens=64, temperature=0,
+                                       extra_body={"return_token_ids": True})
     assert tok.decode(r.model_extra["prompt_token_ids"]).endswith("<|im_start|>assistant\n<think>\n")
-    thought, answer = split_of(tok, r.choices[0].token_ids, OPENED)
-    assert (r.choices[0].message.reasoning, r.choices[0].message.content) == (thought, answer)
+    assert r.choices[0].token_ids == ids
+    thought = tok.decode(ids, skip_special_tokens=True)
+    assert (free.choices[0].message.reasoning, free.choices[0].message.content) == (thought, None)
     got = deltas(opened.chat.completions.create(model="tiny", messages=ASK, max_tokens=64, temperature=0, stream=True,
-                                                extra_body={"structured_outputs": {"regex": regex(OPENED)}}))
-    assert "".join(d[0] or "" for d in got) == thought and "".join(d[2] or "" for d in got) == answer
+                                                extra_body={"structured_outputs": {"regex": "[a-z]"}}))
+    assert "".join(d[0] or "" for d in got) == thought and not any(d[2] for d in got)
+
+
+def test_a_grammar_starts_when_the_thinking_ends(tiny_model_path, tok):
+    """vLLM's structured outputs with a reasoning parser: where the prompt opens the think block, a JSON
+    output (or a forced tool call) first thinks freely and holds to its grammar after the end tag. The
+    tiny model writes no `</think>`, so the server's parser gets as its end tag two tokens its free
+    output writes: up to them the output is the free one (the thinking), after them it is JSON (the answer)."""
+    from agentrt._reasoning import ThinkTagParser
+
+    config = tiny_config(tiny_model_path, served_model_name="tiny", reasoning_parser="deepseek_r1",
+                         chat_template=OPEN_TEMPLATE)
+    with live_server(config) as srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as c:
+        free = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=24, temperature=0,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+        ids = free.choices[0].token_ids
+        rt = srv.state.runtime
+        for k in range(3, 12):  # an end tag the tokenizer spells with those two ids, not written before
+            end = tok.decode(ids[k : k + 2])
+            if rt.tag_ids(end) == ids[k : k + 2] and end not in tok.decode(ids[: k + 1]) and end.strip():
+                break
+        else:
+            pytest.skip("no two-token tag in the free output round-trips through the tokenizer")
+        rt.reasoning = ThinkTagParser("test", end=end)
+        r = c.chat.completions.create(model="tiny", messages=ASK, max_tokens=48, temperature=0,
+                                      response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": {
+                                          "type": "object", "properties": {"ok": {"type": "boolean"}},
+                                          "required": ["ok"], "additionalProperties": False}}},
+                                      extra_body={"return_token_ids": True})
+        out = r.choices[0].token_ids
+        assert out[: k + 2] == ids[: k + 2]
+        answer = tok.decode(out[k + 2 :], skip_special_tokens=True)
+        assert json.loads(answer) in ({"ok": True}, {"ok": False}) and r.choices[0].finish_reason == "stop"
+        msg = r.choices[0].message
+        assert (msg.reasoning, msg.content) == (tok.decode(ids[:k]), answer)
+        check_idle(srv)
 
 
 def test_enable_thinking_false_closes_the_block_in_the_prompt(opened, tok):
