@@ -35,6 +35,7 @@ def _check_kernels_package() -> None:
 _check_kernels_package()
 
 from engine.async_engine import AsyncEngine, RequestStream
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats
 from engine.llm import LLM
@@ -49,6 +50,9 @@ __all__ = [
     "FCFS",
     "LLM",
     "AsyncEngine",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineConfig",
     "EngineCore",

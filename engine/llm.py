@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine import chat_template as chat_template_
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats
 from engine.lora import LoRARequest
@@ -147,6 +148,20 @@ class LLM:
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
         params = [SamplingParams(max_tokens=1, pooling=p) for p in pooling_params]
         return self.generate(prompts, params, progress=progress, priority=priority, lora_request=lora_request)
+
+    def beam_search(self, prompts: str | list[int] | Sequence[str | list[int]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: per prompt, its `params.beam_width` best beams (engine.beam_search), each
+        step one batch of every live beam's next token. Bad input raises InvalidRequestError first."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestTypeError(f"params must be BeamSearchParams, got {show_value(params)}")
+        search = BeamSearch([self.core.validate_prompt(p) for p in _prompt_list(prompts)], params,
+                            self.core.eos_token_ids, self.core.max_model_len)
+        step = search.step_params()
+        while not search.done:
+            outs = self.generate(search.next_prompts(), step, progress=False)
+            search.advance([o.outputs[0].top_logprobs[0] for o in outs])
+        return search.results(self.tokenizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the model's recommended sampling (its generation_config.json: temperature, top_p, top_k,
