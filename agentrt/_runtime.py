@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
+from agentrt._beam import BeamSearchCall
 from agentrt._call import Call, CallSummary
 from agentrt._chat_plan import ChatPlan, Reply, ReplyStreamer, plan_call
 from agentrt._chat_prompt import ChatPrompts, pop_template_options
@@ -42,6 +43,7 @@ from agentrt._retention import RetentionConfig, RetentionPolicy
 from agentrt._toolcalls import response_format_constraint, tool_specs
 from agentrt._toolparsers import tool_call_parser as make_tool_parser
 from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
+from engine.beam_search import BeamSearchParams
 from engine.kv_cache_manager import OwnerKV
 from engine.lora import LoRARequest
 from engine.outputs import RequestOutput, StreamDelta
@@ -394,6 +396,14 @@ class Runtime:
             self.start_program(program_id, name=name, owner=owner)
             handle = self._keyed[program_id]
         return self._submit(handle, thread_id, prompt, params, kind, cache_salt, last_call=last_call, lora=lora)
+
+    def submit_beam_search(self, prompt_ids: list[int], params: BeamSearchParams, *, program_id: str | None = None,
+                           owner: str | None = None, cache_salt: str | None = None, model: str | None = None,
+                           name: str = "beam_search") -> BeamSearchCall:
+        """A beam search (vLLM's use_beam_search) as calls of the program `program_id` (None: a program of
+        its own); see agentrt._beam. Bad input raises InvalidCallError here."""
+        return BeamSearchCall(self, prompt_ids, params, program_id=program_id, owner=owner, cache_salt=cache_salt,
+                              model=model, name=name)
 
     def _submit(
         self, handle: ProgramHandle, thread_id: str | None, prompt: str | list[int], params: SamplingParams,

@@ -82,7 +82,8 @@ def _serve(a: argparse.Namespace) -> int:
         chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
         allow_credentials=a.allow_credentials, reasoning_parser=a.reasoning_parser,
         tool_call_parser=a.tool_call_parser, pooling=a.pooling,
-        max_embedding_inputs=a.max_embedding_inputs, lora_modules=a.lora_modules, **cors,
+        max_embedding_inputs=a.max_embedding_inputs, lora_modules=a.lora_modules,
+        return_tokens_as_token_ids=a.return_tokens_as_token_ids, **cors,
         **({} if a.allow_runtime_lora_updating is None else {"allow_runtime_lora_updating": True}),
     )
     return serve(config, a.host, a.port, a.log_level, root_path=a.root_path, ssl_keyfile=a.ssl_keyfile,
@@ -160,6 +161,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--tool-call-parser", default="auto", metavar="NAME",
                    help="the format tool calls are read in (vLLM's flag; one of " + ", ".join(PARSER_CHOICES) +
                         "); auto: the one the chat template teaches when it renders tools, else hermes")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="log-probs name tokens as 'token_id:{id}', so tokens that are not whole UTF-8 stay "
+                        "identifiable (vLLM's flag; a request's return_tokens_as_token_ids overrides it)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines; does nothing: tool_choice 'auto' is always on")
     s.add_argument("--pooling", default=None, choices=POOLING_METHODS,

@@ -79,6 +79,8 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # vLLM's flag: a request may bring its own chat_template
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: tool_choice "none" leaves the tools out
     # of the prompt (by default they stay described, so a conversation's calls share their prefix)
+    return_tokens_as_token_ids: bool = False  # vLLM's flag: log-probs name tokens "token_id:{id}" unless a request
+    # says otherwise (its return_tokens_as_token_ids)
     chat_template: str | None = None  # Jinja chat template, or a path to one; None = the model's.
     # After validation the template's text
     allowed_origins: list[str] | None = None  # CORS: origins browsers may call from ("*" = any); None = no CORS
@@ -113,8 +115,9 @@ class ServerConfig:
                 isinstance(v, list) and all(isinstance(s, str) for s in v)
             ):
                 raise ValueError(f"{name} must be a list of strings, got {v!r}")
-        if not isinstance(self.allow_credentials, bool):
-            raise ValueError(f"allow_credentials must be a bool, got {self.allow_credentials!r}")
+        for name in ("allow_credentials", "return_tokens_as_token_ids"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.chat_template is not None:
             self.chat_template = load_chat_template(self.chat_template)
         reasoning_parser(self.reasoning_parser)  # an unknown name fails here, naming the choices
@@ -385,14 +388,25 @@ def _engine_state(runtime: Runtime) -> EngineState:
             if r.policy_state:
                 lv = level_of(r)
                 levels[lv] = levels.get(lv, 0) + 1
+    running, waiting = list(core.scheduler.running), list(core.scheduler.waiting)  # copies: the engine thread moves them
+    lora: dict[str, Any] = {}
+    if core.loras is not None:  # vLLM's lora_requests_info: the adapters of the requests in each queue
+        lora = {"max_lora": core.config.max_loras, "running_lora_adapters": _adapter_names(running),
+                "waiting_lora_adapters": _adapter_names(waiting)}
     return EngineState(
-        running=len(core.scheduler.running), waiting=len(core.scheduler.waiting),
+        running=len(running), waiting=len(waiting),
         kv_usage=1.0 - kv.num_free_blocks / kv.num_blocks, prefix_queries_tokens=kv.prefix_queries_tokens,
         prefix_hit_tokens=kv.prefix_hit_tokens, num_preemptions=kv.num_preemptions,
         programs_active=len(runtime.programs.running()), calls_per_level=levels,
         kv_pinned_blocks=kv.num_pinned_blocks, kv_reserved_blocks=kv.num_reserved_blocks, ttl_hits=kv.ttl_hits,
         ttl_misses=kv.ttl_misses, pin_expiries=kv.pin_expiries, recomputed_prefill_tokens=kv.recomputed_prefill_tokens,
+        **lora,
     )
+
+
+def _adapter_names(requests: list[Any]) -> str:
+    """The LoRA adapters some of `requests` run with, sorted and comma-joined (one label value per set)."""
+    return ",".join(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
 def env_api_keys() -> list[str]:

@@ -125,16 +125,26 @@ def submit(st: ServerState, ids: list[int], params: SamplingParams, prompt_param
         raise bad_request(str(e), _param_of(str(e), prompt_param)) from None
 
 
+def engine_salt(owner: str | None, cache_salt: str | None) -> str | None:
+    """The engine's cache salt for a call: its API key's fingerprint (`owner`), paired with the request's own
+    vLLM `cache_salt` when it brings one. The pair is JSON, so it never equals a bare fingerprint nor another
+    (owner, salt) pair: no salt a request chooses reaches blocks another key's calls cached."""
+    return owner if cache_salt is None else json.dumps([owner, cache_salt])
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 class TokenText:
-    """Token id -> its text, cached (logprob rendering)."""
+    """Token id -> its text, cached (logprob rendering). `label` is how a log-prob entry names a token: its
+    text, or with `as_ids` (vLLM's return_tokens_as_token_ids) "token_id:{id}", which says which token it is
+    even when its bytes are not whole UTF-8 alone; `bytes` and text offsets stay the text's."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False, cache: dict[int, str] | None = None) -> None:
         self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self.as_ids = as_ids
+        self._cache: dict[int, str] = {} if cache is None else cache
 
     def __call__(self, tok: int) -> str:
         s = self._cache.get(tok)
@@ -142,13 +152,20 @@ class TokenText:
             s = self._cache[tok] = self.tokenizer.decode([tok])
         return s
 
+    def label(self, tok: int) -> str:
+        return f"token_id:{tok}" if self.as_ids else self(tok)
 
-def token_text(st: ServerState) -> TokenText:
+
+def token_text(st: ServerState, as_ids: bool | None = None) -> TokenText:
+    """The server's token texts; `as_ids`: a request's return_tokens_as_token_ids (None: the server's
+    --return-tokens-as-token-ids)."""
     tt = getattr(st, "_token_text", None)
     if tt is None:
         tt = TokenText(st.runtime.tokenizer)
         st._token_text = tt  # type: ignore[attr-defined]
-    return tt
+    if as_ids is None:
+        as_ids = st.config.return_tokens_as_token_ids
+    return tt if as_ids == tt.as_ids else TokenText(tt.tokenizer, as_ids, tt._cache)
 
 
 def chat_logprobs(text: TokenText, ids: list[int], lps: list[float] | None, tops: list[TopList] | None) -> ChoiceLogprobs | None:
@@ -156,9 +173,9 @@ def chat_logprobs(text: TokenText, ids: list[int], lps: list[float] | None, tops
         return None
     content = []
     for i, (tok, lp) in enumerate(zip(ids, lps)):
-        t = text(tok)
-        top = [TopLogprob(text(a), max(b, MIN_LOGPROB), list(text(a).encode())) for a, b in (tops[i] if tops else [])]
-        content.append(TokenLogprob(t, max(lp, MIN_LOGPROB), list(t.encode()), top))
+        top = [TopLogprob(text.label(a), max(b, MIN_LOGPROB), list(text(a).encode()))
+               for a, b in (tops[i] if tops else [])]
+        content.append(TokenLogprob(text.label(tok), max(lp, MIN_LOGPROB), list(text(tok).encode()), top))
     return ChoiceLogprobs(content)
 
 
@@ -166,14 +183,13 @@ def completion_logprobs(text: TokenText, ids: list[int], lps: list[float] | None
                         offset: int = 0) -> CompletionLogprobs | None:
     if lps is None:
         return None
-    tokens = [text(t) for t in ids]
     offsets = []
-    for t in tokens:
+    for t in ids:
         offsets.append(offset)
-        offset += len(t)
-    top = [{text(a): max(b, MIN_LOGPROB) for a, b in tl} for tl in tops] if tops is not None else None
+        offset += len(text(t))
+    top = [{text.label(a): max(b, MIN_LOGPROB) for a, b in tl} for tl in tops] if tops is not None else None
     shown = [lp if lp is None else max(lp, MIN_LOGPROB) for lp in lps]  # None: an echoed prompt's first token
-    return CompletionLogprobs(tokens, shown, top, offsets)
+    return CompletionLogprobs([text.label(t) for t in ids], shown, top, offsets)
 
 
 def echoed_logprobs(text: TokenText, prompt_ids: list[int], lps: list[float | None] | None,
@@ -185,7 +201,7 @@ def echoed_logprobs(text: TokenText, prompt_ids: list[int], lps: list[float | No
     head = completion_logprobs(text, prompt_ids, lps, None)
     assert head is not None
     if tops is not None:
-        head.top_logprobs = [None if tl is None else {text(a): b for a, b in tl} for tl in tops]
+        head.top_logprobs = [None if tl is None else {text.label(a): b for a, b in tl} for tl in tops]
     if then is not None:
         head.tokens += then.tokens
         head.token_logprobs += then.token_logprobs

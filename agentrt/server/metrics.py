@@ -6,7 +6,8 @@ Per-call numbers are pushed by the server as calls end (`observe_call`, `observe
 `set_engine_state`). The engine reports prefix-cache and preemption numbers as running totals;
 the counters advance by the growth since the previous report, so they equal the highest total
 seen. Counters appear in the exposition with prometheus_client's `_total` suffix
-(`agentrt:prompt_tokens_total`), as vLLM's do.
+(`agentrt:prompt_tokens_total`), as vLLM's do. With LoRA on, `agentrt:lora_requests_info` is vLLM's
+info gauge: one series whose labels name the adapters running and waiting, its value the scrape's time.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class EngineState:
     ttl_misses: int = 0  # running total: calls admitted after their program's pin expired or gave way
     pin_expiries: int = 0  # running total: pins dropped at their deadline
     recomputed_prefill_tokens: int = 0  # running total: prompt tokens a program had computed before, again
+    max_lora: int | None = None  # adapters the engine keeps loaded at most; None: LoRA off (no lora gauge)
+    running_lora_adapters: str = ""  # names of the adapters running requests use, sorted, comma-joined
+    waiting_lora_adapters: str = ""  # likewise for waiting requests
 
 
 class Metrics:
@@ -60,6 +64,8 @@ class Metrics:
         self._lock = threading.Lock()  # one engine-state report at a time: the running totals
         self._last_totals = [0] * 7  # prefix queries, prefix hits, preemptions, TTL hits, misses, expiries, recomputed
         self._levels_seen: set[int] = set()
+        self.lora_requests_info: Gauge | None = None  # made at the first report with LoRA on
+        self._lora_labels: tuple[str, str, str] | None = None  # the one label set it holds
         r = self.registry
 
         self.num_requests_running = Gauge("agentrt:num_requests_running", "Requests being decoded.", registry=r)
@@ -179,3 +185,19 @@ class Metrics:
         for level, n in s.calls_per_level.items():
             self.calls_per_queue_level.labels(level=str(level)).set(n)
         self._levels_seen.update(s.calls_per_level)
+        if s.max_lora is not None:
+            self._set_lora_info(str(s.max_lora), s.waiting_lora_adapters, s.running_lora_adapters)
+
+    def _set_lora_info(self, max_lora: str, waiting: str, running: str) -> None:
+        """vLLM's lora_requests_info: one series, its labels the adapters in use and its value when they were
+        read (a reader takes the newest series). A changed label set replaces the old one, so the series
+        stay one however adapters come and go over a server's life."""
+        if self.lora_requests_info is None:
+            self.lora_requests_info = Gauge(
+                "agentrt:lora_requests_info", "Running stats on LoRA requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry)
+        labels = (max_lora, waiting, running)
+        self.lora_requests_info.labels(*labels).set_to_current_time()
+        if self._lora_labels is not None and self._lora_labels != labels:
+            self.lora_requests_info.remove(*self._lora_labels)
+        self._lora_labels = labels

@@ -27,6 +27,7 @@ from agentrt.server.calls import (
     chat_logprobs,
     completion_logprobs,
     echoed_logprobs,
+    engine_salt,
     error_event,
     message_dicts,
     new_id,
@@ -126,16 +127,17 @@ async def chat_completions(request: Request) -> Response:
     )
     st.check_capacity()
     note_tool(st, pid, owner, _answered_tool(req.messages))
-    call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                  kind="chat", name=program_name(request), last_call=_last_call(request), model=adapter)
+    call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner,
+                  cache_salt=engine_salt(owner, req.cache_salt), kind="chat", name=program_name(request),
+                  last_call=_last_call(request), model=adapter)
     rid, created, head = new_id("chatcmpl"), int(time.time()), _echoed(req)
     if req.stream:
         usage = StreamUsage(req.stream_options, len(prompt_ids))
         return SSEResponse(_chat_events(st, call, plan, rid, created, req.n, usage, head,
-                                        prompt_ids if req.return_token_ids else None),
+                                        prompt_ids if req.return_token_ids else None, req.return_tokens_as_token_ids),
                            {"X-Program-Id": call.program_id})
     (out,) = await results(request, [call])
-    text = token_text(st)
+    text = token_text(st, req.return_tokens_as_token_ids)
     choices = []
     for c in out.outputs:
         reasoning, content, calls = plan.split(c.text)
@@ -155,12 +157,14 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_events(st: ServerState, call: Call, plan: ChatPlan, rid: str, created: int, n: int,
-                       usage: StreamUsage, head: str, prompt_ids: list[int] | None) -> AsyncIterator[bytes]:
+                       usage: StreamUsage, head: str, prompt_ids: list[int] | None,
+                       as_ids: bool | None) -> AsyncIterator[bytes]:
     """Content deltas as generated (each choice's first one with `head`, the echoed last message), after
     `reasoning` deltas with a reasoning parser; tool calls (held back from the content) as `tool_calls`
     deltas when their choice ends, which then ends with finish_reason "tool_calls". With `prompt_ids`
-    (return_token_ids) the first chunk carries them and each choice's chunks its new token ids."""
-    model, text = st.model_of(call), token_text(st)
+    (return_token_ids) the first chunk carries them and each choice's chunks its new token ids. `as_ids`:
+    return_tokens_as_token_ids (calls.token_text)."""
+    model, text = st.model_of(call), token_text(st, as_ids)
     streamers = [plan.streamer() for _ in range(n)]
     pending = PendingIds(prompt_ids is not None, n)
 
@@ -269,8 +273,9 @@ async def completions(request: Request) -> Response:
     calls: list[Call] = []
     try:
         for i, p in zip(ids, params):
-            calls.append(submit(st, i, p, "prompt", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                                kind="completion", name=program_name(request), model=adapter))
+            calls.append(submit(st, i, p, "prompt", program_id=pid, thread_id=tid, owner=owner,
+                                cache_salt=engine_salt(owner, req.cache_salt), kind="completion",
+                                name=program_name(request), model=adapter))
     except BaseException:
         for c in calls:
             c.close()
@@ -280,9 +285,10 @@ async def completions(request: Request) -> Response:
     if req.stream:
         usage = StreamUsage(req.stream_options, sum(len(i) for i in ids))
         return SSEResponse(_completion_events(st, calls, rid, created, req.n, usage, echo, req.max_tokens > 0,
-                                              ids if req.return_token_ids else None), headers)
+                                              ids if req.return_token_ids else None, req.return_tokens_as_token_ids),
+                           headers)
     outs = await results(request, calls)
-    text, generated = token_text(st), req.max_tokens > 0
+    text, generated = token_text(st, req.return_tokens_as_token_ids), req.max_tokens > 0
     choices = []
     for k, out in enumerate(outs):
         head, prompt_ids = echo[k] if echo is not None else ("", [])
@@ -313,13 +319,13 @@ def _usage(outs: list[RequestOutput], generated: bool) -> Usage:
 
 async def _completion_events(st: ServerState, calls: list[Call], rid: str, created: int, n: int, usage: StreamUsage,
                              echo: list[tuple[str, list[int]]] | None, generated: bool,
-                             prompt_ids: list[list[int]] | None) -> AsyncIterator[bytes]:
+                             prompt_ids: list[list[int]] | None, as_ids: bool | None) -> AsyncIterator[bytes]:
     """Prompts' choices one prompt after another (all of them run in the engine meanwhile). With `echo`
     (per prompt, its text and token ids) each choice's first chunk is its prompt, with the prompt's
     log-probs when they were asked; without `generated` (max_tokens=0) nothing follows but the finish.
     With `prompt_ids` (return_token_ids) each choice's first chunk carries its prompt's token ids and
-    every chunk the tokens since the choice's last one."""
-    model, text = st.model_of(calls[0]), token_text(st)
+    every chunk the tokens since the choice's last one. `as_ids`: return_tokens_as_token_ids."""
+    model, text = st.model_of(calls[0]), token_text(st, as_ids)
     outs: list[RequestOutput] = []
 
     def chunk(k: int, i: int, piece: str, reason: str | None = None, logprobs: CompletionLogprobs | None = None,

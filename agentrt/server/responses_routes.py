@@ -26,6 +26,7 @@ from agentrt._chat_plan import Reply
 from agentrt._toolcalls import ToolCall, response_format_constraint
 from agentrt.server.app import ServerState, read_body, state_of
 from agentrt.server.calls import (
+    engine_salt,
     plan_chat,
     program_keys,
     program_name,
@@ -205,8 +206,8 @@ async def create_response(request: Request) -> Response:
     if pid is None:  # a new chain: its own program, ended by the idle timeout or DELETE
         name = program_name(request) if "x-program-name" in request.headers else "responses"
         pid = st.runtime.start_program(name=name, owner=owner).program_id
-    call = submit(st, prompt_ids, params, "input", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                  kind="responses", model=adapter)
+    call = submit(st, prompt_ids, params, "input", program_id=pid, thread_id=tid, owner=owner,
+                  cache_salt=engine_salt(owner, req.cache_salt), kind="responses", model=adapter)
     base = ResponseObject(
         id=f"resp_{uuid.uuid4().hex[:24]}", created_at=int(time.time()), model=st.model_of(call), output=[],
         status="in_progress", usage=None, instructions=req.instructions, tools=req.tools or [],

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from agentrt.server.schemas import ProgramId, Temperature, TopP
+from agentrt.server.schemas import CacheSalt, ProgramId, Temperature, TopP
 
 
 class InputPart(Struct):
@@ -74,6 +74,7 @@ class ResponseCreate(Struct):
     metadata: dict[str, str] | None = None
     user: str | None = None
     program_id: ProgramId | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's: the prefix cache's salt, as on chat completions
 
 
 class OutputText(Struct, tag="output_text", tag_field="type"):

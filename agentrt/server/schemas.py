@@ -4,7 +4,8 @@ Validation happens once, when a body is decoded into these types (constraints li
 the OpenAPI document at `/openapi.json` is generated from the same types (`openapi.py`). Unknown
 fields are ignored, as OpenAI's API does; a wrong type is a 400 naming the field.
 Extra fields agentrt understands as vLLM has them (`GenerationExtras`: logits processors, output-text
-options, structured outputs, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`; `ignore_eos`, `top_k`, `stop_token_ids`, `prompt_logprobs`; on chat the
+options, structured outputs, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`, `cache_salt`,
+`return_tokens_as_token_ids`; `ignore_eos`, `top_k`, `stop_token_ids`, `prompt_logprobs`; on chat the
 template's options, `continue_final_message` among them) and the program keys `program_id` /
 `thread_id` (also accepted as `X-Program-Id` / `X-Thread-Id` headers).
 """
@@ -26,6 +27,7 @@ PromptLogprobsCount = Annotated[int, Meta(ge=0, le=20)]  # most likely tokens be
 TruncatePromptTokens = Annotated[int, Meta(ge=-1)]  # keep the prompt's last k tokens; -1: what the context takes
 # (the engine refuses 0: engine.sampling_params.truncate_prompt)
 Priority = Annotated[int, Meta(ge=-(2**31 - 1), le=2**31 - 1)]  # a scheduling class (engine.SamplingParams.priority)
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=256)]  # vLLM's cache_salt (calls.engine_salt)
 Stop = str | list[str]
 
 
@@ -144,6 +146,12 @@ class GenerationExtras(Struct, kw_only=True):
     return_token_ids: bool = False  # the prompt's and the output's token ids in the response
     priority: Priority = 0  # scheduling class: smaller first, ahead of the policy's order (vLLM's)
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    spaces_between_special_tokens: bool = True  # vLLM's; accepted, no effect: the tokenizers' decode (transformers
+    # >= 5, and any fast tokenizer before) joins special tokens' text as it is, and ignores the option
+    cache_salt: CacheSalt | None = None  # vLLM's: mixed into the prefix cache's hashes, so calls with another salt
+    # (or none) never share cached blocks with this one; always apart from other API keys' (calls.engine_salt)
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: log-probs name tokens "token_id:{id}" (a token
+    # that is not whole UTF-8 alone still says which it is); None: the server's --return-tokens-as-token-ids
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None

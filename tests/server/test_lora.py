@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoConfig
 
 import agentrt
@@ -121,6 +122,24 @@ def test_load_and_unload_at_run_time(http, srv, adapters, expected, tmp_path):
         assert r.status_code == 404 and "--allow-runtime-lora-updating" in r.json()["error"]["message"]
     finally:
         srv.state.config.allow_runtime_lora_updating = True
+
+
+def _lora_info(http) -> list[dict[str, str]]:
+    body = http.get("/metrics").text
+    return [s.labels for f in text_string_to_metric_families(body) if f.name == "agentrt:lora_requests_info"
+            for s in f.samples]
+
+
+def test_metrics_name_the_adapters_in_use(http, srv):
+    """vLLM's lora_requests_info: while an adapter's request runs its name is a label; once it ends, the one
+    series left has empty adapter labels."""
+    body = {"model": "sql", "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # running: a token came
+        assert _lora_info(http) == [{"max_lora": "8", "running_lora_adapters": "sql", "waiting_lora_adapters": ""}]
+    srv.wait_idle()  # the closed stream aborted the call
+    assert _lora_info(http) == [{"max_lora": "8", "running_lora_adapters": "", "waiting_lora_adapters": ""}]
 
 
 def test_bad_lora_modules_fail_before_the_model_loads(tmp_path):

@@ -1,4 +1,5 @@
 import threading
+import time
 
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -143,3 +144,31 @@ def test_racing_reports_count_each_token_once():
     for t in threads:
         t.join()
     assert sample(m, "agentrt:prefix_cache_queries_total") == total == 6000
+
+
+def lora_series(m: Metrics) -> list[tuple[dict[str, str], float]]:
+    return [(s.labels, s.value) for f in m.registry.collect() if f.name == "agentrt:lora_requests_info"
+            for s in f.samples]
+
+
+def test_lora_info_is_one_series_whose_labels_follow_the_adapters():
+    m = Metrics()
+    m.set_engine_state(0, 0, 0.0, 0, 0, 0, 0, {})
+    assert lora_series(m) == []  # LoRA off: no gauge at all
+    assert b"lora_requests_info" not in m.render()[0]
+
+    states = iter([state(max_lora=4, running_lora_adapters="qv,sql", waiting_lora_adapters="sql"),
+                   state(max_lora=4, running_lora_adapters="sql"), state(max_lora=4), state(max_lora=4)])
+    m = Metrics(state_fn=lambda: next(states))
+    before = time.time()
+    m.render()
+    ((labels, value),) = lora_series(m)
+    assert labels == {"max_lora": "4", "running_lora_adapters": "qv,sql", "waiting_lora_adapters": "sql"}
+    assert before - 1 <= value <= time.time() + 1  # vLLM's value: when the adapters were read
+    m.render()
+    assert [s[0] for s in lora_series(m)] == [
+        {"max_lora": "4", "running_lora_adapters": "sql", "waiting_lora_adapters": ""}]  # the old set removed
+    for _ in range(2):  # the same labels again: still one series, its time moved on
+        m.render()
+        ((labels, _),) = lora_series(m)
+        assert labels == {"max_lora": "4", "running_lora_adapters": "", "waiting_lora_adapters": ""}

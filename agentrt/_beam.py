@@ -1,0 +1,96 @@
+"""Beam search as one call of a program (vLLM's `use_beam_search`): every step's beams are calls of the
+program, submitted together so the engine batches them and the scheduler counts them as the program's,
+each beam's tokens found in the prefix cache its earlier steps filled (engine/beam_search.py).
+
+    call = runtime.submit_beam_search(prompt_ids, BeamSearchParams(beam_width=4, max_tokens=32),
+                                      program_id="p1")    # bad input raises here
+    async with call:
+        out = await call.result()      # a RequestOutput: its outputs are the beams, best first
+
+A search without a program id runs as a program of its own, ended with the search.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from agentrt._errors import InvalidCallError
+from engine.beam_search import BeamSearch, BeamSearchParams
+from engine.outputs import CompletionOutput, RequestOutput
+
+if TYPE_CHECKING:
+    from agentrt._call import Call
+    from agentrt._runtime import Runtime
+
+_ids = itertools.count(1)
+
+
+class BeamSearchCall:
+    """A beam search in flight; the `Call` interface the server uses (`result`, `close`, `program_id`,
+    `model`, `async with`)."""
+
+    def __init__(self, runtime: Runtime, prompt_ids: list[int], params: BeamSearchParams, *,
+                 program_id: str | None, owner: str | None, cache_salt: str | None, model: str | None,
+                 name: str = "beam_search") -> None:
+        core = runtime._engine().core
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidCallError(f"params must be BeamSearchParams, got {params!r}")
+        try:
+            prompt_ids = core.validate_prompt(prompt_ids)
+        except (TypeError, ValueError) as e:
+            raise InvalidCallError(str(e), param="prompt") from None
+        runtime.loras.resolve(model, program_id)  # an unknown adapter fails here
+        self.runtime = runtime
+        self.prompt_ids = prompt_ids
+        self.search = BeamSearch([prompt_ids], params, core.eos_token_ids, core.max_model_len)
+        self._own_program = program_id is None
+        if program_id is None:
+            program_id = runtime.start_program(name=name, owner=owner).program_id
+        self.program_id = program_id
+        self.model = model
+        self.request_id = f"{program_id}-beam{next(_ids)}"
+        self._submit: dict[str, Any] = {"program_id": program_id, "owner": owner, "cache_salt": cache_salt,
+                                        "model": model, "kind": "beam_search", "name": name}
+        self._calls: list[Call] = []
+        self._closed = False
+
+    async def result(self) -> RequestOutput:
+        """Run the search to its end: the beams as completions, best first (CallAbortedError /
+        CallFailedError if a step's call did not finish)."""
+        search, step = self.search, self.search.step_params()
+        try:
+            while not search.done:
+                self._calls = [self.runtime.submit(p, step, **self._submit) for p in search.next_prompts()]
+                outs = [await c.result() for c in self._calls]  # all submitted first: one batch in the engine
+                self._close_calls()
+                search.advance([o.outputs[0].top_logprobs[0] for o in outs])
+        finally:
+            self.close()
+        (found,) = search.results(self.runtime.tokenizer)
+        n = len(self.prompt_ids)
+        outputs = [CompletionOutput(i, s.text or "", s.tokens[n:], s.finish_reason)
+                   for i, s in enumerate(found.sequences)]
+        return RequestOutput(self.request_id, self.prompt_ids, outputs)
+
+    def _close_calls(self) -> None:
+        for c in self._calls:
+            c.close()
+        self._calls = []
+
+    def close(self) -> None:
+        """Abort the step in flight and end the search's own program (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_calls()
+        if self._own_program:
+            info = self.runtime.programs.get(self.program_id)
+            if info is not None and info.state == "running":
+                self.runtime.end_program(self.program_id)
+
+    async def __aenter__(self) -> BeamSearchCall:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
