@@ -14,6 +14,7 @@ import anyio
 import msgspec
 from starlette.requests import Request
 
+from agentrt._beam import BeamSearchCall
 from agentrt._call import Call
 from agentrt._chat_plan import ChatPlan, plan_call
 from agentrt._errors import InvalidCallError
@@ -35,6 +36,7 @@ from agentrt.server.schemas import (
 )
 from agentrt.server.sse import until_disconnect
 from engine import SamplingParams, chat_template
+from engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from engine.outputs import RequestOutput
 from engine.sampling_params import truncate_prompt
 from engine.structured import Constraint
@@ -130,6 +132,29 @@ def engine_salt(owner: str | None, cache_salt: str | None) -> str | None:
     vLLM `cache_salt` when it brings one. The pair is JSON, so it never equals a bare fingerprint nor another
     (owner, salt) pair: no salt a request chooses reaches blocks another key's calls cached."""
     return owner if cache_salt is None else json.dumps([owner, cache_salt])
+
+
+def beam_search_call(st: ServerState, req: Any, prompt_ids: list[int], params: SamplingParams,
+                     **kw: Any) -> BeamSearchCall:
+    """vLLM's use_beam_search: the request's n beams (its max_tokens, ignore_eos, temperature, length_penalty),
+    a `Call`-like search whose steps are calls of the program (agentrt._beam). A 400 naming the field for
+    what a beam search does not combine with: streaming, log-probs, echo, an output grammar."""
+    for name, on in (("stream", req.stream), ("logprobs", params.wants_logprobs), ("echo", getattr(req, "echo", False)),
+                     ("prompt_logprobs", params.prompt_logprobs is not None)):
+        if on:
+            raise bad_request(f"use_beam_search does not combine with {name}", name)
+    if params.constraint is not None:
+        raise bad_request("use_beam_search does not combine with an output grammar (response_format, structured "
+                          "outputs, a forced tool call)", "use_beam_search")
+    if req.n > MAX_BEAM_WIDTH:
+        raise bad_request(f"n={req.n}: a beam search keeps at most {MAX_BEAM_WIDTH} beams", "n")
+    try:
+        beam = BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                temperature=params.temperature, length_penalty=req.length_penalty,
+                                include_stop_str_in_output=params.include_stop_str_in_output)
+        return st.runtime.submit_beam_search(prompt_ids, beam, **kw)
+    except (TypeError, ValueError) as e:  # the penalty out of range, or a prompt the engine refuses
+        raise bad_request(str(e), "length_penalty" if "length_penalty" in str(e) else "prompt") from None
 
 
 def new_id(prefix: str) -> str:

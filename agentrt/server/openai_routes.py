@@ -27,6 +27,7 @@ from agentrt.server.calls import (
     chat_logprobs,
     completion_logprobs,
     echoed_logprobs,
+    beam_search_call,
     engine_salt,
     error_event,
     message_dicts,
@@ -127,9 +128,13 @@ async def chat_completions(request: Request) -> Response:
     )
     st.check_capacity()
     note_tool(st, pid, owner, _answered_tool(req.messages))
-    call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner,
-                  cache_salt=engine_salt(owner, req.cache_salt), kind="chat", name=program_name(request),
-                  last_call=_last_call(request), model=adapter)
+    if req.use_beam_search:
+        call = beam_search_call(st, req, prompt_ids, params, program_id=pid, owner=owner,
+                                cache_salt=engine_salt(owner, req.cache_salt), model=adapter, name=program_name(request))
+    else:
+        call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner,
+                      cache_salt=engine_salt(owner, req.cache_salt), kind="chat", name=program_name(request),
+                      last_call=_last_call(request), model=adapter)
     rid, created, head = new_id("chatcmpl"), int(time.time()), _echoed(req)
     if req.stream:
         usage = StreamUsage(req.stream_options, len(prompt_ids))
@@ -273,6 +278,10 @@ async def completions(request: Request) -> Response:
     calls: list[Call] = []
     try:
         for i, p in zip(ids, params):
+            if req.use_beam_search:
+                calls.append(beam_search_call(st, req, i, p, program_id=pid, owner=owner, model=adapter,
+                                              cache_salt=engine_salt(owner, req.cache_salt), name=program_name(request)))
+                continue
             calls.append(submit(st, i, p, "prompt", program_id=pid, thread_id=tid, owner=owner,
                                 cache_salt=engine_salt(owner, req.cache_salt), kind="completion",
                                 name=program_name(request), model=adapter))

@@ -157,6 +157,9 @@ class GenerationExtras(Struct, kw_only=True):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
     structured_outputs: StructuredOutputs | None = None
+    use_beam_search: bool = False  # vLLM's: the n best beams of a beam search (no streaming, log-probs, echo
+    # or output grammar; engine.beam_search)
+    length_penalty: float = 1.0  # vLLM's: a beam search ranks beams by cum_logprob / len ** length_penalty
 
     def sampling_args(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         """These fields as SamplingParams arguments (the output constraint apart: see calls.output_constraint);
