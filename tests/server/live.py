@@ -66,3 +66,10 @@ def live_server(config: ServerConfig) -> Iterator[LiveServer]:
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def bad_request(http, path: str, **body) -> dict:
+    """POST `body` (for the model "tiny") to `path`, expecting a 400; its OpenAI-style error object."""
+    r = http.post(path, json={"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    return r.json()["error"]

@@ -12,6 +12,7 @@ import pytest
 import agentrt.server
 from agentrt.server.calls import engine_salt
 from agentrt_cli import main as cli
+from tests.server.live import bad_request as error
 
 ID = re.compile(r"^token_id:\d+$")
 
@@ -20,12 +21,6 @@ def post(http, path, **body) -> dict:
     r = http.post(path, json={"model": "tiny", **body})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def error(http, path, **body) -> dict:
-    r = http.post(path, json={"model": "tiny", **body})
-    assert r.status_code == 400, r.text
-    return r.json()["error"]
 
 
 def events(http, path, **body) -> list[dict]:

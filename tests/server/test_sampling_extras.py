@@ -10,6 +10,7 @@ from __future__ import annotations
 import anyio
 
 import agentrt
+from tests.server.live import bad_request as error
 
 MSGS = [{"role": "user", "content": "Say something about the sea and the wind."}]
 PROMPT = [311, 4090, 77, 1500, 23, 9000, 42, 311, 77, 1500, 23, 9000]
@@ -26,12 +27,6 @@ def chat(http, **body):
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "return_token_ids": True, **body})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def error(http, path, **body) -> dict:
-    r = http.post(path, json={"model": "tiny", **body})
-    assert r.status_code == 400, r.text
-    return r.json()["error"]
 
 
 # --- allowed_token_ids ----------------------------------------------------------------------------
