@@ -24,7 +24,7 @@ from agentrt.policies import ATLAS, MLFQ, PLAS
 from agentrt._process_table import ProcessTable, ProgramInfo
 from agentrt._program import current_program_id, gather, program
 from agentrt._runtime import Runtime
-from agentrt._api import chat, chat_stream, generate, generate_stream, process_table, run
+from agentrt._api import beam_search, chat, chat_stream, generate, generate_stream, process_table, run
 from agentrt._context import current_runtime
 from agentrt._client import RemoteRuntime, connect
 from agentrt._embed import embed
@@ -58,6 +58,7 @@ __all__ = [
     "TopLogprob",
     "Usage",
     "UsageError",
+    "beam_search",
     "chat",
     "chat_stream",
     "connect",

@@ -66,6 +66,16 @@ async def generate_stream(prompt: str | list[int], **sampling: Any) -> AsyncIter
             yield text
 
 
+async def beam_search(prompt: str | list[int], *, beam_width: int, max_tokens: int, length_penalty: float = 1.0,
+                      ignore_eos: bool = False, model: str | None = None) -> Result:
+    """A beam search of `prompt` (text or token ids) as calls of the current program (vLLM's beam search:
+    engine.beam_search): a `Result` whose choices are the `beam_width` best beams, best first."""
+    rt = current_runtime()
+    assert rt is not None
+    return await rt.beam_search(prompt, beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
+                                ignore_eos=ignore_eos, model=model)
+
+
 def run(
     fn: Callable[P, Awaitable[T]],
     *args: Any,

@@ -7,17 +7,21 @@ each beam's tokens found in the prefix cache its earlier steps filled (engine/be
     async with call:
         out = await call.result()      # a RequestOutput: its outputs are the beams, best first
 
-A search without a program id runs as a program of its own, ended with the search.
+A search without a program id runs as a program of its own, ended with the search. In a program,
+`await agentrt.beam_search(prompt, beam_width=4, max_tokens=32)` runs one as calls of the current program
+(`Runtime.beam_search`): a `Result` whose choices are the beams, best first.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from agentrt._errors import InvalidCallError
 from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from agentrt._call import Call
@@ -30,9 +34,11 @@ class BeamSearchCall:
     """A beam search in flight; the `Call` interface the server uses (`result`, `close`, `program_id`,
     `model`, `async with`)."""
 
-    def __init__(self, runtime: Runtime, prompt_ids: list[int], params: BeamSearchParams, *,
-                 program_id: str | None, owner: str | None, cache_salt: str | None, model: str | None,
-                 name: str = "beam_search") -> None:
+    def __init__(self, runtime: Runtime, prompt_ids: list[int], params: BeamSearchParams,
+                 submit: Callable[[list[int], SamplingParams], Call], program_id: str, *, model: str | None = None,
+                 own_program: bool = False) -> None:
+        """`submit(prompt_ids, params)`: one call of the program `program_id`; `own_program`: the search's
+        own, ended with it. InvalidCallError for a prompt the engine refuses."""
         core = runtime._engine().core
         if not isinstance(params, BeamSearchParams):
             raise InvalidCallError(f"params must be BeamSearchParams, got {params!r}")
@@ -40,18 +46,14 @@ class BeamSearchCall:
             prompt_ids = core.validate_prompt(prompt_ids)
         except (TypeError, ValueError) as e:
             raise InvalidCallError(str(e), param="prompt") from None
-        runtime.loras.resolve(model, program_id)  # an unknown adapter fails here
         self.runtime = runtime
         self.prompt_ids = prompt_ids
         self.search = BeamSearch([prompt_ids], params, core.eos_token_ids, core.max_model_len)
-        self._own_program = program_id is None
-        if program_id is None:
-            program_id = runtime.start_program(name=name, owner=owner).program_id
         self.program_id = program_id
-        self.model = model
+        self.model = model  # the LoRA adapter's name (None: the base model)
         self.request_id = f"{program_id}-beam{next(_ids)}"
-        self._submit: dict[str, Any] = {"program_id": program_id, "owner": owner, "cache_salt": cache_salt,
-                                        "model": model, "kind": "beam_search", "name": name}
+        self._submit = submit
+        self._own_program = own_program
         self._calls: list[Call] = []
         self._closed = False
 
@@ -61,7 +63,7 @@ class BeamSearchCall:
         search, step = self.search, self.search.step_params()
         try:
             while not search.done:
-                self._calls = [self.runtime.submit(p, step, **self._submit) for p in search.next_prompts()]
+                self._calls = [self._submit(p, step) for p in search.next_prompts()]
                 outs = [await c.result() for c in self._calls]  # all submitted first: one batch in the engine
                 self._close_calls()
                 search.advance([o.outputs[0].top_logprobs[0] for o in outs])

@@ -136,6 +136,17 @@ class RemoteRuntime:
                           c.get("token_ids"), c.get("stop_reason")) for c in data["choices"]]
         return Result(choices, _usage(data))
 
+    async def beam_search(self, prompt: str | list[int], *, beam_width: int, max_tokens: int,
+                          length_penalty: float = 1.0, ignore_eos: bool = False, model: str | None = None) -> Result:
+        body = {"prompt": prompt, "use_beam_search": True, "n": beam_width, "max_tokens": max_tokens,
+                "length_penalty": length_penalty, "ignore_eos": ignore_eos, "return_token_ids": True}
+        if model is not None:
+            body["model"] = model
+        data = await self._post("/v1/completions", body)
+        choices = [Choice(c["index"], c["text"], c.get("finish_reason"), [], None, c.get("token_ids"))
+                   for c in data["choices"]]
+        return Result(choices, _usage(data))
+
     async def chat_stream(
         self, messages: Sequence[dict[str, Any]], *, full: bool = False, **sampling: Any
     ) -> AsyncIterator[str | Chunk]:

@@ -1,11 +1,14 @@
 """vLLM's `use_beam_search` over HTTP: /v1/completions and /v1/chat/completions return the beams as the n
 choices, best first, equal to the in-process engine's `LLM.beam_search` on the same prompt; every step's
-beams are calls of one program; what beam search cannot combine with is a 400 naming the field."""
+beams are calls of one program; what beam search cannot combine with is a 400 naming the field. And in a
+program, `agentrt.beam_search`, in-process and through `agentrt.connect`."""
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
+import agentrt
 from engine import LLM, BeamSearchParams
 
 PROMPT = [101, 2045, 3306, 712, 88, 17, 4000, 930] * 5  # two full blocks the beams share
@@ -46,3 +49,28 @@ def test_what_beam_search_does_not_combine_with(http, extra, field):
     r = http.post("/v1/completions", json={"prompt": PROMPT, "use_beam_search": True, "max_tokens": 3, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+def test_programs_run_beam_searches_in_process_and_connected(tiny_model_path, srv, expected):
+    """`agentrt.beam_search` in a program: its steps are the program's calls, in-process and through
+    `agentrt.connect`; the beams are the engine's."""
+    want = [s.tokens[len(PROMPT):] for s in expected.sequences]
+
+    @agentrt.program
+    async def search() -> tuple[list[list[int]], str]:
+        r = await agentrt.beam_search(PROMPT, beam_width=3, max_tokens=5, ignore_eos=True, length_penalty=0.8)
+        return [c.token_ids for c in r.choices], agentrt.current_program_id()
+
+    async def main():
+        async with agentrt.Runtime(str(tiny_model_path), num_blocks=64) as rt:
+            beams, pid = await search()
+            assert beams == want
+            info = rt.programs[pid]
+            assert info.calls_done == 1 + 4 * 3 and info.state == "finished"
+            with pytest.raises(agentrt.InvalidCallError, match="beam_width"):
+                await agentrt.beam_search(PROMPT, beam_width=0, max_tokens=2)
+        async with agentrt.connect(srv.url):
+            beams, _ = await search()
+            assert beams == want
+
+    anyio.run(main)
