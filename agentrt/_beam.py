@@ -19,6 +19,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from agentrt._errors import InvalidCallError
+from agentrt._program import current, enter_program, exit_program
+from agentrt._results import Result
 from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -96,3 +98,58 @@ class BeamSearchCall:
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
+
+
+def submit_beam_search(runtime: Runtime, prompt_ids: list[int], params: BeamSearchParams, *, program_id: str | None,
+                       owner: str | None, cache_salt: str | None, model: str | None, name: str) -> BeamSearchCall:
+    """`Runtime.submit_beam_search`: the server's search, its steps calls of the keyed program `program_id`
+    (None: a program of its own, ended with the search)."""
+    runtime.loras.resolve(model, program_id)  # an unknown adapter fails before a program starts
+    own = program_id is None
+    if own:
+        program_id = runtime.start_program(name=name, owner=owner).program_id
+
+    def submit(ids: list[int], sp: SamplingParams) -> Call:
+        return runtime.submit(ids, sp, program_id=program_id, owner=owner, cache_salt=cache_salt, model=model,
+                              kind="beam_search", name=name)
+
+    try:
+        return BeamSearchCall(runtime, prompt_ids, params, submit, program_id, model=model, own_program=own)
+    except BaseException:
+        if own:
+            runtime.end_program(program_id, state="failed")
+        raise
+
+
+async def beam_search_in_program(runtime: Runtime, prompt: str | list[int], *, beam_width: int, max_tokens: int,
+                                 length_penalty: float, ignore_eos: bool, model: str | None) -> Result:
+    """`Runtime.beam_search`: a search whose steps are calls of the current program (outside one: a program
+    of its own), as `agentrt.chat`'s are; a `Result` whose choices are the beams."""
+    cur = current()
+    pid = cur[0].program_id if cur is not None else None
+    try:
+        params = BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
+                                  ignore_eos=ignore_eos)
+    except (TypeError, ValueError) as e:
+        raise InvalidCallError(str(e), program_id=pid) from None
+    if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt):
+        raise InvalidCallError(f"prompt must be a non-empty str or list of token ids, got {prompt!r}", program_id=pid)
+    ids = runtime.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+    handle, exc = None, None
+    if cur is None:
+        handle, _ = enter_program("beam_search", make_current=False)
+        cur = (handle, f"{handle.program_id}.t0")
+    prog, thread_id = cur
+    try:
+        lora = runtime.loras.resolve(model, prog.program_id)
+        call = BeamSearchCall(runtime, ids, params,
+                              lambda p, sp: runtime._submit(prog, thread_id, p, sp, "beam_search", None, lora=lora),
+                              prog.program_id, model=model)
+        async with call:
+            return runtime._result(await call.result())
+    except BaseException as e:
+        exc = e
+        raise
+    finally:
+        if handle is not None:
+            exit_program(handle, None, exc)

@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
-from agentrt._beam import BeamSearchCall
+from agentrt._beam import BeamSearchCall, beam_search_in_program, submit_beam_search
 from agentrt._call import Call, CallSummary
 from agentrt._chat_plan import ChatPlan, Reply, ReplyStreamer, plan_call
 from agentrt._chat_prompt import ChatPrompts, pop_template_options
@@ -402,51 +402,15 @@ class Runtime:
                            name: str = "beam_search") -> BeamSearchCall:
         """A beam search (vLLM's use_beam_search) as calls of the program `program_id` (None: a program of
         its own); see agentrt._beam. Bad input raises InvalidCallError here."""
-        self.loras.resolve(model, program_id)  # an unknown adapter fails before a program starts
-        own = program_id is None
-        if own:
-            program_id = self.start_program(name=name, owner=owner).program_id
-
-        def submit(ids: list[int], sp: SamplingParams) -> Call:
-            return self.submit(ids, sp, program_id=program_id, owner=owner, cache_salt=cache_salt, model=model,
-                               kind="beam_search", name=name)
-
-        try:
-            return BeamSearchCall(self, prompt_ids, params, submit, program_id, model=model, own_program=own)
-        except BaseException:
-            if own:
-                self.end_program(program_id, state="failed")
-            raise
+        return submit_beam_search(self, prompt_ids, params, program_id=program_id, owner=owner, cache_salt=cache_salt,
+                                  model=model, name=name)
 
     async def beam_search(self, prompt: str | list[int], *, beam_width: int, max_tokens: int,
                           length_penalty: float = 1.0, ignore_eos: bool = False, model: str | None = None) -> Result:
         """A beam search of `prompt` as calls of the current program (outside one: a program of its own), each
         step one batch of its live beams (agentrt._beam): a `Result` whose choices are the beams, best first."""
-        try:
-            params = BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
-                                      ignore_eos=ignore_eos)
-        except (TypeError, ValueError) as e:
-            raise InvalidCallError(str(e), program_id=_pid()) from None
-        ids = self.tokenizer(prompt)["input_ids"] if isinstance(_check_prompt(prompt), str) else prompt
-        cur = current()
-        handle, exc = None, None
-        if cur is None:
-            handle, _ = enter_program("beam_search", make_current=False)
-            cur = (handle, f"{handle.program_id}.t0")
-        prog, thread_id = cur
-        try:
-            lora = self.loras.resolve(model, prog.program_id)
-            call = BeamSearchCall(self, ids, params,
-                                  lambda p, sp: self._submit(prog, thread_id, p, sp, "beam_search", None, lora=lora),
-                                  prog.program_id, model=model)
-            async with call:
-                return self._result(await call.result())
-        except BaseException as e:
-            exc = e
-            raise
-        finally:
-            if handle is not None:
-                exit_program(handle, None, exc)
+        return await beam_search_in_program(self, prompt, beam_width=beam_width, max_tokens=max_tokens,
+                                            length_penalty=length_penalty, ignore_eos=ignore_eos, model=model)
 
     def _submit(
         self, handle: ProgramHandle, thread_id: str | None, prompt: str | list[int], params: SamplingParams,
