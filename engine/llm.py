@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+
+import torch
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +15,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats
 from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
-from engine.pooling import PoolingParams
+from engine.pooling import ClassificationOutput, PoolingParams, class_labels
 from engine.request import Request
 from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
 
@@ -148,6 +150,28 @@ class LLM:
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
         params = [SamplingParams(max_tokens=1, pooling=p) for p in pooling_params]
         return self.generate(prompts, params, progress=progress, priority=priority, lora_request=lora_request)
+
+    def classify(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        *,
+        progress: bool | str = "auto",
+        priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ClassificationOutput]:
+        """vLLM's `LLM.classify`: per prompt, a sequence classifier's class probabilities (its score head on the
+        last token's final hidden state, then a softmax, as HF's *ForSequenceClassification); the prompts run
+        as pooling requests. InvalidRequestError for a model without a classification head."""
+        model = self.core.model
+        if model.score is None:
+            raise InvalidRequestError(f"{self.core.model_path.name} has no classification head: classify needs a "
+                                      "*ForSequenceClassification checkpoint")
+        outs = self.embed(prompts, PoolingParams("last", normalize=False), progress=progress, priority=priority,
+                          lora_request=lora_request)
+        probs = model.classify(torch.tensor([o.embedding for o in outs])).tolist()
+        labels = class_labels(self.core.hf_config, model.args.num_labels)
+        return [ClassificationOutput(o.request_id, p, labels[max(range(len(p)), key=p.__getitem__)])
+                for o, p in zip(outs, probs, strict=True)]
 
     def beam_search(self, prompts: str | list[int] | Sequence[str | list[int]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:

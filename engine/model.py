@@ -191,6 +191,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(a, i, self.lora) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else Linear(a.hidden_size, a.vocab_size, bias=False)
+        # a sequence classifier's head: class logits of the last token's final-norm hidden state (`classify`)
+        self.score = Linear(a.hidden_size, a.num_labels, bias=False) if a.num_labels else None
         self._tied_head_pack = PackCache()  # packed embedding matrix for the CPU packed_linear
         # rotary table cos + i sin, complex64 whatever the model dtype: [max_position, head_dim / 2].
         # A plain attribute, not a buffer, so that `model.to(dtype)` leaves it complex; set by init_rope.
@@ -282,6 +284,15 @@ class LlamaForCausalLM(nn.Module):
         self._packs_homed = False
         return super()._apply(fn, recurse)
 
+    @torch.inference_mode()
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Class probabilities [N, num_labels] (fp32) of final-norm hidden states [N, hidden] (a sequence
+        classifier's last-token pooling), as HF's *ForSequenceClassification then a softmax."""
+        if self.score is None:
+            raise ValueError("this model has no classification head (a *ForSequenceClassification checkpoint has one)")
+        w = self.score.weight
+        return (pooled.to(device=w.device, dtype=w.dtype) @ w.t()).float().softmax(dim=-1)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] rows to sample from -> [N, vocab]
         h = self.norm(hidden)
@@ -359,6 +370,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             self.lm_head.weight.copy_(sd.pop("lm_head.weight", None) if "lm_head.weight" in sd else self.embed_tokens.weight)
         sd.pop("lm_head.weight", None)
+        if self.score is not None:
+            self.score.weight.copy_(take("score.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))

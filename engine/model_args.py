@@ -23,6 +23,7 @@ class ModelArgs:
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2 layout
     qk_norm: bool = False  # Qwen3 layout: RMSNorm over each head of q and of k, before RoPE
+    num_labels: int = 0  # a *ForSequenceClassification checkpoint's classes (its `score` head); 0 = none
 
     @classmethod
     def from_hf(cls, cfg) -> ModelArgs:
@@ -40,6 +41,8 @@ class ModelArgs:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             qk_norm=cfg.model_type == "qwen3",
+            num_labels=cfg.num_labels if any(a.endswith("ForSequenceClassification")
+                                             for a in getattr(cfg, "architectures", None) or ()) else 0,
         )
 
 

@@ -83,3 +83,22 @@ class PoolingParams:
         if self.normalize:
             v = v / v.norm().clamp_min(1e-12)
         return v.tolist()
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """vLLM's classification output: one prompt's class probabilities (a *ForSequenceClassification model)."""
+
+    request_id: str
+    probs: list[float]  # per class, softmax of the score head on the last token's final hidden state
+    label: str  # the most likely class's name (the config's id2label), else its index
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+def class_labels(hf_config, num_labels: int) -> list[str]:
+    """Class names by index: the config's id2label (HF's default "LABEL_i" kept), else the indices."""
+    id2label = getattr(hf_config, "id2label", None) or {}
+    return [str(id2label.get(i, id2label.get(str(i), i))) for i in range(num_labels)]

@@ -281,6 +281,7 @@ async def openapi(request: Request) -> Response:
 def _route_modules() -> list[Any]:
     """The modules holding the API's routes (each with ROUTES and OPERATIONS), in the document's order."""
     from agentrt.server import (
+        classify_routes,
         embeddings_routes,
         lora_routes,
         messages_routes,
@@ -291,7 +292,7 @@ def _route_modules() -> list[Any]:
     )
 
     return [openai_routes, responses_routes, messages_routes, program_routes, tokenize_routes, embeddings_routes,
-            lora_routes, ui]
+            classify_routes, lora_routes, ui]
 
 
 def _operations() -> list[Operation]:

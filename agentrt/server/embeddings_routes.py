@@ -109,8 +109,9 @@ async def _begin(request: Request, type_: type) -> _Begun:
 
 
 async def _pool(request: Request, b: _Begun, inputs: list[str | list[int]], param: str, *, normalize: bool = True,
-                dimensions: int | None = None, add_special_tokens: bool = True) -> _Pooled:
-    """The inputs' embeddings, each one pooling call of the program; a 400 naming `param` for bad input."""
+                dimensions: int | None = None, add_special_tokens: bool = True, method: str | None = None) -> _Pooled:
+    """The inputs' embeddings, each one pooling call of the program; a 400 naming `param` for bad input.
+    `method`: the pooling (engine.pooling); None: the server's."""
     st, truncate = b.st, b.req.truncate_prompt_tokens
     if len(inputs) > st.config.max_embedding_inputs:
         raise bad_request(f"{len(inputs)} inputs is over the server's limit of {st.config.max_embedding_inputs} "
@@ -125,7 +126,7 @@ async def _pool(request: Request, b: _Begun, inputs: list[str | list[int]], para
             raise bad_request("an input has no tokens", param)
         ids.append(x)
     params = SamplingParams(max_tokens=1, priority=b.req.priority,
-                            pooling=PoolingParams(st.pooling_method, normalize, dimensions))
+                            pooling=PoolingParams(method or st.pooling_method, normalize, dimensions))
     st.check_capacity()
     calls: list[Call] = []
     try:

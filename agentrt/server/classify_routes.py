@@ -1,0 +1,73 @@
+"""vLLM's `POST /classify` (also `/v1/classify`): a sequence classifier's class probabilities per input.
+
+The served checkpoint is a *ForSequenceClassification one (engine: its `score` head). Each input is one
+pooling call of the program, as an embedding is (embeddings_routes): its last token's final hidden state,
+which the head turns into class logits, then a softmax (`LLM.classify`'s computation)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import torch
+from msgspec import Struct
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from agentrt.server.calls import new_id
+from agentrt.server.embeddings_routes import EmbeddingUsage, PoolingCallFields, _begin, _inputs, _json, _pool
+from agentrt.server.errors import api, bad_request
+from agentrt.server.openapi import Operation
+from engine.pooling import class_labels
+
+
+class ClassificationRequest(PoolingCallFields, kw_only=True):
+    input: Any  # a string, a list of strings, a list of token ids, or a list of those lists
+    add_special_tokens: bool = True  # the tokenizer's special tokens (e.g. BOS) around text inputs
+    user: str | None = None
+
+
+class ClassificationData(Struct):
+    index: int
+    label: str  # the most likely class (the checkpoint's id2label)
+    probs: list[float]  # per class, in the checkpoint's order
+    num_classes: int
+    object: str = "classification"
+
+
+class ClassificationResponse(Struct):
+    id: str
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
+@api
+async def classify(request: Request) -> Response:
+    b = await _begin(request, ClassificationRequest)
+    st, req = b.st, b.req
+    core = st.runtime._engine().core
+    model = core.model
+    if model.score is None:
+        raise bad_request(f"the served model {st.model_name!r} has no classification head: /classify needs a "
+                          "*ForSequenceClassification checkpoint", "model")
+    got = await _pool(request, b, _inputs(req.input), "input", normalize=False, method="last",
+                      add_special_tokens=req.add_special_tokens)
+    probs = (await anyio.to_thread.run_sync(lambda: model.classify(torch.tensor(got.vectors)))).tolist()
+    labels = class_labels(core.hf_config, len(probs[0]))
+    data = [ClassificationData(i, labels[max(range(len(p)), key=p.__getitem__)], p, len(p))
+            for i, p in enumerate(probs)]
+    return _json(ClassificationResponse(new_id("classify"), int(time.time()), b.adapter or st.model_name, data,
+                                        EmbeddingUsage(got.prompt_tokens, got.prompt_tokens)), got.program_id)
+
+
+ROUTES = [Route(path, classify, methods=["POST"]) for path in ("/classify", "/v1/classify")]
+
+OPERATIONS = [
+    Operation("post", "/classify", "class probabilities of a sequence classifier (vLLM's; also at /v1/classify)",
+              ClassificationResponse, ClassificationRequest, errors=(400, 401, 404, 413, 429, 500, 503)),
+]
