@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-
-import torch
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from engine import chat_template as chat_template_
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
