@@ -1,4 +1,4 @@
-"""`LLM`: the offline batch API (vLLM's `LLM.generate` / `LLM.chat`)."""
+"""`LLM`: the offline batch API (vLLM's `LLM.generate`, `chat`, `embed`, `classify`, `beam_search`)."""
 
 from __future__ import annotations
 
