@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from agentrt._errors import InvalidCallError
-from agentrt._program import current, enter_program, exit_program
+from agentrt._program import calling_program, current
 from agentrt._results import Result
 from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.outputs import CompletionOutput, RequestOutput
@@ -135,21 +135,10 @@ async def beam_search_in_program(runtime: Runtime, prompt: str | list[int], *, b
     if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt):
         raise InvalidCallError(f"prompt must be a non-empty str or list of token ids, got {prompt!r}", program_id=pid)
     ids = runtime.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
-    handle, exc = None, None
-    if cur is None:
-        handle, _ = enter_program("beam_search", make_current=False)
-        cur = (handle, f"{handle.program_id}.t0")
-    prog, thread_id = cur
-    try:
+    with calling_program("beam_search") as (prog, thread_id):
         lora = runtime.loras.resolve(model, prog.program_id)
         call = BeamSearchCall(runtime, ids, params,
                               lambda p, sp: runtime._submit(prog, thread_id, p, sp, "beam_search", None, lora=lora),
                               prog.program_id, model=model)
         async with call:
             return runtime._result(await call.result())
-    except BaseException as e:
-        exc = e
-        raise
-    finally:
-        if handle is not None:
-            exit_program(handle, None, exc)

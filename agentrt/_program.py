@@ -12,13 +12,14 @@ any other task that makes a call for it (an anyio task-group child, a `gather` b
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
 import itertools
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar, overload
 
@@ -128,6 +129,26 @@ def exit_program(handle: ProgramHandle, token: contextvars.Token | None, exc: Ba
         handle.runtime._end_program(handle, state, error)
     else:
         handle.info.state, handle.info.end_time, handle.info.error = state, time.monotonic(), error
+
+
+@contextlib.contextmanager
+def calling_program(kind: str) -> Iterator[tuple[ProgramHandle, str]]:
+    """The program and thread a call belongs to: the current ones, or outside any program a one-call program
+    named `kind` (not made current, so nothing leaks to a consumer between an async generator's yields),
+    ended with the block: finished, or cancelled / failed by what escapes it."""
+    cur = current()
+    if cur is not None:
+        yield cur
+        return
+    handle, _ = enter_program(kind, make_current=False)
+    exc: BaseException | None = None
+    try:
+        yield handle, f"{handle.program_id}.t0"
+    except BaseException as e:
+        exc = e
+        raise
+    finally:
+        exit_program(handle, None, exc)
 
 
 @overload

@@ -36,7 +36,7 @@ from agentrt._errors import (
 )
 from agentrt._lora import LoRAModules, parse_lora_modules
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
-from agentrt._program import ProgramHandle, check_priority, current, enter_program, exit_program, new_program_id
+from agentrt._program import ProgramHandle, calling_program, check_priority, current, new_program_id
 from agentrt._reasoning import reasoning_parser as make_reasoning_parser
 from agentrt._results import Choice, Chunk, Result, Usage, token_logprobs, wants_result
 from agentrt._retention import RetentionConfig, RetentionPolicy
@@ -476,26 +476,13 @@ class Runtime:
         """Run one LLM call for the current program (or as a one-call program); yield its deltas,
         append the final output to `out`."""
         self._engine()
-        cur = current()
-        handle = None
-        if cur is None:  # a one-call program; not made current, so nothing leaks to the consumer between deltas
-            handle, _ = enter_program(kind, make_current=False)
-            cur = (handle, f"{handle.program_id}.t0")
-        prog, thread_id = cur
-        exc: BaseException | None = None
-        try:
+        with calling_program(kind) as (prog, thread_id):
             lora = self.loras.resolve(sampling.pop("model", None), prog.program_id)
             params = _sampling_params({**self._engine().core.generation_defaults, **sampling}, prog.program_id)
             async with self._submit(prog, thread_id, prompt, params, kind, None, lora=lora) as call:
                 async for delta in call:
                     yield delta
                 out.append(await call.result())
-        except BaseException as e:
-            exc = e
-            raise
-        finally:
-            if handle is not None:
-                exit_program(handle, None, exc)
 
     async def chat(
         self, messages: Sequence[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
