@@ -123,8 +123,8 @@ def submit_beam_search(runtime: Runtime, prompt_ids: list[int], params: BeamSear
 
 async def beam_search_in_program(runtime: Runtime, prompt: str | list[int], *, beam_width: int, max_tokens: int,
                                  length_penalty: float, ignore_eos: bool, model: str | None) -> Result:
-    """`Runtime.beam_search`: a search whose steps are calls of the current program (outside one: a program
-    of its own), as `agentrt.chat`'s are; a `Result` whose choices are the beams."""
+    """`Runtime.beam_search` (its prompt checked there): a search whose steps are calls of the current program
+    (outside one: a program of its own), as `agentrt.chat`'s are; a `Result` whose choices are the beams."""
     cur = current()
     pid = cur[0].program_id if cur is not None else None
     try:
@@ -132,8 +132,6 @@ async def beam_search_in_program(runtime: Runtime, prompt: str | list[int], *, b
                                   ignore_eos=ignore_eos)
     except (TypeError, ValueError) as e:
         raise InvalidCallError(str(e), program_id=pid) from None
-    if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt):
-        raise InvalidCallError(f"prompt must be a non-empty str or list of token ids, got {prompt!r}", program_id=pid)
     ids = runtime.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
     with calling_program("beam_search") as (prog, thread_id):
         lora = runtime.loras.resolve(model, prog.program_id)

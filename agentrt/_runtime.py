@@ -409,7 +409,7 @@ class Runtime:
                           length_penalty: float = 1.0, ignore_eos: bool = False, model: str | None = None) -> Result:
         """A beam search of `prompt` as calls of the current program (outside one: a program of its own), each
         step one batch of its live beams (agentrt._beam): a `Result` whose choices are the beams, best first."""
-        return await beam_search_in_program(self, prompt, beam_width=beam_width, max_tokens=max_tokens,
+        return await beam_search_in_program(self, _check_prompt(prompt), beam_width=beam_width, max_tokens=max_tokens,
                                             length_penalty=length_penalty, ignore_eos=ignore_eos, model=model)
 
     def _submit(

@@ -7,15 +7,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from engine import chat_template as chat_template_
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, KVStats
 from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
-from engine.pooling import ClassificationOutput, PoolingParams, class_labels
+from engine.pooling import ClassificationOutput, PoolingParams, classifications
 from engine.request import Request
 from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
 
@@ -168,10 +166,7 @@ class LLM:
                                       "*ForSequenceClassification checkpoint")
         outs = self.embed(prompts, PoolingParams("last", normalize=False), progress=progress, priority=priority,
                           lora_request=lora_request)
-        probs = model.classify(torch.tensor([o.embedding for o in outs])).tolist()
-        labels = class_labels(self.core.hf_config, model.args.num_labels)
-        return [ClassificationOutput(o.request_id, p, labels[max(range(len(p)), key=p.__getitem__)])
-                for o, p in zip(outs, probs, strict=True)]
+        return classifications(model, self.core.hf_config, [o.request_id for o in outs], [o.embedding for o in outs])
 
     def beam_search(self, prompts: str | list[int] | Sequence[str | list[int]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:

@@ -19,10 +19,12 @@ error (vLLM's rule: an int id names one adapter).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +136,15 @@ class LoRASlot:
 
     def __init__(self) -> None:
         self.batch: LoRABatch | None = None
+
+    @contextlib.contextmanager
+    def use(self, adapters: list[LoRAAdapter | None], rows_per: list[int], device: torch.device) -> Iterator[None]:
+        """The forward inside runs with these requests' adapters (`LoRABatch.for_rows`), none after it."""
+        self.batch = LoRABatch.for_rows(adapters, rows_per, device)
+        try:
+            yield
+        finally:
+            self.batch = None
 
 
 def _bad(req: LoRARequest, what: str) -> InvalidRequestError:

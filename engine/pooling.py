@@ -98,7 +98,13 @@ class ClassificationOutput:
         return len(self.probs)
 
 
-def class_labels(hf_config, num_labels: int) -> list[str]:
-    """Class names by index: the config's id2label (HF's default "LABEL_i" kept), else the indices."""
+def classifications(model, hf_config, request_ids: list[str], pooled: list[list[float]]) -> list[ClassificationOutput]:
+    """The class probabilities and labels of last-token final-norm hidden states (`pooled`, one per request),
+    through `model`'s score head (engine.model `classify`); labels by the config's id2label, else indices."""
+    import torch
+
+    probs = model.classify(torch.tensor(pooled)).tolist()
     id2label = getattr(hf_config, "id2label", None) or {}
-    return [str(id2label.get(i, id2label.get(str(i), i))) for i in range(num_labels)]
+    labels = [str(id2label.get(i, id2label.get(str(i), i))) for i in range(model.args.num_labels)]
+    return [ClassificationOutput(rid, p, labels[max(range(len(p)), key=p.__getitem__)])
+            for rid, p in zip(request_ids, probs, strict=True)]

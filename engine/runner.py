@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 import kernels
-from engine.lora import LoRABatch
 from engine.request import Request
 from engine.sampling import RowContext, SamplerOutput, TokenHistory, sample
 from engine.sampling_params import SamplingParams
@@ -123,11 +122,8 @@ class ModelRunner:
         if out.num_steps > 1:
             return self._execute_steps(out, t0)
         input_ids, positions, slot_mapping, meta, sample_rows, sample_reqs, prompt_rows, pool_rows = self._prepare(out)
-        self.model.lora.batch = LoRABatch.for_rows([r.lora for r in out.reqs], out.num_tokens, self.device)
-        try:
+        with self.model.lora.use([r.lora for r in out.reqs], out.num_tokens, self.device):
             hidden = self.model(input_ids, positions, self.kv_cache, meta, slot_mapping)
-        finally:
-            self.model.lora.batch = None
         tokens, logprobs, tops, rejected = [], None, None, None
         prompt_lps = [self._prompt_logprobs(hidden, *p) for p in prompt_rows] if prompt_rows else None
         pooled = [(req, start, self.model.norm(hidden[row : row + count]).float().sum(dim=0).cpu() if count else None)
@@ -189,14 +185,11 @@ class ModelRunner:
         stop_ids = np.full((len(reqs), max(1, max(map(len, stops)))), -1, dtype=np.int64)
         for i, ids in enumerate(stops):
             stop_ids[i, : len(ids)] = ids
-        self.model.lora.batch = LoRABatch.for_rows([r.lora for r in reqs], [1] * len(reqs), dev)
-        try:
+        with self.model.lora.use([r.lora for r in reqs], [1] * len(reqs), dev):
             tokens, counts = self.model.decode_steps(
                 torch.tensor([r.all_token_ids[r.num_computed_tokens] for r in reqs], dtype=torch.long, device=dev),
                 torch.tensor([r.num_computed_tokens for r in reqs], dtype=torch.long, device=dev), self.kv_cache,
                 torch.from_numpy(tables).to(dev), torch.from_numpy(stop_ids).to(dev), k)
-        finally:
-            self.model.lora.batch = None
         counts = counts.tolist()
         token_ids = [row[:c] for row, c in zip(tokens.tolist(), counts, strict=True)]
         return ModelOutput(reqs, token_ids, None, time.perf_counter() - t0, [k - c for c in counts])

@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 import anyio
-import torch
 from msgspec import Struct
 from starlette.requests import Request
 from starlette.responses import Response
@@ -20,7 +19,7 @@ from agentrt.server.calls import new_id
 from agentrt.server.embeddings_routes import EmbeddingUsage, PoolingCallFields, _begin, _inputs, _json, _pool
 from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
-from engine.pooling import class_labels
+from engine.pooling import classifications
 
 
 class ClassificationRequest(PoolingCallFields, kw_only=True):
@@ -57,10 +56,9 @@ async def classify(request: Request) -> Response:
                           "*ForSequenceClassification checkpoint", "model")
     got = await _pool(request, b, _inputs(req.input), "input", normalize=False, method="last",
                       add_special_tokens=req.add_special_tokens)
-    probs = (await anyio.to_thread.run_sync(lambda: model.classify(torch.tensor(got.vectors)))).tolist()
-    labels = class_labels(core.hf_config, len(probs[0]))
-    data = [ClassificationData(i, labels[max(range(len(p)), key=p.__getitem__)], p, len(p))
-            for i, p in enumerate(probs)]
+    outs = await anyio.to_thread.run_sync(
+        lambda: classifications(model, core.hf_config, [str(i) for i in range(len(got.vectors))], got.vectors))
+    data = [ClassificationData(i, o.label, o.probs, o.num_classes) for i, o in enumerate(outs)]
     return _json(ClassificationResponse(new_id("classify"), int(time.time()), b.adapter or st.model_name, data,
                                         EmbeddingUsage(got.prompt_tokens, got.prompt_tokens)), got.program_id)
 
