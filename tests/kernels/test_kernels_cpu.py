@@ -15,7 +15,7 @@ from kernels import (
     rms_norm_ref,
     store_kv_ref,
 )
-from kernels.linear import PackCache, linear, pack_linear_weight_bf16
+from kernels.linear import BF16_PACKED_MAX_ROWS, PackCache, linear, pack_linear_weight_bf16
 from tests.paged_batch import make_paged_batch
 
 ATOL_BF16 = 1e-6  # the bf16 rule's atol: the kernels are at least as close as torch, up to float noise
@@ -67,9 +67,17 @@ def test_packed_linear_bf16(cpu_kind, rows, n, k, bias):
     cache = PackCache()
     with torch.inference_mode():
         out = linear(x, w, b, cache)
-    assert cache.packed is not None and cache.packed.shape == (-(-n // 32), -(-k // 2), 32, 2)  # the C++ path ran
+        # the kernel itself at every row count, also where `linear` gives these rows to the library's GEMM
+        direct = cpu.ops().packed_linear_bf16(x, pack_linear_weight_bf16(w), None if b is None else b.float(), n)
+    packed_rows = rows <= BF16_PACKED_MAX_ROWS or cpu.compiled_isa() != "avx512_bf16"
+    if packed_rows:  # the C++ path ran
+        assert cache.packed is not None and cache.packed.shape == (-(-n // 32), -(-k // 2), 32, 2)
+        assert torch.equal(out, direct)
+    else:
+        assert cache.packed is None
     gold = F.linear(x.double(), w.double(), None if b is None else b.double())
     check_rule(out, F.linear(x, w, b), gold)
+    check_rule(direct, F.linear(x, w, b), gold)
 
 
 def test_packed_linear_bf16_layout_and_rejects_bad_input(cpu_kind):
@@ -97,8 +105,6 @@ def test_packed_linear_fp32(cpu_kind, rows):
 def test_bf16_rows_past_the_packed_kernel(cpu_kind):
     """More rows than BF16_PACKED_MAX_ROWS take the library's GEMM where the kernels have AVX512-BF16's dot
     products, and the packed kernel (panels widened to fp32) where they do not."""
-    from kernels.linear import BF16_PACKED_MAX_ROWS
-
     x, w = torch.randn(BF16_PACKED_MAX_ROWS + 1, 64).bfloat16(), torch.randn(32, 64).bfloat16()
     cache = PackCache()
     with torch.inference_mode():
