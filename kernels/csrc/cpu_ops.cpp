@@ -7,7 +7,7 @@
 // - attention.h: paged_attention_small_q, attention of few-row sequences from the paged cache;
 // - attention_bf16.h: paged_attention_bf16, tiled attention of any rows on AVX512-BF16 (bf16 only);
 // - elementwise.h: rms_norm (optionally after the residual add), silu_and_mul, rope_store_kv;
-// - sampler.h: topk_rows and logsumexp_rows, the sampler's row kernels;
+// - sampler.h: topk_rows, logsumexp_rows and penalize_rows, the sampler's row kernels;
 // - decode_forward (here): all decoder layers of a decode step in one call; decode_steps: greedy
 //   decode steps (layers, final norm, LM head, argmax) in one call.
 
@@ -438,7 +438,8 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
   return h + residual;
 }
 
-// Per row of logits [R, V] (fp32 or bf16), the index of its largest by torch.argmax's rule -> [R] int64.
+// Per row of logits [R, V] (fp32 or bf16), the index of its largest by torch.argmax's rule -> [R] int64;
+// rows split over at::parallel_for's threads.
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && is_float_or_bf16(logits) && logits.is_contiguous() && logits.size(1) >= 1,
               "argmax_rows: logits [R, V] contiguous fp32 or bf16, V >= 1");
@@ -447,7 +448,10 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   int64_t* o = out.data_ptr<int64_t>();
   by_dtype(logits, "argmax_rows", [&](auto tag) {
     using T = decltype(tag);
-    for (int64_t r = 0; r < R; ++r) o[r] = agentrt::argmax_row<T>(ptr<T>(logits) + r * V, V);
+    const T* lp = ptr<T>(logits);
+    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) o[r] = agentrt::argmax_row<T>(lp + r * V, V);
+    });
   });
   return out;
 }
@@ -482,6 +486,34 @@ at::Tensor logsumexp_rows(const at::Tensor& x) {
     for (int64_t r = r0; r < r1; ++r) op[r] = agentrt::logsumexp_row(xp + r * V, V);
   });
   return out;
+}
+
+// Penalties of rows of logits [B, V] fp32, in place (sampler.h penalize_row): row rows[i] from
+// histories[i] ([L] int64: prompt, then output; its first num_prompt[i] ids the prompt) with
+// repetition[i], frequency[i], presence[i].
+void penalize_rows(at::Tensor& logits, at::IntArrayRef rows, at::TensorList histories, at::IntArrayRef num_prompt,
+                   at::ArrayRef<double> repetition, at::ArrayRef<double> frequency, at::ArrayRef<double> presence) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.size(1) >= 1,
+              "penalize_rows: logits [B, V] contiguous fp32, got ", logits.sizes(), " ", logits.scalar_type());
+  const int64_t R = static_cast<int64_t>(rows.size()), B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(static_cast<int64_t>(histories.size()) == R && static_cast<int64_t>(num_prompt.size()) == R &&
+                  static_cast<int64_t>(repetition.size()) == R && static_cast<int64_t>(frequency.size()) == R &&
+                  static_cast<int64_t>(presence.size()) == R,
+              "penalize_rows: one history, num_prompt and penalty of each kind per row");
+  for (int64_t i = 0; i < R; ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < B, "penalize_rows: row ", rows[i], " outside [0, ", B, ")");
+    const at::Tensor& h = histories[i];
+    TORCH_CHECK(h.dim() == 1 && h.scalar_type() == at::kLong && h.is_contiguous() && h.device().is_cpu(),
+                "penalize_rows: histories are 1-D contiguous int64 CPU tensors");
+  }
+  std::vector<uint8_t> seen(V, 0);
+  std::vector<int32_t> count(V, 0), touched;
+  float* lp = logits.data_ptr<float>();
+  for (int64_t i = 0; i < R; ++i) {
+    const at::Tensor& h = histories[i];
+    agentrt::penalize_row(lp + rows[i] * V, V, h.data_ptr<int64_t>(), h.numel(), num_prompt[i],
+                          static_cast<float>(repetition[i]), frequency[i], presence[i], seen, count, touched);
+  }
 }
 
 // Greedy decode of R sequences of one row each, up to `steps` steps in one call (the runner's
@@ -580,6 +612,9 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("logsumexp_rows(Tensor x) -> Tensor");
+  m.def(
+      "penalize_rows(Tensor(a!) logits, int[] rows, Tensor[] histories, int[] num_prompt, float[] repetition, "
+      "float[] frequency, float[] presence) -> ()");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -621,4 +656,5 @@ AGENTRT_LIBRARY_IMPL(AGENTRT_NS, CPU, m) {
   m.impl("argmax_rows", argmax_rows);
   m.impl("topk_rows", topk_rows);
   m.impl("logsumexp_rows", logsumexp_rows);
+  m.impl("penalize_rows", penalize_rows);
 }

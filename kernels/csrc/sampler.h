@@ -7,6 +7,8 @@
 //   included) the lower index first, so the result is a function of the row alone.
 // - logsumexp_row: log(sum(exp(row))) by torch.logsumexp's rule, for log-probs (raw logit - it)
 //   without a [B, V] log_softmax; torch's took 1.5-3 ms over [32, 49152] on one thread here.
+// - penalize_row: repetition / frequency / presence penalties from a row's token history, touching
+//   only its distinct tokens (numpy's sort-and-count path took ~0.9 ms for 32 rows of 140 tokens).
 
 #pragma once
 
@@ -137,6 +139,34 @@ inline float logsumexp_row(const float* row, int64_t V) {
   for (int l = 0; l < 4; ++l) sum += lo[l] + hi[l];
   for (; i < V; ++i) sum += std::exp(double(row[i]) - m);
   return static_cast<float>(double(m) + std::log(sum));
+}
+
+// Repetition, frequency and presence penalties of one row of logits, in place, as engine/sampling.py's
+// numpy path applies them (vLLM's semantics): every distinct token of the history (prompt, then
+// output) gets `v > 0 ? v / repetition : v * repetition` (repetition in fp32), then every distinct
+// output token has fp32(frequency * count + presence) (computed in fp64) subtracted. Ids outside
+// [0, V) are clipped into it, as the numpy path's np.clip. `seen` and `count` are V-long scratch,
+// zero on entry and left zero; `touched` is scratch. O(history), never O(V).
+inline void penalize_row(float* row, int64_t V, const int64_t* ids, int64_t n, int64_t num_prompt, float repetition,
+                         double frequency, double presence, std::vector<uint8_t>& seen, std::vector<int32_t>& count,
+                         std::vector<int32_t>& touched) {
+  touched.clear();
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t t = static_cast<int32_t>(std::clamp<int64_t>(ids[j], 0, V - 1));
+    if (!seen[t]) {
+      seen[t] = 1;
+      touched.push_back(t);
+    }
+    count[t] += j >= num_prompt;
+  }
+  for (const int32_t t : touched) {
+    float v = row[t];
+    v = v > 0.f ? v / repetition : v * repetition;
+    if (count[t]) v -= static_cast<float>(frequency * count[t] + presence);
+    row[t] = v;
+    seen[t] = 0;
+    count[t] = 0;
+  }
 }
 
 }  // namespace agentrt

@@ -365,3 +365,48 @@ def test_prompt_logprobs_under_preemption(tiny_model_path, hf):
     for o in outs:
         assert o.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4)
     assert_all_blocks_free(small.core)
+
+
+def test_sampler_threads_one_for_small_ops_all_for_vocabulary_passes(monkeypatch):
+    """The sampler runs on one intra-op thread, except the passes over the whole vocabulary of
+    WIDE_MIN_ROWS rows or more (C++ row kernels), which get every thread back; the count is restored
+    after, also when the sampler raises."""
+    import engine.sampling as sampling
+
+    if sampling._row_ops(torch.zeros(1, 2)) is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    before = max(2, torch.get_num_threads())
+    seen = []
+
+    class Spy:
+        def __init__(self, ops):
+            self.ops = ops
+
+        def __getattr__(self, name):
+            fn = getattr(self.ops, name)
+
+            def call(*args):
+                seen.append((name, args[0].shape[0], torch.get_num_threads()))
+                return fn(*args)
+
+            return call
+
+    real = sampling._row_ops
+    monkeypatch.setattr(sampling, "_row_ops", lambda x: None if (ops := real(x)) is None else Spy(ops))
+    torch.set_num_threads(before)
+    try:
+        for rows in (sampling.WIDE_MIN_ROWS, 2):
+            logits, hists = random_batch(rows, rows)
+            params = [SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.2, logprobs=True, top_logprobs=3)] * rows
+            contexts = [history(pr, out) for pr, out in hists]
+            sample(logits, params, [None] * rows, contexts)
+            assert torch.get_num_threads() == before
+        with pytest.raises(AttributeError):  # a penalized row without its history fails inside the sampler
+            sample(torch.zeros(9, V), [SamplingParams(repetition_penalty=1.2)] * 9, [None] * 9, [None] * 9)
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+    wide = {name: threads for name, rows, threads in seen if rows >= sampling.WIDE_MIN_ROWS}
+    narrow = {name: threads for name, rows, threads in seen if rows < sampling.WIDE_MIN_ROWS}
+    assert wide["topk_rows"] == wide["logsumexp_rows"] == before and wide["penalize_rows"] == 1
+    assert set(narrow.values()) == {1} and {"topk_rows", "logsumexp_rows"} <= narrow.keys()

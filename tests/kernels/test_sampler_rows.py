@@ -3,6 +3,7 @@
 topk_rows against torch's stable descending sort cut to k: the same values as torch.topk (a NaN
 first), and among equal values the lower index first, the order topk_rows promises.
 logsumexp_rows against torch.logsumexp in fp64.
+penalize_rows against engine/sampling.py's numpy path, bit for bit.
 """
 
 import math
@@ -113,3 +114,64 @@ def test_logsumexp_rows_special_values(cpu_kind):
         with pytest.raises(RuntimeError, match="logsumexp_rows: x \\[R, V\\] contiguous fp32, V >= 1"):
             cpu.ops().logsumexp_rows(bad)
 
+
+
+# ---- penalize_rows: the penalties in C++ against engine/sampling.py's numpy path, bit for bit ----------
+
+
+def _penalty_batch(seed: int, vocab: int):
+    """Rows of logits with specials (0, -0, +-inf), histories with repeats, ids past the vocabulary
+    (both paths clip them) and prompt-only rows, and every kind of penalty mixed across the rows."""
+    from engine import SamplingParams
+    from engine.sampling import RowContext
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(7, vocab, generator=g) * 4
+    logits[0, :4] = torch.tensor([0.0, -0.0, math.inf, -math.inf])
+    params = [SamplingParams(repetition_penalty=1.7), SamplingParams(repetition_penalty=0.6, presence_penalty=0.3),
+              SamplingParams(frequency_penalty=0.9), SamplingParams(presence_penalty=-1.2),
+              SamplingParams(frequency_penalty=-0.5, presence_penalty=1.5, repetition_penalty=1.3),
+              SamplingParams(frequency_penalty=2.0)]
+    rows = [0, 2, 3, 4, 5, 6]  # row 1 uses nothing and must stay as it is
+    contexts = []
+    for i in range(len(rows)):
+        n_prompt = int(torch.randint(1, 60, (1,), generator=g))
+        n_out = 0 if i == 3 else int(torch.randint(1, 300, (1,), generator=g))
+        prompt = torch.randint(0, vocab, (n_prompt,), generator=g)
+        output = torch.randint(0, min(vocab, 24), (n_out,), generator=g)  # many repeats
+        ids = torch.cat([prompt, output])
+        if i == 0:
+            ids[:4] = torch.tensor([0, 1, 2, 3])  # the specials of row 0
+            ids[-1] = vocab + 5  # past the vocabulary
+        contexts.append(RowContext(ids, n_prompt, []))
+    return logits, params, contexts, rows
+
+
+@pytest.mark.parametrize("vocab", [40, 300, 49152])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_penalize_rows_equals_the_numpy_path(cpu_kind, monkeypatch, vocab, seed):
+    import engine.sampling as sampling
+
+    logits, params, contexts, rows = _penalty_batch(seed, vocab)
+    fast, slow = logits.clone(), logits.clone()
+    sampling.apply_penalties(fast, params, contexts, rows)
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "_row_ops", lambda x: None)  # the numpy path
+        sampling.apply_penalties(slow, params, contexts, rows)
+    assert not torch.equal(fast, logits)  # something was penalized
+    assert torch.equal(fast[1], logits[1])
+    assert torch.equal(fast.isnan(), slow.isnan())
+    assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))  # the same bits, -0 included
+
+
+def test_penalize_rows_rejects_bad_input(cpu_kind):
+    ops = cpu.ops()
+    h = [torch.tensor([1, 2, 3])]
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.penalize_rows(torch.zeros(2, 8, dtype=torch.float64), [0], h, [1], [1.1], [0.0], [0.0])
+    with pytest.raises(RuntimeError, match="row 2 outside"):
+        ops.penalize_rows(torch.zeros(2, 8), [2], h, [1], [1.1], [0.0], [0.0])
+    with pytest.raises(RuntimeError, match="one history"):
+        ops.penalize_rows(torch.zeros(2, 8), [0, 1], h, [1], [1.1], [0.0], [0.0])
+    with pytest.raises(RuntimeError, match="int64"):
+        ops.penalize_rows(torch.zeros(2, 8), [0], [torch.tensor([1.0])], [1], [1.1], [0.0], [0.0])
