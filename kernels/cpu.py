@@ -13,8 +13,8 @@ than dozens of small torch ops. So, in fp32 and bf16 (`torch.ops.agentrt_cpu_<ki
   `rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, H)` (rotary embedding of q and
   k fused with the cache write): one pass each, rounding in bf16 where HF's bf16 model rounds.
 - `decode_forward(...)` (every decoder layer of a decode step) and `decode_steps(...)` (greedy steps:
-  layers, final norm, LM head, argmax); `argmax_rows(logits)`, `topk_rows(x, k)` and
-  `logsumexp_rows(x)` for the sampler.
+  layers, final norm, LM head, argmax); `argmax_rows(logits)`, `topk_rows(x, k)`,
+  `logsumexp_rows(x)` and `penalize_rows(...)` (repetition / frequency / presence) for the sampler.
 
 CPU kinds, best first: "avx512_bf16" (AVX512-BF16's bf16 dot products for the bf16 GEMM), "avx512",
 "avx2" (x86), and "generic" elsewhere. The CPU's flags are read at run time; `kind()` is the best
