@@ -27,7 +27,7 @@ import time
 
 from bench._common import markdown_table, write_section
 
-DOCS_SECTION = "Sampling processors"
+DOCS_SECTION = "Sampling processors ({where})"  # one section per dtype and CPU kind (or device)
 
 
 def configs(max_tokens: int) -> dict[str, object]:
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="A/B repeats")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--docs", action="store_true", help=f"write the {DOCS_SECTION!r} section of docs/benchmarks.md")
+    ap.add_argument("--docs", action="store_true",
+                    help="write this machine's section of docs/benchmarks.md (one per dtype and CPU kind)")
     a = ap.parse_args(argv)
     for name in ("running", "steps", "repeats"):
         if getattr(a, name) < 1:
@@ -149,7 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     res = measure(llm, a.running, a.steps, a.repeats, seed=a.seed)
     print(json.dumps(res, indent=2) if a.json else table(res))
     if a.docs:
-        write_section(DOCS_SECTION, f"Engine: `{llm.core.startup_line}`\n\n{table(res)}")
+        config = llm.core.config
+        dtype = str(config.torch_dtype).removeprefix("torch.")
+        if config.device == "cpu":
+            from kernels import cpu
+
+            where = f"{dtype}, CPU {cpu.kind()}"
+        else:
+            where = f"{dtype}, {config.device}"
+        write_section(DOCS_SECTION.format(where=where), f"Engine: `{llm.core.startup_line}`\n\n{table(res)}")
     return 0
 
 
