@@ -40,6 +40,14 @@ def cpu_flags_line() -> str:
     return "flags: " + (" ".join(have) or "none of avx2 / avx512")
 
 
+def dtype_on_cpu(dtype) -> str:
+    """"bfloat16, CPU avx512_bf16": a torch dtype and the kind of C++ kernels this CPU runs, what the
+    per-machine sections of docs/benchmarks.md are titled by."""
+    from kernels import cpu
+
+    return f"{str(dtype).removeprefix('torch.')}, CPU {cpu.kind()}"
+
+
 def command() -> str:
     """The command line that reproduces this run, as `agentrt bench NAME ARGS`."""
     argv = sys.argv

@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from bench._common import markdown_table, write_section
+from bench._common import dtype_on_cpu, markdown_table, write_section
 
 DOCS_SECTION = "Sampling processors ({where})"  # one section per dtype and CPU kind (or device)
 
@@ -151,13 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(res, indent=2) if a.json else table(res))
     if a.docs:
         config = llm.core.config
-        dtype = str(config.torch_dtype).removeprefix("torch.")
-        if config.device == "cpu":
-            from kernels import cpu
-
-            where = f"{dtype}, CPU {cpu.kind()}"
-        else:
-            where = f"{dtype}, {config.device}"
+        where = (dtype_on_cpu(config.torch_dtype) if config.device == "cpu"
+                 else f"{str(config.torch_dtype).removeprefix('torch.')}, {config.device}")
         write_section(DOCS_SECTION.format(where=where), f"Engine: `{llm.core.startup_line}`\n\n{table(res)}")
     return 0
 

@@ -43,7 +43,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench._common import markdown_table, write_section
+from bench._common import dtype_on_cpu, markdown_table, write_section
 from engine.testing import PRESETS
 
 
@@ -448,9 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.random_weights is not None:
             title = f"Throughput ({a.random_weights}, random weights, {results['device']})"
         elif device == "cpu":
-            from kernels import cpu
-
-            title = f"Throughput ({name}, CPU {cpu.kind()})"
+            title = f"Throughput ({dtype_on_cpu(dtype)})"
         else:
             title = "Throughput"
         write_section(title, summary)
