@@ -15,7 +15,7 @@ from agentrt._context import current_runtime
 from agentrt._process_table import ProcessTable
 from agentrt._results import Chunk, Result
 from agentrt._runtime import Runtime
-from engine import SchedulingPolicy
+from agentrt.engine import SchedulingPolicy
 
 P = ParamSpec("P")
 T = TypeVar("T")

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 from agentrt._errors import InvalidCallError
 from agentrt._program import calling_program, current
 from agentrt._results import Result
-from engine.beam_search import BeamSearch, BeamSearchParams
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from agentrt.engine.beam_search import BeamSearch, BeamSearchParams
+from agentrt.engine.outputs import CompletionOutput, RequestOutput
+from agentrt.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from agentrt._call import Call

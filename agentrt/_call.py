@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from agentrt._errors import CallAbortedError, CallFailedError
 from agentrt._process_table import CallRecord, ProgramInfo
-from engine.async_engine import EngineError, RequestStream
-from engine.outputs import RequestOutput, StreamDelta
+from agentrt.engine.async_engine import EngineError, RequestStream
+from agentrt.engine.outputs import RequestOutput, StreamDelta
 
 if TYPE_CHECKING:
     from agentrt._program import ProgramHandle

@@ -33,7 +33,7 @@ from agentrt._toolcalls import (
     tool_choice_of,
 )
 from agentrt._toolparsers import HERMES, ToolParser, pick_parser
-from engine.structured import Constraint
+from agentrt.engine.structured import Constraint
 
 
 class Reply(NamedTuple):

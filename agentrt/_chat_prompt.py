@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from agentrt._errors import InvalidCallError
-from engine import chat_template as templates
-from engine.outputs import RequestOutput
+from agentrt.engine import chat_template as templates
+from agentrt.engine.outputs import RequestOutput
 
 
 TEMPLATE_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template")

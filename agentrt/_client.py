@@ -35,7 +35,7 @@ from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
 from agentrt._results import Choice, Chunk, Result, TokenLogprob, TopLogprob, Usage, remote_logprobs, wants_result
 from agentrt._toolcalls import ToolCall, tool_specs
 from agentrt._program import ProgramHandle, current
-from engine.sampling_params import SamplingParams
+from agentrt.engine.sampling_params import SamplingParams
 
 _FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "n", "logprobs", "top_logprobs",
            "include_stop_str_in_output", "skip_special_tokens", "presence_penalty", "frequency_penalty",

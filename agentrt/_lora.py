@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrt._errors import ConfigError, InvalidCallError
-from engine.lora import LoRARequest
+from agentrt.engine.lora import LoRARequest
 
 MAX_ADAPTERS = 256  # named adapters at most (each loaded on first use, `max_loras` kept in memory)
 

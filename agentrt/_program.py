@@ -28,7 +28,7 @@ import anyio
 from agentrt._context import Host, current_runtime
 from agentrt._errors import UsageError
 from agentrt._process_table import ProgramInfo
-from engine.sampling_params import MAX_PRIORITY
+from agentrt.engine.sampling_params import MAX_PRIORITY
 
 P = ParamSpec("P")
 T = TypeVar("T")

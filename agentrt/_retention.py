@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.program_ops import (
+from agentrt.engine.program_ops import (
     EndProgram,
     Pin,
     ProgramOp,

@@ -42,16 +42,16 @@ from agentrt._results import Choice, Chunk, Result, Usage, token_logprobs, wants
 from agentrt._retention import RetentionConfig, RetentionPolicy
 from agentrt._toolcalls import response_format_constraint, tool_specs
 from agentrt._toolparsers import tool_call_parser as make_tool_parser
-from engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
-from engine.beam_search import BeamSearchParams
-from engine.kv_cache_manager import OwnerKV
-from engine.lora import LoRARequest
-from engine.outputs import RequestOutput, StreamDelta
-from engine.pooling import PoolingParams
-from engine.pooling import default_method as default_pooling
-from engine.program_ops import ProgramOp
-from engine.sampling_params import truncate_prompt
-from engine.structured import Constraint
+from agentrt.engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
+from agentrt.engine.beam_search import BeamSearchParams
+from agentrt.engine.kv_cache_manager import OwnerKV
+from agentrt.engine.lora import LoRARequest
+from agentrt.engine.outputs import RequestOutput, StreamDelta
+from agentrt.engine.pooling import PoolingParams
+from agentrt.engine.pooling import default_method as default_pooling
+from agentrt.engine.program_ops import ProgramOp
+from agentrt.engine.sampling_params import truncate_prompt
+from agentrt.engine.structured import Constraint
 
 ANY_OWNER: Any = object()  # `owner=` default of the program look-ups: any client's program
 

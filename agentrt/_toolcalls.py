@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrt._errors import InvalidCallError
-from engine.structured import Constraint
+from agentrt.engine.structured import Constraint
 
 _NAME = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

@@ -17,12 +17,12 @@ from agentrt._cli_options import add_engine_options, engine_options
 from agentrt._reasoning import REASONING_PARSERS
 from agentrt._toolparsers import PARSER_CHOICES
 from agentrt.policies import POLICY_NAMES
-from engine.pooling import POOLING_METHODS
+from agentrt.engine.pooling import POOLING_METHODS
 
 
 def _generate(a: argparse.Namespace) -> int:
-    from engine import SamplingParams
-    from engine.config import EngineConfig
+    from agentrt.engine import SamplingParams
+    from agentrt.engine.config import EngineConfig
 
     # every argument is checked before the model loads (seconds)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
@@ -30,8 +30,8 @@ def _generate(a: argparse.Namespace) -> int:
     config = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, num_scheduler_steps=a.num_scheduler_steps)
     if not a.prompt:
         raise ValueError("the prompt is empty")
-    from engine import LLM
-    from engine.loader import resolve_model
+    from agentrt.engine import LLM
+    from agentrt.engine.loader import resolve_model
 
     resolve_model(a.model)  # an unknown path fails here, before any conversion or load
     llm = LLM(config)

@@ -15,27 +15,27 @@ from agentrt import cli as lib_cli
 from agentrt.policies import POLICY_NAMES
 
 BENCHES = {
-    "throughput": "bench.throughput",
-    "decode-cpu": "bench.decode_cpu",
-    "priority": "bench.priority",
-    "kernels": "bench.kernels",
-    "prefix": "bench.prefix",
-    "programs": "bench.programs",
-    "simulate": "bench.simulate",
-    "calibrate": "bench.calibrate",
-    "simcheck": "bench.simcheck",
-    "serve": "bench.serve",
-    "countdown": "bench.countdown",
-    "retention": "bench.retention",
-    "sampling": "bench.sampling",
-    "structured": "bench.structured",
-    "embed": "bench.embed",
-    "lora": "bench.lora",
+    "throughput": "agentrt.bench.throughput",
+    "decode-cpu": "agentrt.bench.decode_cpu",
+    "priority": "agentrt.bench.priority",
+    "kernels": "agentrt.bench.kernels",
+    "prefix": "agentrt.bench.prefix",
+    "programs": "agentrt.bench.programs",
+    "simulate": "agentrt.bench.simulate",
+    "calibrate": "agentrt.bench.calibrate",
+    "simcheck": "agentrt.bench.simcheck",
+    "serve": "agentrt.bench.serve",
+    "countdown": "agentrt.bench.countdown",
+    "retention": "agentrt.bench.retention",
+    "sampling": "agentrt.bench.sampling",
+    "structured": "agentrt.bench.structured",
+    "embed": "agentrt.bench.embed",
+    "lora": "agentrt.bench.lora",
 }
 
 
 def _run(a: argparse.Namespace) -> int:
-    from agentrt_cli.run import run_file
+    from agentrt.command.run import run_file
 
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
     return run_file(a.file, args, url=a.url, api_key=a.api_key, model=a.model, policy=a.policy)
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["simulate"]:
         argv = ["bench", *argv]
     if argv[:1] == ["demo"]:
-        return _user_errors("agentrt demo", lambda: importlib.import_module("programs.demo").main(argv[1:]))
+        return _user_errors("agentrt demo", lambda: importlib.import_module("agentrt.programs.demo").main(argv[1:]))
     if argv[:1] == ["bench"]:
         if len(argv) < 2 or argv[1] not in BENCHES:
             print(f"usage: agentrt bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 def _user_errors(prog: str, run) -> int:
     """Run a command; a user error (a `SystemExit` with a message, an `InvalidRequestError`, a model that
     is not there) prints one line and exits 2, never a traceback."""
-    from engine.loader import ModelNotFoundError
-    from engine.sampling_params import InvalidRequestError
+    from agentrt.engine.loader import ModelNotFoundError
+    from agentrt.engine.sampling_params import InvalidRequestError
 
     try:
         return run()

@@ -1,3 +1,3 @@
-from agentrt_cli import main
+from agentrt.command import main
 
 raise SystemExit(main())

@@ -33,7 +33,7 @@ def cpu_name() -> str:
 
 def cpu_flags_line() -> str:
     """The CPU's flags that choose kernels and dtypes here, e.g. "flags: avx2 avx512f avx512_bf16"."""
-    from kernels import cpu
+    from agentrt.kernels import cpu
 
     flags = cpu.cpu_flags()
     have = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags]
@@ -43,7 +43,7 @@ def cpu_flags_line() -> str:
 def dtype_on_cpu(dtype) -> str:
     """"bfloat16, CPU avx512_bf16": a torch dtype and the kind of C++ kernels this CPU runs, what the
     per-machine sections of docs/benchmarks.md are titled by."""
-    from kernels import cpu
+    from agentrt.kernels import cpu
 
     return f"{str(dtype).removeprefix('torch.')}, CPU {cpu.kind()}"
 
@@ -53,7 +53,7 @@ def command() -> str:
     argv = sys.argv
     if len(argv) > 1 and argv[1] == "bench":  # agentrt bench NAME ...
         return " ".join(["agentrt", *argv[1:]])
-    return " ".join(["agentrt bench", Path(argv[0]).stem, *argv[1:]])  # python -m bench.NAME ...
+    return " ".join(["agentrt bench", Path(argv[0]).stem, *argv[1:]])  # python -m agentrt.bench.NAME ...
 
 
 def write_section(title: str, body: str, path: Path = DOCS) -> None:

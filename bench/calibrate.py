@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from bench import _common, costs
-from bench.costs import FEATURES, Fit, StepCost, step_features
+from agentrt.bench import _common, costs
+from agentrt.bench.costs import FEATURES, Fit, StepCost, step_features
 
 VOCAB = (1000, 40000)
 
@@ -58,7 +58,7 @@ def time_steps(core: Any, scenarios: list[Scenario], repeats: int, seed: int = 0
                log: Any = None) -> list[tuple[str, tuple[int, ...], float]]:
     """(scenario, features, seconds) for every step of every scenario, `repeats` times over (fresh random
     prompts each time, so the prefix cache never hits)."""
-    from engine.sampling_params import SamplingParams
+    from agentrt.engine.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     seen: list[tuple[int, ...]] = []
@@ -143,7 +143,7 @@ def calibrate(model: str | None = None, dtype: str | None = None, repeats: int =
     The engine is an `AsyncEngine`, as programs use it: the design is timed step by step on its engine
     thread, then `loop_overhead` (what serving adds per step: the hand-off to the event loop and back,
     dispatching tokens) is added to the fitted base cost."""
-    from engine.async_engine import AsyncEngine
+    from agentrt.engine.async_engine import AsyncEngine
 
     eng = AsyncEngine(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                       device="cpu")
@@ -166,7 +166,7 @@ def loop_overhead(eng: Any, seed: int = 0, rows: int = 4, out_tokens: int = 48, 
     """Seconds per step that serving adds to the step itself: the same decode batch timed step by step on
     the engine thread and served by the running `AsyncEngine`, the difference of their totals per step
     (median over `repeats`)."""
-    from engine.sampling_params import SamplingParams
+    from agentrt.engine.sampling_params import SamplingParams
 
     core = eng.core
     rng = random.Random(seed)

@@ -120,7 +120,7 @@ def machine_kind() -> str:
     """This CPU as calibration sees it: the kernels' instruction set, cores and torch threads."""
     import torch
 
-    from kernels import cpu
+    from agentrt.kernels import cpu
 
     return f"{cpu.kind()}-{os.cpu_count()}c-{torch.get_num_threads()}t"
 
@@ -131,7 +131,7 @@ def fit_key(model: str, dtype: str, kind: str | None = None) -> str:
 
 def fits_dir() -> Path:
     """$AGENTRT_CALIBRATION_DIR, else `calibration/` in the engine's cache directory."""
-    from engine.loader import cache_dir
+    from agentrt.engine.loader import cache_dir
 
     return Path(os.environ.get("AGENTRT_CALIBRATION_DIR") or cache_dir() / "calibration")
 
@@ -170,8 +170,8 @@ def load(key: str, directory: Path | None = None) -> Fit | None:
 
 def default_model_and_dtype(model: str | None = None, dtype: str | None = None) -> tuple[str, str]:
     """The names a fit is keyed by for an engine built with these arguments (no weights loaded)."""
-    from engine import loader
-    from engine.config import auto_dtype
+    from agentrt.engine import loader
+    from agentrt.engine.config import auto_dtype
 
     if model is None:
         name = loader.converted_path(loader.default_gguf_path(), loader.DEFAULT_MODEL_NAME).name

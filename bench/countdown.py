@@ -25,8 +25,8 @@ import time
 import anyio
 
 import agentrt
-from programs.countdown import PUZZLES, Puzzle, parse_solution, prompt, verify
-from programs.mcts import mcts
+from agentrt.programs.countdown import PUZZLES, Puzzle, parse_solution, prompt, verify
+from agentrt.programs.mcts import mcts
 
 
 @agentrt.program(name="greedy")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench._common import markdown_table, write_section
+    from agentrt.bench._common import markdown_table, write_section
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -1,6 +1,6 @@
 """Decode step on CPU: what one greedy token costs the engine in each dtype, against the weight stream.
 
-Run as `agentrt bench decode-cpu [--contexts 300,1500] [--json] [--docs]` (or `python -m bench.decode_cpu`).
+Run as `agentrt bench decode-cpu [--contexts 300,1500] [--json] [--docs]` (or `python -m agentrt.bench.decode_cpu`).
 It builds the default model once per dtype (float32 and bfloat16) in one process and times the engine's
 multi-step decode call (`Model.decode_steps`: every layer, the final norm, the LM head and the argmax
 for `--steps` tokens, one C++ call on CPU) for one sequence at each context length, the dtypes
@@ -41,9 +41,9 @@ def _read_gbps() -> float:
 
 
 def measure(contexts: list[int], steps: int, repeats: int, model: str | None = None) -> dict:
-    from engine import LLM
-    from engine.runner import ModelRunner
-    from kernels import cpu
+    from agentrt.engine import LLM
+    from agentrt.engine.runner import ModelRunner
+    from agentrt.kernels import cpu
 
     block_size = 16
     need = -(-(max(contexts) + steps) // block_size) + 1
@@ -95,7 +95,7 @@ def measure(contexts: list[int], steps: int, repeats: int, model: str | None = N
 
 
 def markdown(result: dict) -> str:
-    from bench._common import markdown_table
+    from agentrt.bench._common import markdown_table
 
     rows = []
     for d, e in result["dtypes"].items():
@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(result)
     print(json.dumps(result, indent=2) if a.json else text)
     if a.docs:
-        from bench._common import write_section
+        from agentrt.bench._common import write_section
 
-        from kernels import cpu
+        from agentrt.kernels import cpu
 
         write_section(DOCS_SECTION.format(kind=cpu.kind()), text)
     return 0

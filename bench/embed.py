@@ -60,7 +60,7 @@ def measure(model: str | None, num_inputs: int, min_len: int, max_len: int, pref
             repeats: int, seed: int, engine_config: dict | None = None) -> dict:
     from transformers import AutoModel
 
-    from engine import LLM
+    from agentrt.engine import LLM
 
     llm = LLM(model, **(engine_config or {}))
     core = llm.core
@@ -102,7 +102,7 @@ def measure(model: str | None, num_inputs: int, min_len: int, max_len: int, pref
 
 
 def markdown(result: dict) -> str:
-    from bench._common import markdown_table
+    from agentrt.bench._common import markdown_table
 
     rows = [[w["name"], f"{w['input_tokens']:,}", f"{w['engine_tok_s']:,.0f}", f"{w['hf_tok_s']:,.0f}",
              f"**{w['ratio']:.2f}x**", f"{w['prefix_hit_tokens_per_pass']:,.0f}", f"{w['min_cosine']:.6f}"]
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                      engine)
     print(json.dumps(result, indent=2) if a.json else markdown(result))
     if a.docs:
-        from bench._common import write_section
+        from agentrt.bench._common import write_section
 
         write_section(DOCS_SECTION, markdown(result))
     return 0

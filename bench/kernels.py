@@ -1,6 +1,6 @@
 """Kernel benchmark: how close paged attention gets to the GPU's memory bandwidth, and what paging costs.
 
-Run as `agentrt bench kernels [--json] [--out docs/kernels.md]` (or `python -m bench.kernels`); it
+Run as `agentrt bench kernels [--json] [--out docs/kernels.md]` (or `python -m agentrt.bench.kernels`); it
 also writes the "Kernels" section of docs/benchmarks.md with `--docs`. Needs a CUDA GPU;
 without one it says so, writes nothing and exits 0.
 
@@ -79,7 +79,7 @@ def _paged_cache(shape: Shape, num_blocks: int, device: torch.device) -> tuple[t
 
 
 def _decode_meta(batch: int, context: int, table: torch.Tensor):
-    from kernels import build_attention_metadata
+    from agentrt.kernels import build_attention_metadata
 
     device = table.device
     return build_attention_metadata(
@@ -95,8 +95,8 @@ def _decode(shape: Shape, copy_gbps: float, device: torch.device, batches: list[
             paging_batches: list[int], paging_contexts: list[int]) -> tuple[list[dict], list[dict]]:
     import torch.nn.functional as F
 
-    from kernels import paged_attention_triton
-    from kernels.paged_attention import _auto_num_splits
+    from agentrt.kernels import paged_attention_triton
+    from agentrt.kernels.paged_attention import _auto_num_splits
 
     scale = shape.head_dim ** -0.5
     elem = torch.empty((), dtype=shape.dtype).element_size()
@@ -146,7 +146,7 @@ def _decode(shape: Shape, copy_gbps: float, device: torch.device, batches: list[
 def _prefill_case(shape: Shape, device: torch.device, q_len: int, context: int):
     """One sequence of `q_len` new tokens after `context` cached ones over a shuffled block table:
     (q, k_cache, v_cache, meta, flops of its causal attention)."""
-    from kernels import build_attention_metadata
+    from agentrt.kernels import build_attention_metadata
 
     seq_len = q_len + context
     blocks = -(-seq_len // shape.block_size)
@@ -164,7 +164,7 @@ def _prefill_case(shape: Shape, device: torch.device, q_len: int, context: int):
 def _prefill(shape: Shape, device: torch.device, cases: list[tuple[int, int]]) -> list[dict]:
     import torch.nn.functional as F
 
-    from kernels import paged_attention_triton
+    from agentrt.kernels import paged_attention_triton
 
     scale = shape.head_dim ** -0.5
     rows = []
@@ -199,8 +199,8 @@ PREFILL_SWEEP_CASES = [(4096, 0), (512, 7680)]
 
 def _sweep(shape: Shape, copy_gbps: float, device: torch.device) -> dict:
     """Time the decode and prefill kernels under each tile shape of the sweep lists (same data per case)."""
-    from kernels import paged_attention_triton
-    from kernels.paged_attention import launch_config
+    from agentrt.kernels import paged_attention_triton
+    from agentrt.kernels.paged_attention import launch_config
 
     scale = shape.head_dim ** -0.5
     elem = torch.empty((), dtype=shape.dtype).element_size()
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) if args.out.suffix == ".json" else markdown)
     if args.docs:
-        from bench._common import write_section
+        from agentrt.bench._common import write_section
 
         write_section(DOCS_SECTION, _markdown(result, heading="###"))
     return 0

@@ -28,8 +28,8 @@ DOCS_SECTION = "LoRA adapters"
 
 def measure(model: str | None, batch: int, single: int, num_adapters: int, rank: int, prompt_len: int,
             max_tokens: int, repeats: int, seed: int) -> dict:
-    from engine import LLM, LoRARequest, SamplingParams
-    from engine.testing import make_lora_adapter
+    from agentrt.engine import LLM, LoRARequest, SamplingParams
+    from agentrt.engine.testing import make_lora_adapter
 
     llm = LLM(model, enable_lora=True, max_loras=max(8, num_adapters))
     core = llm.core
@@ -73,7 +73,7 @@ def measure(model: str | None, batch: int, single: int, num_adapters: int, rank:
 
 
 def markdown(result: dict) -> str:
-    from bench._common import markdown_table
+    from agentrt.bench._common import markdown_table
 
     rows = [[w["mode"], w["requests"], w["name"], f"{w['tok_s']:,.1f}", f"**{w['ratio']:.2f}x**"]
             for w in result["workloads"]]
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(a.model, a.batch, a.single, a.adapters, a.rank, a.prompt_len, a.max_tokens, a.repeats, a.seed)
     print(json.dumps(result, indent=2) if a.json else markdown(result))
     if a.docs:
-        from bench._common import write_section
+        from agentrt.bench._common import write_section
 
         write_section(DOCS_SECTION, markdown(result))
     return 0

@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench._common import markdown_table, write_section
-    from engine import LLM, SamplingParams
+    from agentrt.bench._common import markdown_table, write_section
+    from agentrt.engine import LLM, SamplingParams
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -30,8 +30,8 @@ import anyio
 
 import agentrt
 from agentrt.policies import POLICY_NAMES
-from bench import _common
-from engine import SamplingParams
+from agentrt.bench import _common
+from agentrt.engine import SamplingParams
 
 DOCS_SECTION = "Priority classes"
 

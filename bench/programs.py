@@ -1,7 +1,7 @@
 """Program-scheduling benchmark: one program mix, Poisson arrivals, every policy in one run.
 
     agentrt bench programs [--json] [--programs N] [--rate R] [--policies fcfs,mlfq,plas,atlas]
-    python -m bench.programs ...
+    python -m agentrt.bench.programs ...
 
 The mix (chat, ReAct, tree search after Autellix) is defined once, as plans, in
 `bench/workload.py`; `agentrt bench simulate` runs the same plans in virtual time.
@@ -29,8 +29,8 @@ from typing import Any
 import anyio
 
 import agentrt
-from bench import workload as wl
-from bench.workload import REACT, TREE, Call, Parallel, ProgramSpec, make_workload, tokens
+from agentrt.bench import workload as wl
+from agentrt.bench.workload import REACT, TREE, Call, Parallel, ProgramSpec, make_workload, tokens
 
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}  # few seats: the policies must choose
 
@@ -323,8 +323,8 @@ def setup(args: argparse.Namespace, cost: Any = None) -> tuple[list[ProgramSpec]
     if args.load is not None:
         if not (isinstance(args.load, float) and 0 < args.load < float("inf")):
             raise SystemExit(f"--load must be a fraction of saturation > 0 such as 0.9, got {args.load!r}")
-        from bench import costs
-        from bench.simulate import capacity
+        from agentrt.bench import costs
+        from agentrt.bench.simulate import capacity
 
         if cost is None:
             cost, line = costs.for_this_machine(getattr(args, "model", None), quiet=True)

@@ -50,10 +50,10 @@ import anyio
 import agentrt
 from agentrt._retention import RetentionConfig
 from agentrt.policies.autellix import TTL_SETTINGS
-from bench import _common
-from bench import workload as wl
-from bench.workload import AGENT_SMALL, Call, ProgramSpec
-from engine import SamplingParams
+from agentrt.bench import _common
+from agentrt.bench import workload as wl
+from agentrt.bench.workload import AGENT_SMALL, Call, ProgramSpec
+from agentrt.engine import SamplingParams
 
 MODES = {
     "nocache": {"enable_prefix_caching": False, "retention": RetentionConfig(ttl=False)},

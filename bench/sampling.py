@@ -25,13 +25,13 @@ import statistics
 import sys
 import time
 
-from bench._common import dtype_on_cpu, markdown_table, write_section
+from agentrt.bench._common import dtype_on_cpu, markdown_table, write_section
 
 DOCS_SECTION = "Sampling processors ({where})"  # one section per dtype and CPU kind (or device)
 
 
 def configs(max_tokens: int) -> dict[str, object]:
-    from engine import SamplingParams
+    from agentrt.engine import SamplingParams
 
     every = dict(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5,
                  repetition_penalty=1.1, min_tokens=max_tokens // 2, logit_bias={100: 1.0, 200: -1.0, 300: 2.0})
@@ -49,7 +49,7 @@ class _SamplerClock:
     NAMES = ("sample", "_context", "_top_lists")
 
     def __init__(self) -> None:
-        import engine.runner as runner
+        import agentrt.engine.runner as runner
 
         self.runner, self.total_s, self.orig = runner, 0.0, {}
         for name in self.NAMES:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("running", "steps", "repeats"):
         if getattr(a, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(a, name)}")
-    from engine import LLM
+    from agentrt.engine import LLM
 
     llm = LLM(a.model, max_num_seqs=max(64, a.running))
     print(llm.core.startup_line, file=sys.stderr)

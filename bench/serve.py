@@ -1,7 +1,7 @@
 """Serving: `agentrt serve` under streaming chat load, with the in-process engine as the peer.
 
     agentrt bench serve [--rates 0.25,0.5,1,1.5,2] [--duration-s 30] [--json] [--docs]
-    python -m bench.serve ...
+    python -m agentrt.bench.serve ...
 
 The server runs in a subprocess (`agentrt serve --db none`, the engine options forwarded), so the
 client here and the server do not share a GIL. Every request is a streaming chat call
@@ -55,7 +55,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from bench._common import markdown_table, write_section
+from agentrt.bench._common import markdown_table, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_RATIO = 0.90  # saturated server tok/s / LLM.generate tok/s, median over pairs, at least
@@ -269,7 +269,7 @@ def server_engine_flags(a: argparse.Namespace) -> list[tuple[str, Any]]:
 
 # --- the in-process peers --------------------------------------------------------------------
 def llm_generate_s(llm: Any, reqs: list[Req]) -> float:
-    from engine import SamplingParams
+    from agentrt.engine import SamplingParams
 
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in reqs]
     t = time.perf_counter()
@@ -281,7 +281,7 @@ def llm_generate_s(llm: Any, reqs: list[Req]) -> float:
 
 async def engine_ttft_s(engine: Any, req: Req) -> float:
     """add_request -> the first delta with text (what the server can first send), then drain."""
-    from engine import SamplingParams
+    from agentrt.engine import SamplingParams
 
     params = SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True)
     first = None
@@ -395,7 +395,7 @@ async def measure_rates(client: httpx.AsyncClient, a: argparse.Namespace, prompt
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
     import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
-    from engine import LLM, AsyncEngine
+    from agentrt.engine import LLM, AsyncEngine
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     with server_process(a) as (url, proc):  # loads while the in-process engines do

@@ -22,16 +22,16 @@ import math
 import random
 from collections.abc import Callable
 
-from bench import workload as wl
-from bench.costs import StepCost
-from bench.workload import Call
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.policy import SchedulingPolicy
-from engine.program_ops import ProgramOp
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from agentrt.bench import workload as wl
+from agentrt.bench.costs import StepCost
+from agentrt.bench.workload import Call
+from agentrt.engine.config import EngineConfig
+from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.policy import SchedulingPolicy
+from agentrt.engine.program_ops import ProgramOp
+from agentrt.engine.request import Request, RequestStatus
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.scheduler import Scheduler, SchedulerOutput
 
 
 class SimEngine:

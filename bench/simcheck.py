@@ -22,10 +22,10 @@ from typing import Any
 
 import anyio
 
-from bench import calibrate, costs
-from bench import programs as real
-from bench import workload as wl
-from bench.simulate import capacity, simulate
+from agentrt.bench import calibrate, costs
+from agentrt.bench import programs as real
+from agentrt.bench import workload as wl
+from agentrt.bench.simulate import capacity, simulate
 
 TARGET_REL = 0.20
 TARGET_RATIO = 0.10
@@ -101,7 +101,7 @@ def table(report: dict[str, Any]) -> str:
 
 def write_docs(report: dict[str, Any], fit: costs.Fit) -> None:
     """Replace (or append) the `## Simulator calibration` section of docs/benchmarks.md."""
-    from bench import _common
+    from agentrt.bench import _common
 
     fit_lines = calibrate.describe(fit).replace("\n", "\n  ")
     body = "\n".join([

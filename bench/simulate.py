@@ -31,14 +31,14 @@ from typing import Any
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq)
 from agentrt._retention import RetentionConfig, RetentionPolicy
 from agentrt.policies.autellix import TTL_SETTINGS
-from bench import costs
-from bench import workload as wl
-from bench.costs import StepCost
-from bench.sim_engine import SimEngine
-from bench.workload import Parallel, ProgramSpec, Tool
-from engine.policy import SchedulingPolicy, make_policy
-from engine.program_ops import EndProgram
-from engine.request import Request
+from agentrt.bench import costs
+from agentrt.bench import workload as wl
+from agentrt.bench.costs import StepCost
+from agentrt.bench.sim_engine import SimEngine
+from agentrt.bench.workload import Parallel, ProgramSpec, Tool
+from agentrt.engine.policy import SchedulingPolicy, make_policy
+from agentrt.engine.program_ops import EndProgram
+from agentrt.engine.request import Request
 
 
 def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, policy_kwargs: dict[str, Any] | None = None,
@@ -257,13 +257,13 @@ def agents_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench import programs as real  # the report format and the policy-entry syntax of the real benchmark
+    from agentrt.bench import programs as real  # the report format and the policy-entry syntax of the real benchmark
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["agents"]:
         return agents_main(argv[1:])
     if "--calibrate" in argv:
-        from bench import calibrate
+        from agentrt.bench import calibrate
 
         return calibrate.main([a for a in argv if a != "--calibrate"])
 
@@ -326,7 +326,7 @@ def resolve_cost(args: argparse.Namespace) -> tuple[StepCost, str]:
 
 def sweep(args: argparse.Namespace, loads: list[float], engine: dict[str, Any], cost: StepCost) -> list[dict[str, Any]]:
     """Each load x seed: every policy on the same workload; ratios to fcfs, averaged over seeds."""
-    from bench import programs as real
+    from agentrt.bench import programs as real
 
     entries = args.policies.split(",")
     specs = {e: real.policy_spec(e, args) for e in entries}

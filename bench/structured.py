@@ -31,7 +31,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads thrash on shared cores
 
-from bench._common import markdown_table, write_section
+from agentrt.bench._common import markdown_table, write_section
 
 
 def record_schema(min_items: int = 64) -> dict[str, Any]:
@@ -74,7 +74,7 @@ class _Timed:
 
 def compile_times(core, schema: dict[str, Any]) -> dict[str, float]:
     """Seconds to build the tokenizer's table and to compile grammars, on a cache of its own."""
-    from engine.structured import Constraint, GrammarCache
+    from agentrt.engine.structured import Constraint, GrammarCache
 
     t = time.perf_counter()
     cache = GrammarCache(core.tokenizer, core.model.args.vocab_size, sorted(core.eos_token_ids))
@@ -98,7 +98,7 @@ def compile_times(core, schema: dict[str, Any]) -> dict[str, float]:
 def decode_pair(free, con, prompts: list[list[int]], n_out: int, constraint, timers: dict[str, float]) -> dict:
     """One run: the same prompts on both engines, unconstrained on `free`, constrained on `con`;
     the decode steps of the two engines alternate. Per-step wall times of each."""
-    from engine import SamplingParams
+    from agentrt.engine import SamplingParams
 
     plain = SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True)
     shaped = SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True, constraint=constraint)
@@ -145,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     batches = [int(x) for x in a.batch_sizes.split(",") if x]
 
-    import engine.runner as runner_mod
-    from engine import LLM
-    from engine.structured import Constraint
+    import agentrt.engine.runner as runner_mod
+    from agentrt.engine import LLM
+    from agentrt.engine.structured import Constraint
 
     kw = {"dtype": a.dtype, "max_num_seqs": max(batches), "kv_cache_bytes": int(a.kv_cache_gb * 2**30)}
     free, con = LLM(a.model, **kw).core, LLM(a.model, **kw).core

@@ -43,8 +43,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench._common import dtype_on_cpu, markdown_table, write_section
-from engine.testing import PRESETS
+from agentrt.bench._common import dtype_on_cpu, markdown_table, write_section
+from agentrt.engine.testing import PRESETS
 
 
 def workload(n: int, seed: int, vocab_lo: int = 100, vocab_hi: int = 40000):
@@ -99,7 +99,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def cpu_flags_note() -> str:
-    from kernels import cpu
+    from agentrt.kernels import cpu
 
     flags = cpu.cpu_flags()
     shown = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16",
@@ -108,7 +108,7 @@ def cpu_flags_note() -> str:
 
 
 def run_engine(llm, reqs) -> float:
-    from engine import SamplingParams
+    from agentrt.engine import SamplingParams
 
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in reqs]
     t = time.perf_counter()
@@ -148,7 +148,7 @@ def hf_single(hf, prompt, new: int, pad_id: int) -> float:
 @torch.inference_mode()
 def check_against_hf(llm, hf, reqs, new: int, pad_id: int) -> dict:
     """Greedy tokens of the engine vs HF (one request at a time, unpadded) on the same weights."""
-    from engine import SamplingParams
+    from agentrt.engine import SamplingParams
 
     outs = llm.generate([p for p, _ in reqs], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
     first = full = agree = 0
@@ -166,7 +166,7 @@ def check_against_hf(llm, hf, reqs, new: int, pad_id: int) -> dict:
 
 
 def engine_single(llm, prompt, new: int) -> float:
-    from engine import SamplingParams
+    from agentrt.engine import SamplingParams
 
     t = time.perf_counter()
     llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
@@ -180,7 +180,7 @@ def engines_decode_paired(engines: dict, prompt, new: int) -> dict:
     ran its whole request in that second. The prompt is in each prefix cache first and each engine's
     first step (the prompt's uncached tail and the first token) is not timed: no engine pays its prefill
     (the prefix cache would otherwise leave the whole prefill in the first run only)."""
-    from engine import SamplingParams
+    from agentrt.engine import SamplingParams
 
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     for llm in engines.values():
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM, EngineConfig
+    from agentrt.engine import LLM, EngineConfig
 
     hf = None
     if a.random_weights is not None:
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         import shutil
         import tempfile
 
-        from engine.testing import make_random_model
+        from agentrt.engine.testing import make_random_model
 
         cfg = EngineConfig(dtype=a.dtype)  # the engine's default device and dtype
         a.model = tempfile.mkdtemp(prefix=f"agentrt-{a.random_weights}-")
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         results["spec_acceptance"] = 1 - spec.core.num_rejected_tokens / max(1, spec.core.num_draft_tokens)
     sampling_note = ""
     if a.sampling_steps > 0:
-        from bench import sampling
+        from agentrt.bench import sampling
 
         config.num_scheduler_steps = 1  # processors against plain single steps (a plain batch would run bursts)
         results["sampling"] = sampling.measure(llm, 32, a.sampling_steps, 3, seed=a.seed)

@@ -14,18 +14,18 @@ import numbers
 import threading
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.lora import LoRAAdapter, LoRARegistry, LoRARequest, load_adapter
-from engine.model import interleave_rope_rows
-from engine.model_args import ModelArgs
-from engine.sampling_params import (
+from agentrt.engine.config import EngineConfig
+from agentrt.engine.lora import LoRAAdapter, LoRARegistry, LoRARequest, load_adapter
+from agentrt.engine.model import interleave_rope_rows
+from agentrt.engine.model_args import ModelArgs
+from agentrt.engine.sampling_params import (
     InvalidRequestError,
     InvalidRequestTypeError,
     SamplingParams,
     show_value,
     truncate_prompt,
 )
-from engine.structured import Constraint, GrammarCache
+from agentrt.engine.structured import Constraint, GrammarCache
 
 
 class RequestChecks:

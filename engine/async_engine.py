@@ -29,15 +29,15 @@ from typing import Any, TypeVar
 import anyio
 from anyio.abc import TaskGroup
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore, KVStats, family_ids
-from engine.engine_thread import EngineThread
-from engine.llm import make_config
-from engine.lora import LoRAAdapter, LoRARequest
-from engine.outputs import CompletionOutput, RequestOutput, StreamDelta
-from engine.program_ops import ProgramOp
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from agentrt.engine.config import EngineConfig
+from agentrt.engine.engine_core import EngineCore, KVStats, family_ids
+from agentrt.engine.engine_thread import EngineThread
+from agentrt.engine.llm import make_config
+from agentrt.engine.lora import LoRAAdapter, LoRARequest
+from agentrt.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
+from agentrt.engine.program_ops import ProgramOp
+from agentrt.engine.request import Request
+from agentrt.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import (
+from agentrt.engine.sampling_params import (
     MAX_TOP_LOGPROBS,
     InvalidRequestError,
     InvalidRequestTypeError,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kernels import cpu
+from agentrt.kernels import cpu
 
 
 @dataclass(slots=True)

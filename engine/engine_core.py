@@ -20,27 +20,27 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from engine.admission import RequestChecks
-from engine.config import EngineConfig
-from engine.generation_config import generation_defaults
-from engine.kv_cache_manager import KVCacheManager
-from engine.loader import load_model, load_tokenizer, resolve_model
-from engine.lora import LoRAAdapter, LoRARegistry, LoRARequest
-from engine.outputs import CompletionOutput, Detokenizer, RequestMetrics, RequestOutput, StreamDelta
-from engine.policy import make_policy
-from engine.program_ops import ProgramOp
-from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner
-from engine.sampling_params import (
+from agentrt import kernels
+from agentrt.engine.admission import RequestChecks
+from agentrt.engine.config import EngineConfig
+from agentrt.engine.generation_config import generation_defaults
+from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.loader import load_model, load_tokenizer, resolve_model
+from agentrt.engine.lora import LoRAAdapter, LoRARegistry, LoRARequest
+from agentrt.engine.outputs import CompletionOutput, Detokenizer, RequestMetrics, RequestOutput, StreamDelta
+from agentrt.engine.policy import make_policy
+from agentrt.engine.program_ops import ProgramOp
+from agentrt.engine.request import Request, RequestStatus
+from agentrt.engine.runner import ModelRunner
+from agentrt.engine.sampling_params import (
     InvalidRequestError,
     InvalidRequestTypeError,
     SamplingParams,
     show_value,
 )
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_decode import propose
-from engine.structured import Constraint, allows_no_token
+from agentrt.engine.scheduler import Scheduler, SchedulerOutput
+from agentrt.engine.spec_decode import propose
+from agentrt.engine.structured import Constraint, allows_no_token
 
 _CPU_KV_BYTES = 1 << 30
 

@@ -23,7 +23,7 @@ def generation_defaults(model_path: Path, source: str | None = "auto",
                         override: dict[str, Any] | None = None) -> dict[str, Any]:
     """SamplingParams defaults for `model_path` (a directory or a .gguf file); ValueError naming the file
     and field when a value is not one SamplingParams takes."""
-    from engine.sampling_params import SamplingParams
+    from agentrt.engine.sampling_params import SamplingParams
 
     if source is None:
         source = "auto"

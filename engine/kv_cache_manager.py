@@ -30,9 +30,9 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool, PrefixCacheStats
-from engine.program_ops import EndProgram, Pin, ProgramOp, Release, Reserve, StartProgram
-from engine.request import Request
+from agentrt.engine.block_pool import BlockPool, PrefixCacheStats
+from agentrt.engine.program_ops import EndProgram, Pin, ProgramOp, Release, Reserve, StartProgram
+from agentrt.engine.request import Request
 
 __all__ = ["BlockPool", "KVCacheManager", "OwnerKV", "PrefixCacheStats", "RetentionStats", "hash_block"]
 

@@ -7,15 +7,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from engine import chat_template as chat_template_
-from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore, KVStats
-from engine.lora import LoRARequest
-from engine.outputs import RequestOutput
-from engine.pooling import ClassificationOutput, PoolingParams, classifications
-from engine.request import Request
-from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
+from agentrt.engine import chat_template as chat_template_
+from agentrt.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from agentrt.engine.config import EngineConfig
+from agentrt.engine.engine_core import EngineCore, KVStats
+from agentrt.engine.lora import LoRARequest
+from agentrt.engine.outputs import RequestOutput
+from agentrt.engine.pooling import ClassificationOutput, PoolingParams, classifications
+from agentrt.engine.request import Request
+from agentrt.engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
 
 PROGRESS_MIN_PROMPTS = 8  # progress="auto" shows a bar from this many prompts (on a terminal)
 

@@ -159,8 +159,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str):
     """Our LlamaForCausalLM with the checkpoint's weights, in eval mode on `device`."""
     from safetensors.torch import load_file
 
-    from engine.model import LlamaForCausalLM
-    from engine.model_args import ModelArgs, rope_inv_freq
+    from agentrt.engine.model import LlamaForCausalLM
+    from agentrt.engine.model_args import ModelArgs, rope_inv_freq
 
     hf_config = load_hf_config(path)
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, show_value
+from agentrt.engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, show_value
 
 # PEFT module name -> (our fused projection, its part)
 _MODULES = {"q_proj": ("qkv", "q"), "k_proj": ("qkv", "k"), "v_proj": ("qkv", "v"), "o_proj": ("o", "o"),

@@ -21,17 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from engine.lora import LoRASlot
-from engine.model_args import ModelArgs
-from kernels.linear import (
+from agentrt import kernels
+from agentrt.engine.lora import LoRASlot
+from agentrt.engine.model_args import ModelArgs
+from agentrt.kernels.linear import (
     BF16_PACKED_MAX_ROWS,
     Linear,
     PackCache,
     linear,
     on_huge_pages,
 )
-from kernels.paged_attention_cpu import CPP_MAX_QUERY_ROWS
+from agentrt.kernels.paged_attention_cpu import CPP_MAX_QUERY_ROWS
 
 
 def _cpu_ops(x: torch.Tensor):

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from engine.request import Request
+from agentrt.engine.request import Request
 
 
 class SchedulingPolicy(ABC):

@@ -49,7 +49,7 @@ class PoolingParams:
     dimensions: int | None = None  # keep the first D values (1 <= D <= hidden size, checked at add)
 
     def __post_init__(self) -> None:
-        from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, show_value
+        from agentrt.engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, show_value
 
         if not isinstance(self.method, str) or self.method not in POOLING_METHODS:
             raise InvalidRequestError(f"PoolingParams.method must be one of {', '.join(POOLING_METHODS)}, "

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from agentrt.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
-from engine.request import Request
-from engine.sampling import RowContext, SamplerOutput, TokenHistory, sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
-from engine.spec_decode import verify
-from engine.structured import apply_constraints
+from agentrt import kernels
+from agentrt.engine.request import Request
+from agentrt.engine.sampling import RowContext, SamplerOutput, TokenHistory, sample
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.scheduler import SchedulerOutput
+from agentrt.engine.spec_decode import verify
+from agentrt.engine.structured import apply_constraints
 
 
 @dataclass(slots=True)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
-from engine.sampling_params import SamplingParams
+from agentrt import kernels
+from agentrt.engine.sampling_params import SamplingParams
 
 CANDIDATES = 256  # random rows whose kept tokens lie among their top this many are drawn among them
 

@@ -95,7 +95,7 @@ class SamplingParams:
         self.top_logprobs = _int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         self.n = _int("n", self.n, 1, MAX_N)
         if self.constraint is not None:
-            from engine.structured import Constraint
+            from agentrt.engine.structured import Constraint
 
             if not isinstance(self.constraint, Constraint):
                 raise InvalidRequestTypeError(
@@ -127,7 +127,7 @@ class SamplingParams:
             self._check_pooling()
 
     def _check_pooling(self) -> None:
-        from engine.pooling import PoolingParams
+        from agentrt.engine.pooling import PoolingParams
 
         if not isinstance(self.pooling, PoolingParams):
             raise InvalidRequestTypeError(

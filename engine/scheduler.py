@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.policy import SchedulingPolicy
-from engine.program_ops import EndProgram, ProgramOp
-from engine.request import Request, RequestStatus
+from agentrt.engine.config import EngineConfig
+from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.policy import SchedulingPolicy
+from agentrt.engine.program_ops import EndProgram, ProgramOp
+from agentrt.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

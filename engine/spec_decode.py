@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.request import Request
+from agentrt.engine.request import Request
 
 
 def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.loader import load_tokenizer, resolve_model
+from agentrt.engine.loader import load_tokenizer, resolve_model
 
 
 def make_tiny_model(

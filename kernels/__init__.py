@@ -9,13 +9,18 @@ paged attention's CPU production path. The dispatching functions exported here p
 tensors and the torch path on CPU; see `kernels._dispatch` for the backend switch.
 
 Note: the op names here are the dispatching functions, which shadow the submodules of the same
-name: reach a submodule with `from kernels.<module> import ...`, not `import kernels.<module> as m`.
+name: reach a submodule with `from agentrt.kernels.<module> import ...`, not `import ... as m`.
 
 Depends on torch and triton only (plus a C++ compiler for `kernels.cpu`, optional).
 """
 
-from kernels import cpu
-from kernels._dispatch import (
+if __name__ == "kernels":  # this folder, found by its name from a checkout: Hugging Face's name
+    from agentrt.kernels._folder_name import hand_over
+
+    hand_over()
+
+from agentrt.kernels import cpu
+from agentrt.kernels._dispatch import (
     copy_blocks,
     get_backend,
     paged_attention,
@@ -25,19 +30,19 @@ from kernels._dispatch import (
     store_kv,
     use_backend,
 )
-from kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
-from kernels.linear import Linear, linear, linear_ref
-from kernels.paged_attention import (
+from agentrt.kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
+from agentrt.kernels.linear import Linear, linear, linear_ref
+from agentrt.kernels.paged_attention import (
     AttentionMetadata,
     build_attention_metadata,
     dense_causal_attention_ref,
     paged_attention_ref,
     paged_attention_triton,
 )
-from kernels.paged_attention_cpu import paged_attention_cpu
-from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
-from kernels.store_kv import store_kv_ref, store_kv_triton
+from agentrt.kernels.paged_attention_cpu import paged_attention_cpu
+from agentrt.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from agentrt.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from agentrt.kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = [
     "AttentionMetadata",

@@ -18,12 +18,12 @@ from contextlib import contextmanager
 
 import torch
 
-from kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
-from kernels.paged_attention import AttentionMetadata, paged_attention_triton
-from kernels.paged_attention_cpu import paged_attention_cpu
-from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
-from kernels.store_kv import store_kv_ref, store_kv_triton
+from agentrt.kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
+from agentrt.kernels.paged_attention import AttentionMetadata, paged_attention_triton
+from agentrt.kernels.paged_attention_cpu import paged_attention_cpu
+from agentrt.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from agentrt.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from agentrt.kernels.store_kv import store_kv_ref, store_kv_triton
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "AGENTRT_KERNEL_BACKEND"

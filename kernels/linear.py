@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
+from agentrt.kernels import cpu
 
 
 def _has_onednn_linear() -> bool:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._common import launchable
+from agentrt.kernels._common import launchable
 
 _LOG2E = 1.4426950408889634
 

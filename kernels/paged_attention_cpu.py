@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels import cpu
-from kernels.paged_attention import AttentionMetadata, _check
+from agentrt.kernels import cpu
+from agentrt.kernels.paged_attention import AttentionMetadata, _check
 
 
 @dataclass(slots=True)

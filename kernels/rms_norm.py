@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import launchable
+from agentrt.kernels._common import launchable
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._common import launchable
+from agentrt.kernels._common import launchable
 
 
 @triton.jit

@@ -34,10 +34,10 @@ from rich.table import Table
 from rich.text import Text
 
 import agentrt
-from programs.chat import chat_session
-from programs.countdown import PUZZLES
-from programs.mcts import mcts
-from programs.react import react
+from agentrt.programs.chat import chat_session
+from agentrt.programs.countdown import PUZZLES
+from agentrt.programs.mcts import mcts
+from agentrt.programs.react import react
 
 CHATS = [["What is the capital of France?", "And of Italy?"], ["Name a fruit.", "What colour is it?"],
          ["What is a haiku?", "Write one about the sea."]]

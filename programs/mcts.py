@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import agentrt
-from programs.countdown import PUZZLES, Puzzle, Step, closeness, parse_step, prompt, render, verify
+from agentrt.programs.countdown import PUZZLES, Puzzle, Step, closeness, parse_step, prompt, render, verify
 
 
 @dataclass(eq=False)

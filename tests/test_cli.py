@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import agentrt
-from agentrt_cli import BENCHES
-from agentrt_cli import main as cli
+from agentrt.command import BENCHES
+from agentrt.command import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,8 +64,7 @@ def test_demo_takes_a_policy(capsys):
     (["--device", "tpu"], "tpu"),
 ])
 def test_generate_checks_every_argument_before_loading(args, needle, capsys, monkeypatch):
-    import engine
-
+    from agentrt import engine
     monkeypatch.setattr(engine, "LLM", lambda *a, **k: pytest.fail("the model was loaded"))
     assert cli(["generate", "hi", *args]) == 2
     one_line_error(capsys, needle)
@@ -112,8 +111,8 @@ def test_benchmarks_write_docs_only_when_asked(name, capsys):
 
 
 def test_bench_sampling_leaves_docs_alone_without_docs(tiny_model_path, capsys):
-    from bench import sampling
-    from bench._common import DOCS
+    from agentrt.bench import sampling
+    from agentrt.bench._common import DOCS
 
     before = DOCS.read_text() if DOCS.exists() else None
     assert sampling.main(["--model", str(tiny_model_path), "--running", "4", "--steps", "2", "--repeats", "1",
@@ -124,7 +123,7 @@ def test_bench_sampling_leaves_docs_alone_without_docs(tiny_model_path, capsys):
 
 
 def test_loading_says_what_it_does(capsys):
-    from engine import loader
+    from agentrt.engine import loader
 
     with loader._status("converting x.gguf (first time only)", off_tty=True):
         pass

@@ -28,7 +28,7 @@ def test_readme_has_python_blocks():
 
 def test_every_python_block_runs(tiny_model_path, monkeypatch, capsys):
     import agentrt
-    import engine.engine_core as core
+    import agentrt.engine.engine_core as core
     from tests.server.live import live_server, tiny_config
 
     resolve = core.resolve_model

@@ -9,7 +9,7 @@ from __future__ import annotations
 from agentrt.policies._multilevel import CallState, MultiLevelPolicy, ProgramState
 from agentrt.policies.autellix import ATLAS, PLAS, TTL_SETTINGS
 from agentrt.policies.fastserve import MLFQ
-from engine.policy import FCFS, register_policy
+from agentrt.engine.policy import FCFS, register_policy
 
 for _cls in (PLAS, ATLAS, MLFQ):
     register_policy(_cls.name, _cls)

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from agentrt._errors import ConfigError
-from engine.policy import SchedulingPolicy
-from engine.request import Request
+from agentrt.engine.policy import SchedulingPolicy
+from agentrt.engine.request import Request
 
 ServiceUnit = Literal["time", "tokens"]
 _STATE_KEY = "agentrt"

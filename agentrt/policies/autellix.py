@@ -41,7 +41,7 @@ from agentrt.policies._multilevel import (
     doubling,
     queue_of,
 )
-from engine.request import Request
+from agentrt.engine.request import Request
 
 # Defaults, per service unit; chosen on a 2-core CPU, where one decode step of the default model takes
 # 50-150 ms and a call receives ~0.3-1 s of executor time (the reimplementation's 0.02 s boundaries

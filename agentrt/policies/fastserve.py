@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from agentrt._errors import ConfigError
 from agentrt.policies._multilevel import CallState, MultiLevelPolicy, ProgramState, ServiceUnit
-from engine.request import Request
+from agentrt.engine.request import Request
 
 # Defaults per service unit. prefill_cost: executor seconds per prompt token of the default model
 # on a 2-core CPU (measured: ~0.4 ms/token in large prefill batches); in token mode a prompt token

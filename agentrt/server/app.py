@@ -40,8 +40,8 @@ from agentrt.server.openapi import Operation, build
 from agentrt.server.recorder import Recorder
 from agentrt.server.schemas import Health, Model, ModelList
 from agentrt.server.store import Store
-from engine.pooling import POOLING_METHODS
-from engine.pooling import default_method as default_pooling
+from agentrt.engine.pooling import POOLING_METHODS
+from agentrt.engine.pooling import default_method as default_pooling
 
 
 def _version() -> str:
@@ -132,7 +132,7 @@ class ServerConfig:
 def load_chat_template(value: str) -> str:
     """The text of a chat template given as a file path or as the template itself (vLLM's --chat-template
     takes both). ValueError when it is neither, or when it does not compile."""
-    from engine.chat_template import syntax_error
+    from agentrt.engine.chat_template import syntax_error
 
     if not isinstance(value, str) or not value:
         raise ValueError(f"chat_template must be a Jinja template or a path to one, got {value!r}")
@@ -224,7 +224,7 @@ class ServerState:
 
 def _model_name(model: str | None, path: Path) -> str:
     if model is None:
-        from engine.loader import DEFAULT_MODEL_NAME
+        from agentrt.engine.loader import DEFAULT_MODEL_NAME
 
         return DEFAULT_MODEL_NAME
     return Path(model).stem if Path(model).suffix == ".gguf" else Path(model).name

@@ -35,11 +35,11 @@ from agentrt.server.schemas import (
     Usage,
 )
 from agentrt.server.sse import until_disconnect
-from engine import SamplingParams, chat_template
-from engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
-from engine.outputs import RequestOutput
-from engine.sampling_params import truncate_prompt
-from engine.structured import Constraint
+from agentrt.engine import SamplingParams, chat_template
+from agentrt.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
+from agentrt.engine.outputs import RequestOutput
+from agentrt.engine.sampling_params import truncate_prompt
+from agentrt.engine.structured import Constraint
 
 TopList = list[tuple[int, float]]
 MIN_LOGPROB = -9999.0  # what a masked token's -inf log-prob is shown as (vLLM's; JSON has no -inf)

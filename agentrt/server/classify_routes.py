@@ -19,7 +19,7 @@ from agentrt.server.calls import new_id
 from agentrt.server.embeddings_routes import EmbeddingUsage, PoolingCallFields, _begin, _inputs, _json, _pool
 from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
-from engine.pooling import classifications
+from agentrt.engine.pooling import classifications
 
 
 class ClassificationRequest(PoolingCallFields, kw_only=True):

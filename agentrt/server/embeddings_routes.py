@@ -30,8 +30,8 @@ from agentrt.server.calls import new_id, program_keys, program_name, results, su
 from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
 from agentrt.server.schemas import Priority, ProgramId, TruncatePromptTokens, decode
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from agentrt.engine.pooling import PoolingParams
+from agentrt.engine.sampling_params import SamplingParams
 
 
 class PoolingCallFields(Struct, kw_only=True):

@@ -58,8 +58,8 @@ from agentrt.server.messages_schemas import (
 from agentrt.server.openapi import Operation
 from agentrt.server.schemas import decode
 from agentrt.server.sse import SSEResponse
-from engine.outputs import RequestOutput
-from engine.structured import Constraint
+from agentrt.engine.outputs import RequestOutput
+from agentrt.engine.structured import Constraint
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}

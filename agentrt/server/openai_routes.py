@@ -68,7 +68,7 @@ from agentrt.server.schemas import (
     decode,
 )
 from agentrt.server.sse import DONE, SSEResponse, event
-from engine.outputs import RequestOutput
+from agentrt.engine.outputs import RequestOutput
 
 
 # --- chat -------------------------------------------------------------------------------------

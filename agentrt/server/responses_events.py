@@ -28,7 +28,7 @@ from agentrt.server.responses_schemas import (
     ReasoningText,
     ResponseObject,
 )
-from engine.outputs import RequestOutput
+from agentrt.engine.outputs import RequestOutput
 
 # finish(out, reply, msg_id, rs_id): the final response (stored when it asks to be), its items under these ids
 Finish = Callable[[RequestOutput, Reply, str, str], ResponseObject]

@@ -62,7 +62,7 @@ from agentrt.server.responses_schemas import (
 from agentrt.server.schemas import decode
 from agentrt.server.sse import SSEResponse
 from agentrt.server.store import ResponseRecord
-from engine.outputs import RequestOutput
+from agentrt.engine.outputs import RequestOutput
 
 
 class ResponseMemory:

@@ -73,7 +73,7 @@ def default_url() -> str:
     if db and "://" in db:
         return db
     if not db:
-        from engine.loader import cache_dir
+        from agentrt.engine.loader import cache_dir
 
         db = str(cache_dir() / "agentrt.db")
     return f"sqlite:///{Path(db).expanduser()}"

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from bench import decode_cpu as bench
-from bench._common import DOCS
+from agentrt.bench import decode_cpu as bench
+from agentrt.bench._common import DOCS
 
 
 def test_bench_decode_cpu_smoke(tiny_model_path, capsys):

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from bench import embed as bench
-from bench._common import DOCS
+from agentrt.bench import embed as bench
+from agentrt.bench._common import DOCS
 
 
 def test_bench_embed_smoke(tiny_model_path, capsys):

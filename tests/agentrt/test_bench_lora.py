@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from bench import lora as bench
-from bench._common import DOCS
+from agentrt.bench import lora as bench
+from agentrt.bench._common import DOCS
 
 
 def test_bench_lora_smoke(tiny_model_path, capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench import programs as bench
+from agentrt.bench import programs as bench
 
 
 def test_bench_programs_smoke(tiny_model_path, tmp_path, capsys):
@@ -54,7 +54,7 @@ def test_react_calls_option(monkeypatch):
 
     import pytest
 
-    from bench import workload as wl
+    from agentrt.bench import workload as wl
 
     monkeypatch.setitem(wl.REACT, "calls", wl.REACT["calls"])  # restored after the test
     ap = argparse.ArgumentParser()
@@ -75,7 +75,7 @@ def test_mix_option(monkeypatch):
 
     import pytest
 
-    from bench import workload as wl
+    from agentrt.bench import workload as wl
 
     monkeypatch.setattr(wl, "MIX", dict(wl.MIX))
     ap = argparse.ArgumentParser()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from agentrt.policies.autellix import TTL_SETTINGS
-from bench import retention as bench
+from agentrt.bench import retention as bench
 
 
 def test_bench_retention_smoke(tiny_model_path, capsys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from bench import serve as bench
+from agentrt.bench import serve as bench
 
 
 def test_bench_serve_smoke(tiny_model_path, capsys):
@@ -30,7 +30,7 @@ def test_bench_serve_smoke(tiny_model_path, capsys):
 
 
 def test_workload_is_seeded(tiny_model_path):
-    from engine.loader import load_tokenizer
+    from agentrt.engine.loader import load_tokenizer
 
     tok = load_tokenizer(tiny_model_path)
     a = bench.Prompts(tok, (32, 256), (16, 64), seed=3).draw("x", 8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench import structured as bench
+from agentrt.bench import structured as bench
 
 
 def test_bench_structured_smoke(tiny_model_path, capsys):

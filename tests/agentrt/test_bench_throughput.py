@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench import throughput as bench
+from agentrt.bench import throughput as bench
 
 
 def test_bench_throughput_smoke(tiny_model_path, capsys):

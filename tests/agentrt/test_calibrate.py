@@ -8,13 +8,13 @@ import random
 import numpy as np
 import pytest
 
-from bench import calibrate, costs
-from bench import simulate as sim
-from bench import workload as wl
-from bench.costs import StepCost, step_features
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from agentrt.bench import calibrate, costs
+from agentrt.bench import simulate as sim
+from agentrt.bench import workload as wl
+from agentrt.bench.costs import StepCost, step_features
+from agentrt.engine.request import Request
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.scheduler import SchedulerOutput
 
 TRUE = StepCost(base_s=0.012, token_s=4e-4, decode_row_s=9e-4, context_s=2e-6, prefill_attn_s=1e-7, sample_s=1.5e-3)
 
@@ -97,7 +97,7 @@ def test_this_machine_uses_its_fit_else_warns_and_falls_back(tmp_path, capsys):
 
 
 def test_fit_key_names_the_engine_model_without_loading_it():
-    from engine.loader import resolve_model
+    from agentrt.engine.loader import resolve_model
 
     model, dtype = costs.default_model_and_dtype(dtype="float32")
     assert model == resolve_model(None).name and dtype == "float32"
@@ -139,7 +139,7 @@ def test_load_sets_the_rate_from_the_calibrated_capacity(tmp_path, monkeypatch, 
 @pytest.mark.slow
 def test_calibration_times_the_real_engine(tmp_path):
     """A cut-down design on the real default model: every scenario timed, a fit with sane coefficients."""
-    from engine.engine_core import EngineCore
+    from agentrt.engine.engine_core import EngineCore
 
     core = EngineCore(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=256, device="cpu")
     scenarios = [calibrate.Scenario("prefill 100", ((100, 2, 0),)), calibrate.Scenario("decode 2 x 16", ((16, 6, 0),) * 2),
@@ -156,7 +156,7 @@ def test_calibration_times_the_real_engine(tmp_path):
 
 
 def test_simcheck_reports_errors_ratios_and_targets():
-    from bench import simcheck
+    from agentrt.bench import simcheck
 
     rows = [{"load": 0.6, "rate": 0.9, "policy": p, "real_mean_s": real, "sim_mean_s": sim_, "real_p95_s": 2 * real,
              "sim_p95_s": 2 * sim_, "real_busy": 0.6, "sim_busy": 0.6,

@@ -6,9 +6,9 @@ import pytest
 
 import agentrt
 from agentrt.policies import ATLAS, MLFQ, PLAS
-from engine.policy import make_policy
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from agentrt.engine.policy import make_policy
+from agentrt.engine.request import Request
+from agentrt.engine.sampling_params import SamplingParams
 
 
 def call(rid: str, program: str | None = "p", *, prompt: int = 4, arrival: float = 0.0, thread: str | None = None) -> Request:

@@ -15,7 +15,7 @@ import pytest
 import agentrt
 from agentrt._chat_plan import ChatPlan, Reply, plan_call
 from agentrt._reasoning import REASONING_PARSERS, ThinkTagParser, reasoning_parser
-from engine.structured import Constraint
+from agentrt.engine.structured import Constraint
 
 QWEN3 = reasoning_parser("qwen3")
 

@@ -11,8 +11,8 @@ import pytest
 import agentrt
 from agentrt._errors import UsageError
 from agentrt._retention import RetentionConfig, RetentionPolicy, choose_ttl
-from engine import SamplingParams
-from engine.program_ops import EndProgram, Pin, Reserve, StartProgram
+from agentrt.engine import SamplingParams
+from agentrt.engine.program_ops import EndProgram, Pin, Reserve, StartProgram
 
 BS = 16
 
@@ -184,8 +184,8 @@ async def test_chat_reuses_generated_ids_for_a_stable_prefix(tiny_model_path):
 
 
 def test_simulator_runs_the_engine_pin_code_in_virtual_time():
-    from bench import simulate as sim
-    from bench import workload as wl
+    from agentrt.bench import simulate as sim
+    from agentrt.bench import workload as wl
 
     work = wl.make_workload(16, 0.5, 3)
     engine = {"num_blocks": 48, "max_num_seqs": 4, "max_num_batched_tokens": 256}
@@ -197,7 +197,7 @@ def test_simulator_runs_the_engine_pin_code_in_virtual_time():
 
 
 def test_rate_at_equal_latency_interpolates_between_swept_rates():
-    from bench.simulate import rate_at_latency
+    from agentrt.bench.simulate import rate_at_latency
 
     rows = [{"config": "a", "rate": r, "latency_mean_s": lat} for r, lat in ((0.1, 50.0), (0.2, 100.0), (0.3, 400.0))]
     assert rate_at_latency(rows, "a", 75.0) == pytest.approx(0.15)

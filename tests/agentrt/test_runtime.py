@@ -9,7 +9,7 @@ import pytest
 
 import agentrt
 from agentrt.policies import PLAS
-from engine.request import Request
+from agentrt.engine.request import Request
 
 pytestmark = pytest.mark.anyio
 
@@ -36,9 +36,11 @@ def runtime(path, **kw) -> agentrt.Runtime:
 def test_public_names_match_all():
     import inspect
 
-    public = {n for n, v in vars(agentrt).items() if not n.startswith("_") and not inspect.ismodule(v)}
+    public = {n for n in dir(agentrt) if not n.startswith("_") and not inspect.ismodule(getattr(agentrt, n))}
     assert sorted(agentrt.__all__) == agentrt.__all__
     assert set(agentrt.__all__) == public
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        agentrt.nope
 
 
 async def test_nested_programs_carry_their_own_ids(tiny_model_path):

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from bench import simulate as sim
-from bench import workload as wl
-from engine.scheduler import SchedulerOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from agentrt.bench import simulate as sim
+from agentrt.bench import workload as wl
+from agentrt.engine.scheduler import SchedulerOutput
+from agentrt.engine.request import Request
+from agentrt.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +92,7 @@ def test_sweep_over_loads(capsys):
 
 
 def test_command_line_entry(capsys):
-    import agentrt_cli as cli
+    import agentrt.command as cli
 
     assert cli.main(["simulate", "--programs", "6", "--rate", "1", "--policies", "fcfs,atlas"]) == 0
     assert "| atlas |" in capsys.readouterr().out

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from agentrt._retention import RetentionConfig
-from bench import costs
-from bench import simulate as sim
-from bench import workload as wl
+from agentrt.bench import costs
+from agentrt.bench import simulate as sim
+from agentrt.bench import workload as wl
 
 
 def _agents(n: int, rate: float, configs, num_blocks: int):
@@ -60,7 +60,7 @@ def test_decode_runs_give_exactly_the_single_step_results(config):
 
 
 def test_decode_runs_cover_most_steps_of_a_light_load():
-    from bench.sim_engine import SimEngine
+    from agentrt.bench.sim_engine import SimEngine
 
     seen = {}
     real_init = SimEngine.__init__

@@ -17,7 +17,7 @@ from agentrt._chat_prompt import ChatPrompts, renders_tools
 from agentrt._errors import ConfigError
 from agentrt._toolcalls import normalize_tools, render_messages
 from agentrt._toolparsers import HERMES, PARSER_CHOICES, TOOL_CALL_PARSERS, pick_parser, tool_call_parser
-from engine.structured import Constraint
+from agentrt.engine.structured import Constraint
 from tests.tool_templates import LLAMA_TEMPLATE, PYTHONIC_TEMPLATE, QWEN_TEMPLATE
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, BeamSearchParams, SamplingParams
-from engine.beam_search import BeamSearch, beam_score
-from engine.sampling_params import InvalidRequestError
+from agentrt.engine import LLM, BeamSearchParams, SamplingParams
+from agentrt.engine.beam_search import BeamSearch, beam_score
+from agentrt.engine.sampling_params import InvalidRequestError
 from tests.conftest import assert_all_blocks_free
 
 PROMPTS = [[101, 2045, 3306, 712, 88, 17], [4000, 17, 930, 2222, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]

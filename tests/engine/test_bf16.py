@@ -12,9 +12,9 @@ both bf16 implementations pick the same token.
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.config import auto_dtype
-from kernels import cpu
+from agentrt.engine import LLM, EngineConfig, SamplingParams
+from agentrt.engine.config import auto_dtype
+from agentrt.kernels import cpu
 from tests.conftest import assert_all_blocks_free, requires_default_model
 
 needs_cpp = pytest.mark.skipif(not cpu.available(), reason="C++ CPU kernels cannot be built here")
@@ -100,7 +100,7 @@ def head64_model(tmp_path_factory):
     """A 2-layer random Llama with head_dim 64 (the C++ attention's), the real tokenizer."""
     import os
 
-    from engine.testing import make_tiny_model
+    from agentrt.engine.testing import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-64"), hidden_size=128, num_heads=2, num_kv_heads=1,
                            tokenizer_from=os.environ.get("AGENTRT_TEST_TOKENIZER"))
@@ -169,8 +169,7 @@ def threads(request):
 def test_decode_step_in_one_call_matches_layer_by_layer(head64_model, dtype, threads, monkeypatch):
     """`decode_forward` (all layers of a decode step in one C++ call, its threads one team) computes exactly
     what the modules do with the same threads: one, two, and more than this machine may have cores."""
-    import kernels
-
+    from agentrt import kernels
     prompts = prompts_of([5, 40, 17], seed=4)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
     llm = LLM(str(head64_model), dtype=dtype, num_blocks=32, block_size=16, enable_prefix_caching=False)

@@ -7,8 +7,8 @@ import pytest
 import agentrt.policies  # noqa: F401  (registers plas, atlas, mlfq)
 from agentrt._process_table import PROGRAM_HISTORY, TOOL_HISTORY, ProcessTable, ProgramInfo
 from agentrt.policies import ATLAS, MLFQ, PLAS
-from engine import FCFS, AsyncEngine, SamplingParams
-from engine.request import Request
+from agentrt.engine import FCFS, AsyncEngine, SamplingParams
+from agentrt.engine.request import Request
 from tests.conftest import assert_all_blocks_free
 
 

@@ -6,7 +6,7 @@ import anyio
 import pytest
 import torch
 
-from engine import LLM, AsyncEngine, EngineCore, RequestStatus, SamplingParams
+from agentrt.engine import LLM, AsyncEngine, EngineCore, RequestStatus, SamplingParams
 from tests.conftest import assert_all_blocks_free
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -176,7 +176,7 @@ def test_rope_pair_layout_preserves_attention_scores():
     """The model keeps q and k in an adjacent-pair layout; q.k after RoPE must equal HF's layout."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from engine.model import apply_rope, interleave_rope_rows
+    from agentrt.engine.model import apply_rope, interleave_rope_rows
 
     torch.manual_seed(0)
     T, H, D = 7, 3, 16
@@ -202,8 +202,8 @@ def test_llama31_layout_matches_hf(tmp_path):
     """Llama-3.1-8B's layout, scaled down: head_dim 128, GQA 4, llama3 rope scaling, untied lm_head."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from engine.loader import load_tokenizer, resolve_model
-    from engine.testing import PRESETS
+    from agentrt.engine.loader import load_tokenizer, resolve_model
+    from agentrt.engine.testing import PRESETS
 
     cfg = {**PRESETS["llama-3.1-8b"], "num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 1024,
            "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 49152}

@@ -9,8 +9,8 @@ import time
 import anyio
 import pytest
 
-from engine import AsyncEngine, SamplingParams
-from engine.engine_thread import EngineThread
+from agentrt.engine import AsyncEngine, SamplingParams
+from agentrt.engine.engine_thread import EngineThread
 
 
 def test_call_and_run_return_values_and_raise_errors():
@@ -65,7 +65,7 @@ def test_async_engine_is_built_and_stepped_on_one_thread():
     """OpenMP keeps a thread pool per thread that runs parallel regions; building on the event loop's
     thread and stepping on another made CPU steps ~1.5x slower (engine/engine_thread.py)."""
     built_on = {}
-    import engine.engine_core as ec
+    import agentrt.engine.engine_core as ec
 
     real_init = ec.EngineCore.__init__
 
@@ -93,7 +93,7 @@ def test_async_engine_is_built_and_stepped_on_one_thread():
 
 def test_close_stops_the_thread_and_a_runtime_closes_its_engine(tiny_model_path):
     import agentrt
-    from engine.async_engine import EngineError
+    from agentrt.engine.async_engine import EngineError
 
     async def main():
         async with agentrt.Runtime(str(tiny_model_path), max_num_seqs=2, num_blocks=32) as rt:

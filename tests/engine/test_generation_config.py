@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 import agentrt
-from engine import LLM, SamplingParams
-from engine.generation_config import generation_defaults
+from agentrt.engine import LLM, SamplingParams
+from agentrt.engine.generation_config import generation_defaults
 from tests.server.live import live_server, tiny_config
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 7,

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine import AsyncEngine, EngineCore, SamplingParams
-from engine.outputs import Detokenizer
-from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError
+from agentrt.engine import AsyncEngine, EngineCore, SamplingParams
+from agentrt.engine.outputs import Detokenizer
+from agentrt.engine.sampling_params import InvalidRequestError, InvalidRequestTypeError
 from tests.conftest import assert_all_blocks_free
 
 MAX_MODEL_LEN = 64

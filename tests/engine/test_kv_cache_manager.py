@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager, hash_block
-from engine.policy import make_policy
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from agentrt.engine.config import EngineConfig
+from agentrt.engine.kv_cache_manager import KVCacheManager, hash_block
+from agentrt.engine.policy import make_policy
+from agentrt.engine.request import Request
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.scheduler import Scheduler
 
 BS = 4
 

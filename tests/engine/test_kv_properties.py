@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.request import Request
+from agentrt.engine.sampling_params import SamplingParams
 
 BS = 4
 NUM_BLOCKS = 6

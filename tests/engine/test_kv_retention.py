@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.policy import make_policy
-from engine.program_ops import EndProgram, Pin, Release, Reserve, StartProgram
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from agentrt.engine.block_pool import BlockPool
+from agentrt.engine.config import EngineConfig
+from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.policy import make_policy
+from agentrt.engine.program_ops import EndProgram, Pin, Release, Reserve, StartProgram
+from agentrt.engine.request import Request, RequestStatus
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.scheduler import Scheduler
 
 BS = 4
 

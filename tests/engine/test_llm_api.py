@@ -8,10 +8,10 @@ import anyio
 import pytest
 import torch
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from engine import llm as llm_mod
-from engine import loader
-from engine.sampling_params import InvalidRequestError
+from agentrt.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from agentrt.engine import llm as llm_mod
+from agentrt.engine import loader
+from agentrt.engine.sampling_params import InvalidRequestError
 
 KW = dict(num_blocks=64, block_size=4)
 CONV = [{"role": "user", "content": "Hi there"}]

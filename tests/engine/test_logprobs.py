@@ -7,10 +7,10 @@ import anyio
 import pytest
 import torch
 
-import engine.spec_decode as sd
-from engine import LLM, AsyncEngine, SamplingParams
-from engine.runner import _top_lists
-from engine.sampling import sample
+import agentrt.engine.spec_decode as sd
+from agentrt.engine import LLM, AsyncEngine, SamplingParams
+from agentrt.engine.runner import _top_lists
+from agentrt.engine.sampling import sample
 from tests.conftest import assert_all_blocks_free
 
 KW = dict(num_blocks=96, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, LoRARequest, SamplingParams
-from engine.sampling_params import InvalidRequestError
-from engine.testing import make_lora_adapter, make_tiny_model, merge_lora
+from agentrt.engine import LLM, LoRARequest, SamplingParams
+from agentrt.engine.sampling_params import InvalidRequestError
+from agentrt.engine.testing import make_lora_adapter, make_tiny_model, merge_lora
 from tests.conftest import assert_all_blocks_free
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.loader import load_tokenizer, resolve_model
+from agentrt.engine import LLM, SamplingParams
+from agentrt.engine.loader import load_tokenizer, resolve_model
 from tests.conftest import assert_all_blocks_free
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -65,11 +65,11 @@ def test_family_matches_hf(tmp_path, make_config, steps, monkeypatch):
     """Chunked prefill (16-token budget chunks of a 60-token prompt), several sequences batched, and
     decode past block boundaries: greedy tokens identical to HF's. With the C++ kernels, decode runs in
     their fused one-call step (`decode_forward`; `decode_steps` with several scheduler steps)."""
-    import kernels.cpu
+    from agentrt.kernels import cpu as kernels_cpu
 
     hf = _save(tmp_path, make_config())
     fused = []
-    if (ops := kernels.cpu.ops()) is not None:
+    if (ops := kernels_cpu.ops()) is not None:
         for name in ("decode_forward", "decode_steps"):
             real = getattr(ops, name)
             monkeypatch.setattr(ops, name, lambda *a, _r=real, _n=name: fused.append(_n) or _r(*a), raising=False)
@@ -88,14 +88,14 @@ def test_family_matches_hf(tmp_path, make_config, steps, monkeypatch):
 def test_qwen3_without_cpu_kernels_and_prompt_logprobs(tmp_path):
     """The torch path (no C++ kernels) gives Qwen3 the same tokens, and each prompt token's log-prob is
     HF's log-softmax: the norm reaches every position, not only the decode rows."""
-    import kernels.cpu
+    from agentrt.kernels import cpu as kernels_cpu
 
     hf = _save(tmp_path, qwen3_config())
     prompt = _prompts([30], seed=11)[0]
     with torch.no_grad():
         want = _hf_greedy(hf, prompt, GREEDY.max_tokens)
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), dim=-1)
-    with kernels.cpu.use_cpu_kernels(False):
+    with kernels_cpu.use_cpu_kernels(False):
         llm = LLM(str(tmp_path), num_blocks=32, block_size=4)
         out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, prompt_logprobs=0))[0]
     assert out.token_ids == want

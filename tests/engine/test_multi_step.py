@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
+from agentrt.engine import LLM, EngineConfig, SamplingParams
 from tests.conftest import assert_all_blocks_free
 
 
@@ -14,7 +14,7 @@ from tests.conftest import assert_all_blocks_free
 def model_path(tmp_path_factory):
     """A 2-layer random Llama with head_dim 32: the C++ kernels' decode path (`decode_steps`) takes it
     (the shared tiny model's head_dim 16 runs the model's Python loop, tested against it below)."""
-    from engine.testing import make_tiny_model
+    from agentrt.engine.testing import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-d32"), hidden_size=128, num_heads=4, num_kv_heads=2,
                            tokenizer_from=os.environ.get("AGENTRT_TEST_TOKENIZER"))
@@ -116,13 +116,12 @@ def test_multi_step_stops_at_the_context_limit_and_at_eos(model_path):
 def test_python_loop_matches_the_cpp_loop(model_path, tiny_model_path, monkeypatch):
     """Without the C++ path (any device, or rows the C++ kernels do not take) the model loops in Python:
     the same tokens."""
-    import engine.model as model_mod
+    import agentrt.engine.model as model_mod
 
     kw = dict(num_blocks=64, block_size=4, num_scheduler_steps=5)
     prompts = prompts_of([7, 12, 4], seed=3)
     params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
-    import kernels
-
+    from agentrt import kernels
     ops = kernels.cpu.ops()
     if ops is None:
         pytest.skip("C++ CPU kernels unavailable")
@@ -149,7 +148,7 @@ def test_python_loop_matches_the_cpp_loop(model_path, tiny_model_path, monkeypat
 def test_async_stream_in_bursts(model_path):
     import anyio
 
-    from engine import AsyncEngine
+    from agentrt.engine import AsyncEngine
 
     prompt = prompts_of([11], seed=5)[0]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -190,8 +189,7 @@ def test_num_scheduler_steps_is_validated():
 
 
 def test_argmax_rows_follows_torch():
-    import kernels
-
+    from agentrt import kernels
     ops = kernels.cpu.ops()
     if ops is None:
         pytest.skip("C++ CPU kernels unavailable")

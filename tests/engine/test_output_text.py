@@ -5,8 +5,8 @@ default). Streamed pieces always add up to the final text."""
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.outputs import Detokenizer
+from agentrt.engine import LLM, SamplingParams
+from agentrt.engine.outputs import Detokenizer
 from tests.conftest import assert_all_blocks_free
 from tests.engine.test_engine import prompts_of
 

@@ -3,13 +3,13 @@ exact state on tiny pools."""
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.policy import FCFS
-from engine.program_ops import Pin
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from agentrt.engine.config import EngineConfig
+from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.policy import FCFS
+from agentrt.engine.program_ops import Pin
+from agentrt.engine.request import Request, RequestStatus
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.scheduler import Scheduler
 from tests.engine.test_kv_retention import BS, run_step
 
 
@@ -83,7 +83,7 @@ def test_protect_pins_lets_the_pinned_program_resume_and_take_others_pins():
 
 
 def test_pin_settings_are_part_of_the_policy_seam():
-    from engine.policy import FCFS, SchedulingPolicy, make_policy
+    from agentrt.engine.policy import FCFS, SchedulingPolicy, make_policy
 
     assert SchedulingPolicy.pinned_first is False and SchedulingPolicy.protect_pins is False
     assert FCFS().pinned_first is False and FCFS().protect_pins is False

@@ -5,8 +5,8 @@ import anyio
 import pytest
 import torch
 
-from engine import LLM, AsyncEngine, EngineCore, PoolingParams, SamplingParams
-from engine.sampling_params import InvalidRequestError, InvalidRequestTypeError
+from agentrt.engine import LLM, AsyncEngine, EngineCore, PoolingParams, SamplingParams
+from agentrt.engine.sampling_params import InvalidRequestError, InvalidRequestTypeError
 from tests.conftest import assert_all_blocks_free
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(100, 140)), [42]]
@@ -125,8 +125,8 @@ def test_base_model_checkpoint_and_declared_pooling(tmp_path, tiny_model_path, h
     and the pooling its sentence-transformers files declare is found (else "last")."""
     import json
 
-    from engine.loader import load_tokenizer
-    from engine.pooling import default_method
+    from agentrt.engine.loader import load_tokenizer
+    from agentrt.engine.pooling import default_method
 
     hf.save_pretrained(tmp_path)
     load_tokenizer(tiny_model_path).save_pretrained(tmp_path)

@@ -9,8 +9,8 @@ preempt (the preempted request resumes from its cached blocks).
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.loader import load_tokenizer
+from agentrt.engine import LLM, SamplingParams
+from agentrt.engine.loader import load_tokenizer
 from tests.conftest import assert_all_blocks_free, requires_default_model
 
 pytestmark = [requires_default_model, pytest.mark.slow]

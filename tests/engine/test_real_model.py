@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from agentrt.engine import LLM, SamplingParams
 from tests.conftest import assert_all_blocks_free, requires_default_model
 
 pytestmark = [requires_default_model, pytest.mark.slow]
@@ -20,7 +20,7 @@ MAX_NEW = 16
 
 @pytest.fixture(scope="module")
 def prompts(default_model_path):
-    from engine.loader import load_tokenizer
+    from agentrt.engine.loader import load_tokenizer
 
     tok = load_tokenizer(default_model_path)
     ids = tok(TEXT * 14)["input_ids"]

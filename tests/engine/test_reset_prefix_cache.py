@@ -5,9 +5,9 @@ and through AsyncEngine while it steps (the reset waits for the step to end)."""
 
 import anyio
 
-from engine import LLM, AsyncEngine, SamplingParams
-from engine.program_ops import Pin, StartProgram
-from engine.request import Request
+from agentrt.engine import LLM, AsyncEngine, SamplingParams
+from agentrt.engine.program_ops import Pin, StartProgram
+from agentrt.engine.request import Request
 from tests.conftest import assert_all_blocks_free
 from tests.engine.test_kv_cache_manager import P10, admit, assert_consistent, free_queue, hashes_of, make_kv, make_req
 

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampling import RowContext, mask_logits, sample
-from engine.sampling_params import InvalidRequestError, truncate_prompt
+from agentrt.engine import LLM, SamplingParams
+from agentrt.engine.sampling import RowContext, mask_logits, sample
+from agentrt.engine.sampling_params import InvalidRequestError, truncate_prompt
 from tests.conftest import assert_all_blocks_free
 
 V = 300

@@ -13,10 +13,10 @@ import re
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampling import RowContext, process_logits, sample, topk, warp
-from engine.sampling_params import InvalidRequestError
-from engine.structured import Constraint
+from agentrt.engine import LLM, SamplingParams
+from agentrt.engine.sampling import RowContext, process_logits, sample, topk, warp
+from agentrt.engine.sampling_params import InvalidRequestError
+from agentrt.engine.structured import Constraint
 from tests.conftest import assert_all_blocks_free
 
 V = 300
@@ -173,7 +173,7 @@ def test_a_seeded_row_draws_the_same_whatever_its_batch():
 
 def test_sampler_draws_the_same_with_and_without_the_kernels():
     # the sampler's topk / argmax take the C++ kernels on CPU fp32; seeded draws must not change
-    from kernels import cpu
+    from agentrt.kernels import cpu
 
     if cpu.ops() is None:
         pytest.skip("C++ CPU kernels unavailable")
@@ -371,7 +371,7 @@ def test_sampler_threads_one_for_small_ops_all_for_vocabulary_passes(monkeypatch
     """The sampler runs on one intra-op thread, except the passes over the whole vocabulary of
     WIDE_MIN_ROWS rows or more (C++ row kernels), which get every thread back; the count is restored
     after, also when the sampler raises."""
-    import engine.sampling as sampling
+    import agentrt.engine.sampling as sampling
 
     if sampling._row_ops(torch.zeros(1, 2)) is None:
         pytest.skip("C++ CPU kernels unavailable")

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.spec_decode import propose_ngram, verify
+from agentrt.engine import LLM, SamplingParams
+from agentrt.engine.spec_decode import propose_ngram, verify
 from tests.conftest import assert_all_blocks_free
 
 
@@ -47,7 +47,7 @@ def oracle(monkeypatch):
     probability `wrong`. The engine must give the plain outputs whatever the drafts are."""
     import random
 
-    import engine.spec_decode as sd
+    import agentrt.engine.spec_decode as sd
 
     def install(runs: dict[tuple[int, ...], list[int]], wrong: float, seed: int = 0):
         rng = random.Random(seed)
@@ -116,8 +116,8 @@ def test_speculation_with_stops_preemption_and_mixed_sampling(tiny_model_path, o
 
 
 def test_propose_on_requests_respects_eligibility_and_limits():
-    from engine.request import Request
-    from engine.spec_decode import propose
+    from agentrt.engine.request import Request
+    from agentrt.engine.spec_decode import propose
 
     def decoding(prompt, out, **sp):
         req = Request("r", list(prompt), SamplingParams(**{"temperature": 0, **sp}))
@@ -148,7 +148,7 @@ def test_propose_on_requests_respects_eligibility_and_limits():
 
 
 def test_speculation_config_is_validated():
-    from engine import EngineConfig
+    from agentrt.engine import EngineConfig
 
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(num_speculative_tokens=-1)
@@ -173,7 +173,7 @@ def test_no_drafts_above_the_batch_size_limit(tiny_model_path, oracle):
 def test_async_stream_with_speculation(tiny_model_path, oracle):
     import anyio
 
-    from engine import AsyncEngine
+    from agentrt.engine import AsyncEngine
 
     prompt = prompts_of([11], seed=5)[0]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)

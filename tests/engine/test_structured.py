@@ -14,9 +14,9 @@ import jsonschema
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampling_params import InvalidRequestError
-from engine.structured import Constraint, GrammarCache, apply_constraints
+from agentrt.engine import LLM, SamplingParams
+from agentrt.engine.sampling_params import InvalidRequestError
+from agentrt.engine.structured import Constraint, GrammarCache, apply_constraints
 from tests.conftest import assert_all_blocks_free, requires_default_model
 
 

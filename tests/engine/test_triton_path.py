@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-import kernels
-from engine import LLM, SamplingParams
+from agentrt import kernels
+from agentrt.engine import LLM, SamplingParams
 from tests.conftest import assert_all_blocks_free
 
 pytestmark = pytest.mark.skipif(

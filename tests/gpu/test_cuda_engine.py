@@ -4,8 +4,8 @@ KV block is free afterwards (batching, chunked prefill, preemption, forks with c
 import pytest
 import torch
 
-import kernels
-from engine import LLM, SamplingParams
+from agentrt import kernels
+from agentrt.engine import LLM, SamplingParams
 from tests.conftest import assert_all_blocks_free
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -7,7 +7,7 @@ errors measured against fp32 dense attention.
 import pytest
 import torch
 
-from kernels import (
+from agentrt.kernels import (
     copy_blocks_ref,
     copy_blocks_triton,
     paged_attention_triton,
@@ -18,7 +18,7 @@ from kernels import (
     store_kv_ref,
     store_kv_triton,
 )
-from kernels.paged_attention import _auto_num_splits
+from agentrt.kernels.paged_attention import _auto_num_splits
 from tests.paged_batch import check_rule, make_paged_batch, to_device
 
 CUDA = torch.device("cuda")
@@ -83,13 +83,13 @@ def test_cache_beyond_int32_offsets():
     slots = torch.tensor([int(blocks[p // block_size]) * block_size + p % block_size for p in range(seq_len)])
     store_kv_triton(k.to(CUDA), v.to(CUDA), k_cache, v_cache, slots.to(CUDA))
     assert torch.equal(k_cache.view(-1, kvh, d)[slots.to(CUDA)].cpu(), k)
-    from kernels import build_attention_metadata
+    from agentrt.kernels import build_attention_metadata
 
     q = torch.randn(seq_len, 32, d, generator=gen).to(torch.bfloat16)
     meta = build_attention_metadata(torch.tensor([0, seq_len], device=CUDA), torch.tensor([seq_len], device=CUDA),
                                     blocks.view(1, -1).to(CUDA), seq_len, seq_len)
     out = paged_attention_triton(q.to(CUDA), k_cache, v_cache, meta, d ** -0.5).cpu().float()
-    from kernels import dense_causal_attention_ref
+    from agentrt.kernels import dense_causal_attention_ref
 
     gold = dense_causal_attention_ref(q.float(), k.float(), v.float(), d ** -0.5)
     assert (out - gold).abs().max().item() < 3e-2

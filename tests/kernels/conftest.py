@@ -23,7 +23,7 @@ def paged_batch():
 @pytest.fixture(params=["avx512_bf16", "avx512", "avx2"])
 def cpu_kind(request):
     """Each x86 CPU kind of the C++ kernels this machine supports, forced in turn (the others skip)."""
-    from kernels import cpu
+    from agentrt.kernels import cpu
 
     if request.param not in cpu.supported_kinds():
         pytest.skip(f"this CPU does not support the {request.param} kernels")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from bench import kernels as bench
+from agentrt.bench import kernels as bench
 
 
 def test_without_cuda_it_skips_cleanly(capsys):
@@ -52,7 +52,7 @@ def test_sweep_times_each_tile_shape(monkeypatch):
 
 
 def test_launch_config_rejects_unknown_settings():
-    from kernels.paged_attention import launch_config
+    from agentrt.kernels.paged_attention import launch_config
 
     with pytest.raises(ValueError, match="block_k"), launch_config(block_k=32):
         pass

@@ -37,11 +37,11 @@ def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict[str, ob
 def compile_all() -> None:
     import triton.language as tl
 
-    from kernels.copy_blocks import _copy_blocks_kernel
-    from kernels.paged_attention import _merge_splits_kernel, _paged_attention_kernel
-    from kernels.rms_norm import _rms_norm_kernel
-    from kernels.silu_and_mul import _silu_and_mul_kernel
-    from kernels.store_kv import _store_kv_kernel
+    from agentrt.kernels.copy_blocks import _copy_blocks_kernel
+    from agentrt.kernels.paged_attention import _merge_splits_kernel, _paged_attention_kernel
+    from agentrt.kernels.rms_norm import _rms_norm_kernel
+    from agentrt.kernels.silu_and_mul import _silu_and_mul_kernel
+    from agentrt.kernels.store_kv import _store_kv_kernel
 
     for dtype, head_dim, block_m, split_k in PAGED_ATTENTION_VARIANTS:
         pointer = f"*{dtype}"

@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import (
+from agentrt.kernels import (
     cpu,
     paged_attention_cpu,
     paged_attention_ref,
     rms_norm_ref,
     store_kv_ref,
 )
-from kernels.linear import BF16_PACKED_MAX_ROWS, PackCache, linear, pack_linear_weight_bf16
+from agentrt.kernels.linear import BF16_PACKED_MAX_ROWS, PackCache, linear, pack_linear_weight_bf16
 from tests.paged_batch import make_paged_batch
 
 ATOL_BF16 = 1e-6  # the bf16 rule's atol: the kernels are at least as close as torch, up to float noise
@@ -309,7 +309,7 @@ def test_every_source_file_ships_with_the_package():
     from pathlib import Path
 
     root = Path(cpu.__file__).parent
-    patterns = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kernels"]
+    patterns = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["agentrt.kernels"]
     sources = sorted(p.relative_to(root).as_posix() for p in (root / "csrc").iterdir() if p.is_file())
     assert any(s.endswith(".h") for s in sources) and any(s.endswith(".cpp") for s in sources)
     missing = [s for s in sources if not any(fnmatch.fnmatch(s, pat) for pat in patterns)]

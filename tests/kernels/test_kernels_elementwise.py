@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import kernels
-from kernels import cpu, rms_norm_ref, rms_norm_triton, silu_and_mul_ref, silu_and_mul_triton
+from agentrt import kernels
+from agentrt.kernels import cpu, rms_norm_ref, rms_norm_triton, silu_and_mul_ref, silu_and_mul_triton
 
 # The interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest even), so bf16 results
 # may sit one bf16 ulp (2^-7 relative; values here reach ~4) from torch's.

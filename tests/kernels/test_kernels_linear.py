@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
-from kernels.linear import Linear, PackCache, linear, linear_ref, pack_linear_weight
+from agentrt.kernels import cpu
+from agentrt.kernels.linear import Linear, PackCache, linear, linear_ref, pack_linear_weight
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
@@ -119,7 +119,7 @@ def _vm_flags(ptr: int) -> set[str] | None:
 def test_on_huge_pages_copies_into_one_huge_page_mapping():
     import gc
 
-    from kernels.linear import HUGE_PAGE, on_huge_pages
+    from agentrt.kernels.linear import HUGE_PAGE, on_huge_pages
 
     gen = torch.Generator().manual_seed(0)
     src = [torch.randn(3, 70, 16, generator=gen), torch.randn(5, 9, generator=gen).bfloat16(),
@@ -147,7 +147,7 @@ def test_decode_weights_are_moved_to_huge_pages(tiny_model_path, dtype):
     and the engine's greedy output is what it was before the move (the first step)."""
     import mmap
 
-    from engine import LLM, SamplingParams
+    from agentrt.engine import LLM, SamplingParams
 
     llm = LLM(str(tiny_model_path), dtype=dtype, num_blocks=16, block_size=16)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids

@@ -6,13 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import (
+from agentrt.kernels import (
     cpu,
     paged_attention_cpu,
     paged_attention_triton,
 )
-from kernels.paged_attention import _auto_num_splits
-from kernels.paged_attention_cpu import CPP_MAX_QUERY_ROWS
+from agentrt.kernels.paged_attention import _auto_num_splits
+from agentrt.kernels.paged_attention_cpu import CPP_MAX_QUERY_ROWS
 from tests.paged_batch import ATOL, check_rule, make_paged_batch
 
 # (query lengths, sequence lengths): decode rows, prefill chunks over cached context, fresh prefill;

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import copy_blocks_ref, copy_blocks_triton, store_kv_ref, store_kv_triton
+from agentrt.kernels import copy_blocks_ref, copy_blocks_triton, store_kv_ref, store_kv_triton
 
 
 def fused_kv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kernels import cpu
+from agentrt.kernels import cpu
 
 
 def reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +122,8 @@ def test_logsumexp_rows_special_values(cpu_kind):
 def _penalty_batch(seed: int, vocab: int):
     """Rows of logits with specials (0, -0, +-inf), histories with repeats, ids past the vocabulary
     (both paths clip them) and prompt-only rows, and every kind of penalty mixed across the rows."""
-    from engine import SamplingParams
-    from engine.sampling import RowContext
+    from agentrt.engine import SamplingParams
+    from agentrt.engine.sampling import RowContext
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(7, vocab, generator=g) * 4
@@ -150,7 +150,7 @@ def _penalty_batch(seed: int, vocab: int):
 @pytest.mark.parametrize("vocab", [40, 300, 49152])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_penalize_rows_equals_the_numpy_path(cpu_kind, monkeypatch, vocab, seed):
-    import engine.sampling as sampling
+    import agentrt.engine.sampling as sampling
 
     logits, params, contexts, rows = _penalty_batch(seed, vocab)
     fast, slow = logits.clone(), logits.clone()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from agentrt_cli import main as cli
+from agentrt.command import main as cli
 
 
 def test_countdown_bench_runs_every_method_at_equal_budgets(tiny_model_path, capsys):

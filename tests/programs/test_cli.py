@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 import agentrt
-from agentrt_cli import main as cli
-from programs.countdown import PUZZLES
-from programs.mcts import mcts
-from programs.react import react
+from agentrt.command import main as cli
+from agentrt.programs.countdown import PUZZLES
+from agentrt.programs.mcts import mcts
+from agentrt.programs.react import react
 from tests.server.live import live_server, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]

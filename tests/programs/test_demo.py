@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from programs.demo import main as demo
+from agentrt.programs.demo import main as demo
 from tests.server.live import live_server, tiny_config
 
 SMALL = ["--mcts", "1", "--react", "1", "--chat", "1", "--budget", "4", "--max-steps", "3", "--chat-tokens", "12",

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import agentrt
-from programs.countdown import PUZZLES, verify
-from programs.mcts import Node, mcts
-from programs.react import WEATHER_LATENCY_S, react
+from agentrt.programs.countdown import PUZZLES, verify
+from agentrt.programs.mcts import Node, mcts
+from agentrt.programs.react import WEATHER_LATENCY_S, react
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 

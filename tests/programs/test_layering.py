@@ -1,9 +1,12 @@
 """The layers of DESIGN.md §1, checked on the source: imports point down only.
 
-    agentrt_cli   the `agentrt` command: may import everything
-    programs      examples: agentrt's public API (and each other)
-    agentrt       the runtime library: engine, never programs / bench / agentrt_cli
-    engine        never agentrt;  kernels: never engine
+Every floor imports under the one name `agentrt` (docs/architecture.md); a floor is its folder:
+
+    agentrt_cli/  agentrt.command    the `agentrt` command: may import everything
+    bench/        agentrt.bench      benchmarks: everything but the command
+    programs/     agentrt.programs   examples: agentrt's public API (and each other)
+    agentrt/      agentrt            the runtime library: engine, never programs / bench / command
+    engine/       agentrt.engine     never the runtime;  kernels/ agentrt.kernels: never engine
 """
 
 from __future__ import annotations
@@ -30,8 +33,18 @@ def imports(path: Path) -> list[str]:
     return out
 
 
-def top(name: str) -> str:
-    return name.split(".", 1)[0]
+FOLDERS = {"agentrt.kernels": "kernels", "agentrt.engine": "engine", "agentrt.programs": "programs",
+           "agentrt.bench": "bench", "agentrt.command": "agentrt_cli"}
+OLD_NAMES = {"kernels", "engine", "programs", "bench", "agentrt_cli"}  # before one package name
+
+
+def floor(name: str) -> str | None:
+    """The folder (floor) a module name lives in; None outside the project and for the root package
+    `agentrt` itself, which every floor shares (its `__init__` imports nothing until a name is used)."""
+    for package, folder in FOLDERS.items():
+        if name == package or name.startswith(package + "."):
+            return folder
+    return "agentrt" if name.startswith("agentrt.") else None
 
 
 FORBIDDEN = {
@@ -39,14 +52,30 @@ FORBIDDEN = {
     "engine": {"agentrt", "programs", "bench", "agentrt_cli"},
     "kernels": {"engine", "agentrt", "programs", "bench", "agentrt_cli"},
     "programs": {"bench", "agentrt_cli", "engine", "kernels"},
+    "bench": {"agentrt_cli"},
 }
+
+
+def test_floors_map_to_folders():
+    assert floor("agentrt.engine.scheduler") == "engine" and floor("agentrt.engineering") == "agentrt"
+    assert floor("agentrt.kernels") == "kernels" and floor("agentrt._runtime") == "agentrt"
+    assert floor("agentrt") is None and floor("kernels") is None
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_imports_point_down(package):
     bad = [(str(f.relative_to(ROOT)), m) for f in sorted((ROOT / package).rglob("*.py"))
-           for m in imports(f) if top(m) in FORBIDDEN[package]]
+           for m in imports(f) if floor(m) in FORBIDDEN[package]]
     assert not bad, f"{package}/ imports a higher floor: {bad}"
+
+
+def test_no_floor_is_imported_by_its_folder_name():
+    """`import engine` would load a second copy of the floor beside `agentrt.engine` (and `kernels` is
+    Hugging Face's package): every import names the floor under `agentrt`."""
+    files = [f for d in (*FOLDERS.values(), "agentrt", "tests") for f in sorted((ROOT / d).rglob("*.py"))
+             if f.name != "test_package.py"]  # that one imports Hugging Face's `kernels` on purpose
+    bad = [(str(f.relative_to(ROOT)), m) for f in files for m in imports(f) if m.split(".", 1)[0] in OLD_NAMES]
+    assert not bad, bad
 
 
 def test_programs_use_the_public_api_only():
@@ -62,6 +91,19 @@ def test_program_and_runtime_modules_do_not_import_each_other():
 
 def test_importing_the_library_loads_no_programs_or_benchmarks():
     code = ("import sys, agentrt, agentrt.server, agentrt.server.app, agentrt.cli; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'programs', 'bench', 'agentrt_cli'}))")
+            "print(sorted(m for m in sys.modules if m.startswith(('agentrt.programs', 'agentrt.bench', "
+            "'agentrt.command', 'programs', 'bench', 'engine', 'kernels.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_importing_the_engine_loads_no_runtime():
+    """`agentrt/__init__` loads its public names lazily: the engine floor imports as `agentrt.engine`
+    without the runtime or its server-side dependencies (the GPU image has torch, triton and
+    transformers only)."""
+    code = ("import sys, agentrt.engine, agentrt.kernels; "
+            "print(sorted(m for m in sys.modules if (m.startswith('agentrt.') and "
+            "not m.startswith(('agentrt.engine', 'agentrt.kernels'))) "
+            "or m.split('.')[0] in ('msgspec', 'sqlalchemy', 'starlette', 'uvicorn')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

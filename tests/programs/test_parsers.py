@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from programs.countdown import PUZZLES, Puzzle, Step, closeness, parse_solution, parse_step, prompt, verify
-from programs.mcts import Node, backpropagate, children_from, select
-from programs.react import Action, Answer, CalcError, documents, parse_reply, safe_eval, search_docs
+from agentrt.programs.countdown import PUZZLES, Puzzle, Step, closeness, parse_solution, parse_step, prompt, verify
+from agentrt.programs.mcts import Node, backpropagate, children_from, select
+from agentrt.programs.react import Action, Answer, CalcError, documents, parse_reply, safe_eval, search_docs
 
 garbage = st.one_of(st.text(max_size=300), st.text(alphabet="0123456789+-*/xX=. \n()[]:LeftDone", max_size=80))
 

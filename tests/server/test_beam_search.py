@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 import agentrt
-from engine import LLM, BeamSearchParams
+from agentrt.engine import LLM, BeamSearchParams
 
 PROMPT = [101, 2045, 3306, 712, 88, 17, 4000, 930] * 5  # two full blocks the beams share
 

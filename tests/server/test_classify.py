@@ -10,9 +10,9 @@ import httpx
 import pytest
 import torch
 
-from engine import LLM
-from engine.loader import load_tokenizer, resolve_model
-from engine.sampling_params import InvalidRequestError
+from agentrt.engine import LLM
+from agentrt.engine.loader import load_tokenizer, resolve_model
+from agentrt.engine.sampling_params import InvalidRequestError
 from tests.conftest import assert_all_blocks_free
 from tests.server.live import live_server, tiny_config
 

@@ -12,8 +12,8 @@ from transformers import AutoConfig
 
 import agentrt
 from agentrt._errors import ConfigError, InvalidCallError
-from engine import LLM, LoRARequest, SamplingParams
-from engine.testing import make_lora_adapter
+from agentrt.engine import LLM, LoRARequest, SamplingParams
+from agentrt.engine.testing import make_lora_adapter
 from tests.conftest import assert_all_blocks_free
 from tests.server.conftest import check_idle
 from tests.server.live import live_server, tiny_config

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 import agentrt
-from engine import LLM, SamplingParams
+from agentrt.engine import LLM, SamplingParams
 from tests.conftest import assert_all_blocks_free
 from tests.server.live import live_server, tiny_config
 

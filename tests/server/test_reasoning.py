@@ -23,8 +23,8 @@ import pytest
 import agentrt
 import agentrt.server
 from agentrt.server import ServerConfig
-from agentrt_cli import main as cli
-from engine.structured import Constraint
+from agentrt.command import main as cli
+from agentrt.engine.structured import Constraint
 from tests.server.conftest import check_idle
 from tests.server.live import live_server, tiny_config
 from tests.test_cli import one_line_error

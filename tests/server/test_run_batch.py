@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from agentrt.run_batch import in_process_client, run_batch
 from agentrt.server import create_app
-from agentrt_cli import main as cli
+from agentrt.command import main as cli
 from tests.conftest import assert_all_blocks_free
 from tests.server.live import tiny_config
 from tests.test_cli import one_line_error

@@ -11,7 +11,7 @@ import pytest
 
 import agentrt.server
 from agentrt.server.calls import engine_salt
-from agentrt_cli import main as cli
+from agentrt.command import main as cli
 from tests.server.live import bad_request as error
 
 ID = re.compile(r"^token_id:\d+$")

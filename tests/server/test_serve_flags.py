@@ -19,8 +19,8 @@ import uvicorn
 
 import agentrt.server
 from agentrt.server import ServerConfig, create_app
-from agentrt_cli import main as cli
-from engine.config import EngineConfig
+from agentrt.command import main as cli
+from agentrt.engine.config import EngineConfig
 from tests.server.live import free_port, live_server, tiny_config
 from tests.test_cli import one_line_error
 

@@ -18,8 +18,8 @@ import pytest
 
 import agentrt.server
 from agentrt.server import ServerConfig
-from agentrt_cli import main as cli
-from engine.structured import Constraint
+from agentrt.command import main as cli
+from agentrt.engine.structured import Constraint
 from tests.agentrt.test_toolparsers import literal
 from tests.server.conftest import check_idle
 from tests.server.live import live_server, tiny_config

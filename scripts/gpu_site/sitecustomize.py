@@ -1,0 +1,30 @@
+"""Imports from a source checkout that is not installed (scripts/gpu_check.sh installs nothing).
+
+Every floor imports under `agentrt` (pyproject.toml, [tool.setuptools.package-dir]); an install maps
+the names to the folders. Here a finder does the same from that table: with this folder on
+PYTHONPATH, `agentrt.engine` is the checkout's engine/, `agentrt.command` its agentrt_cli/, and so on.
+"""
+
+import importlib.util
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class CheckoutFinder:
+    folders = {name: ROOT / folder for name, folder in
+               tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].items()
+               if name != folder}
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        folder = cls.folders.get(name)
+        if folder is None:
+            return None
+        return importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+
+
+sys.meta_path.append(CheckoutFinder)
