@@ -64,7 +64,7 @@ def _generate(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from agentrt.server import ServerConfig, serve
-    from agentrt.server.app import env_api_keys
+    from agentrt.server.config import env_api_keys
 
     # every argument is checked before the model loads
     if a.model_tag is not None and a.model is not None and a.model_tag != a.model:

@@ -3,16 +3,31 @@
     from agentrt.server import ServerConfig, create_app, serve
     serve(ServerConfig(policy="plas"), host="127.0.0.1", port=8000)
 
-Modules: `schemas` (the contract, msgspec), `app` (config, lifespan, auth, small routes),
-`openai_routes` (chat / completions), `program_routes` (/v1/programs), `openapi`, `sse`, `errors`,
-`store` (SQLAlchemy), `metrics` (Prometheus), `recorder` (runtime events to both).
+Modules: `schemas` (the contract, msgspec), `config` (ServerConfig), `state` (what routes share: runtime,
+store, metrics, auth and limit checks), `bodies` (body read and JSON response), `app` (the factory:
+lifespan, route table, small routes), `openai_routes` (chat / completions), `program_routes`
+(/v1/programs), `openapi`, `sse`, `errors`, `store` (SQLAlchemy), `metrics` (Prometheus), `recorder`
+(runtime events to both). Routes import `state` and `bodies`, never `app`, which imports them all.
 """
 
 from __future__ import annotations
 
-from agentrt.server.app import ServerConfig, create_app
+from typing import TYPE_CHECKING
+
+from agentrt.server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from agentrt.server.app import create_app
 
 __all__ = ["ServerConfig", "create_app", "serve"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "create_app":  # loaded on use: the app module imports every route module, which import this package
+        from agentrt.server.app import create_app
+
+        return create_app
+    raise AttributeError(f"module 'agentrt.server' has no attribute {name!r}")
 
 
 def serve(
@@ -52,6 +67,8 @@ def serve(
             finally:
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
+
+    from agentrt.server.app import create_app
 
     app = create_app(config)
     scheme = "https" if ssl_certfile else "http"

@@ -1,4 +1,4 @@
-"""The ASGI app: configuration, start-up and shut-down, authentication, and the small routes.
+"""The ASGI app factory: start-up and shut-down, the route table, the error handler, the small routes.
 
     app = create_app(ServerConfig(model=None, policy="plas"))   # uvicorn.run(app, ...)
 
@@ -10,18 +10,11 @@ ends the programs still running and flushes every record.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
-import os
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -29,229 +22,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from agentrt._lora import parse_lora_modules
 from agentrt._reasoning import reasoning_parser
 from agentrt._runtime import Runtime
 from agentrt._toolparsers import tool_call_parser
 from agentrt.server import ui
+from agentrt.server.bodies import VERSION, json_response
+from agentrt.server.config import ServerConfig
 from agentrt.server.errors import APIError, error_response
 from agentrt.server.metrics import EngineState, Metrics
 from agentrt.server.openapi import Operation, build
 from agentrt.server.recorder import Recorder
-from agentrt.server.schemas import Health, Model, ModelList
+from agentrt.server.schemas import Health, ModelList
+from agentrt.server.state import ServerState, state_of
 from agentrt.server.store import Store
-from agentrt.engine.pooling import POOLING_METHODS
-from agentrt.engine.pooling import default_method as default_pooling
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("agentrt")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "0.0.0+unknown"
-
-
-VERSION = _version()
 
 logger = logging.getLogger("agentrt.server")
-
-
-@dataclass(slots=True)
-class ServerConfig:
-    """Everything `agentrt serve` is told. Limits are enforced before a call reaches the engine."""
-
-    model: str | None = None  # model directory or .gguf; None = the default model
-    policy: str = "plas"  # scheduling policy name
-    policy_kwargs: dict[str, Any] | None = None
-    engine: dict[str, Any] = field(default_factory=dict)  # other EngineConfig fields
-    db: str | None = None  # SQLAlchemy URL; None = SQLite file under the cache dir; "none" = no store
-    api_keys: list[str] = field(default_factory=list)  # empty = no authentication
-    served_model_name: str | None = None  # the model id clients use; None = the model file's name
-    program_idle_timeout_s: float = 600.0  # a program without calls this long ends by itself
-    max_waiting: int = 256  # queued calls (no token yet) beyond which new calls get 429
-    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
-    max_body_bytes: int = 4 << 20  # 413 beyond
-    max_n: int = 16  # completions per call at most
-    max_tokens_limit: int | None = None  # max_tokens at most; None = the model's context
-    max_programs_kept: int = 100_000  # ended programs kept in the database (older ones pruned)
-    trust_request_chat_template: bool = False  # vLLM's flag: a request may bring its own chat_template
-    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: tool_choice "none" leaves the tools out
-    # of the prompt (by default they stay described, so a conversation's calls share their prefix)
-    return_tokens_as_token_ids: bool = False  # vLLM's flag: log-probs name tokens "token_id:{id}" unless a request
-    # says otherwise (its return_tokens_as_token_ids)
-    chat_template: str | None = None  # Jinja chat template, or a path to one; None = the model's.
-    # After validation the template's text
-    allowed_origins: list[str] | None = None  # CORS: origins browsers may call from ("*" = any); None = no CORS
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])  # CORS: methods a browser may use
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])  # CORS: request headers a browser may send
-    allow_credentials: bool = False  # CORS: browsers may send cookies and credentials
-    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat replies' thinking apart from the answer
-    tool_call_parser: str = "auto"  # vLLM's --tool-call-parser: the format calls are read in (agentrt._toolparsers)
-    pooling: str | None = None  # /v1/embeddings' pooling (engine.pooling); None = the checkpoint's, else "last"
-    max_embedding_inputs: int = 2048  # inputs of one /v1/embeddings request at most (OpenAI's limit)
-    lora_modules: list[str] = field(default_factory=list)  # vLLM's --lora-modules: name=path or JSON objects;
-    # clients name an adapter as the model. Any turns on the engine's enable_lora
-    allow_runtime_lora_updating: bool = field(  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
-        default_factory=lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
-
-    def __post_init__(self) -> None:
-        for name in ("max_waiting", "max_body_bytes", "max_n", "max_programs_kept", "max_embedding_inputs"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        for name in ("program_idle_timeout_s", "drain_timeout_s"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
-        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
-            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit!r}")
-        if any(not k for k in self.api_keys):
-            raise ValueError("API keys must be non-empty strings")
-        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
-            v = getattr(self, name)
-            if (v is not None or name != "allowed_origins") and not (
-                isinstance(v, list) and all(isinstance(s, str) for s in v)
-            ):
-                raise ValueError(f"{name} must be a list of strings, got {v!r}")
-        for name in ("allow_credentials", "return_tokens_as_token_ids"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.chat_template is not None:
-            self.chat_template = load_chat_template(self.chat_template)
-        reasoning_parser(self.reasoning_parser)  # an unknown name fails here, naming the choices
-        tool_call_parser(self.tool_call_parser)  # likewise
-        for name, path, _ in parse_lora_modules(self.lora_modules):  # a malformed entry fails here, naming it
-            if not (Path(path) / "adapter_config.json").is_file():
-                raise ValueError(f"--lora-modules {name}={path}: no adapter_config.json there (a PEFT LoRA directory)")
-        if self.pooling is not None and self.pooling not in POOLING_METHODS:
-            raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {self.pooling!r}")
-
-
-def load_chat_template(value: str) -> str:
-    """The text of a chat template given as a file path or as the template itself (vLLM's --chat-template
-    takes both). ValueError when it is neither, or when it does not compile."""
-    from agentrt.engine.chat_template import syntax_error
-
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"chat_template must be a Jinja template or a path to one, got {value!r}")
-    try:
-        is_file = Path(value).is_file()
-    except (OSError, ValueError):  # too long for a path, or a NUL in it: not a file
-        is_file = False
-    if is_file:
-        try:
-            text = Path(value).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"chat_template file {value!r} cannot be read: {e}") from None
-        where = f"file {value!r}"
-    elif "{{" in value or "{%" in value:
-        text, where = value, "text"
-    else:
-        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
-    problem = syntax_error(text)
-    if problem is not None:
-        raise ValueError(f"chat_template {where} does not compile: {problem}")
-    return text
-
-
-class ServerState:
-    """What the routes share: the runtime, the store, the metrics, limits."""
-
-    def __init__(self, config: ServerConfig, runtime: Runtime, store: Store | None, metrics: Metrics) -> None:
-        self.config = config
-        self.runtime = runtime
-        self.store = store
-        self.metrics = metrics
-        core = runtime._engine().core
-        self.model_name = config.served_model_name or _model_name(config.model, core.model_path)
-        self.max_model_len = core.max_model_len
-        self.vocab_size = core.model.args.vocab_size
-        self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
-        self.pooling_method = config.pooling or default_pooling(core.model_path)
-        self.sampling_defaults = core.generation_defaults  # the model's generation config (vLLM's)
-        self.created = int(time.time())
-        self.draining = False
-        self._keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k.encode() for k in config.api_keys}
-
-    def owner(self, request: Request) -> str | None:
-        """The fingerprint of the request's API key (its owner and cache salt); 401 when keys are set
-        and the request has none of them."""
-        if not self._keys:
-            return None
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":  # Anthropic's clients send `x-api-key: <key>`
-            key = request.headers.get("x-api-key", "")
-        key = key.strip()
-        if key:
-            fp = hashlib.sha256(key.encode()).hexdigest()[:16]
-            expected = self._keys.get(fp)
-            if expected is not None and hmac.compare_digest(expected, key.encode()):
-                return fp
-        raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
-                       "authentication_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-
-    def check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names, None for the base model; 404 for any other name."""
-        if model is None or model in (self.model_name, ""):
-            return None
-        if model in self.runtime.loras:
-            return model
-        adapters = "".join(f", {n!r}" for n in sorted(r.lora_name for r in self.runtime.loras.requests()))
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}{adapters}",
-                       "not_found_error", "model", "model_not_found")
-
-    def model_of(self, call: Any) -> str:
-        """The model name a call's response shows: its LoRA adapter's, else the served model's."""
-        return call.model or self.model_name
-
-    def model_cards(self) -> list[Model]:
-        """/v1/models' entries: the base model, then each LoRA adapter (its parent the base, as vLLM's)."""
-        return [Model(self.model_name, self.created, max_model_len=self.max_model_len),
-                *(Model(r.lora_name, self.created, max_model_len=self.max_model_len, root=r.lora_path,
-                        parent=self.model_name) for r in self.runtime.loras.requests())]
-
-    def check_capacity(self) -> None:
-        if self.draining:
-            raise APIError(503, "the server is shutting down", "service_unavailable", None, "draining",
-                           {"Retry-After": "5"})
-        waiting = self.runtime.num_waiting_calls()
-        if waiting >= self.config.max_waiting:
-            raise APIError(429, f"too many queued calls ({waiting} >= --max-waiting {self.config.max_waiting})",
-                           "rate_limit_error", None, "overloaded", {"Retry-After": "1"})
-
-
-def _model_name(model: str | None, path: Path) -> str:
-    if model is None:
-        from agentrt.engine.loader import DEFAULT_MODEL_NAME
-
-        return DEFAULT_MODEL_NAME
-    return Path(model).stem if Path(model).suffix == ".gguf" else Path(model).name
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or 413 once it passes `limit` bytes (checked while reading)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes is over the limit of {limit} bytes (--max-body-bytes)",
-                       "invalid_request_error", None, "body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes (--max-body-bytes)",
-                           "invalid_request_error", None, "body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def state_of(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-def json_response(obj: object, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(obj), status, media_type="application/json")
 
 
 # --- small routes ---------------------------------------------------------------------------
@@ -410,5 +195,3 @@ def _adapter_names(requests: list[Any]) -> str:
     return ",".join(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
-def env_api_keys() -> list[str]:
-    return [k for k in os.environ.get("AGENTRT_API_KEYS", "").replace(",", " ").split() if k]

@@ -19,7 +19,7 @@ from agentrt._call import Call
 from agentrt._chat_plan import ChatPlan, plan_call
 from agentrt._errors import InvalidCallError
 from agentrt._toolcalls import check_schema, response_format_constraint
-from agentrt.server.app import ServerState
+from agentrt.server.state import ServerState
 from agentrt.server.errors import bad_request, error_body, to_api_error
 from agentrt.server.schemas import (
     ChoiceLogprobs,

@@ -16,7 +16,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from agentrt.server.calls import new_id
-from agentrt.server.embeddings_routes import EmbeddingUsage, PoolingCallFields, _begin, _inputs, _json, _pool
+from agentrt.server.embeddings_routes import (
+    EmbeddingUsage,
+    PoolingCallFields,
+    begin_pooling,
+    pooling_inputs,
+    pooling_response,
+    run_pooling,
+)
 from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
 from agentrt.engine.pooling import classifications
@@ -47,20 +54,21 @@ class ClassificationResponse(Struct):
 
 @api
 async def classify(request: Request) -> Response:
-    b = await _begin(request, ClassificationRequest)
+    b = await begin_pooling(request, ClassificationRequest)
     st, req = b.st, b.req
     core = st.runtime._engine().core
     model = core.model
     if model.score is None:
         raise bad_request(f"the served model {st.model_name!r} has no classification head: /classify needs a "
                           "*ForSequenceClassification checkpoint", "model")
-    got = await _pool(request, b, _inputs(req.input), "input", normalize=False, method="last",
+    got = await run_pooling(request, b, pooling_inputs(req.input), "input", normalize=False, method="last",
                       add_special_tokens=req.add_special_tokens)
     outs = await anyio.to_thread.run_sync(
         lambda: classifications(model, core.hf_config, [str(i) for i in range(len(got.vectors))], got.vectors))
     data = [ClassificationData(i, o.label, o.probs, o.num_classes) for i, o in enumerate(outs)]
-    return _json(ClassificationResponse(new_id("classify"), int(time.time()), b.adapter or st.model_name, data,
-                                        EmbeddingUsage(got.prompt_tokens, got.prompt_tokens)), got.program_id)
+    body = ClassificationResponse(new_id("classify"), int(time.time()), b.adapter or st.model_name, data,
+                                  EmbeddingUsage(got.prompt_tokens, got.prompt_tokens))
+    return pooling_response(body, got.program_id)
 
 
 ROUTES = [Route(path, classify, methods=["POST"]) for path in ("/classify", "/v1/classify")]

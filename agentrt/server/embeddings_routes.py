@@ -25,7 +25,8 @@ from starlette.routing import Route
 from agentrt._call import Call
 from agentrt._embed import embed_inputs
 from agentrt._errors import InvalidCallError
-from agentrt.server.app import read_body, state_of
+from agentrt.server.bodies import read_body
+from agentrt.server.state import state_of
 from agentrt.server.calls import new_id, program_keys, program_name, results, submit, truncated
 from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
@@ -75,7 +76,7 @@ class EmbeddingList(Struct):
     program_id: str | None = None
 
 
-def _inputs(value: Any) -> list[str | list[int]]:
+def pooling_inputs(value: Any) -> list[str | list[int]]:
     try:
         return embed_inputs(value)[1]  # the rule agentrt.embed checks
     except InvalidCallError:
@@ -89,7 +90,7 @@ class _Pooled(NamedTuple):
     program_id: str
 
 
-class _Begun(NamedTuple):
+class PoolingCall(NamedTuple):
     st: Any  # ServerState
     owner: str | None
     req: Any  # a PoolingCallFields request
@@ -98,18 +99,19 @@ class _Begun(NamedTuple):
     adapter: str | None  # the LoRA adapter the request names as its model
 
 
-async def _begin(request: Request, type_: type) -> _Begun:
+async def begin_pooling(request: Request, type_: type) -> PoolingCall:
     """What every embedding-based route starts with: the key checked (401 before anything else), the body
     decoded into `type_`, the model and the program keys."""
     st = state_of(request)
     owner = st.owner(request)
     req = decode(await read_body(request, st.config.max_body_bytes), type_)
     adapter = st.check_model(req.model)
-    return _Begun(st, owner, req, *program_keys(request, req.program_id, req.thread_id), adapter)
+    return PoolingCall(st, owner, req, *program_keys(request, req.program_id, req.thread_id), adapter)
 
 
-async def _pool(request: Request, b: _Begun, inputs: list[str | list[int]], param: str, *, normalize: bool = True,
-                dimensions: int | None = None, add_special_tokens: bool = True, method: str | None = None) -> _Pooled:
+async def run_pooling(request: Request, b: PoolingCall, inputs: list[str | list[int]], param: str, *,
+                      normalize: bool = True, dimensions: int | None = None, add_special_tokens: bool = True,
+                      method: str | None = None) -> _Pooled:
     """The inputs' embeddings, each one pooling call of the program; a 400 naming `param` for bad input.
     `method`: the pooling (engine.pooling); None: the server's."""
     st, truncate = b.st, b.req.truncate_prompt_tokens
@@ -141,24 +143,25 @@ async def _pool(request: Request, b: _Begun, inputs: list[str | list[int]], para
     return _Pooled([o.embedding for o in outs], sum(o.num_prompt_tokens for o in outs), calls[0].program_id)
 
 
-def _json(body: object, program_id: str) -> Response:
+def pooling_response(body: object, program_id: str) -> Response:
     return Response(msgspec.json.encode(body), headers={"X-Program-Id": program_id}, media_type="application/json")
 
 
 @api
 async def create_embeddings(request: Request) -> Response:
-    b = await _begin(request, EmbeddingRequest)
+    b = await begin_pooling(request, EmbeddingRequest)
     st, req = b.st, b.req
-    inputs = _inputs(req.input)
+    inputs = pooling_inputs(req.input)
     hidden = st.runtime._engine().core.model.args.hidden_size
     if req.dimensions is not None and req.dimensions > hidden:
         raise bad_request(f"dimensions={req.dimensions} is over the model's hidden size {hidden}", "dimensions")
-    got = await _pool(request, b, inputs, "input", normalize=req.normalize, dimensions=req.dimensions,
+    got = await run_pooling(request, b, inputs, "input", normalize=req.normalize, dimensions=req.dimensions,
                       add_special_tokens=req.add_special_tokens)
     data = [Embedding(_encode(v, req.encoding_format), i) for i, v in enumerate(got.vectors)]
     usage = EmbeddingUsage(got.prompt_tokens, got.prompt_tokens)
-    return _json(EmbeddingList(new_id("embd"), int(time.time()), b.adapter or st.model_name, data, usage,
-                               program_id=got.program_id), got.program_id)
+    body = EmbeddingList(new_id("embd"), int(time.time()), b.adapter or st.model_name, data, usage,
+                         program_id=got.program_id)
+    return pooling_response(body, got.program_id)
 
 
 # --- vLLM's /score and /rerank: cosine similarity of embeddings -------------------------------
@@ -225,29 +228,31 @@ def _cosines(query: list[list[float]], docs: list[list[float]]) -> list[float]:
 
 @api
 async def score(request: Request) -> Response:
-    b = await _begin(request, ScoreRequest)
+    b = await begin_pooling(request, ScoreRequest)
     st, req = b.st, b.req
     first, second = _texts(req.text_1, "text_1"), _texts(req.text_2, "text_2")
     if len(first) != 1 and len(first) != len(second):
         raise bad_request(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
                           "as text_2", "text_1")
-    got = await _pool(request, b, [*first, *second], "text_2")
+    got = await run_pooling(request, b, [*first, *second], "text_2")
     scores = _cosines(got.vectors[: len(first)], got.vectors[len(first):])
     data = [ScoreData(i, s) for i, s in enumerate(scores)]
-    return _json(ScoreResponse(new_id("score"), int(time.time()), b.adapter or st.model_name, data,
-                               EmbeddingUsage(got.prompt_tokens, got.prompt_tokens)), got.program_id)
+    body = ScoreResponse(new_id("score"), int(time.time()), b.adapter or st.model_name, data,
+                         EmbeddingUsage(got.prompt_tokens, got.prompt_tokens))
+    return pooling_response(body, got.program_id)
 
 
 @api
 async def rerank(request: Request) -> Response:
-    b = await _begin(request, RerankRequest)
+    b = await begin_pooling(request, RerankRequest)
     st, req = b.st, b.req
     query, docs = _texts(req.query, "query"), _texts(req.documents, "documents")
-    got = await _pool(request, b, [*query, *docs], "documents")
+    got = await run_pooling(request, b, [*query, *docs], "documents")
     scores = _cosines(got.vectors[:1], got.vectors[1:])
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or None]
     out = [RerankResult(i, scores[i], RerankDocument(docs[i]) if req.return_documents else None) for i in order]
-    return _json(RerankResponse(new_id("rerank"), b.adapter or st.model_name, out, RerankUsage(got.prompt_tokens)), got.program_id)
+    body = RerankResponse(new_id("rerank"), b.adapter or st.model_name, out, RerankUsage(got.prompt_tokens))
+    return pooling_response(body, got.program_id)
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:

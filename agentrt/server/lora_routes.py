@@ -12,7 +12,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from agentrt.server.app import ServerState, read_body, state_of
+from agentrt.server.bodies import read_body
+from agentrt.server.state import ServerState, state_of
 from agentrt.server.errors import APIError, api, bad_request
 from agentrt.server.openapi import Operation
 from agentrt.server.schemas import decode

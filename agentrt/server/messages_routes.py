@@ -29,7 +29,8 @@ from agentrt._call import Call
 from agentrt._chat_plan import ChatPlan, Reply, plan_call
 from agentrt._errors import AgentrtError
 from agentrt._toolcalls import check_schema
-from agentrt.server.app import ServerState, read_body, state_of
+from agentrt.server.bodies import read_body
+from agentrt.server.state import ServerState, state_of
 from agentrt.server.calls import (
     note_tool,
     plan_chat,

@@ -20,7 +20,8 @@ from starlette.routing import Route
 from agentrt._call import Call
 from agentrt._chat_plan import ChatPlan
 from agentrt._errors import AgentrtError
-from agentrt.server.app import ServerState, read_body, state_of
+from agentrt.server.bodies import read_body
+from agentrt.server.state import ServerState, state_of
 from agentrt.server.calls import (
     PendingIds,
     StreamUsage,

@@ -14,7 +14,8 @@ from starlette.routing import Route
 
 from agentrt._errors import ProgramNotFoundError
 from agentrt._process_table import ProgramInfo
-from agentrt.server.app import ServerState, json_response, read_body, state_of
+from agentrt.server.bodies import json_response, read_body
+from agentrt.server.state import ServerState, state_of
 from agentrt.server.errors import APIError, api, bad_request
 from agentrt.server.openapi import Operation
 from agentrt.server.program_schemas import Program, ProgramCall, ProgramCallList, ProgramCreate, ProgramList

@@ -24,7 +24,8 @@ from starlette.routing import Route
 
 from agentrt._chat_plan import Reply
 from agentrt._toolcalls import ToolCall, response_format_constraint
-from agentrt.server.app import ServerState, read_body, state_of
+from agentrt.server.bodies import read_body
+from agentrt.server.state import ServerState, state_of
 from agentrt.server.calls import (
     engine_salt,
     plan_chat,

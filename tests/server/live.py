@@ -13,7 +13,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from agentrt.server import ServerConfig, create_app
-from agentrt.server.app import ServerState
+from agentrt.server.state import ServerState
 
 
 def free_port() -> int:

@@ -134,7 +134,7 @@ def test_server_pooling_flag(tiny_model_path, hf):
     """`--pooling mean` pools every row; an unknown method is refused before the model loads."""
     import httpx
 
-    from agentrt.server.app import ServerConfig
+    from agentrt.server.config import ServerConfig
     from tests.server.conftest import check_idle
     from tests.server.live import live_server, tiny_config
 
