@@ -434,7 +434,7 @@ class Runtime:
         except (TypeError, ValueError, UnicodeError) as e:
             if one_call:
                 self._end_program(handle, "failed", repr(e))
-            raise InvalidCallError(str(e), program_id=pid, request_id=rid) from None
+            raise InvalidCallError(str(e), program_id=pid, request_id=rid, param=getattr(e, "parameter", None)) from None
         self._inflight.setdefault(pid, set()).add(rid)
         if self._keyed.get(pid) is handle:  # a @program counts its threads as it makes them; these name theirs
             threads = self._thread_ids.setdefault(pid, set())

@@ -18,13 +18,8 @@ from agentrt.engine.config import EngineConfig
 from agentrt.engine.lora import LoRAAdapter, LoRARegistry, LoRARequest, load_adapter
 from agentrt.engine.model import interleave_rope_rows
 from agentrt.engine.model_args import ModelArgs
-from agentrt.engine.sampling_params import (
-    InvalidRequestError,
-    InvalidRequestTypeError,
-    SamplingParams,
-    show_value,
-    truncate_prompt,
-)
+from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
+from agentrt.engine.sampling_params import SamplingParams, truncate_prompt
 from agentrt.engine.structured import Constraint, GrammarCache
 
 
@@ -59,39 +54,41 @@ class RequestChecks:
             ids = self._check_token_ids(prompt)
         else:
             hint = " (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray, memoryview)) else ""
-            raise InvalidRequestTypeError(f"prompt must be a str or a list of token ids, got {show_value(prompt)}{hint}")
+            raise InvalidRequestTypeError(f"prompt must be a str or a list of token ids, got {show_value(prompt)}{hint}",
+                                          parameter="prompt", value=prompt)
         ids = truncate_prompt(ids, truncate_prompt_tokens, self.max_model_len)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens "
-                "(at least one token must remain for the output)"
-            )
+                "(at least one token must remain for the output)", parameter="prompt", value=len(ids))
         return ids
 
     def _tokenize(self, text: str) -> list[int]:
         if not text:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", parameter="prompt", value=text)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise InvalidRequestError(
-                f"prompt has a lone surrogate {text[e.start]!r} at character {e.start}: text must be valid Unicode"
-            ) from None
+                f"prompt has a lone surrogate {text[e.start]!r} at character {e.start}: text must be valid Unicode",
+                parameter="prompt", value=text) from None
         ids = self.tokenizer(text)["input_ids"]
         if not ids:
-            raise InvalidRequestError(f"prompt {text[:40]!r} is empty once tokenized")
+            raise InvalidRequestError(f"prompt {text[:40]!r} is empty once tokenized", parameter="prompt", value=text)
         return ids
 
     def _check_token_ids(self, prompt: list[int] | tuple[int, ...]) -> list[int]:
         if not prompt:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", parameter="prompt", value=prompt)
         for i, t in enumerate(prompt):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise InvalidRequestTypeError(f"prompt token ids must be ints, got {show_value(t)} at position {i}")
+                raise InvalidRequestTypeError(f"prompt token ids must be ints, got {show_value(t)} at position {i}",
+                                              parameter="prompt", value=t)
         vocab = self.args.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {show_value(bad[:5], False)}")
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {show_value(bad[:5], False)}",
+                                      parameter="prompt", value=bad)
         return [int(t) for t in prompt]
 
     def validate_params(self, params: SamplingParams | None) -> SamplingParams:
@@ -100,29 +97,19 @@ class RequestChecks:
         if params is None:
             return SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestTypeError(f"params must be SamplingParams, got {show_value(params)}")
+            raise InvalidRequestTypeError(f"params must be SamplingParams, got {show_value(params)}",
+                                          parameter="params", value=params)
         params = dataclasses.replace(params)  # runs validate(); fresh lists, so later edits by the caller do not reach us
         vocab = self.args.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"SamplingParams.stop_token_ids must be < the vocabulary size {vocab}, got {show_value(bad[:5], False)}"
-            )
-        bad = [t for t in params.logit_bias or () if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"SamplingParams.logit_bias keys must be < the vocabulary size {vocab}, got {show_value(bad[:5], False)}"
-            )
-        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"SamplingParams.allowed_token_ids must be < the vocabulary size {vocab}, got {show_value(bad[:5], False)}"
-            )
-        if params.constraint is not None:
-            bad = [t for t in params.constraint.after if t >= vocab]
+        for name, what, ids in (("stop_token_ids", "", params.stop_token_ids),
+                                ("logit_bias", " keys", params.logit_bias or ()),
+                                ("allowed_token_ids", "", params.allowed_token_ids or ()),
+                                ("constraint", ".after", () if params.constraint is None else params.constraint.after)):
+            bad = [t for t in ids if t >= vocab]
             if bad:
-                raise InvalidRequestError(f"SamplingParams.constraint.after must be token ids < the vocabulary size "
-                                          f"{vocab}, got {show_value(bad[:5], False)}")
+                should = "be token ids < the vocabulary size" if name == "constraint" else "be < the vocabulary size"
+                raise InvalidRequestError(f"SamplingParams.{name}{what} must {should} {vocab}, "
+                                          f"got {show_value(bad[:5], False)}", parameter=name, value=bad)
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.pooling is not None:
@@ -130,7 +117,8 @@ class RequestChecks:
             hidden = self.args.hidden_size
             if (params.pooling.dimensions or 0) > hidden:
                 raise InvalidRequestError(f"PoolingParams.dimensions must be <= the model's hidden size {hidden}, "
-                                          f"got {params.pooling.dimensions}")
+                                          f"got {params.pooling.dimensions}", parameter="pooling.dimensions",
+                                          value=params.pooling.dimensions)
         return params
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
@@ -143,10 +131,11 @@ class RequestChecks:
             plain, spaced = (self.tokenizer(text, add_special_tokens=False)["input_ids"]
                              for text in (word.lstrip(), " " + word.lstrip()))
             if not plain:
-                raise InvalidRequestError(f"SamplingParams.bad_words: {word!r} is empty once tokenized")
+                raise InvalidRequestError(f"SamplingParams.bad_words: {word!r} is empty once tokenized",
+                                          parameter="bad_words", value=word)
             if any(t >= vocab for t in plain + spaced):
                 raise InvalidRequestError(f"SamplingParams.bad_words: {word!r} tokenizes to ids outside the model's "
-                                          f"vocabulary of {vocab}")
+                                          f"vocabulary of {vocab}", parameter="bad_words", value=word)
             out.append(plain)
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 out.append(spaced)
@@ -158,7 +147,8 @@ class RequestChecks:
             return None
         if self.loras is None:
             raise InvalidRequestError(f"lora_request {getattr(lora_request, 'lora_name', lora_request)!r}: this engine "
-                                      "serves no LoRA adapters (start it with enable_lora=True, `--enable-lora`)")
+                                      "serves no LoRA adapters (start it with enable_lora=True, `--enable-lora`)",
+                                      parameter="lora_request", value=lora_request)
         return self.loras.get(lora_request)
 
     def _load_lora(self, req: LoRARequest) -> LoRAAdapter:
@@ -174,4 +164,4 @@ class RequestChecks:
         try:
             self._grammars.compile(constraint)
         except ValueError as e:
-            raise InvalidRequestError(f"SamplingParams.constraint: {e}") from None
+            raise InvalidRequestError(f"SamplingParams.constraint: {e}", parameter="constraint", value=constraint) from None

@@ -20,13 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.engine.sampling_params import (
-    MAX_TOP_LOGPROBS,
-    InvalidRequestError,
-    InvalidRequestTypeError,
-    SamplingParams,
-    show_value,
-)
+from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
+from agentrt.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_BEAM_WIDTH = MAX_TOP_LOGPROBS // 2  # a step's candidates are 2 x beam_width top log-probs
 
@@ -46,15 +41,19 @@ class BeamSearchParams:
         for name, lo, hi in (("beam_width", 1, MAX_BEAM_WIDTH), ("max_tokens", 1, None)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
-                raise InvalidRequestTypeError(f"BeamSearchParams.{name} must be an int, got {show_value(v)}")
+                raise InvalidRequestTypeError(f"BeamSearchParams.{name} must be an int, got {show_value(v)}",
+                                              parameter=name, value=v)
             if v < lo or (hi is not None and v > hi):
-                raise InvalidRequestError(f"BeamSearchParams.{name} must be in [{lo}, {hi or 'inf'}], got {v}")
+                raise InvalidRequestError(f"BeamSearchParams.{name} must be in [{lo}, {hi or 'inf'}], got {v}",
+                                          parameter=name, value=v)
         for name in ("temperature", "length_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == float("inf"):
-                raise InvalidRequestTypeError(f"BeamSearchParams.{name} must be a finite number, got {show_value(v)}")
+                raise InvalidRequestTypeError(f"BeamSearchParams.{name} must be a finite number, got {show_value(v)}",
+                                              parameter=name, value=v)
         if self.temperature < 0:
-            raise InvalidRequestError(f"BeamSearchParams.temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequestError(f"BeamSearchParams.temperature must be >= 0, got {self.temperature}",
+                                      parameter="temperature", value=self.temperature)
 
 
 @dataclass(slots=True)

@@ -32,12 +32,8 @@ from agentrt.engine.policy import make_policy
 from agentrt.engine.program_ops import ProgramOp
 from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.runner import ModelRunner
-from agentrt.engine.sampling_params import (
-    InvalidRequestError,
-    InvalidRequestTypeError,
-    SamplingParams,
-    show_value,
-)
+from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
+from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.scheduler import Scheduler, SchedulerOutput
 from agentrt.engine.spec_decode import propose
 from agentrt.engine.structured import Constraint, allows_no_token
@@ -156,7 +152,8 @@ class EngineCore:
         ids = self.validate_prompt(prompt, params.truncate_prompt_tokens)
         for name, value in (("program_id", program_id), ("thread_id", thread_id), ("cache_salt", cache_salt)):
             if value is not None and not isinstance(value, str):
-                raise InvalidRequestTypeError(f"{name} must be a str or None, got {show_value(value)}")
+                raise InvalidRequestTypeError(f"{name} must be a str or None, got {show_value(value)}",
+                                              parameter=name, value=value)
 
         def in_use(rid: str) -> bool:
             return any(i in self._detok or i in taken for i in family_ids(rid, params.n))
@@ -166,13 +163,14 @@ class EngineCore:
             while in_use(request_id):
                 request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str):
-            raise InvalidRequestTypeError(f"request_id must be a non-empty str or None, got {show_value(request_id)}")
+            raise InvalidRequestTypeError(f"request_id must be a non-empty str or None, got {show_value(request_id)}",
+                                          parameter="request_id", value=request_id)
         elif not request_id:
-            raise InvalidRequestError("request_id must be a non-empty str or None, got ''")
+            raise InvalidRequestError("request_id must be a non-empty str or None, got ''", parameter="request_id", value="")
         elif in_use(request_id):
             raise InvalidRequestError(
-                f"request id {request_id!r} (or the id of one of its n={params.n} forks) is already in use"
-            )
+                f"request id {request_id!r} (or the id of one of its n={params.n} forks) is already in use",
+                parameter="request_id", value=request_id)
         if params.constraint is not None:
             self.compile_constraint(params.constraint)
         return ids, params, request_id, adapter

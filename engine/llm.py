@@ -15,7 +15,8 @@ from agentrt.engine.lora import LoRARequest
 from agentrt.engine.outputs import RequestOutput
 from agentrt.engine.pooling import ClassificationOutput, PoolingParams, classifications
 from agentrt.engine.request import Request
-from agentrt.engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, SamplingParams, show_value
+from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
+from agentrt.engine.sampling_params import SamplingParams
 
 PROGRESS_MIN_PROMPTS = 8  # progress="auto" shows a bar from this many prompts (on a terminal)
 
@@ -70,14 +71,17 @@ class LLM:
             params = [params] * len(prompts)
         params = list(params)
         if len(params) != len(prompts):
-            raise InvalidRequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+            raise InvalidRequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts",
+                                      parameter="params")
         if priority is not None:
             if len(priority) != len(prompts):
-                raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+                raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompts)} prompts",
+                                          parameter="priority")
             params = [dataclasses.replace(sp, priority=p) for sp, p in zip(params, priority)]
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
-            raise InvalidRequestError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+            raise InvalidRequestError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts",
+                                      parameter="lora_request")
         # everything checked before anything is queued
         checked = [self.core.check_request(p, sp, lora_request=lr) for p, sp, lr in zip(prompts, params, loras)]
         reqs: list[Request] = []
@@ -117,17 +121,19 @@ class LLM:
         for i, conv in enumerate(conversations):
             if not _is_conversation(conv):
                 raise InvalidRequestTypeError(
-                    f"conversation {i} must be a non-empty list of {{role, content}} dicts, got {show_value(conv)}")
+                    f"conversation {i} must be a non-empty list of {{role, content}} dicts, got {show_value(conv)}",
+                    parameter="conversations", value=conv)
             problem = chat_template_.option_error(conv, add_generation_prompt, continue_final_message,
                                                   chat_template_kwargs)
             if problem is not None:
-                raise InvalidRequestError(f"conversation {i}: {problem[0]}")
+                raise InvalidRequestError(f"conversation {i}: {problem[0]}", parameter="conversations", value=conv)
             try:
                 text = chat_template_.render(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message,
                                              template_kwargs=chat_template_kwargs, chat_template=chat_template)
             except Exception as e:  # jinja errors on a message the template cannot render
-                raise InvalidRequestError(f"conversation {i} cannot be rendered by the chat template: {e}") from None
+                raise InvalidRequestError(f"conversation {i} cannot be rendered by the chat template: {e}",
+                                          parameter="conversations", value=conv) from None
             prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return self.generate(prompts, params, progress=progress, lora_request=lora_request)
 
@@ -173,7 +179,8 @@ class LLM:
         """vLLM's `LLM.beam_search`: per prompt, its `params.beam_width` best beams (engine.beam_search), each
         step one batch of every live beam's next token. Bad input raises InvalidRequestError first."""
         if not isinstance(params, BeamSearchParams):
-            raise InvalidRequestTypeError(f"params must be BeamSearchParams, got {show_value(params)}")
+            raise InvalidRequestTypeError(f"params must be BeamSearchParams, got {show_value(params)}",
+                                          parameter="params", value=params)
         search = BeamSearch([self.core.validate_prompt(p) for p in _prompt_list(prompts)], params,
                             self.core.eos_token_ids, self.core.max_model_len)
         step = search.step_params()
@@ -210,7 +217,8 @@ class _Progress:
 
     def __init__(self, total: int, progress: bool | str):
         if progress not in (True, False, "auto"):
-            raise InvalidRequestError(f"progress must be True, False or 'auto', got {show_value(progress)}")
+            raise InvalidRequestError(f"progress must be True, False or 'auto', got {show_value(progress)}",
+                                      parameter="progress", value=progress)
         self.total = total
         self.on = progress is True or (progress == "auto" and total >= PROGRESS_MIN_PROMPTS and sys.stderr.isatty())
         self._bar = self._task = None

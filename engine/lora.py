@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from agentrt.engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, show_value
+from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
 
 # PEFT module name -> (our fused projection, its part)
 _MODULES = {"q_proj": ("qkv", "q"), "k_proj": ("qkv", "k"), "v_proj": ("qkv", "v"), "o_proj": ("o", "o"),
@@ -49,11 +49,14 @@ class LoRARequest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
-            raise InvalidRequestTypeError(f"LoRARequest.lora_name must be a non-empty str, got {show_value(self.lora_name)}")
+            raise InvalidRequestTypeError(f"LoRARequest.lora_name must be a non-empty str, got {show_value(self.lora_name)}",
+                                          parameter="lora_request.lora_name", value=self.lora_name)
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise InvalidRequestError(f"LoRARequest.lora_int_id must be an int >= 1, got {show_value(self.lora_int_id)}")
+            raise InvalidRequestError(f"LoRARequest.lora_int_id must be an int >= 1, got {show_value(self.lora_int_id)}",
+                                      parameter="lora_request.lora_int_id", value=self.lora_int_id)
         if not isinstance(self.lora_path, (str, Path)) or not str(self.lora_path):
-            raise InvalidRequestTypeError(f"LoRARequest.lora_path must be a directory path, got {show_value(self.lora_path)}")
+            raise InvalidRequestTypeError(f"LoRARequest.lora_path must be a directory path, got {show_value(self.lora_path)}",
+                                          parameter="lora_request.lora_path", value=self.lora_path)
 
 
 @dataclass(eq=False, slots=True)
@@ -148,7 +151,8 @@ class LoRASlot:
 
 
 def _bad(req: LoRARequest, what: str) -> InvalidRequestError:
-    return InvalidRequestError(f"LoRA adapter {req.lora_name!r} at {str(req.lora_path)!r}: {what}")
+    return InvalidRequestError(f"LoRA adapter {req.lora_name!r} at {str(req.lora_path)!r}: {what}",
+                               parameter="lora_request", value=req)
 
 
 def _read_config(req: LoRARequest) -> dict:
@@ -288,14 +292,16 @@ class LoRARegistry:
         if isinstance(req, LoRAAdapter):
             return req
         if not isinstance(req, LoRARequest):
-            raise InvalidRequestTypeError(f"lora_request must be an engine.LoRARequest or None, got {show_value(req)}")
+            raise InvalidRequestTypeError(f"lora_request must be an engine.LoRARequest or None, got {show_value(req)}",
+                                          parameter="lora_request", value=req)
         with self._lock:
             have = self._by_id.get(req.lora_int_id)
             if have is not None:
                 if (have.request.lora_name, str(have.request.lora_path)) != (req.lora_name, str(req.lora_path)):
                     raise InvalidRequestError(
                         f"LoRA id {req.lora_int_id} already names adapter {have.request.lora_name!r} at "
-                        f"{str(have.request.lora_path)!r}, not {req.lora_name!r} at {str(req.lora_path)!r}")
+                        f"{str(have.request.lora_path)!r}, not {req.lora_name!r} at {str(req.lora_path)!r}",
+                        parameter="lora_request", value=req)
                 self._by_id.move_to_end(req.lora_int_id)
                 return have
         adapter = self._load(req)  # outside the lock: file reads

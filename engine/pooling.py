@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
+
 POOLING_METHODS = ("last", "mean", "cls")
 _ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 
@@ -49,17 +51,17 @@ class PoolingParams:
     dimensions: int | None = None  # keep the first D values (1 <= D <= hidden size, checked at add)
 
     def __post_init__(self) -> None:
-        from agentrt.engine.sampling_params import InvalidRequestError, InvalidRequestTypeError, show_value
-
         if not isinstance(self.method, str) or self.method not in POOLING_METHODS:
             raise InvalidRequestError(f"PoolingParams.method must be one of {', '.join(POOLING_METHODS)}, "
-                                      f"got {show_value(self.method)}")
+                                      f"got {show_value(self.method)}", parameter="pooling.method", value=self.method)
         if not isinstance(self.normalize, bool):
-            raise InvalidRequestTypeError(f"PoolingParams.normalize must be a bool, got {show_value(self.normalize)}")
+            raise InvalidRequestTypeError(f"PoolingParams.normalize must be a bool, got {show_value(self.normalize)}",
+                                          parameter="pooling.normalize", value=self.normalize)
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise InvalidRequestError(f"PoolingParams.dimensions must be None or an int >= 1, "
-                                      f"got {show_value(self.dimensions)}")
+                                      f"got {show_value(self.dimensions)}", parameter="pooling.dimensions",
+                                      value=self.dimensions)
 
     @property
     def reads_cache(self) -> bool:

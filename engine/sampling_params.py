@@ -1,5 +1,5 @@
-"""Sampling parameters (OpenAI / vLLM semantics, validated when made) and the errors for input the
-engine refuses. The sampler that applies them is engine/sampling.py."""
+"""Sampling parameters (OpenAI / vLLM semantics, validated when made; a bad one raises an
+engine.errors InvalidRequestError naming it). The sampler that applies them is engine/sampling.py."""
 
 from __future__ import annotations
 
@@ -8,22 +8,15 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
+from agentrt.engine.pooling import PoolingParams
+
 MAX_TOP_LOGPROBS = 20  # most alternatives per token `top_logprobs` may ask for
 MAX_N = 128  # most completions per prompt: each is a request of its own in the batch
 MAX_SEED = 2**63 - 1
 MAX_PRIORITY = 2**31 - 1  # |priority| at most
 MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI's API
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (dividing by them overflows fp32)
-
-
-class InvalidRequestError(ValueError):
-    """The engine refuses a request: a bad sampling parameter, prompt or id. The message names the
-    field and the offending value. Raised before anything is queued."""
-
-
-class InvalidRequestTypeError(InvalidRequestError, TypeError):
-    """A request field of the wrong type. Also a ValueError, so one `except ValueError` catches every
-    refused request."""
 
 
 @dataclass(slots=True)
@@ -82,10 +75,10 @@ class SamplingParams:
         self.temperature = _real("temperature", self.temperature, 0.0)
         self.top_k = _int("top_k", self.top_k, -1, what="-1 (off) or an int >= 1")
         if self.top_k == 0:
-            raise InvalidRequestError("SamplingParams.top_k must be -1 (off) or an int >= 1, got 0")
+            raise _bad("top_k", self.top_k, "must be -1 (off) or an int >= 1, got 0")
         self.top_p = _real("top_p", self.top_p, 0.0, 1.0, what="a number in (0, 1]")
         if self.top_p == 0.0:
-            raise InvalidRequestError("SamplingParams.top_p must be a number in (0, 1], got 0.0")
+            raise _bad("top_p", self.top_p, "must be a number in (0, 1], got 0.0")
         if self.seed is not None:
             self.seed = _int("seed", self.seed, 0, MAX_SEED, what="an int in [0, 2**63 - 1] or None")
         self.stop = _stop_strings(self.stop)
@@ -98,14 +91,14 @@ class SamplingParams:
             from agentrt.engine.structured import Constraint
 
             if not isinstance(self.constraint, Constraint):
-                raise InvalidRequestTypeError(
-                    f"SamplingParams.constraint must be an engine.structured.Constraint or None, got {show_value(self.constraint)}")
+                raise _bad_type("constraint", self.constraint,
+                                f"must be an engine.structured.Constraint or None, got {show_value(self.constraint)}")
         self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
         self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, 0.0, what="a finite number > 0")
         if self.repetition_penalty == 0.0:
-            raise InvalidRequestError("SamplingParams.repetition_penalty must be a finite number > 0, got 0.0")
+            raise _bad("repetition_penalty", self.repetition_penalty, "must be a finite number > 0, got 0.0")
         self.min_tokens = _int("min_tokens", self.min_tokens, 0, self.max_tokens,
                                what=f"an int in [0, max_tokens={self.max_tokens}]")
         self.logit_bias = _logit_bias(self.logit_bias)
@@ -118,8 +111,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
-                raise InvalidRequestError("SamplingParams.allowed_token_ids must be None or a non-empty list of token ids, "
-                                          "got []")
+                raise _bad("allowed_token_ids", [], "must be None or a non-empty list of token ids, got []")
         self.bad_words = _bad_words(self.bad_words)
         if self.truncate_prompt_tokens is not None:
             self.truncate_prompt_tokens = _truncation(self.truncate_prompt_tokens)
@@ -127,16 +119,14 @@ class SamplingParams:
             self._check_pooling()
 
     def _check_pooling(self) -> None:
-        from agentrt.engine.pooling import PoolingParams
-
         if not isinstance(self.pooling, PoolingParams):
-            raise InvalidRequestTypeError(
-                f"SamplingParams.pooling must be an engine.pooling.PoolingParams or None, got {show_value(self.pooling)}")
+            raise _bad_type("pooling", self.pooling,
+                            f"must be an engine.pooling.PoolingParams or None, got {show_value(self.pooling)}")
         for name, off in (("n", 1), ("logprobs", False), ("top_logprobs", 0), ("constraint", None),
                           ("prompt_logprobs", None), ("allowed_token_ids", None), ("bad_words", [])):
             if getattr(self, name) != off:
-                raise InvalidRequestError(f"SamplingParams.{name} must be {off!r} for a pooling (embedding) request, "
-                                          f"got {show_value(getattr(self, name))}")
+                raise _bad(name, getattr(self, name), f"must be {off!r} for a pooling (embedding) request, "
+                           f"got {show_value(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
@@ -165,25 +155,14 @@ class SamplingParams:
                                     or self.allowed_token_ids is not None or self.constraint is not None)
 
 
-def show_value(value: Any, with_type: bool = True) -> str:
-    """A bad value for an error message: its repr (cut at 80 characters) and its type."""
-    try:
-        text = repr(value)
-    except Exception:  # an int past Python's 4300-digit str limit, or a __repr__ that fails
-        text = "<unprintable>"
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{text} ({type(value).__name__})" if with_type else text
-
-
 def _int(name: str, value: Any, lo: int, hi: int | None = None, what: str | None = None) -> int:
     if what is None:
         what = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidRequestTypeError(f"SamplingParams.{name} must be {what}, got {show_value(value)}")
+        raise _bad_type(name, value, f"must be {what}, got {show_value(value)}")
     value = int(value)
     if value < lo or (hi is not None and value > hi):
-        raise InvalidRequestError(f"SamplingParams.{name} must be {what}, got {show_value(value, False)}")
+        raise _bad(name, value, f"must be {what}, got {show_value(value, False)}")
     return value
 
 
@@ -191,19 +170,19 @@ def _real(name: str, value: Any, lo: float, hi: float | None = None, what: str |
     if what is None:
         what = f"a finite number in [{lo}, {hi}]" if hi is not None else f"a finite number >= {lo}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidRequestTypeError(f"SamplingParams.{name} must be {what}, got {show_value(value)}")
+        raise _bad_type(name, value, f"must be {what}, got {show_value(value)}")
     try:
         number = float(value)
     except OverflowError:  # an int past the float range
         number = math.inf
     if not math.isfinite(number) or number < lo or (hi is not None and number > hi):
-        raise InvalidRequestError(f"SamplingParams.{name} must be {what}, got {show_value(value, False)}")
+        raise _bad(name, value, f"must be {what}, got {show_value(value, False)}")
     return number
 
 
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise InvalidRequestTypeError(f"SamplingParams.{name} must be a bool, got {show_value(value)}")
+        raise _bad_type(name, value, f"must be a bool, got {show_value(value)}")
     return value
 
 
@@ -213,14 +192,14 @@ def _stop_strings(stop: Any) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)):
-        raise InvalidRequestTypeError(f"SamplingParams.stop must be a str or a list of str, got {show_value(stop)}")
+        raise _bad_type("stop", stop, f"must be a str or a list of str, got {show_value(stop)}")
     for s in stop:
         if not isinstance(s, str):
-            raise InvalidRequestTypeError(f"SamplingParams.stop must be a str or a list of str, got item {show_value(s)}")
+            raise _bad_type("stop", s, f"must be a str or a list of str, got item {show_value(s)}")
         if not s:
-            raise InvalidRequestError(f"SamplingParams.stop must be non-empty strings, got {show_value(list(stop), False)}")
+            raise _bad("stop", s, f"must be non-empty strings, got {show_value(list(stop), False)}")
         if not _encodable(s):
-            raise InvalidRequestError(f"SamplingParams.stop must be valid Unicode, got {s!r} (a lone surrogate)")
+            raise _bad("stop", s, f"must be valid Unicode, got {s!r} (a lone surrogate)")
     return list(stop)
 
 
@@ -228,12 +207,12 @@ def _token_ids(name: str, ids: Any) -> list[int]:
     if ids is None:
         return []
     if not isinstance(ids, (list, tuple)):
-        raise InvalidRequestTypeError(f"SamplingParams.{name} must be a list of int, got {show_value(ids)}")
+        raise _bad_type(name, ids, f"must be a list of int, got {show_value(ids)}")
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise InvalidRequestTypeError(f"SamplingParams.{name} must be a list of int, got item {show_value(t)}")
+            raise _bad_type(name, t, f"must be a list of int, got item {show_value(t)}")
         if t < 0:
-            raise InvalidRequestError(f"SamplingParams.{name} must be token ids >= 0, got {show_value(t, False)}")
+            raise _bad(name, t, f"must be token ids >= 0, got {show_value(t, False)}")
     return [int(t) for t in ids]
 
 
@@ -241,22 +220,21 @@ def _bad_words(words: Any) -> list[str]:
     if words is None:
         return []
     if not isinstance(words, (list, tuple)):
-        raise InvalidRequestTypeError(f"SamplingParams.bad_words must be a list of str, got {show_value(words)}")
+        raise _bad_type("bad_words", words, f"must be a list of str, got {show_value(words)}")
     for w in words:
         if not isinstance(w, str):
-            raise InvalidRequestTypeError(f"SamplingParams.bad_words must be a list of str, got item {show_value(w)}")
+            raise _bad_type("bad_words", w, f"must be a list of str, got item {show_value(w)}")
         if not w.strip():  # vLLM tokenizes the word with its leading spaces stripped: nothing would be left
-            raise InvalidRequestError(f"SamplingParams.bad_words must be words with a non-space character, got {w!r}")
+            raise _bad("bad_words", w, f"must be words with a non-space character, got {w!r}")
         if not _encodable(w):
-            raise InvalidRequestError(f"SamplingParams.bad_words must be valid Unicode, got {w!r} (a lone surrogate)")
+            raise _bad("bad_words", w, f"must be valid Unicode, got {w!r} (a lone surrogate)")
     return list(words)
 
 
 def _truncation(keep: Any) -> int:
     keep = _int("truncate_prompt_tokens", keep, -1, what="-1 (the context), an int >= 1 or None")
     if keep == 0:
-        raise InvalidRequestError("SamplingParams.truncate_prompt_tokens must be -1 (the context), an int >= 1 or None, "
-                                  "got 0")
+        raise _bad("truncate_prompt_tokens", keep, "must be -1 (the context), an int >= 1 or None, got 0")
     return keep
 
 
@@ -275,18 +253,27 @@ def _logit_bias(bias: Any) -> dict[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, dict):
-        raise InvalidRequestTypeError(f"SamplingParams.logit_bias must be a dict of token id -> bias or None, got {show_value(bias)}")
+        raise _bad_type("logit_bias", bias, f"must be a dict of token id -> bias or None, got {show_value(bias)}")
     out = {}
     for t, b in bias.items():
         if isinstance(t, str) and t.strip().isdigit():  # JSON object keys are strings (OpenAI's API)
             t = int(t)
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
-            raise InvalidRequestError(f"SamplingParams.logit_bias keys must be token ids >= 0, got {show_value(t)}")
+            raise _bad("logit_bias", t, f"keys must be token ids >= 0, got {show_value(t)}")
         if isinstance(b, bool) or not isinstance(b, numbers.Real) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
-            raise InvalidRequestError(
-                f"SamplingParams.logit_bias values must be numbers in [-100, 100], got {show_value(b)} for token {t}")
+            raise _bad("logit_bias", b, f"values must be numbers in [-100, 100], got {show_value(b)} for token {t}")
         out[int(t)] = float(b)
     return out or None
+
+
+def _bad(name: str, value: Any, text: str) -> InvalidRequestError:
+    """The error for a bad `name` field: "SamplingParams.{name} {text}", carrying the field and the value."""
+    return InvalidRequestError(f"SamplingParams.{name} {text}", parameter=name, value=value)
+
+
+def _bad_type(name: str, value: Any, text: str) -> InvalidRequestTypeError:
+    """`_bad` for a value of the wrong type."""
+    return InvalidRequestTypeError(f"SamplingParams.{name} {text}", parameter=name, value=value)
 
 
 def _encodable(text: str) -> bool:

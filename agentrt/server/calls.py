@@ -5,6 +5,7 @@ rendered, tokenized and its grammar compiled off the event loop."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -97,17 +98,16 @@ def sampling_params(
             top_logprobs=top_logprobs, constraint=constraint, prompt_logprobs=prompt_logprobs,
         )
     except (TypeError, ValueError) as e:
-        raise bad_request(str(e), _param_of(str(e))) from None
+        raise bad_request(str(e), _param_of(getattr(e, "parameter", None))) from None
 
 
-_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
-def _param_of(message: str, default: str | None = None) -> str | None:
-    """The request field an engine error message names (`SamplingParams.stop ...` -> "stop"), else
-    `default` (what the prompt came in: "messages" or "prompt")."""
-    m = _SAMPLING_FIELD.search(message)
-    return m.group(1) if m else default
+def _param_of(parameter: str | None, default: str | None = None) -> str | None:
+    """The request field of the parameter an engine error names (a sampling field keeps its name), else
+    `default` (what the prompt came in: "messages" or "prompt"): the prompt, its adapter or its pooling."""
+    return parameter if parameter in _SAMPLING_FIELDS else default
 
 
 def truncated(st: ServerState, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
@@ -124,7 +124,7 @@ def submit(st: ServerState, ids: list[int], params: SamplingParams, prompt_param
     try:
         return st.runtime.submit(ids, params, **kw)
     except InvalidCallError as e:
-        raise bad_request(str(e), _param_of(str(e), prompt_param)) from None
+        raise bad_request(str(e), _param_of(e.param, prompt_param)) from None
 
 
 def engine_salt(owner: str | None, cache_salt: str | None) -> str | None:
@@ -154,7 +154,7 @@ def beam_search_call(st: ServerState, req: Any, prompt_ids: list[int], params: S
                                 include_stop_str_in_output=params.include_stop_str_in_output)
         return st.runtime.submit_beam_search(prompt_ids, beam, **kw)
     except (TypeError, ValueError) as e:  # the penalty out of range, or a prompt the engine refuses
-        raise bad_request(str(e), "length_penalty" if "length_penalty" in str(e) else "prompt") from None
+        raise bad_request(str(e), "length_penalty" if getattr(e, "parameter", None) == "length_penalty" else "prompt") from None
 
 
 def new_id(prefix: str) -> str:

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from agentrt.engine.errors import InvalidRequestError
+
 # ids that clients choose travel in URLs, headers and request ids: keep them plain
 ProgramId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\-]*$")]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -169,7 +171,8 @@ class GenerationExtras(Struct, kw_only=True):
         if self.logit_bias:
             bad = [k for k in self.logit_bias if not k.strip().lstrip("-").isdigit()]
             if bad:
-                raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {bad[0]!r}")
+                raise InvalidRequestError(f"SamplingParams.logit_bias keys must be token ids, got {bad[0]!r}",
+                                          parameter="logit_bias", value=bad[0])
             bias = {int(k): v for k, v in self.logit_bias.items()}
         return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": defaults.get("repetition_penalty", 1.0) if self.repetition_penalty is None
