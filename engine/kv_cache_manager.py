@@ -1,9 +1,11 @@
 """Paged KV-cache bookkeeping: prefix cache, dedup, fork and copy-on-write, and per-program
 reservations and pins (the block pool itself is `engine.block_pool`).
 
-The scheduler talks to `KVCacheManager` through `get_computed_blocks`, `allocate_slots`,
-`cache_blocks` and `free` (plus `fork`, `admitted`, `expire_pins` and the program operations of
-`engine.program_ops`); it never touches free lists or hashes.
+The scheduler talks to `KVCacheManager` through named calls only, never its attributes, free lists or
+hashes: blocks (`get_computed_blocks`, `allocate_slots`, `cache_blocks`, `free`, `fork`,
+`take_pending_copies`, `capacity_error`), in-batch prefix sharing (`next_block_hash`,
+`hashes_completed`) and ownership (`admitted`, `holds_pin`, `fits_whole`, `num_allocatable`,
+`num_reserved_blocks`, `expire_pins`, `program_op`).
 
 Retention (per program, "owner"): with a TTL set (`Pin`), a finished call's full cached blocks stay
 pinned (the pin holds a reference) until `now + ttl_s`; the program's next admitted call dissolves the
@@ -182,6 +184,29 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def capacity_error(self, req: Request) -> str | None:
+        """Why `req` could never fit the cache, even alone (its prompt and whole output); None if it can."""
+        max_tokens = min(req.num_prompt_tokens + req.sampling.max_tokens, req.max_model_len)
+        need = self.blocks_for(max_tokens)
+        if need <= self.num_blocks:
+            return None
+        return (f"request {req.request_id!r} needs {need} KV blocks for {req.num_prompt_tokens} prompt + "
+                f"{req.sampling.max_tokens} output tokens but the cache has only {self.num_blocks} blocks of "
+                f"{self.block_size} tokens")
+
+    def next_block_hash(self, req: Request, num_hit_blocks: int) -> bytes | None:
+        """The hash of a waiting request's first full block past its `num_hit_blocks` cached ones, if its
+        computing would be shared (prefix caching on, and a full block before the last token); else None."""
+        if not self.enable_prefix_caching or (num_hit_blocks + 1) * self.block_size >= req.num_tokens:
+            return None
+        return self.block_hashes(req, num_hit_blocks + 1)[-1]
+
+    def hashes_completed(self, req: Request, num_new_tokens: int) -> list[bytes]:
+        """Hashes of the full blocks of `req` that computing its next `num_new_tokens` tokens completes."""
+        bs = self.block_size
+        first, end = req.num_computed_tokens // bs, min(req.num_computed_tokens + num_new_tokens, req.num_tokens) // bs
+        return self.block_hashes(req, end)[first:] if end > first else []
+
     def num_shared_blocks(self) -> int:
         return sum(1 for r in self.pool.ref_cnt if r > 1)
 
@@ -219,11 +244,14 @@ class KVCacheManager:
 
     # ---- mutations -----------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = (),
-                       may_take_reserved: bool = False, may_take_pinned: bool = True) -> bool:
+                       may_take_reserved: bool = False, may_take_pinned: bool = True, whole: bool = False) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the given hit
         blocks, for a request being admitted). Pins give way if needed (unless not `may_take_pinned`);
-        others' unused reservations too when `may_take_reserved` (module docstring). False = does not
-        fit; then nothing changed."""
+        others' unused reservations too when `may_take_reserved` (module docstring); with `whole`, only
+        if the request's whole prompt and output would fit (`fits_whole`). False = does not fit; then
+        nothing changed."""
+        if whole and not self.fits_whole(req, new_computed_blocks, may_take_pinned):
+            return False
         bs = self.block_size
         num_hit_tokens = len(new_computed_blocks) * bs
         total = req.num_computed_tokens + num_hit_tokens + num_new_tokens
@@ -319,8 +347,11 @@ class KVCacheManager:
 
     # ---- retention -----------------------------------------------------------------------
     def admitted(self, req: Request, num_hit_tokens: int) -> None:
-        """A request was admitted for the first time with `num_hit_tokens` from the cache: its program's
-        pin has done its job (hit) or is gone (miss); count what it computes again."""
+        """A request was admitted for the first time with `num_hit_tokens` from the cache: counted in the
+        prefix-cache stats; its program's pin has done its job (hit) or is gone (miss); count what it
+        computes again."""
+        self.stats.queries_tokens += req.num_prompt_tokens
+        self.stats.hit_tokens += num_hit_tokens
         o = self.owners.get(req.program_id) if req.program_id is not None else None
         if o is None:
             return
@@ -347,13 +378,15 @@ class KVCacheManager:
         self._common_memo = (req, o.last_tokens, o.last_len, n)
         return n
 
-    def expire_pins(self, now: float, waiting_owners: set[str | None]) -> None:
-        """Drop pins past their deadline, except those of programs with a call waiting (every step)."""
+    def expire_pins(self, now: float, waiting_owners: set[str | None]) -> float:
+        """Drop pins past their deadline, except those of programs with a call waiting (every step); the
+        next deadline of those left (inf: none)."""
         for pid, o in list(self._pinned.items()):
             if o.deadline <= now and pid not in waiting_owners:
                 o.stats.expiries += 1
                 self.retention.expiries += 1
                 self._unpin(pid, o)
+        return self.next_pin_deadline()
 
     def next_pin_deadline(self) -> float:
         return min((o.deadline for o in self._pinned.values()), default=math.inf)

@@ -102,8 +102,7 @@ class Scheduler:
 
     def expire_pins(self) -> float:
         """Drop expired pins (unless their program waits); the next pin deadline (inf: none)."""
-        self.kv.expire_pins(self.clock(), {r.program_id for r in self.waiting})
-        return self.kv.next_pin_deadline()
+        return self.kv.expire_pins(self.clock(), {r.program_id for r in self.waiting})
 
     def program_op(self, op: ProgramOp) -> None:
         """A program operation (engine.program_ops), between steps, on this scheduler's clock."""
@@ -192,22 +191,19 @@ class Scheduler:
         while (not short_of_blocks and j < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[j]
-            max_tokens = min(req.num_prompt_tokens + req.sampling.max_tokens, req.max_model_len)
-            if self.kv.blocks_for(max_tokens) > self.kv.num_blocks:  # would preempt itself forever
+            error = self.kv.capacity_error(req)
+            if error is not None:  # would preempt itself forever
                 self.waiting.pop(j)
                 out.failed.append(req)
-                req.error = (
-                    f"request {req.request_id!r} needs {self.kv.blocks_for(max_tokens)} KV blocks for "
-                    f"{req.num_prompt_tokens} prompt + {req.sampling.max_tokens} output tokens but the cache "
-                    f"has only {self.kv.num_blocks} blocks of {self.kv.block_size} tokens"
-                )
+                req.error = error
                 self.finish(req, RequestStatus.FINISHED_ERROR, "error")
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
-            if self.kv.enable_prefix_caching and num_hit + self.kv.block_size < req.num_tokens:
+            next_hash = self.kv.next_block_hash(req, len(hits))
+            if next_hash is not None:
                 if in_flight is None:
                     in_flight = self._computed_this_step(out)
-                if self.kv.block_hashes(req, len(hits) + 1)[-1] in in_flight:
+                if next_hash in in_flight:
                     # its next block is being computed by a request of this step: waiting a step finds it
                     # in the prefix cache, instead of computing the same prefix twice (in-batch prefix sharing)
                     j += 1
@@ -215,17 +211,14 @@ class Scheduler:
             n = min(req.num_tokens - num_hit, budget)
             idle = not self.running  # nobody would free blocks: reservations must give way
             take_pins = idle or not protect_pins or self.kv.holds_pin(req.program_id)
-            if protect_pins and not idle and not self.kv.fits_whole(req, hits, take_pins):
-                break
-            if not self.kv.allocate_slots(req, n, hits, may_take_reserved=idle, may_take_pinned=take_pins):
+            if not self.kv.allocate_slots(req, n, hits, may_take_reserved=idle, may_take_pinned=take_pins,
+                                          whole=protect_pins and not idle):
                 break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
             self.waiting.pop(j)
             if req.num_preemptions:
                 req.num_recomputed_tokens += n
             elif req.first_scheduled_time is None:
                 req.num_prefix_hit_tokens = num_hit
-                self.kv.stats.queries_tokens += req.num_prompt_tokens
-                self.kv.stats.hit_tokens += num_hit
                 self.kv.admitted(req, num_hit)
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
@@ -236,21 +229,15 @@ class Scheduler:
             out.num_tokens.append(n)
             budget -= n
             if in_flight is not None:
-                in_flight.update(self._blocks_computed(req, n))
+                in_flight.update(self.kv.hashes_completed(req, n))
         out.block_copies = self.kv.take_pending_copies()
         return out
-
-    def _blocks_computed(self, req: Request, n: int) -> list[bytes]:
-        """Hashes of the full blocks of `req` that computing its next `n` tokens completes."""
-        bs = self.kv.block_size
-        first, end = req.num_computed_tokens // bs, min(req.num_computed_tokens + n, req.num_tokens) // bs
-        return self.kv.block_hashes(req, end)[first:] if end > first else []
 
     def _computed_this_step(self, out: SchedulerOutput) -> set[bytes]:
         hashes: set[bytes] = set()
         if out.num_steps == 1:  # a multi-step decode completes blocks of tokens not known yet
             for req, n in zip(out.reqs, out.num_tokens):
-                hashes.update(self._blocks_computed(req, n))
+                hashes.update(self.kv.hashes_completed(req, n))
         return hashes
 
     def _multi_steps(self, budget: int) -> int:
