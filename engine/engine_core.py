@@ -3,8 +3,10 @@
     out = scheduler.schedule()
     result = runner.execute(out)
     scheduler.update_from_output(out, result.step_time_s)
+    deltas = outputs.process(result)
 
-plus turning sampled tokens into finished requests (EOS, stop ids, stop strings, lengths).
+where the output processor (engine.output_processor) turns sampled tokens into deltas and finished
+requests (EOS, stop ids, stop strings, lengths).
 Input is checked before anything is queued; an error while serving one request fails that
 request alone, so one bad request never hurts the others.
 Not thread-safe: one thread drives it (LLM directly, AsyncEngine between its worker-thread steps).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
@@ -22,12 +25,13 @@ import torch
 
 from agentrt import kernels
 from agentrt.engine.admission import RequestChecks
-from agentrt.engine.config import EngineConfig
+from agentrt.engine.config import EngineConfig, kv_budget
 from agentrt.engine.generation_config import generation_defaults
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.loader import load_model, load_tokenizer, resolve_model
 from agentrt.engine.lora import LoRAAdapter, LoRARegistry, LoRARequest
-from agentrt.engine.outputs import CompletionOutput, Detokenizer, RequestMetrics, RequestOutput, StreamDelta
+from agentrt.engine.output_processor import OutputProcessor
+from agentrt.engine.outputs import Detokenizer, RequestOutput, StreamDelta
 from agentrt.engine.policy import make_policy
 from agentrt.engine.program_ops import ProgramOp
 from agentrt.engine.request import Request, RequestStatus
@@ -36,11 +40,18 @@ from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, 
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.scheduler import Scheduler, SchedulerOutput
 from agentrt.engine.spec_decode import propose
-from agentrt.engine.structured import Constraint, allows_no_token
-
-_CPU_KV_BYTES = 1 << 30
+from agentrt.engine.structured import Constraint
 
 logger = logging.getLogger("agentrt.engine")
+
+
+def announce(line: str) -> None:
+    """An info line an operator needs (the start-up line): through logging when the application set it up for
+    info, else on stderr, so `agentrt serve`, `run`, `generate` and a bare `LLM()` all show it."""
+    if logger.hasHandlers() and logger.isEnabledFor(logging.INFO):
+        logger.info("%s", line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 @dataclass(slots=True)
@@ -84,20 +95,24 @@ class EngineCore:
         args = self.model.args
         self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
         self.eos_token_ids = _eos_ids(self.tokenizer, self.hf_config)
-        num_blocks = config.num_blocks or self._blocks_from_budget()
+        num_blocks, budget_from = (config.num_blocks, "num_blocks") if config.num_blocks else self._blocks_from_budget()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, model_key=str(self.model_path))
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, config.device)
         if config.device == "cpu":
             kernels.cpu.ops()  # build (first time, ~30 s) or load the C++ CPU kernels now, not mid-request
-        self.startup_line = (f"agentrt engine: {self.model_path.name} on {config.device}, {config.dtype} "
-                             f"({config.dtype_reason}), {num_blocks} KV blocks of {config.block_size} tokens"
-                             + (f", kernels: {kernels.cpu.describe()}" if config.device == "cpu" else ""))
-        logger.info("%s", self.startup_line)
         self.policy = make_policy(config.policy, **(config.policy_kwargs or {}))
+        kv_bytes = num_blocks * ModelRunner.bytes_per_block(self.model.args, config.block_size, config.torch_dtype)
+        self.startup_line = (f"agentrt engine: {self.model_path.name} on {config.device}, {config.dtype} "
+                             f"({config.dtype_reason}), {num_blocks} KV blocks of {config.block_size} tokens "
+                             f"({kv_bytes / 2**20:.0f} MiB, from {budget_from}), policy "
+                             f"{getattr(self.policy, 'name', type(self.policy).__name__)}"
+                             + (f", kernels: {kernels.cpu.describe()}" if config.device == "cpu" else ""))
+        announce(self.startup_line)
         self.scheduler = Scheduler(config, self.kv, self.policy)
         self.requests: dict[str, Request] = {}  # unfinished, by id (forked children included)
         self._families: dict[str, Request] = {}  # root requests by id, until their output is taken
         self._detok: dict[str, Detokenizer] = {}
+        self.outputs = OutputProcessor(self.scheduler, self.model.args.vocab_size, self.requests, self._detok)
         self.checks = RequestChecks(config, self.tokenizer, self.model.args, self.max_model_len, self.eos_token_ids)
         self._ids = itertools.count()
         self.num_steps = 0
@@ -107,17 +122,11 @@ class EngineCore:
         self.num_draft_tokens = 0  # speculative drafts scheduled
         self.num_rejected_tokens = 0  # of which rejected
 
-    def _blocks_from_budget(self) -> int:
+    def _blocks_from_budget(self) -> tuple[int, str]:
         c = self.config
         per_block = ModelRunner.bytes_per_block(self.model.args, c.block_size, c.torch_dtype)
-        budget = c.kv_cache_bytes
-        if budget is None:
-            if c.device == "cpu":
-                budget = _CPU_KV_BYTES
-            else:
-                free, _ = torch.cuda.mem_get_info(torch.device(c.device))
-                budget = int(free * 0.9)
-        return max(1, budget // per_block)
+        budget, source = kv_budget(c)
+        return max(1, budget // per_block), source
 
     # ---- requests ------------------------------------------------------------------------
     def validate_prompt(self, prompt: str | list[int], truncate_prompt_tokens: int | None = None) -> list[int]:
@@ -242,8 +251,8 @@ class EngineCore:
         for r in [root, *root.children]:
             if r.request_id in self.requests and not r.finished:  # waiting or running
                 self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED, "abort")
-                deltas.append(self._delta(r, []))
-        return deltas + self._end_unstarted_forks(root)
+                deltas.append(self.outputs.delta(r, []))
+        return deltas + self.outputs.end_unstarted_forks(root)
 
     def release(self, request_id: str) -> None:
         """Abort a request and its forks if still running and forget them, without building an output."""
@@ -265,18 +274,8 @@ class EngineCore:
         for root in list(self._families.values()):
             for r in (root, *root.children):
                 if r.request_id in self.requests and not r.finished:
-                    deltas += self._fail(r, error)
-            deltas += self._end_unstarted_forks(root)
-        return deltas
-
-    @staticmethod
-    def _end_unstarted_forks(root: Request) -> list[StreamDelta]:
-        """A parent that ended before its first token takes its never-started forks with it."""
-        deltas = []
-        for c in root.children:
-            if root.finished and not c.finished and not c.block_ids and not c.output_token_ids:
-                c.status, c.finish_reason, c.error = root.status, root.finish_reason, root.error
-                deltas.append(StreamDelta(c.request_id, c.fork_index, [], "", True, c.finish_reason, c.error))
+                    deltas += self.outputs.fail(r, error)
+            deltas += self.outputs.end_unstarted_forks(root)
         return deltas
 
     def has_work(self) -> bool:
@@ -318,184 +317,28 @@ class EngineCore:
         self.num_draft_tokens += sum(len(r.spec_token_ids) for r in out.reqs)
         deltas: list[StreamDelta] = []
         for req in out.failed:
-            deltas.append(self._delta(req, []))
-            deltas += self._end_unstarted_forks(req)
+            deltas.append(self.outputs.delta(req, []))
+            deltas += self.outputs.end_unstarted_forks(req)
         try:
             result = self.runner.execute(out)
         except Exception as e:
             logger.exception("model step failed: failing its batch of %d requests", len(out.reqs))
             for req in out.reqs:
                 if not req.finished:
-                    deltas += self._fail(req, f"the engine step serving request {req.request_id!r} failed: {e!r}")
+                    deltas += self.outputs.fail(req, f"the engine step serving request {req.request_id!r} failed: {e!r}")
             return deltas
         self.busy_s += result.step_time_s
         self.num_computed_tokens += out.total_tokens
         self.scheduler.update_from_output(out, result.step_time_s, result.num_rejected)
         if result.num_rejected is not None and out.num_steps == 1:  # drafts (a multi-step's are its tail)
             self.num_rejected_tokens += sum(result.num_rejected)
-        for p in result.prompt_logprobs or ():
-            _add_prompt_logprobs(p.req, p.first_token, p.logprobs, p.top, p.ranks)
-        for req, start, rows in result.pooled or ():
-            deltas += self._pool(req, start, rows)
         self.num_steps += 1
-        now = time.monotonic()
-        for i, req in enumerate(result.sampled_reqs):
-            if req.finished:
-                continue
-            tokens = result.token_ids[i]
-            none = [None] * len(tokens)
-            lps = result.logprobs[i] if result.logprobs is not None and req.sampling.wants_logprobs else none
-            tops = result.top_logprobs[i] if result.top_logprobs is not None else none
-            try:
-                deltas += self._take_tokens(req, tokens, lps, tops, now)
-            except Exception as e:
-                logger.exception("request %r failed", req.request_id)
-                deltas += self._fail(req, f"request {req.request_id!r} failed in the engine: {e!r}")
-        return deltas
-
-    def _pool(self, req: Request, start: int, rows) -> list[StreamDelta]:
-        """Add a pooling request's rows of this step; once its prompt is computed, its embedding, and it ends."""
-        if req.finished:
-            return []
-        if start == 0:  # its first chunk, or computing again after a preemption
-            req.pooled = None
-        if rows is not None:
-            req.pooled = rows if req.pooled is None else req.pooled + rows
-        if req.num_computed_tokens < req.num_prompt_tokens:
-            return []
-        try:
-            req.embedding = req.sampling.pooling.finish(req.pooled, req.num_prompt_tokens)
-        except Exception as e:
-            logger.exception("request %r failed", req.request_id)
-            return self._fail(req, f"request {req.request_id!r} failed in the engine: {e!r}")
-        req.pooled = None
-        req.first_token_time = time.monotonic()
-        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")
-        delta = self._delta(req, [])
-        delta.embedding = req.embedding
-        return [delta]
-
-    def _take_tokens(self, req: Request, tokens: list[int], lps: list, tops: list, now: float) -> list[StreamDelta]:
-        """Append a request's sampled tokens (n for a request about to fork: one per completion)."""
-        deltas = []
-        if req.children and req.num_output_tokens == 0:
-            for child, tok, lp, top in zip(req.children, tokens[1:], lps[1:], tops[1:]):
-                self.requests[child.request_id] = child
-                self.scheduler.add_forked(req, child)
-                deltas += self._append_or_fail(child, tok, lp, top, now)
-            deltas += self._append_or_fail(req, tokens[0], lps[0], tops[0], now)
-        else:
-            for tok, lp, top in zip(tokens, lps, tops):  # several when drafts were accepted
-                deltas += self._append_or_fail(req, tok, lp, top, now)
-                if req.finished:
-                    break
-        return deltas
-
-    def _append_or_fail(self, req: Request, token: int, logprob, top, now: float) -> list[StreamDelta]:
-        try:
-            return [self._append(req, token, logprob, top, now)]
-        except Exception as e:
-            logger.exception("request %r failed", req.request_id)
-            return self._fail(req, f"request {req.request_id!r} failed in the engine: {e!r}")
-
-    def _append(
-        self, req: Request, token: int, logprob: float | None, top: list[tuple[int, float]] | None, now: float
-    ) -> StreamDelta:
-        if req.first_token_time is None:
-            req.first_token_time = now
-        if req.matcher is not None and not req.matcher.accept_token(token):
-            if allows_no_token(req.matcher, self.model.args.vocab_size):
-                # a dead end: no token of the vocabulary continues the grammar (e.g. a regex character whose
-                # bytes no token spells), so the sampled row was all -inf. The vocabulary is the limit: the
-                # output ends here, as at max_tokens
-                logger.info("request %r: its grammar allows no next token; ending it", req.request_id)
-                self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH, "length")
-                return self._delta(req, [])
-            raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
-        req.append_token(token, logprob, top)
-        p = req.sampling
-        if req.waiting_matcher is not None:
-            after = p.constraint.after
-            if req.output_token_ids[-len(after):] == list(after):  # e.g. the thinking ended: the grammar starts
-                req.matcher, req.waiting_matcher = req.waiting_matcher, None
-        eos = not p.ignore_eos and token in req.eos_token_ids
-        stop_id = token in p.stop_token_ids
-        detok = self._detok[req.request_id]
-        stop_hit = detok.add([token], stop_terminated=eos or stop_id)
-        grammar_done = req.matcher is not None and req.matcher.is_terminated()
-        if eos or grammar_done:
-            detok.stop_reason = None  # vLLM's: EOS ends it, whatever else the token did
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")
-        elif stop_id or stop_hit:
-            if stop_id:
-                detok.stop_reason = token
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, "stop")
-        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_model_len:
-            self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH, "length")
-        return self._delta(req, [token], None if logprob is None else [logprob], None if top is None else [top])
-
-    def _fail(self, req: Request, error: str) -> list[StreamDelta]:
-        """End one request with FINISHED_ERROR (its blocks go back); its final delta, and its
-        never-started forks' (the text it held back is dropped: its detokenizer may be what failed)."""
-        req.error = error
-        req.spec_token_ids = []
-        if req.finished:  # it had just ended when the error came: its blocks are already back
-            req.status, req.finish_reason = RequestStatus.FINISHED_ERROR, "error"
-        else:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, "error")
-        self.requests.pop(req.request_id, None)
-        return [StreamDelta(req.request_id, req.fork_index, [], "", True, "error", error), *self._end_unstarted_forks(req)]
-
-    def _delta(
-        self, req: Request, tokens: list[int], logprobs: list[float] | None = None,
-        top_logprobs: list[list[tuple[int, float]]] | None = None,
-    ) -> StreamDelta:
-        detok = self._detok[req.request_id]
-        text = detok.take(final=req.finished)
-        if req.finished:
-            self.requests.pop(req.request_id, None)
-        delta = StreamDelta(
-            req.request_id, req.fork_index, tokens, text, req.finished, req.finish_reason, req.error, logprobs, top_logprobs
-        )
-        if req.finished and req.finish_reason == "stop":
-            delta.stop_reason = detok.stop_reason
-        first = bool(tokens) and req.num_output_tokens == len(tokens)
-        if first:
-            delta.num_cached_tokens = (req.parent or req).num_prefix_hit_tokens
-        if req.sampling.prompt_logprobs is not None and first:
-            src = req.parent or req  # forks share their parent's prompt, which only the parent computed
-            delta.prompt_logprobs = list(src.prompt_logprobs)
-            if req.sampling.prompt_logprobs:
-                delta.prompt_top_logprobs = list(src.prompt_top_logprobs)
-        return delta
+        return deltas + self.outputs.process(result)
 
     def finished_output(self, req: Request) -> RequestOutput:
         """The full output of a finished request (with its forks); forgets the request."""
         self._families.pop(req.request_id, None)
-        comps = []
-        for r in [req, *req.children]:
-            self.requests.pop(r.request_id, None)
-            detok = self._detok.pop(r.request_id, None)
-            p = r.sampling
-            comps.append(
-                CompletionOutput(
-                    index=r.fork_index, text=detok.text if detok else "", token_ids=list(r.output_token_ids),
-                    finish_reason=r.finish_reason, logprobs=list(r.output_logprobs) if p.wants_logprobs else None,
-                    error=r.error, top_logprobs=list(r.output_top_logprobs) if p.top_logprobs else None,
-                    stop_reason=detok.stop_reason if detok and r.finish_reason == "stop" else None,
-                )
-            )
-        metrics = RequestMetrics(
-            req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finish_time,
-            sum(r.service_s for r in [req, *req.children]), req.num_prefix_hit_tokens, req.num_preemptions,
-        )
-        out = RequestOutput(req.request_id, list(req.prompt_token_ids), comps, metrics, embedding=req.embedding)
-        if req.sampling.prompt_logprobs is not None:
-            out.prompt_logprobs = list(req.prompt_logprobs)
-            out.prompt_ranks = list(req.prompt_ranks)
-            if req.sampling.prompt_logprobs:
-                out.prompt_top_logprobs = list(req.prompt_top_logprobs)
-        return out
+        return self.outputs.request_output(req)
 
     def kv_stats(self) -> KVStats:
         s, r = self.kv.stats, self.kv.retention
@@ -505,22 +348,6 @@ class EngineCore:
             self.kv.num_pinned_blocks, self.kv.num_reserved_blocks, r.ttl_hits, r.ttl_misses, r.expiries,
             r.pin_blocks_given_way, r.recomputed_prefill_tokens,
         )
-
-
-def _add_prompt_logprobs(req: Request, first: int, lps: list[float], top: list | None, ranks: list[int]) -> None:
-    """Record prompt tokens' log-probs (and ranks) from `first` on; positions already recorded (computed
-    again after a preemption) are skipped."""
-    if not req.prompt_logprobs:
-        req.prompt_logprobs.append(None)
-        req.prompt_top_logprobs.append(None)
-        req.prompt_ranks.append(None)
-    skip = len(req.prompt_logprobs) - first
-    if skip < 0:
-        raise RuntimeError(f"prompt log-probs of request {req.request_id!r} from token {first} skip tokens")
-    req.prompt_logprobs.extend(lps[skip:])
-    req.prompt_ranks.extend(ranks[skip:])
-    if top is not None:
-        req.prompt_top_logprobs.extend(top[skip:])
 
 
 def family_ids(request_id: str, n: int) -> list[str]:
