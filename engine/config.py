@@ -22,6 +22,10 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV budget; None = 1 GiB on CPU, 90% of free memory on GPU
     num_blocks: int | None = None  # exact block count (overrides kv_cache_bytes; tests)
+    gpu_memory_utilization: float | None = None  # vLLM's name, in (0, 1]: the share of memory the KV cache may
+    # take, measured once the weights are loaded: on GPU of the device's total memory less what is in use then
+    # (vLLM's meaning), on CPU of the host memory available then (MemAvailable). None = kv_cache_bytes' default
+    tensor_parallel_size: int = 1  # vLLM's name; only 1: an engine runs on one device
     max_num_seqs: int = 64  # requests in one batch at most
     max_num_batched_tokens: int = 1024  # tokens in one step at most (chunked prefill beyond)
     max_model_len: int | None = None  # context limit; None = the model's
@@ -57,6 +61,15 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes!r}")
+        if self.gpu_memory_utilization is not None:
+            v = self.gpu_memory_utilization
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {v!r}")
+            if self.kv_cache_bytes is not None:
+                raise ValueError("give kv_cache_bytes or gpu_memory_utilization, not both: each sizes the KV cache")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size must be 1, got {self.tensor_parallel_size!r}: an engine runs on "
+                             "one device; serve a larger model on one bigger device, or run one server per device")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
         if isinstance(self.num_scheduler_steps, bool) or not isinstance(self.num_scheduler_steps, int) \
@@ -106,3 +119,38 @@ def auto_dtype(device: str) -> tuple[str, str]:
     if names:
         return "bfloat16", f"CPU has {' and '.join(names)}"
     return "float32", "CPU has no native bf16 (AVX512-BF16 or AMX)"
+
+
+CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when nothing sizes it
+
+
+def kv_budget(config: EngineConfig) -> tuple[int, str]:
+    """The KV cache's byte budget once the weights are loaded, and where it came from (for the start-up line)."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes, "kv_cache_bytes"
+    share = config.gpu_memory_utilization
+    if config.device == "cpu":
+        if share is None:
+            return CPU_KV_BYTES, "the CPU default"
+        return int(available_host_bytes() * share), f"gpu_memory_utilization {share} of available host memory"
+    free, total = torch.cuda.mem_get_info(torch.device(config.device))
+    if share is None:
+        return int(free * 0.9), "90% of free GPU memory"
+    used = total - free
+    budget = int(total * share) - used
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {share} leaves no room for the KV cache: {used / 2**30:.1f} GiB of "
+                         f"{total / 2**30:.1f} GiB are in use once the weights are loaded; raise it")
+    return budget, f"gpu_memory_utilization {share} of GPU memory"
+
+
+def available_host_bytes() -> int:
+    """Host memory available to new allocations (Linux MemAvailable; elsewhere the free physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -97,7 +97,10 @@ class LLM:
                 for r in reqs:
                     self.core.release(r.request_id)
                 raise
-        return [self.core.finished_output(r) for r in reqs]
+        outs = [self.core.finished_output(r) for r in reqs]
+        for out, p in zip(outs, prompts):
+            out.prompt = p if isinstance(p, str) else None
+        return outs
 
     def chat(
         self,
@@ -117,7 +120,7 @@ class LLM:
         `chat_template_kwargs` are extra variables for the template (engine.chat_template)."""
         if _is_conversation(conversations):
             conversations = [conversations]
-        prompts = []
+        prompts, texts = [], []
         for i, conv in enumerate(conversations):
             if not _is_conversation(conv):
                 raise InvalidRequestTypeError(
@@ -135,7 +138,11 @@ class LLM:
                 raise InvalidRequestError(f"conversation {i} cannot be rendered by the chat template: {e}",
                                           parameter="conversations", value=conv) from None
             prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return self.generate(prompts, params, progress=progress, lora_request=lora_request)
+            texts.append(text)
+        outs = self.generate(prompts, params, progress=progress, lora_request=lora_request)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
 
     def embed(
         self,

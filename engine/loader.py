@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -48,6 +49,9 @@ def default_gguf_path() -> Path:
     return path
 
 
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # "org/name"
+
+
 class ModelNotFoundError(ValueError):
     """The model named (or the default one) is not there: a user's error, said in one line."""
 
@@ -65,9 +69,13 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return _convert_gguf(ggufs[0], name=ggufs[0].stem)
+    hint = ""
+    if _HUB_ID.fullmatch(str(model)) and not path.exists():
+        hint = (f"; {str(model)!r} looks like a Hugging Face hub id, and models are not downloaded here: fetch it "
+                f"first (`huggingface-cli download {model} --local-dir DIR`) and pass DIR")
     raise ModelNotFoundError(
         f"unknown model path {str(model)!r}: expected a directory with config.json and safetensors "
-        "weights, or a .gguf file"
+        f"weights, or a .gguf file{hint}"
     )
 
 

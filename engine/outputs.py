@@ -48,6 +48,8 @@ class RequestOutput:
     # the model found more likely at its position (vLLM's rank; None for the first)
     embedding: list[float] | None = None  # a pooling request's vector (engine.pooling); its one completion
     # then has no tokens and finish_reason "stop"
+    prompt: str | None = None  # the prompt's text (vLLM's; LLM.chat: as the chat template rendered it);
+    # None when it was given as token ids
 
     @property
     def text(self) -> str:
