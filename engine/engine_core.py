@@ -315,18 +315,12 @@ class EngineCore:
         if self.on_schedule is not None:
             self.on_schedule(out)
         self.num_draft_tokens += sum(len(r.spec_token_ids) for r in out.reqs)
-        deltas: list[StreamDelta] = []
-        for req in out.failed:
-            deltas.append(self.outputs.delta(req, []))
-            deltas += self.outputs.end_unstarted_forks(req)
+        deltas = self.outputs.unschedulable(out.failed)
         try:
             result = self.runner.execute(out)
         except Exception as e:
             logger.exception("model step failed: failing its batch of %d requests", len(out.reqs))
-            for req in out.reqs:
-                if not req.finished:
-                    deltas += self.outputs.fail(req, f"the engine step serving request {req.request_id!r} failed: {e!r}")
-            return deltas
+            return deltas + self.outputs.fail_batch(out.reqs, e)
         self.busy_s += result.step_time_s
         self.num_computed_tokens += out.total_tokens
         self.scheduler.update_from_output(out, result.step_time_s, result.num_rejected)

@@ -32,6 +32,22 @@ class OutputProcessor:
         self.requests = requests
         self.detok = detok
 
+    def unschedulable(self, failed: list[Request]) -> list[StreamDelta]:
+        """The final deltas of requests the scheduler failed (they could never fit), and of their forks."""
+        deltas = []
+        for req in failed:
+            deltas.append(self.delta(req, []))
+            deltas += self.end_unstarted_forks(req)
+        return deltas
+
+    def fail_batch(self, reqs: list[Request], error: Exception) -> list[StreamDelta]:
+        """Fail every unfinished request of a step whose forward raised `error`."""
+        deltas = []
+        for req in reqs:
+            if not req.finished:
+                deltas += self.fail(req, f"the engine step serving request {req.request_id!r} failed: {error!r}")
+        return deltas
+
     def process(self, result: ModelOutput) -> list[StreamDelta]:
         """The deltas of one executed step: prompt log-probs recorded, pooling requests' rows added (ended
         once their prompt is computed), sampled tokens appended."""
