@@ -22,7 +22,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 
 from agentrt.bench._common import dtype_on_cpu, markdown_table, write_section
@@ -146,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     from agentrt.engine import LLM
 
     llm = LLM(a.model, max_num_seqs=max(64, a.running))
-    print(llm.core.startup_line, file=sys.stderr)
     res = measure(llm, a.running, a.steps, a.repeats, seed=a.seed)
     print(json.dumps(res, indent=2) if a.json else table(res))
     if a.docs:

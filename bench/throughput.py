@@ -266,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
         kw["kv_cache_bytes"] = int(a.kv_cache_gb * 2**30)
     llm = LLM(a.model, **kw)
     config = llm.core.config
-    print(llm.core.startup_line, file=sys.stderr)
     spec = LLM(a.model, num_speculative_tokens=a.speculative, **kw) if a.speculative else None
     dtype, device = config.torch_dtype, config.device
     fp32_ref = a.fp32_reference if a.fp32_reference is not None else dtype != torch.float32
