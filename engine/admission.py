@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from agentrt.engine.config import EngineConfig
@@ -21,6 +22,26 @@ from agentrt.engine.model_args import ModelArgs
 from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
 from agentrt.engine.sampling_params import SamplingParams, truncate_prompt
 from agentrt.engine.structured import Constraint, GrammarCache
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOwner:
+    """Who a request belongs to: what travels together from the caller to the scheduler and the KV cache."""
+
+    program_id: str | None = None  # the program it is a call of (reservations, pins, the policy's service)
+    thread_id: str | None = None  # the program's thread making it
+    cache_salt: str | None = None  # tenant salt: its blocks are shared only with requests of the same salt
+
+
+@dataclass(slots=True)
+class CheckedRequest:
+    """A request that passed every check (`EngineCore.admit`): the engine core adds it without checking again."""
+
+    request_id: str  # free, with the ids of its n - 1 forks
+    prompt_token_ids: list[int]  # in the vocabulary, fitting the context (truncated as asked)
+    params: SamplingParams  # a checked copy, its grammar compiled and bad_words tokenized
+    owner: RequestOwner
+    lora: LoRAAdapter | None  # the adapter, loaded (None: the base model)
 
 
 class RequestChecks:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from agentrt import kernels
-from agentrt.engine.admission import RequestChecks
+from agentrt.engine.admission import CheckedRequest, RequestChecks, RequestOwner
 from agentrt.engine.config import EngineConfig, kv_budget
 from agentrt.engine.generation_config import generation_defaults
 from agentrt.engine.kv_cache_manager import KVCacheManager
@@ -142,7 +142,7 @@ class EngineCore:
         """SamplingParams of the model's generation config (engine.generation_config), else the defaults."""
         return SamplingParams(**self.generation_defaults)
 
-    def check_request(
+    def admit(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
@@ -152,10 +152,9 @@ class EngineCore:
         cache_salt: str | None = None,
         taken: Container[str] = (),
         lora_request: LoRARequest | LoRAAdapter | None = None,
-    ) -> tuple[list[int], SamplingParams, str, LoRAAdapter | None]:
-        """Everything `add_request` checks, without adding: (prompt token ids, checked params, request id,
-        the loaded LoRA adapter or None). `taken`: more ids to treat as in use (requests the caller has yet
-        to add)."""
+    ) -> CheckedRequest:
+        """Every check a request must pass, once, without adding it: the checked request `add_checked`
+        queues. `taken`: more ids to treat as in use (requests the caller has yet to add)."""
         params = self.validate_params(params)
         adapter = self.lora_adapter(lora_request)
         ids = self.validate_prompt(prompt, params.truncate_prompt_tokens)
@@ -182,7 +181,23 @@ class EngineCore:
                 parameter="request_id", value=request_id)
         if params.constraint is not None:
             self.compile_constraint(params.constraint)
-        return ids, params, request_id, adapter
+        return CheckedRequest(request_id, ids, params, RequestOwner(program_id, thread_id, cache_salt), adapter)
+
+    def check_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        program_id: str | None = None,
+        thread_id: str | None = None,
+        cache_salt: str | None = None,
+        taken: Container[str] = (),
+        lora_request: LoRARequest | LoRAAdapter | None = None,
+    ) -> tuple[list[int], SamplingParams, str, LoRAAdapter | None]:
+        """`admit` as (prompt token ids, checked params, request id, the loaded LoRA adapter or None), for a
+        caller that keeps the owner apart."""
+        c = self.admit(prompt, params, request_id, program_id, thread_id, cache_salt, taken, lora_request)
+        return c.prompt_token_ids, c.params, c.request_id, c.lora
 
     def lora_adapter(self, lora_request: LoRARequest | LoRAAdapter | None) -> LoRAAdapter | None:
         """The adapter a request names, loaded on first use (InvalidRequestError when it cannot serve)."""
@@ -207,22 +222,28 @@ class EngineCore:
         cache_salt: str | None = None,
         lora_request: LoRARequest | LoRAAdapter | None = None,
     ) -> Request:
-        """Queue a request; bad input raises InvalidRequestError (a ValueError) and leaves no trace."""
-        ids, params, request_id, adapter = self.check_request(
-            prompt, params, request_id, program_id, thread_id, cache_salt, lora_request=lora_request)
+        """Queue a request, checked first (`admit`); bad input raises InvalidRequestError (a ValueError) and
+        leaves no trace."""
+        return self.add_checked(
+            self.admit(prompt, params, request_id, program_id, thread_id, cache_salt, lora_request=lora_request))
+
+    def add_checked(self, checked: CheckedRequest) -> Request:
+        """Queue a request `admit` checked (not checked again) with its n - 1 forks; the root request."""
+        ids, params, request_id, adapter = checked.prompt_token_ids, checked.params, checked.request_id, checked.lora
+        o = checked.owner
         req = Request(
-            request_id, ids, params, program_id=program_id, thread_id=thread_id, cache_salt=cache_salt,
+            request_id, ids, params, program_id=o.program_id, thread_id=o.thread_id, cache_salt=o.cache_salt,
             eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, lora=adapter,
         )
         for i, rid in enumerate(family_ids(request_id, params.n)[1:], start=1):
             child = Request(
-                rid, ids, params, program_id=program_id, thread_id=thread_id,
-                cache_salt=cache_salt, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                rid, ids, params, program_id=o.program_id, thread_id=o.thread_id,
+                cache_salt=o.cache_salt, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                 arrival_time=req.arrival_time, parent=req, fork_index=i, lora=adapter,
             )
             req.children.append(child)
         if params.constraint is not None:
-            for r in (req, *req.children):  # compiled by check_request
+            for r in (req, *req.children):  # compiled by admit
                 m = self.checks.grammars.matcher(params.constraint)
                 if params.constraint.after:
                     r.waiting_matcher = m  # until the output holds `after` (_append)

@@ -83,12 +83,12 @@ class LLM:
             raise InvalidRequestError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts",
                                       parameter="lora_request")
         # everything checked before anything is queued
-        checked = [self.core.check_request(p, sp, lora_request=lr) for p, sp, lr in zip(prompts, params, loras)]
+        checked = [self.core.admit(p, sp, lora_request=lr) for p, sp, lr in zip(prompts, params, loras)]
         reqs: list[Request] = []
         with _Progress(len(prompts), progress) as bar:
             try:
-                for ids, sp, _, adapter in checked:
-                    reqs.append(self.core.add_request(ids, sp, lora_request=adapter))
+                for c in checked:
+                    reqs.append(self.core.add_checked(c))
                 while self.core.has_work():
                     for d in self.core.step():
                         if d.finished:
