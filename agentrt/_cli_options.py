@@ -1,17 +1,25 @@
-"""Command-line options `agentrt serve` and `agentrt run-batch` share: the engine's (EngineConfig fields,
-with vLLM's flag names) and the LoRA adapters'. Unset options keep the engine's defaults."""
+"""What the commands share: usage errors in one line, and the options `agentrt serve` and `agentrt run-batch`
+take: the engine's (EngineConfig fields, with vLLM's flag names) and the LoRA adapters'. Unset options keep
+the engine's defaults."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from typing import Any
+import sys
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 # flag -> (type, help); each the EngineConfig field of its name
 _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
     "--max-num-seqs": (int, "requests in one batch at most (default 64)"),
     "--max-num-batched-tokens": (int, "tokens in one step at most, chunked prefill beyond (default 1024)"),
     "--kv-cache-bytes": (int, "the KV cache's size in bytes (default: 1 GiB on CPU, 90%% of free GPU memory)"),
+    "--gpu-memory-utilization": (float, ("vLLM's flag: the share of memory, in (0, 1], the KV cache may take once "
+                                         "the weights are loaded: on GPU of the device's total less what is in use "
+                                         "then, on CPU of the available host memory (instead of --kv-cache-bytes)")),
+    "--tensor-parallel-size": (int, "vLLM's flag; only 1: an engine runs on one device (default 1)"),
     "--num-blocks": (int, "the KV cache's size in blocks (overrides --kv-cache-bytes)"),
     "--max-model-len": (int, "context limit (default: the model's)"),
     "--dtype": (str, "auto, float32, bfloat16 or float16 (default: auto, the fastest on this machine)"),
@@ -26,6 +34,28 @@ _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
                                   "generation_config.json; the default), vllm (none) or a directory holding one")),
 }
 _SWITCHES = ("enable_prefix_caching", "enable_lora")
+
+
+def _one_line_error(self: argparse.ArgumentParser, message: str) -> NoReturn:
+    self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
+@contextlib.contextmanager
+def one_line_usage_errors() -> Iterator[None]:
+    """Inside, every argparse parser (the benchmarks' and the demo's too) reports a bad argument in one line
+    on stderr and exits 2, without the usage block, which `--help` prints."""
+    original = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = _one_line_error  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original  # type: ignore[method-assign]
+
+
+def usage_error(prog: str, message: str) -> int:
+    """Print `prog: error: message` on stderr; the exit status of a usage error."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:

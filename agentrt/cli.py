@@ -13,11 +13,14 @@ import sys
 import time
 
 from agentrt import run_batch
-from agentrt._cli_options import add_engine_options, engine_options
+from agentrt._cli_options import add_engine_options, engine_options, one_line_usage_errors
 from agentrt._reasoning import REASONING_PARSERS
 from agentrt._toolparsers import PARSER_CHOICES
 from agentrt.policies import POLICY_NAMES
 from agentrt.engine.pooling import POOLING_METHODS
+
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -122,15 +125,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="serve the runtime over an OpenAI-compatible HTTP API keyed by program id")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as --model")
     s.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine "
+                   "only; 0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     s.add_argument("--root-path", default="", metavar="PATH",
                    help="path prefix a proxy serves this server under (uvicorn's)")
     s.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="HTTPS: the key file (with --ssl-certfile)")
     s.add_argument("--ssl-certfile", default=None, metavar="FILE", help="HTTPS: the certificate (with --ssl-keyfile)")
-    s.add_argument("--policy", default="plas", choices=POLICY_NAMES)
+    s.add_argument("--policy", default="plas", choices=POLICY_NAMES, help="how waiting calls are ordered: "
+                   f"{', '.join(POLICY_NAMES)} (default: plas, least attained service of the program first)")
     s.add_argument("--db", default=None, help="SQLAlchemy URL for program and call records (default: a SQLite "
-                   "file under ~/.cache/agentrt; 'none' keeps no records)")
+                   "file per served model under ~/.cache/agentrt/records; 'none' keeps no records). A database holds "
+                   "one server's records: at start-up the programs a previous run left running become 'interrupted'")
     s.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable; also "
                    "$AGENTRT_API_KEYS); with keys set every endpoint but /health needs one")
     s.add_argument("--allowed-origins", default=None, metavar="JSON", help="CORS: JSON list of origins browsers "
@@ -139,7 +145,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--allowed-headers", default=None, metavar="JSON",
                    help="CORS: JSON list of request headers (default: any)")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients use (default: the model file's or directory's name)")
     s.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="Jinja chat template, or a path to one, for every chat call (default: the model's)")
     s.add_argument("--trust-request-chat-template", action="store_true",
@@ -148,8 +155,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "a program ends by itself")
     s.add_argument("--max-waiting", type=int, default=256, help="queued calls beyond which new calls get 429")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests get")
-    s.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    s.add_argument("--max-n", type=int, default=16)
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="larger request bodies get 413 (default: 4194304, 4 MiB)")
+    s.add_argument("--max-n", type=int, default=16, help="completions one call may ask for (n) at most (default: 16)")
     s.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: context)")
     add_engine_options(s)
     s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
@@ -173,7 +181,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
                    help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-level", default="info", choices=_LOG_LEVELS, help="uvicorn's and the server's log level "
+                   "(default: info)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn log line per request")
     s.set_defaults(fn=_serve)
     run_batch.add_command(sub)
@@ -183,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m agentrt.cli", description="the runtime library's own commands "
                                  "(the `agentrt` command adds run, demo, bench, simulate)")
     add_commands(ap.add_subparsers(dest="cmd", required=True))
-    return dispatch(ap.parse_args(argv))
+    with one_line_usage_errors():
+        return dispatch(ap.parse_args(argv))
 
 
 def dispatch(a: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from agentrt import cli as lib_cli
+from agentrt._cli_options import one_line_usage_errors, usage_error
 from agentrt.policies import POLICY_NAMES
 
 BENCHES = {
@@ -42,22 +43,29 @@ def _run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    with one_line_usage_errors():
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["simulate"]:
         argv = ["bench", *argv]
     if argv[:1] == ["demo"]:
         return _user_errors("agentrt demo", lambda: importlib.import_module("agentrt.programs.demo").main(argv[1:]))
     if argv[:1] == ["bench"]:
+        if argv[1:2] in (["-h"], ["--help"]):
+            print(f"usage: agentrt bench {{{','.join(BENCHES)}}} [options]  (agentrt bench NAME --help)")
+            return 0
         if len(argv) < 2 or argv[1] not in BENCHES:
-            print(f"usage: agentrt bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
-            return 2
+            got = f"unknown benchmark {argv[1]!r}" if len(argv) > 1 else "no benchmark named"
+            return usage_error("agentrt bench", f"{got}: give one of {', '.join(BENCHES)} (agentrt bench NAME --help)")
         return _user_errors(f"agentrt bench {argv[1]}", lambda: importlib.import_module(BENCHES[argv[1]]).main(argv[2:]))
     ap = argparse.ArgumentParser(prog="agentrt", description="agent-program runtime with its own LLM engine")
     sub = ap.add_subparsers(dest="cmd", required=True)
     lib_cli.add_commands(sub)
     sub.add_parser("demo", help="serve the default model and run the example programs against it, with a live "
                    "table (agentrt demo --help)")
-    r = sub.add_parser("run", help="run a program file: its `async def main(argv)` inside an in-process runtime, "
+    r = sub.add_parser("run", help="run a program file: its `main(argv)` inside an in-process runtime, "
                        "or against a server with --url", description=_RUN_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--url", default=None, help="run against this `agentrt serve` server (agentrt.connect)")
@@ -96,7 +104,9 @@ Run FILE with agentrt:
   agentrt run programs/mcts.py -- --budget 8                 # in-process engine
   agentrt run --url http://127.0.0.1:8000 programs/mcts.py   # the same code against agentrt serve
 
-When FILE defines `async def main(argv)`, it is awaited with the arguments after `--` inside the
-runtime this command enters (agentrt.Runtime, or agentrt.connect(URL) with --url); its return value
-is the exit code. A FILE without such a main runs as a plain script (`__name__ == "__main__"`).
+When FILE defines `main(argv)` (or `main()`), it runs with the arguments after `--` inside the runtime
+this command enters (agentrt.Runtime, or agentrt.connect(URL) with --url): an `async def main` is
+awaited, a plain `def main` is called in a worker thread. What main returns decides the outcome: an int
+is the exit code, None exits 0, anything else (an answer string) is printed and exits 0. A FILE
+without a main runs as a plain script (`__name__ == "__main__"`).
 """

@@ -258,7 +258,7 @@ def server(model: str | None, policy: str, timeout_s: float = 600.0) -> Iterator
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"agentrt serve exited with code {proc.returncode} before it was ready")
+                raise SystemExit(f"agentrt serve exited with code {proc.returncode} before it was ready")
             try:
                 if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
                     break
@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if min(a.mcts, a.react, a.chat) < 0 or a.mcts + a.react + a.chat == 0:
         ap.error("give at least one program (--mcts, --react, --chat are counts >= 0)")
+    if a.url is None and a.model is not None and not os.path.exists(a.model):
+        ap.error(f"--model {a.model!r}: no such file or directory (a HF model directory or a .gguf file)")
     console = Console()
     if not console.is_terminal:
         console = Console(width=150)  # a log or a pipe: room for every column

@@ -12,7 +12,10 @@ lifespan, route table, small routes), `openai_routes` (chat / completions), `pro
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from agentrt.server.config import ServerConfig
 
@@ -38,8 +41,9 @@ def serve(
     records are flushed, and the process exits 0.
 
     `root_path`: the path prefix a proxy serves this server under; `ssl_keyfile` and `ssl_certfile`:
-    HTTPS (both or neither); `access_log`: uvicorn's line per request. Checked before the model loads."""
-    import contextlib
+    HTTPS (both or neither); `access_log`: uvicorn's line per request. Checked before the model loads,
+    as is the model's path (ModelNotFoundError, a ValueError). An error while the model loads is raised
+    here as itself, once uvicorn has stopped, instead of uvicorn's lifespan traceback and exit 3."""
     import signal
     import threading
     from pathlib import Path
@@ -54,6 +58,9 @@ def serve(
     for name, path in (("ssl_keyfile", ssl_keyfile), ("ssl_certfile", ssl_certfile)):
         if path is not None and not Path(path).is_file():
             raise ValueError(f"{name} {path!r} is not a file")
+    from agentrt.engine.loader import resolve_model
+
+    resolve_model(config.model)  # a path that is not a model fails here, before uvicorn says anything
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -71,11 +78,47 @@ def serve(
     from agentrt.server.app import create_app
 
     app = create_app(config)
+    failure = _StartupFailure(app)
     scheme = "https" if ssl_certfile else "http"
     print(f"agentrt serve: loading the model, then listening on {scheme}://{host}:{port}", flush=True)
     server = Server(uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=config.drain_timeout_s,
         lifespan="on", access_log=access_log, root_path=root_path, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
     ))
-    server.run()
+    logging.getLogger("uvicorn.error").addFilter(failure)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's exit 3: a failed start-up, or a port it could not bind (said in its log)
+        if failure.error is not None:
+            raise failure.error from None
+        return 1
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(failure)
     return 0
+
+
+class _StartupFailure(logging.Filter):
+    """Keeps what went wrong while the app started (the model's load) and silences uvicorn's report of it,
+    a traceback in its log, so that `serve` can raise the error itself."""
+
+    def __init__(self, app: Any) -> None:
+        super().__init__()
+        self.error: BaseException | None = None
+        inner = app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(a: Any) -> AsyncIterator[None]:
+            started = False
+            try:
+                async with inner(a):
+                    started = True
+                    yield
+            except Exception as e:
+                if not started:
+                    self.error = e
+                raise
+
+        app.router.lifespan_context = lifespan
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.error is None
