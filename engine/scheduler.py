@@ -8,7 +8,7 @@ prompt, an embedding instruction, parallel threads of a program) compute it once
 When blocks run out, pinned blocks give way first, then others' unused reservations (for a running
 request, or an otherwise idle engine), and only then is the policy's victim among the not-yet-served
 running requests preempted (recompute: its full blocks stay in the prefix cache). A request that could
-never fit fails alone. Expired pins are dropped at the start of every step (engine.kv_cache_manager).
+never fit fails alone. Expired pins are dropped at the start of every step (engine.ownership).
 
 Priority classes (vLLM's request `priority`, SamplingParams.priority) come before any policy: a
 request of a smaller class runs, is admitted and keeps its blocks before any of a larger one, and
