@@ -31,10 +31,9 @@ from agentrt.server.config import ServerConfig
 from agentrt.server.errors import APIError, error_response
 from agentrt.server.metrics import EngineState, Metrics
 from agentrt.server.openapi import Operation, build
-from agentrt.server.recorder import Recorder
+from agentrt.server.recorder import Recorder, open_store
 from agentrt.server.schemas import Health, ModelList
 from agentrt.server.state import ServerState, state_of
-from agentrt.server.store import Store
 
 logger = logging.getLogger("agentrt.server")
 
@@ -110,9 +109,7 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        store = None if (config.db or "").lower() == "none" else Store(config.db)
-        if store is not None:
-            await anyio.to_thread.run_sync(store.start)
+        store = await anyio.to_thread.run_sync(open_store, config)
         try:
             async with runtime:
                 if config.chat_template is not None:  # every chat prompt renders with the tokenizer's template

@@ -21,7 +21,8 @@ class ServerConfig:
     policy: str = "plas"  # scheduling policy name
     policy_kwargs: dict[str, Any] | None = None
     engine: dict[str, Any] = field(default_factory=dict)  # other EngineConfig fields
-    db: str | None = None  # SQLAlchemy URL; None = SQLite file under the cache dir; "none" = no store
+    db: str | None = None  # SQLAlchemy URL; None = the served model's SQLite file under the cache dir
+    # (store.default_url); "none" = no store. A database holds one server's records (see recorder.open_store)
     api_keys: list[str] = field(default_factory=list)  # empty = no authentication
     served_model_name: str | None = None  # the model id clients use; None = the model file's name
     program_idle_timeout_s: float = 600.0  # a program without calls this long ends by itself
@@ -82,6 +83,17 @@ class ServerConfig:
                 raise ValueError(f"--lora-modules {name}={path}: no adapter_config.json there (a PEFT LoRA directory)")
         if self.pooling is not None and self.pooling not in POOLING_METHODS:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {self.pooling!r}")
+
+    def model_id(self) -> str:
+        """The model id clients use: `served_model_name`, else the model file's (or directory's) name."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            from agentrt.engine.loader import DEFAULT_MODEL_NAME
+
+            return DEFAULT_MODEL_NAME
+        path = Path(self.model)
+        return path.stem if path.suffix == ".gguf" else path.name
 
 
 def load_chat_template(value: str) -> str:

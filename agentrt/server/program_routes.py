@@ -1,4 +1,5 @@
-"""`/v1/programs`: start, list, inspect and end the programs that calls are keyed by.
+"""`/v1/programs`: start, list, inspect and end the programs that calls are keyed by. Lists page by
+cursor as OpenAI's do (`limit`, `after`; `has_more`, `first_id`, `last_id`).
 
 Live programs come from the runtime's process table; programs of earlier server runs (or ended
 ones the table no longer keeps) from the store. A program belongs to the API key that started it:
@@ -6,6 +7,8 @@ other keys get 404 for it.
 """
 
 from __future__ import annotations
+
+import time
 
 import anyio
 from starlette.requests import Request
@@ -77,62 +80,102 @@ def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> i
 
 @api
 async def list_programs(request: Request) -> Response:
+    """The key's programs, newest first, a page at a time: `limit` (default 100), `state`, and `after` (the
+    `last_id` of the page before); `has_more` says whether another page follows. Live programs come from
+    the process table, the others from the store."""
     st = state_of(request)
     owner = st.owner(request)
     limit = _int_param(request, "limit", 100, 1, 1000)
     state = request.query_params.get("state")
-    live = [p for p in st.runtime.programs if p.owner == owner and (state is None or p.state == state)]
-    live.sort(key=lambda p: p.start_time, reverse=True)
-    views = [live_view(st, p) for p in live[:limit]]
-    if len(views) < limit and st.store is not None:
-        seen = {v.id for v in views}
-        stored = await anyio.to_thread.run_sync(lambda: st.store.list_programs(owner=owner, state=state, limit=limit))
-        views += [stored_view(r) for r in stored if r.program_id not in seen][: limit - len(views)]
-    return json_response(ProgramList(views))
+    after = request.query_params.get("after")
+    to_wall = time.time() - time.monotonic()  # one offset for the whole page: keys compare exactly
+    mine = [p for p in st.runtime.programs if p.owner == owner]
+    rows: list[tuple[tuple[float, str], ProgramInfo | ProgramRecord]] = [
+        ((p.start_time + to_wall, p.program_id), p) for p in mine if state is None or p.state == state]
+    cursor = None
+    if after is not None:
+        try:
+            cursor = _page_key(await _locate(st, after, owner), to_wall)
+        except ProgramNotFoundError:
+            raise bad_request(f"query parameter after={after!r} is not one of your programs", "after") from None
+        rows = [r for r in rows if r[0] < cursor]
+    if st.store is not None:
+        live_ids = {p.program_id for p in mine}
+        stored = await anyio.to_thread.run_sync(lambda: st.store.list_programs(
+            owner=owner, state=state, limit=limit + 1 + len(live_ids), before=cursor))
+        rows += [((r.created_at, r.program_id), r) for r in stored if r.program_id not in live_ids]
+    rows.sort(key=lambda r: r[0], reverse=True)
+    page = [_view(st, p) for _, p in rows[:limit]]
+    return json_response(ProgramList(page, has_more=len(rows) > limit, first_id=page[0].id if page else None,
+                                     last_id=page[-1].id if page else None))
 
 
-async def _find(st: ServerState, pid: str, owner: str | None) -> Program:
+def _page_key(found: ProgramInfo | ProgramRecord, to_wall: float) -> tuple[float, str]:
+    """Where a program sorts in a page: (created_at, id), a live one's start time made wall time by `to_wall`."""
+    if isinstance(found, ProgramInfo):
+        return found.start_time + to_wall, found.program_id
+    return found.created_at, found.program_id
+
+
+async def _locate(st: ServerState, pid: str, owner: str | None) -> ProgramInfo | ProgramRecord:
+    """The program in the process table, else in the store; ProgramNotFoundError if neither holds it for `owner`."""
     info = st.runtime.programs.get(pid)
     if info is not None:
         if info.owner != owner:
             raise ProgramNotFoundError("no such program", program_id=pid)
-        return live_view(st, info)
+        return info
     if st.store is not None:
         rec = await anyio.to_thread.run_sync(lambda: st.store.get_program(pid, owner=owner))
         if rec is not None:
-            return stored_view(rec)
+            return rec
     raise ProgramNotFoundError("no such program", program_id=pid)
+
+
+def _view(st: ServerState, found: ProgramInfo | ProgramRecord) -> Program:
+    return live_view(st, found) if isinstance(found, ProgramInfo) else stored_view(found)
 
 
 @api
 async def get_program(request: Request) -> Response:
     st = state_of(request)
     owner = st.owner(request)
-    return json_response(await _find(st, request.path_params["program_id"], owner))
+    return json_response(_view(st, await _locate(st, request.path_params["program_id"], owner)))
 
 
 @api
 async def end_program(request: Request) -> Response:
     """End a running program: abort its calls in flight, release all it holds. Ending an ended
-    program is a no-op that returns its record."""
+    program is a no-op that returns its record. A program recorded as running that no server runs
+    (its server was killed) is closed as `interrupted`: a DELETE always leaves a program ended."""
     st = state_of(request)
     owner = st.owner(request)
     pid = request.path_params["program_id"]
-    info = st.runtime.programs.get(pid)
-    if info is not None and info.owner == owner and info.state == "running":
-        info = st.runtime.end_program(pid, owner=owner)
-        return json_response(live_view(st, info))
-    return json_response(await _find(st, pid, owner))
+    found = await _locate(st, pid, owner)
+    if isinstance(found, ProgramInfo):
+        if found.state == "running":
+            found = st.runtime.end_program(pid, owner=owner)
+        return json_response(live_view(st, found))
+    if found.state == "running" and st.store is not None:
+        store = st.store
+
+        def close() -> ProgramRecord | None:
+            store.interrupt_running(time.time(), program_id=pid)
+            return store.get_program(pid, owner=owner)
+
+        found = await anyio.to_thread.run_sync(close) or found
+    return json_response(stored_view(found))
 
 
 @api
 async def list_program_calls(request: Request) -> Response:
-    """A program's ended calls in arrival order, from the store (so with `--db none` there are none to show)."""
+    """A program's ended calls in arrival order, from the store (so with `--db none` there are none to show),
+    a page at a time: `limit` (default 100) and `after` (the `last_id` of the page before)."""
     st = state_of(request)
     owner = st.owner(request)
     pid = request.path_params["program_id"]
     limit = _int_param(request, "limit", 100, 1, 1000)
-    await _find(st, pid, owner)  # 404 for an unknown program or another key's
+    after = request.query_params.get("after")
+    await _locate(st, pid, owner)  # 404 for an unknown program or another key's
     if st.store is None:
         raise APIError(409, "calls are recorded only with a store: this server runs with --db none",
                        "invalid_request_error", None, "no_store")
@@ -142,9 +185,15 @@ async def list_program_calls(request: Request) -> Response:
         store.flush()  # the calls that ended just now are still in the write-behind queue
         return [ProgramCall(c.request_id, c.thread_id, c.kind, c.arrival_at, c.finished_at, c.first_token_s,
                             c.latency_s, c.service_s, c.num_prompt_tokens, c.num_output_tokens, c.finish_reason,
-                            c.error) for c in store.list_calls(pid, limit)]
+                            c.error) for c in store.list_calls(pid, limit + 1, after=after)]
 
-    return json_response(ProgramCallList(await anyio.to_thread.run_sync(read)))
+    try:
+        calls = await anyio.to_thread.run_sync(read)
+    except LookupError:
+        raise bad_request(f"query parameter after={after!r} is not a call of program {pid!r}", "after") from None
+    page = calls[:limit]
+    return json_response(ProgramCallList(page, has_more=len(calls) > limit, first_id=page[0].id if page else None,
+                                         last_id=page[-1].id if page else None))
 
 
 ROUTES = [
@@ -155,13 +204,15 @@ ROUTES = [
     Route("/v1/programs/{program_id}/calls", list_program_calls, methods=["GET"]),
 ]
 
+_LIMIT = ("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100})
+_AFTER = ("after", {"type": "string", "description": "the last_id of the page before: the next page"})
 OPERATIONS = [
     Operation("post", "/v1/programs", "start a program", Program, ProgramCreate, errors=(400, 401, 409, 413, 500),
               ok=201),
     Operation("get", "/v1/programs", "list programs", ProgramList, errors=(400, 401, 500),
-              query=(("limit", {"type": "integer", "minimum": 1, "maximum": 1000}), ("state", {"type": "string"}))),
+              query=(_LIMIT, ("state", {"type": "string"}), _AFTER)),
     Operation("get", "/v1/programs/{program_id}", "a program's state", Program, errors=(401, 404, 500)),
     Operation("delete", "/v1/programs/{program_id}", "end a program", Program, errors=(401, 404, 500)),
     Operation("get", "/v1/programs/{program_id}/calls", "a program's calls", ProgramCallList, errors=(400, 401, 404, 409, 500),
-              query=(("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),)),
+              query=(_LIMIT, _AFTER)),
 ]

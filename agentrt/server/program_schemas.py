@@ -18,7 +18,7 @@ class ProgramCreate(Struct):
 class Program(Struct):
     id: str
     name: str
-    state: str  # "running" | "finished" | "failed" | "cancelled"
+    state: str  # "running" | "finished" | "failed" | "cancelled" | "interrupted" (its server stopped meanwhile)
     created_at: float  # unix time
     ended_at: float | None
     calls_waiting: int  # submitted, no token yet
@@ -47,8 +47,13 @@ class Program(Struct):
 
 
 class ProgramList(Struct):
+    """One page of programs, newest first; the next page: `?after=<last_id>`."""
+
     data: list[Program]
     object: str = "list"
+    has_more: bool = False  # more programs follow this page
+    first_id: str | None = None
+    last_id: str | None = None
 
 
 class ProgramCall(Struct):
@@ -69,5 +74,10 @@ class ProgramCall(Struct):
 
 
 class ProgramCallList(Struct):
+    """One page of a program's calls in arrival order; the next page: `?after=<last_id>`."""
+
     data: list[ProgramCall]  # in arrival order
     object: str = "list"
+    has_more: bool = False  # more calls follow this page
+    first_id: str | None = None
+    last_id: str | None = None

@@ -1,9 +1,10 @@
 """The runtime observer behind the server: program and call records to the store, call and
 program figures to the metrics. Runs on the event loop and never blocks: the store queues writes
-for its own thread."""
+for its own thread. `open_store` opens the server's records at start-up."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import anyio
@@ -12,7 +13,28 @@ from agentrt._call import CallSummary
 from agentrt._process_table import ProgramInfo
 from agentrt._runtime import RuntimeObserver
 from agentrt.server.metrics import Metrics
-from agentrt.server.store import CallRecord, ProgramRecord, Store
+from agentrt.server.config import ServerConfig
+from agentrt.server.store import CallRecord, ProgramRecord, Store, default_url
+from agentrt.server.store_reads import INTERRUPTED
+
+logger = logging.getLogger("agentrt.server")
+
+
+def open_store(config: ServerConfig) -> Store | None:
+    """The server's records (None with `--db none`), started, with what its previous run left open closed.
+
+    A server owns its database (by default its own SQLite file per served model, store.default_url): the
+    programs recorded as running there belong to a run of this server that was killed (SIGKILL, power loss)
+    before it could end them, so they become `interrupted`, ended at the time this start found them.
+    Blocking: run it in a worker thread."""
+    if (config.db or "").lower() == "none":
+        return None
+    store = Store(config.db or default_url(config.model_id()))
+    store.start()
+    closed = store.interrupt_running(time.time())
+    if closed:
+        logger.warning("%r: %d programs a previous run left running are now %r", store, closed, INTERRUPTED)
+    return store
 
 
 def wall_time(monotonic_t: float) -> float:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
@@ -30,7 +29,7 @@ class ServerState:
         self.store = store
         self.metrics = metrics
         core = runtime._engine().core
-        self.model_name = config.served_model_name or _model_name(config.model, core.model_path)
+        self.model_name = config.model_id()
         self.max_model_len = core.max_model_len
         self.vocab_size = core.model.args.vocab_size
         self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
@@ -85,14 +84,6 @@ class ServerState:
         if waiting >= self.config.max_waiting:
             raise APIError(429, f"too many queued calls ({waiting} >= --max-waiting {self.config.max_waiting})",
                            "rate_limit_error", None, "overloaded", {"Retry-After": "1"})
-
-
-def _model_name(model: str | None, path: Path) -> str:
-    if model is None:
-        from agentrt.engine.loader import DEFAULT_MODEL_NAME
-
-        return DEFAULT_MODEL_NAME
-    return Path(model).stem if Path(model).suffix == ".gguf" else Path(model).name
 
 
 def state_of(request: Request) -> ServerState:

@@ -4,8 +4,9 @@ Writes never block the caller: `put_program` / `put_call` snapshot the record in
 in-memory queue, and one writer thread drains it in batches, one transaction per batch, upserting
 by primary key (the last put of an id within a batch wins). When the queue is full the oldest
 entry is dropped and counted (`num_dropped`); a failed write is logged and counted
-(`num_write_errors`) and never stops the writer. Reads are plain blocking calls (the server runs
-them in a worker thread) and see every write that `flush` has waited for.
+(`num_write_errors`) and never stops the writer. Reads (`store_reads.StoreReads`, a base of `Store`)
+are plain blocking calls (the server runs them in a worker thread) and see every write that `flush` has
+waited for.
 
 Times are unix epoch seconds (`time.time()`), so rows stay meaningful across restarts; durations
 are seconds.
@@ -17,6 +18,7 @@ import collections
 import logging
 import operator
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -25,16 +27,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    Engine,
-    Select,
-    create_engine,
-    delete,
-    event,
-    func,
-    select,
-)
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -51,6 +44,7 @@ from agentrt.server.records import (  # noqa: F401  (the store's API types, re-e
     _Program,
     _Response,
 )
+from agentrt.server.store_reads import StoreReads
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +58,29 @@ _snapshot_call = operator.attrgetter(*_CALL_FIELDS)
 _PROGRAM, _CALL, _RESPONSE = 0, 1, 2  # queue entry kinds
 _TABLES = ((_Program, _PROGRAM_FIELDS), (_Call, _CALL_FIELDS), (_Response, _RESPONSE_FIELDS))  # by kind
 _WARN_DROPS_EVERY_S = 10.0
-_PRUNE_CHUNK = 1000  # programs deleted per transaction
 
 
-def default_url() -> str:
-    """`$AGENTRT_DB` (a file path, or a URL), else `agentrt.db` in the cache directory."""
+def default_url(served_model: str | None = None) -> str:
+    """`$AGENTRT_DB` (a file path, or a URL), else a SQLite file in the cache directory: `agentrt.db`, or
+    with `served_model` the server's own, `records/<served model>.db`.
+
+    A server owns its database: at start-up it closes the programs its previous run left running, so two
+    servers must not share one. The default file per served model keeps a fresh server of another model
+    from listing (and closing) someone else's programs; two servers of the same model need a `--db` each."""
     db = os.environ.get("AGENTRT_DB")
     if db and "://" in db:
         return db
     if not db:
         from agentrt.engine.loader import cache_dir
 
-        db = str(cache_dir() / "agentrt.db")
+        name = "agentrt" if served_model is None else f"records/{_file_name(served_model)}"
+        db = str(cache_dir() / f"{name}.db")
     return f"sqlite:///{Path(db).expanduser()}"
+
+
+def _file_name(text: str) -> str:
+    """`text` as one file name: path separators and other odd characters become '_'."""
+    return re.sub(r"[^\w.-]", "_", text).lstrip(".") or "_"
 
 
 def _make_engine(url: str) -> tuple[Engine, bool]:
@@ -103,15 +107,7 @@ def _make_engine(url: str) -> tuple[Engine, bool]:
     return engine, False
 
 
-def _where_program(q: Select, owner: str | None | _AnyOwner, state: str | None) -> Select:
-    if owner is not ANY_OWNER:
-        q = q.where(_Program.owner.is_(None) if owner is None else _Program.owner == owner)
-    if state is not None:
-        q = q.where(_Program.state == state)
-    return q
-
-
-class Store:
+class Store(StoreReads):
     """Programs and calls in a SQL database, written off the caller's thread.
 
     `Store(url)`: None for the default SQLite file (`default_url`), or any SQLAlchemy URL
@@ -315,85 +311,6 @@ class Store:
         return stmt.on_conflict_do_update(
             index_elements=pk, set_={c.name: stmt.excluded[c.name] for c in table.columns if not c.primary_key}
         )
-
-    # -- reads (blocking) -------------------------------------------------------------------
-
-    def get_program(self, program_id: str, owner: str | None | _AnyOwner = ANY_OWNER) -> ProgramRecord | None:
-        """The program, or None if unknown or (with `owner=`) owned by someone else."""
-        q = _where_program(select(*_Program.__table__.columns), owner, None)
-        with self._connect() as conn:
-            row = conn.execute(q.where(_Program.program_id == program_id)).first()
-        return None if row is None else ProgramRecord(**row._mapping)
-
-    def list_programs(
-        self,
-        owner: str | None | _AnyOwner = ANY_OWNER,
-        state: str | None = None,
-        limit: int = 100,
-        offset: int = 0,
-    ) -> list[ProgramRecord]:
-        """Programs, newest (by `created_at`) first."""
-        q = _where_program(select(*_Program.__table__.columns), owner, state)
-        q = q.order_by(_Program.created_at.desc(), _Program.program_id.desc()).limit(limit).offset(offset)
-        with self._connect() as conn:
-            return [ProgramRecord(**row._mapping) for row in conn.execute(q)]
-
-    def count_programs(self, owner: str | None | _AnyOwner = ANY_OWNER, state: str | None = None) -> int:
-        q = _where_program(select(func.count()).select_from(_Program), owner, state)
-        with self._connect() as conn:
-            return conn.execute(q).scalar_one()
-
-    def get_response(self, response_id: str, owner: str | None | _AnyOwner = ANY_OWNER) -> ResponseRecord | None:
-        q = select(*_Response.__table__.columns).where(_Response.response_id == response_id)
-        if not isinstance(owner, _AnyOwner):
-            q = q.where(_Response.owner.is_(None) if owner is None else _Response.owner == owner)
-        with self._connect() as conn:
-            row = conn.execute(q).first()
-        return None if row is None else ResponseRecord(**row._mapping)
-
-    def delete_response(self, response_id: str, owner: str | None | _AnyOwner = ANY_OWNER) -> bool:
-        """Delete a stored response (only `owner`'s, when given), after every write put before this
-        call has landed, so a response still queued is deleted too. Whether one was deleted."""
-        self.flush()
-        q = delete(_Response).where(_Response.response_id == response_id)
-        if not isinstance(owner, _AnyOwner):
-            q = q.where(_Response.owner.is_(None) if owner is None else _Response.owner == owner)
-        with self._connect(write=True) as conn:
-            return conn.execute(q).rowcount > 0
-
-    def list_calls(self, program_id: str, limit: int = 1000) -> list[CallRecord]:
-        """A program's calls in arrival order."""
-        q = (
-            select(*_Call.__table__.columns)
-            .where(_Call.program_id == program_id)
-            .order_by(_Call.arrival_at, _Call.request_id)
-            .limit(limit)
-        )
-        with self._connect() as conn:
-            return [CallRecord(**row._mapping) for row in conn.execute(q)]
-
-    def prune(self, max_programs: int) -> int:
-        """Keep the `max_programs` newest ended programs (by `created_at`); delete older ended
-        programs and their calls. Running programs are never deleted. Returns how many went."""
-        if max_programs < 0:
-            raise ValueError(f"max_programs must be >= 0, got {max_programs}")
-        doomed = (
-            select(_Program.program_id)
-            .where(_Program.state != "running")
-            .order_by(_Program.created_at.desc(), _Program.program_id.desc())
-            .offset(max_programs)
-            .limit(_PRUNE_CHUNK)
-        )
-        num_deleted = 0
-        while True:
-            with self._connect(write=True) as conn:  # small transactions: the writer keeps going meanwhile
-                ids = list(conn.execute(doomed).scalars())
-                if not ids:
-                    return num_deleted
-                conn.execute(delete(_Call).where(_Call.program_id.in_(ids)))
-                conn.execute(delete(_Response).where(_Response.program_id.in_(ids)))
-                conn.execute(delete(_Program).where(_Program.program_id.in_(ids)))
-            num_deleted += len(ids)
 
     @contextmanager
     def _connect(self, write: bool = False) -> Iterator[Connection]:

@@ -104,7 +104,7 @@ function render(programs) {
     rows.push(tr);
   }
   body.replaceChildren(...rows);
-  const running = programs.filter((p) => p.state === "running").length;
+  const running = programs.filter((p) => p.live && p.state === "running").length;  // only what this server runs
   $("count-running").textContent = running;
   $("count-ended").textContent = programs.length - running;
 }
