@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 
 import agentrt
+from agentrt.engine.loader import resolve_model
 from agentrt.bench import workload as wl
 from agentrt.bench.workload import REACT, TREE, Call, Parallel, ProgramSpec, make_workload, tokens
 
@@ -356,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model path; default: the default model")
     ap.add_argument("--docs", type=Path, default=None, help="write the table to this markdown file (docs/benchmarks.md)")
     args = ap.parse_args(argv)
+    resolve_model(args.model)  # a path that is not a model fails first, in one line
     workload, engine = setup(args)
     report = new_report(args, engine)
     for policy in args.policies.split(","):

@@ -26,6 +26,7 @@ from agentrt.bench import calibrate, costs
 from agentrt.bench import programs as real
 from agentrt.bench import workload as wl
 from agentrt.bench.simulate import capacity, simulate
+from agentrt.engine.loader import resolve_model
 
 TARGET_REL = 0.20
 TARGET_RATIO = 0.10
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--docs", action="store_true", help="write the section of docs/benchmarks.md")
     args = ap.parse_args(argv)
+    resolve_model(args.model)  # a path that is not a model fails first, in one line
     try:
         loads = [float(x) for x in args.loads.split(",")]
         if min(loads) <= 0:
