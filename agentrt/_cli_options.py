@@ -18,9 +18,10 @@ _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
     "--kv-cache-bytes": (int, "the KV cache's size in bytes (default: 1 GiB on CPU, 90%% of free GPU memory)"),
     "--gpu-memory-utilization": (float, ("vLLM's flag: the share of memory, in (0, 1], the KV cache may take once "
                                          "the weights are loaded: on GPU of the device's total less what is in use "
-                                         "then, on CPU of the available host memory (instead of --kv-cache-bytes)")),
+                                         "then, on CPU of the available host memory (instead of --kv-cache-bytes; default: "
+                                         "unset)")),
     "--tensor-parallel-size": (int, "vLLM's flag; only 1: an engine runs on one device (default 1)"),
-    "--num-blocks": (int, "the KV cache's size in blocks (overrides --kv-cache-bytes)"),
+    "--num-blocks": (int, "the KV cache's size in blocks (overrides --kv-cache-bytes; default: from the bytes)"),
     "--max-model-len": (int, "context limit (default: the model's)"),
     "--dtype": (str, "auto, float32, bfloat16 or float16 (default: auto, the fastest on this machine)"),
     "--device": (str, "cpu, cuda or cuda:N (default: cuda when there is one)"),
@@ -37,7 +38,7 @@ _SWITCHES = ("enable_prefix_caching", "enable_lora")
 
 
 def _one_line_error(self: argparse.ArgumentParser, message: str) -> NoReturn:
-    self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+    self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 @contextlib.contextmanager
@@ -71,7 +72,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help='sampling defaults on top of the generation config, e.g. \'{"temperature": 0.5}\'')
     g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help='LoRA adapters served from the start, as name=path or JSON {"name", "path"} (vLLM\'s flag; '
-                        "implies --enable-lora)")
+                        "implies --enable-lora; default: none)")
 
 
 def engine_options(a: argparse.Namespace) -> dict[str, Any]:

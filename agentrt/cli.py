@@ -129,16 +129,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "only; 0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     s.add_argument("--root-path", default="", metavar="PATH",
-                   help="path prefix a proxy serves this server under (uvicorn's)")
-    s.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="HTTPS: the key file (with --ssl-certfile)")
-    s.add_argument("--ssl-certfile", default=None, metavar="FILE", help="HTTPS: the certificate (with --ssl-keyfile)")
+                   help="path prefix a proxy serves this server under (uvicorn's; default: none)")
+    s.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="HTTPS: the key file (with --ssl-certfile; default: plain HTTP)")
+    s.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="HTTPS: the certificate (with --ssl-keyfile; default: plain HTTP)")
     s.add_argument("--policy", default="plas", choices=POLICY_NAMES, help="how waiting calls are ordered: "
                    f"{', '.join(POLICY_NAMES)} (default: plas, least attained service of the program first)")
     s.add_argument("--db", default=None, help="SQLAlchemy URL for program and call records (default: a SQLite "
                    "file per served model under ~/.cache/agentrt/records; 'none' keeps no records). A database holds "
                    "one server's records: at start-up the programs a previous run left running become 'interrupted'")
     s.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable; also "
-                   "$AGENTRT_API_KEYS); with keys set every endpoint but /health needs one")
+                   "$AGENTRT_API_KEYS); with keys set every endpoint but /health needs one (default: none, no "
+                   "authentication)")
     s.add_argument("--allowed-origins", default=None, metavar="JSON", help="CORS: JSON list of origins browsers "
                    "may call from, e.g. '[\"http://localhost:3000\"]' or '[\"*\"]' (default: no CORS)")
     s.add_argument("--allowed-methods", default=None, metavar="JSON", help="CORS: JSON list of methods (default: any)")
@@ -152,9 +155,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a request bring its own chat_template (vLLM's flag; off: such a request is a 400)")
     s.add_argument("--program-idle-timeout", type=float, default=600.0, help="seconds without calls after which "
-                   "a program ends by itself")
-    s.add_argument("--max-waiting", type=int, default=256, help="queued calls beyond which new calls get 429")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests get")
+                   "a program ends by itself (default: 600)")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="queued calls beyond which new calls get 429 (default: 256)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get (default: 30)")
     s.add_argument("--max-body-bytes", type=int, default=4 << 20,
                    help="larger request bodies get 413 (default: 4194304, 4 MiB)")
     s.add_argument("--max-n", type=int, default=16, help="completions one call may ask for (n) at most (default: 16)")
@@ -165,10 +170,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "they stay, so the calls of a conversation share their prompt's prefix)")
     s.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split reasoning models' thinking (<think>...</think>) from their answer into the reply's "
-                        f"`reasoning` field (vLLM's flag; one of {', '.join(sorted(REASONING_PARSERS))})")
+                        f"`reasoning` field (vLLM's flag; one of {', '.join(sorted(REASONING_PARSERS))}; "
+                        "default: none)")
     s.add_argument("--tool-call-parser", default="auto", metavar="NAME",
                    help="the format tool calls are read in (vLLM's flag; one of " + ", ".join(PARSER_CHOICES) +
-                        "); auto: the one the chat template teaches when it renders tools, else hermes")
+                        "); default auto: the one the chat template teaches when it renders tools, else hermes")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="log-probs name tokens as 'token_id:{id}', so tokens that are not whole UTF-8 stay "
                         "identifiable (vLLM's flag; a request's return_tokens_as_token_ids overrides it)")
@@ -177,7 +183,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--pooling", default=None, choices=POOLING_METHODS,
                    help="how /v1/embeddings pools a prompt's final hidden states (default: what the checkpoint's "
                         "sentence-transformers files declare, else the last token's)")
-    s.add_argument("--max-embedding-inputs", type=int, default=2048, help="inputs of one /v1/embeddings request at most")
+    s.add_argument("--max-embedding-inputs", type=int, default=2048,
+                   help="inputs of one /v1/embeddings request at most (default: 2048)")
     s.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
                    help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")

@@ -147,3 +147,25 @@ def test_run_file_main_is_awaited(tmp_path, tiny_model_path, capsys, monkeypatch
 def test_a_bench_on_a_missing_model_says_so_in_one_line(name, capsys):
     assert cli(["bench", name, "--model", "/nonexistent/model"]) == 2
     one_line_error(capsys, f"agentrt bench {name}: error", "unknown model path '/nonexistent/model'")
+
+
+def test_run_file_plain_main_and_returned_answers(tmp_path, tiny_model_path, capsys, monkeypatch):
+    """A plain `def main` runs too (in a worker thread, reaching the runtime through anyio.from_thread), main
+    may take no arguments, a returned string is printed and exits 0, an int is the exit code."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    run = ["run", "--model", str(tiny_model_path), "--policy", "fcfs"]
+    plain = tmp_path / "plain.py"
+    plain.write_text("import anyio, agentrt\n\ndef main(argv):\n"
+                     "    text = anyio.from_thread.run(lambda: agentrt.generate('Hi', max_tokens=2))\n"
+                     "    return f'answer {argv} {type(text).__name__}'\n")
+    assert cli([*run, str(plain), "--", "x"]) == 0
+    assert capsys.readouterr().out == "answer ['x'] str\n"
+    bare = tmp_path / "bare.py"
+    bare.write_text("async def main():\n    return 'forty-two'\n")
+    assert cli([*run, str(bare)]) == 0
+    assert capsys.readouterr().out == "forty-two\n"
+    code = tmp_path / "code.py"
+    code.write_text("def main():\n    return 4\n")
+    assert cli([*run, str(code)]) == 4
+    assert capsys.readouterr().out == ""

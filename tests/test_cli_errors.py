@@ -1,0 +1,114 @@
+"""Every `agentrt` subcommand, given a missing file, a bad flag value or a missing model, says so in one line
+on stderr and exits 2: no usage block (`--help` prints that), no traceback, and nothing loads first. Where a
+command reads no file or takes no model, that case does not apply."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agentrt.command import BENCHES
+from agentrt.command import main as cli
+
+NO_MODEL = "/no/such/model"
+BENCHES_WITH_MODEL = ["calibrate", "countdown", "decode-cpu", "embed", "lora", "prefix", "priority", "programs",
+                      "retention", "sampling", "serve", "simcheck", "structured", "throughput"]
+
+
+@pytest.fixture
+def program_file(tmp_path):
+    f = tmp_path / "prog.py"
+    f.write_text("async def main(argv):\n    return 'never'\n")
+    return str(f)
+
+
+def exit_status(argv: list[str]) -> int:
+    try:
+        return cli(argv)
+    except SystemExit as e:  # argparse's exit, as the process would see it
+        return e.code if isinstance(e.code, int) else 1
+
+
+def assert_one_line(argv: list[str], capsys, *needles: str) -> None:
+    assert exit_status(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "usage:" not in err and all(n in err for n in needles), err
+
+
+CASES = [  # (argv, what the line names); FILE is a program file that exists
+    # missing file
+    (["serve", "--chat-template", "/no/such/template.jinja"], "/no/such/template.jinja"),
+    (["serve", "--ssl-keyfile", "/no/key.pem", "--ssl-certfile", "/no/cert.pem"], "/no/key.pem"),
+    (["serve", "--lora-modules", "a=/no/such/adapter"], "/no/such/adapter"),
+    (["run", "/no/such/file.py"], "no such file: /no/such/file.py"),
+    (["run-batch", "-i", "/no/such/batch.jsonl", "-o", "-"], "/no/such/batch.jsonl"),
+    # bad flag value
+    (["serve", "--port", "abc"], "--port: invalid int value: 'abc'"),
+    (["serve", "--log-level", "loud"], "--log-level"),
+    (["serve", "--tensor-parallel-size", "2"], "tensor_parallel_size must be 1"),
+    (["serve", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be a fraction"),
+    (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["run", "--policy", "nope", "FILE"], "'nope'"),
+    (["generate", "hi", "--max-tokens", "many"], "--max-tokens: invalid int value"),
+    (["run-batch", "-i", "-", "-o", "-", "--max-concurrency", "x"], "--max-concurrency"),
+    (["demo", "--mcts", "x"], "--mcts: invalid int value"),
+    (["simulate", "--rate", "x"], "--rate"),
+    (["bench", "nope"], "unknown benchmark 'nope'"),
+    # missing model
+    (["serve", NO_MODEL], NO_MODEL),
+    (["serve", "--model", NO_MODEL], NO_MODEL),
+    (["run", "--model", NO_MODEL, "FILE"], NO_MODEL),
+    (["generate", "hi", "--model", NO_MODEL], NO_MODEL),
+    (["run-batch", "-i", "FILE", "-o", "-", "--model", NO_MODEL], NO_MODEL),
+    (["demo", "--model", NO_MODEL], NO_MODEL),
+]
+
+
+@pytest.mark.parametrize("argv, needle", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_every_command_fails_in_one_line(argv, needle, program_file, capsys):
+    assert_one_line([program_file if a == "FILE" else a for a in argv], capsys, needle)
+
+
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_every_bench_refuses_a_bad_flag_in_one_line(name, capsys):
+    assert_one_line(["bench", name, "--no-such-flag", "x"], capsys, ": error: unrecognized arguments: --no-such-flag")
+
+
+@pytest.mark.parametrize("name", BENCHES_WITH_MODEL)
+def test_every_bench_on_a_missing_model_fails_in_one_line(name, capsys):
+    assert_one_line(["bench", name, "--model", NO_MODEL], capsys, f"agentrt bench {name}: error", NO_MODEL)
+
+
+def test_the_usage_is_on_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli(["serve", "--help"])
+    assert e.value.code == 0 and "usage: agentrt serve" in capsys.readouterr().out
+
+
+def test_serve_flags_all_have_help_and_a_default():
+    """`agentrt serve --help`: every flag says what it does, and every valued flag what it is when unset."""
+    import argparse
+
+    from agentrt.cli import add_commands
+
+    ap = argparse.ArgumentParser(prog="agentrt")
+    add_commands(ap.add_subparsers())
+    serve = ap._subparsers._group_actions[0].choices["serve"]
+    for action in serve._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help, action.option_strings
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)) or action.nargs == 0
+        named_default = "default" in action.help or "implies" in action.help or action.dest in ("api_key",)
+        assert switch or named_default or action.choices, (action.option_strings, action.help)
+
+
+def test_the_real_command_exits_2_in_one_line():
+    """The installed command, as a process: `agentrt serve` of a missing model (was a 25-line uvicorn
+    traceback and exit 3)."""
+    p = subprocess.run([sys.executable, "-m", "agentrt.command", "serve", "/nope/model.gguf"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "/nope/model.gguf" in p.stderr, p.stderr
