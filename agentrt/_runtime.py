@@ -23,7 +23,8 @@ import anyio
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
 from agentrt._beam import BeamSearchCall, beam_search_in_program, submit_beam_search
 from agentrt._call import Call, CallSummary
-from agentrt._chat_plan import ChatPlan, Reply, ReplyStreamer, plan_call
+from agentrt._chat import PreparedCall, merge_sampling, prepare_chat
+from agentrt._chat_plan import ChatPlan, Reply, ReplyStreamer
 from agentrt._chat_prompt import ChatPrompts, pop_template_options
 from agentrt._context import _runtime
 from agentrt._embed import embed_inputs
@@ -347,6 +348,19 @@ class Runtime:
         that renders them, `ChatPlan.template_tools`)."""
         return self._chat.prompt(messages, program_id, **options)
 
+    async def prepare_chat(self, messages: Any, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+                           output: Constraint | None = None, output_param: str = "response_format",
+                           program_id: str | None = None, tools_when_none: bool = True,
+                           **options: Any) -> PreparedCall:
+        """A chat call's plan and prompt ids, prepared in a worker thread (agentrt._chat.prepare_chat): the
+        template fitted, the prompt rendered and tokenized, reasoning set up, the output grammar compiled."""
+        def prepare() -> PreparedCall:
+            return prepare_chat(self, messages, tools=tools, tool_choice=tool_choice, output=output,
+                                output_param=output_param, program_id=program_id, tools_when_none=tools_when_none,
+                                **options)
+
+        return await anyio.to_thread.run_sync(prepare)
+
     def plan_template(self, plan: ChatPlan, chat_template: str | None = None) -> ChatPlan:
         """Fit a chat call's plan to the template its prompt renders with (`chat_template`, else the
         tokenizer's): the tools, calls and results go to a template that renders tools as they are, and
@@ -478,7 +492,7 @@ class Runtime:
         self._engine()
         with calling_program(kind) as (prog, thread_id):
             lora = self.loras.resolve(sampling.pop("model", None), prog.program_id)
-            params = _sampling_params({**self._engine().core.generation_defaults, **sampling}, prog.program_id)
+            params = _sampling_params(merge_sampling(self._engine().core.generation_defaults, sampling), prog.program_id)
             async with self._submit(prog, thread_id, prompt, params, kind, None, lora=lora) as call:
                 async for delta in call:
                     yield delta
@@ -495,17 +509,11 @@ class Runtime:
         (add_generation_prompt, continue_final_message, chat_template_kwargs) go with the sampling ones."""
         options = pop_template_options(sampling)
         plain = tools is None and tool_choice is None and response_format is None
-        if plain:
-            plan = self.plan_template(ChatPlan(), options.get("chat_template"))
-            rendered = _rendered(messages, plan)
-        else:
-            plan = plan_call(tool_specs(tools), tool_choice, response_format_constraint(response_format))
-            rendered = self.plan_template(plan, options.get("chat_template")).render(list(messages))
-        text, ids = self.chat_prompt(rendered, _pid(), tools=plan.template_tools(), **options)
-        plan.think(self.reasoning, text, self.tag_ids)
+        prepared = await self.prepare_chat(messages, tools=tool_specs(tools), tool_choice=tool_choice,
+                                           output=response_format_constraint(response_format), program_id=_pid(),
+                                           **options)
+        plan, ids = prepared.plan, prepared.prompt_ids
         if plan.constraint is not None:
-            param = "tool_choice" if plan.forced_call else "response_format"
-            await anyio.to_thread.run_sync(self.compile_constraint, plan.constraint, param)
             sampling["constraint"] = plan.constraint
         out = await self._collect(ids, sampling, "chat")
         if plain and not wants_result(sampling, full):
@@ -545,11 +553,9 @@ class Runtime:
     ) -> AsyncIterator[str | Chunk]:
         """Text pieces as generated; `Chunk`s (with their choice's index) under `chat`'s rule for a `Result`.
         With a reasoning parser the pieces are the answer's, and chunks carry the thinking's apart."""
-        options = pop_template_options(sampling)
-        plan = self.plan_template(ChatPlan(), options.get("chat_template"))
-        text, ids = self.chat_prompt(_rendered(messages, plan), _pid(), **options)
-        plan = plan.think(self.reasoning, text) if self.reasoning is not None else None
-        pieces = self._pieces(ids, sampling, "chat", wants_result(sampling, full), plan)
+        prepared = await self.prepare_chat(messages, program_id=_pid(), **pop_template_options(sampling))
+        plan = prepared.plan if self.reasoning is not None else None
+        pieces = self._pieces(prepared.prompt_ids, sampling, "chat", wants_result(sampling, full), plan)
         async with contextlib.aclosing(pieces) as gen:
             async for piece in gen:
                 yield piece
@@ -612,15 +618,6 @@ class RuntimeObserver:
     def program_ended(self, info: ProgramInfo) -> None: ...
 
     def call_ended(self, summary: CallSummary) -> None: ...
-
-
-def _rendered(messages: Any, plan: ChatPlan) -> Any:
-    """Earlier tool calls and tool results in a conversation as the template reads them (`ChatPlan.render`);
-    a conversation without any goes as given."""
-    if isinstance(messages, (list, tuple)) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
-                                                   for m in messages):
-        return plan.render(list(messages))
-    return messages
 
 
 def _pid() -> str | None:

@@ -1,7 +1,7 @@
 """What every generation route shares (chat completions, completions, responses): the program a
-call belongs to, sampling parameters from a request's fields, submission, results and logprobs in
-OpenAI's shapes, and the plan of a chat call (tools, tool choice, output format) with its prompt
-rendered, tokenized and its grammar compiled off the event loop."""
+call belongs to, sampling parameters from a request's fields (over the model's generation defaults and
+the server's, agentrt._chat.merge_sampling), submission, results and logprobs in OpenAI's shapes, and a
+chat request's messages and output constraint as the runtime's `prepare_chat` takes them."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ import re
 import uuid
 from typing import Any
 
-import anyio
 import msgspec
 from starlette.requests import Request
 
 from agentrt._beam import BeamSearchCall
 from agentrt._call import Call
-from agentrt._chat_plan import ChatPlan, plan_call
+from agentrt._chat import merge_sampling
 from agentrt._errors import InvalidCallError
 from agentrt._toolcalls import check_schema, response_format_constraint
 from agentrt.server.state import ServerState
@@ -86,17 +85,15 @@ def sampling_params(
     if max_tokens is not None and max_tokens > st.max_tokens_limit:
         raise bad_request(f"max_tokens={max_tokens} is over the limit of {st.max_tokens_limit}", "max_tokens")
     d = st.sampling_defaults  # the model's generation config, for what the request leaves unset
-    if max_tokens is None:
-        max_tokens = max(1, min(st.max_tokens_limit, st.max_model_len - prompt_len, d.get("max_tokens", 1 << 62)))
+    room = max(1, min(st.max_tokens_limit, st.max_model_len - prompt_len, d.get("max_tokens", 1 << 62)))
+    given = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                               ("top_k", top_k)) if v is not None}
     try:
-        extra = extras.sampling_args(d) if extras is not None else {}
-        return SamplingParams(**extra,
-            max_tokens=max_tokens, temperature=d.get("temperature", 1.0) if temperature is None else temperature,
-            top_p=d.get("top_p", 1.0) if top_p is None else top_p, top_k=d.get("top_k", -1) if top_k is None else top_k,
-            n=n,
-            stop=[] if stop is None else stop, stop_token_ids=stop_token_ids or [], seed=seed, ignore_eos=ignore_eos, logprobs=logprobs,
-            top_logprobs=top_logprobs, constraint=constraint, prompt_logprobs=prompt_logprobs,
-        )
+        request = {**(extras.sampling_args() if extras is not None else {}), **given, "n": n,
+                   "stop": [] if stop is None else stop, "stop_token_ids": stop_token_ids or [], "seed": seed,
+                   "ignore_eos": ignore_eos, "logprobs": logprobs, "top_logprobs": top_logprobs,
+                   "constraint": constraint, "prompt_logprobs": prompt_logprobs}
+        return SamplingParams(**merge_sampling(d, {"max_tokens": room}, request))
     except (TypeError, ValueError) as e:
         raise bad_request(str(e), _param_of(getattr(e, "parameter", None))) from None
 
@@ -381,33 +378,6 @@ def output_constraint(req: Any) -> tuple[Constraint | None, str | None]:
     if not value:
         raise bad_request(f"{name} is empty", name)
     return Constraint("regex" if kind == "regex" else "grammar", value), name
-
-
-async def plan_chat(
-    st: Any, messages: list[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
-    output: Constraint | None = None, output_param: str = "response_format", program_id: str | None = None,
-    **options: Any,
-) -> tuple[ChatPlan, list[int]]:
-    """The plan and the prompt's token ids; rendering, tokenizing and compiling the grammar (cached)
-    run off the event loop. The tools, calls and results go to a template that renders tools as they are
-    (Runtime.plan_template). With the runtime's reasoning parser, the plan splits the thinking off the
-    reply, knowing from the prompt whether the template opened the think block itself. Bad input raises
-    InvalidCallError naming the field. `options`: the chat template's (Runtime.chat_token_ids)."""
-    rt = st.runtime
-    plan = plan_call(tools, tool_choice, output)
-    if plan.mode == "none" and st.config.exclude_tools_when_tool_choice_none:
-        plan.tools = []  # "none" parses no call: the tools served only the prompt
-
-    def prompt() -> tuple[str, list[int]]:
-        rendered = rt.plan_template(plan, options.get("chat_template")).render(messages)
-        return rt.chat_prompt(rendered, program_id, tools=plan.template_tools(), **options)
-
-    text, ids = await anyio.to_thread.run_sync(prompt)
-    plan.think(rt.reasoning, text, rt.tag_ids)
-    if plan.constraint is not None:
-        param = "tool_choice" if plan.forced_call else output_param
-        await anyio.to_thread.run_sync(lambda: rt.compile_constraint(plan.constraint, param))
-    return plan, ids
 
 
 def message_dicts(messages: list[Any]) -> list[dict[str, Any]]:

@@ -33,7 +33,6 @@ from agentrt.server.bodies import read_body
 from agentrt.server.state import ServerState, state_of
 from agentrt.server.calls import (
     note_tool,
-    plan_chat,
     program_keys,
     program_name,
     results,
@@ -225,9 +224,11 @@ async def create_message(request: Request) -> Response:
     if fmt is not None:
         check_schema(fmt.schema, "output_config.format.schema")
         output = Constraint.json_schema(fmt.schema)
-    plan, prompt_ids = await plan_chat(st, messages, tools=tools, tool_choice=choice, output=output,
-                                       output_param="output_config.format", program_id=pid,
-                                       **_template_options(messages))
+    prepared = await st.runtime.prepare_chat(messages, tools=tools, tool_choice=choice, output=output,
+                                             output_param="output_config.format", program_id=pid,
+                                             tools_when_none=not st.config.exclude_tools_when_tool_choice_none,
+                                             **_template_options(messages))
+    plan, prompt_ids = prepared.plan, prepared.prompt_ids
     params = sampling_params(
         st, max_tokens=req.max_tokens, prompt_len=len(prompt_ids), temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, n=1, stop=req.stop_sequences, stop_token_ids=None, seed=None, ignore_eos=False,

@@ -35,7 +35,6 @@ from agentrt.server.calls import (
     new_id,
     note_tool,
     output_constraint,
-    plan_chat,
     program_keys,
     program_name,
     prompt_logprobs_of,
@@ -114,12 +113,13 @@ async def chat_completions(request: Request) -> Response:
     choice = msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None
     constraint, constraint_param = output_constraint(req)
     _check_prompt_logprobs(req)
-    plan, prompt_ids = await plan_chat(
-        st, message_dicts(req.messages), tools=tools, tool_choice=choice, output=constraint,
+    prepared = await st.runtime.prepare_chat(
+        message_dicts(req.messages), tools=tools, tool_choice=choice, output=constraint,
         output_param=constraint_param or "response_format", program_id=pid,
+        tools_when_none=not st.config.exclude_tools_when_tool_choice_none,
         add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
         chat_template_kwargs=req.chat_template_kwargs, chat_template=request_template(st, req.chat_template))
-    prompt_ids = truncated(st, prompt_ids, req.truncate_prompt_tokens)
+    plan, prompt_ids = prepared.plan, truncated(st, prepared.prompt_ids, req.truncate_prompt_tokens)
     params = sampling_params(
         st, max_tokens=req.max_completion_tokens or req.max_tokens, prompt_len=len(prompt_ids),
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop,

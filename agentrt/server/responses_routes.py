@@ -28,7 +28,6 @@ from agentrt.server.bodies import read_body
 from agentrt.server.state import ServerState, state_of
 from agentrt.server.calls import (
     engine_salt,
-    plan_chat,
     program_keys,
     program_name,
     reasoning_tokens,
@@ -197,7 +196,9 @@ async def create_response(request: Request) -> Response:
         choice = {"type": "function", "function": {"name": choice.name}}
     fmt = req.text.format if req.text is not None else None
     output = response_format_constraint(msgspec.structs.asdict(fmt) if fmt is not None else None, "text.format")
-    plan, prompt_ids = await plan_chat(st, messages, tools=tools, tool_choice=choice, output=output, program_id=pid)
+    prepared = await st.runtime.prepare_chat(messages, tools=tools, tool_choice=choice, output=output, program_id=pid,
+                                             tools_when_none=not st.config.exclude_tools_when_tool_choice_none)
+    plan, prompt_ids = prepared.plan, prepared.prompt_ids
     params = sampling_params(
         st, max_tokens=req.max_output_tokens, prompt_len=len(prompt_ids), temperature=req.temperature,
         top_p=req.top_p, top_k=None, n=1, stop=None, stop_token_ids=None, seed=None, ignore_eos=False,

@@ -163,10 +163,9 @@ class GenerationExtras(Struct, kw_only=True):
     # or output grammar; engine.beam_search)
     length_penalty: float = 1.0  # vLLM's: a beam search ranks beams by cum_logprob / len ** length_penalty
 
-    def sampling_args(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    def sampling_args(self) -> dict[str, Any]:
         """These fields as SamplingParams arguments (the output constraint apart: see calls.output_constraint);
-        `defaults`: the model's generation config (engine.generation_config), for fields left unset."""
-        defaults = defaults or {}
+        repetition_penalty and min_p only when set (else the model's generation config: calls.sampling_params)."""
         bias = None
         if self.logit_bias:
             bad = [k for k in self.logit_bias if not k.strip().lstrip("-").isdigit()]
@@ -174,10 +173,10 @@ class GenerationExtras(Struct, kw_only=True):
                 raise InvalidRequestError(f"SamplingParams.logit_bias keys must be token ids, got {bad[0]!r}",
                                           parameter="logit_bias", value=bad[0])
             bias = {int(k): v for k, v in self.logit_bias.items()}
-        return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "repetition_penalty": defaults.get("repetition_penalty", 1.0) if self.repetition_penalty is None
-                else self.repetition_penalty,
-                "min_p": defaults.get("min_p", 0.0) if self.min_p is None else self.min_p, "min_tokens": self.min_tokens,
+        given = {k: v for k, v in (("repetition_penalty", self.repetition_penalty), ("min_p", self.min_p))
+                 if v is not None}
+        return {**given, "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "min_tokens": self.min_tokens,
                 "logit_bias": bias, "include_stop_str_in_output": self.include_stop_str_in_output,
                 "skip_special_tokens": self.skip_special_tokens, "priority": self.priority,
                 "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words or [],

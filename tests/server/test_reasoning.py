@@ -69,14 +69,15 @@ def opened(tiny_model_path):
 
 @pytest.fixture
 def forced(monkeypatch):
-    """Responses and Messages take no regex: their route's plan gets SHAPE's."""
-    from agentrt.server import calls, messages_routes, responses_routes
+    """Responses and Messages take no regex: Runtime.prepare_chat gives their plan SHAPE's."""
+    from agentrt._runtime import Runtime
 
-    def plan_chat(st, messages, **kw):
-        return calls.plan_chat(st, messages, **{**kw, "output": Constraint("regex", regex(SHAPE))})
+    prepare = Runtime.prepare_chat
 
-    for route in (responses_routes, messages_routes):
-        monkeypatch.setattr(route, "plan_chat", plan_chat)
+    def prepare_chat(rt, messages, **kw):
+        return prepare(rt, messages, **{**kw, "output": Constraint("regex", regex(SHAPE))})
+
+    monkeypatch.setattr(Runtime, "prepare_chat", prepare_chat)
 
 
 def chat(client, shape=SHAPE, messages=ASK, **kw):

@@ -154,14 +154,15 @@ def test_tokenize_renders_the_tools_as_chat_does(http, tok):
 
 @pytest.fixture
 def forced(monkeypatch):
-    """Responses and Messages take no regex: their route's plan gets LLAMA_CALLS'."""
-    from agentrt.server import calls, messages_routes, responses_routes
+    """Responses and Messages take no regex: Runtime.prepare_chat gives their plan LLAMA_CALLS'."""
+    from agentrt._runtime import Runtime
 
-    def plan_chat(st, messages, **kw):
-        return calls.plan_chat(st, messages, **{**kw, "output": Constraint("regex", literal(LLAMA_CALLS))})
+    prepare = Runtime.prepare_chat
 
-    for route in (responses_routes, messages_routes):
-        monkeypatch.setattr(route, "plan_chat", plan_chat)
+    def prepare_chat(rt, messages, **kw):
+        return prepare(rt, messages, **{**kw, "output": Constraint("regex", literal(LLAMA_CALLS))})
+
+    monkeypatch.setattr(Runtime, "prepare_chat", prepare_chat)
 
 
 def test_responses_and_messages_read_the_same_calls(srv, client, forced):
