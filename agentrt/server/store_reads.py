@@ -112,17 +112,24 @@ class StoreReads:
 
     def interrupt_running(self, now: float, program_id: str | None = None) -> int:
         """Close the programs recorded as running (or only `program_id`) as `interrupted`, ended at `now`,
-        and their calls recorded without an end likewise; how many programs. A server runs it at start-up
-        on the records its previous run left: a database holds one server's records."""
+        with the totals of their recorded calls (a running program's row is written only at its start), and
+        their calls recorded without an end likewise; how many programs. A server runs it at start-up on the
+        records its previous run left: a database holds one server's records."""
         self.flush()
         progs = update(_Program).where(_Program.state == "running")
         calls = update(_Call).where(_Call.finished_at.is_(None))
         if program_id is not None:
             progs = progs.where(_Program.program_id == program_id)
             calls = calls.where(_Call.program_id == program_id)
+        ended = select().select_from(_Call).where(_Call.program_id == _Program.program_id,
+                                                  _Call.finished_at.is_not(None))
+        totals = {"calls_done": ended.add_columns(func.count()).scalar_subquery()} | {
+            name: ended.add_columns(func.coalesce(func.sum(getattr(_Call, name)), 0)).scalar_subquery()
+            for name in ("num_prompt_tokens", "num_output_tokens", "service_s")}
         with self._connect(write=True) as conn:
+            n = conn.execute(progs.values(state=INTERRUPTED, ended_at=now, error=INTERRUPTED_ERROR, **totals)).rowcount
             conn.execute(calls.values(finished_at=now, finish_reason=INTERRUPTED, error=INTERRUPTED_ERROR))
-            return conn.execute(progs.values(state=INTERRUPTED, ended_at=now, error=INTERRUPTED_ERROR)).rowcount
+            return n
 
     def prune(self, max_programs: int) -> int:
         """Keep the `max_programs` newest ended programs (by `created_at`); delete older ended
