@@ -75,6 +75,7 @@ def test_generate_options(tiny_model_path, capsys):
     assert cli([*base, "--n", "2", "--temperature", "1", "--top-p", "0.9", "--seed", "1"]) == 0
     out = capsys.readouterr()
     assert "--- completion 0" in out.out and "--- completion 1" in out.out and "output tokens" in out.err
+    assert "agentrt engine: " in out.err and "KV blocks" in out.err  # the start-up line
     assert cli([*base, "--stream", "--stop", "zzz"]) == 0
     streamed = capsys.readouterr().out
     assert cli(base) == 0
@@ -160,7 +161,9 @@ def test_run_file_plain_main_and_returned_answers(tmp_path, tiny_model_path, cap
                      "    text = anyio.from_thread.run(lambda: agentrt.generate('Hi', max_tokens=2))\n"
                      "    return f'answer {argv} {type(text).__name__}'\n")
     assert cli([*run, str(plain), "--", "x"]) == 0
-    assert capsys.readouterr().out == "answer ['x'] str\n"
+    out = capsys.readouterr()
+    assert out.out == "answer ['x'] str\n"
+    assert "agentrt engine: " in out.err and "policy fcfs" in out.err  # the start-up line
     bare = tmp_path / "bare.py"
     bare.write_text("async def main():\n    return 'forty-two'\n")
     assert cli([*run, str(bare)]) == 0
