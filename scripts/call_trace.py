@@ -1,6 +1,6 @@
 """Trace the project files one HTTP chat call crosses (issue 34's measure of the chat path).
 
-    .venv/bin/python scripts/call_trace.py [--tokenizer DIR] [--max-tokens 8] [--threads] [--show]
+    .venv/bin/python scripts/call_trace.py [--tokenizer DIR] [--max-tokens 8] [--threads] [--resumes] [--show] [--hops]
 
 Runs ONE non-streaming POST /v1/chat/completions through the ASGI app in-process (starlette's
 TestClient, the lifespan entered, a tiny random Llama with the real tokenizer as the tests build it)
@@ -51,7 +51,7 @@ class Trace:
     loop_thread: int | None = None  # the thread the handler ran on
     active: bool = False  # between the handler's entry and its return
     files: list[str] = field(default_factory=list)  # callee file per counted call event
-    hops: int = 0  # call events whose callee file differs from the calling project frame's
+    hops: list[str] = field(default_factory=list)  # per call event whose callee file differs from its caller's
     _entered: dict[int, FrameType] = field(default_factory=dict)  # frames called once (held: ids stay unique)
     _rel: dict[str, str | None] = field(default_factory=dict)
 
@@ -96,7 +96,7 @@ class Trace:
         self._entered[id(frame)] = frame
         caller = self.caller_file(frame)
         if caller is not None and caller != path:
-            self.hops += 1
+            self.hops.append(f"{caller} -> {path}:{code.co_name}")
         self.files.append(path)
 
 
@@ -165,15 +165,18 @@ def main() -> None:
     ap.add_argument("--resumes", action="store_true",
                     help="count each resumption of a suspended coroutine as a call event (per token generated)")
     ap.add_argument("--show", action="store_true", help="print the sequence of files (runs collapsed)")
+    ap.add_argument("--hops", action="store_true", help="print each hop: caller file -> callee file:function")
     args = ap.parse_args()
     trace, tokens = run(args.tokenizer, args.max_tokens, args.threads, args.resumes)
     if args.show:
         print("\n".join(collapsed(trace.files)))
+    if args.hops:
+        print("\n".join(trace.hops))
     where = "event loop + worker threads" if args.threads else "event loop thread"
     where += ", coroutine resumptions included" if args.resumes else ", first entries of frames only"
     print(f"one /v1/chat/completions call ({tokens} tokens generated), counted on the {where}:")
     print(f"  distinct files crossed:          {len(set(trace.files))}")
-    print(f"  file-to-file hops:               {trace.hops}")
+    print(f"  file-to-file hops:               {len(trace.hops)}")
     print(f"  returns to a file already left:  {returns_to_left(trace.files)}")
 
 
