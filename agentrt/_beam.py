@@ -41,16 +41,16 @@ class BeamSearchCall:
                  own_program: bool = False) -> None:
         """`submit(prompt_ids, params)`: one call of the program `program_id`; `own_program`: the search's
         own, ended with it. InvalidCallError for a prompt the engine refuses."""
-        core = runtime._engine().core
         if not isinstance(params, BeamSearchParams):
             raise InvalidCallError(f"params must be BeamSearchParams, got {params!r}")
         try:
-            prompt_ids = core.validate_prompt(prompt_ids)
+            prompt_ids = runtime.check_prompt(prompt_ids)
         except (TypeError, ValueError) as e:
             raise InvalidCallError(str(e), param="prompt") from None
+        info = runtime.engine_info
         self.runtime = runtime
         self.prompt_ids = prompt_ids
-        self.search = BeamSearch([prompt_ids], params, core.eos_token_ids, core.max_model_len)
+        self.search = BeamSearch([prompt_ids], params, info.eos_token_ids, info.max_model_len)
         self.program_id = program_id
         self.model = model  # the LoRA adapter's name (None: the base model)
         self.request_id = f"{program_id}-beam{next(_ids)}"
@@ -136,7 +136,7 @@ async def beam_search_in_program(runtime: Runtime, prompt: str | list[int], *, b
     with calling_program("beam_search") as (prog, thread_id):
         lora = runtime.loras.resolve(model, prog.program_id)
         call = BeamSearchCall(runtime, ids, params,
-                              lambda p, sp: runtime._submit(prog, thread_id, p, sp, "beam_search", None, lora=lora),
+                              lambda p, sp: runtime.submit_call(prog, thread_id, p, sp, "beam_search", None, lora=lora),
                               prog.program_id, model=model)
         async with call:
-            return runtime._result(await call.result())
+            return runtime.result_of(await call.result())

@@ -78,6 +78,11 @@ class Call:
         self.one_call: ProgramHandle | None = None  # set when the call is a program of its own
         self.model: str | None = None  # the LoRA adapter it runs with (agentrt._lora); None: the base model
 
+    @property
+    def output(self) -> RequestOutput | None:
+        """The final output, once `result` returned it."""
+        return self._output
+
     # --- consuming -------------------------------------------------------------------------
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
         return self._deltas()
@@ -128,7 +133,7 @@ class Call:
     def abort(self) -> None:
         """Stop generating; the stream ends with finish_reason "abort"."""
         if not self._closed:
-            self.runtime._engine().abort(self.request_id)
+            self.runtime.abort_request(self.request_id)
 
     # --- ending ----------------------------------------------------------------------------
     async def __aenter__(self) -> Call:
@@ -140,7 +145,7 @@ class Call:
     def _not_waiting(self) -> None:
         if self._waiting:
             self._waiting = False
-            self.runtime._num_waiting -= 1
+            self.runtime.call_not_waiting()
 
     def close(self) -> None:
         """Release everything the call holds (idempotent); aborts the request if still live."""
@@ -152,7 +157,7 @@ class Call:
         out = self._output
         if out is None and rt.engine is not None:
             rt.engine.abort(self.request_id)
-        rt._call_closed(self)
+        rt.call_closed(self)
         m = out.metrics if out is not None else None
         wait = 0.0 if m is None or m.first_scheduled_time is None else max(0.0, m.first_scheduled_time - m.arrival_time)
         service = m.service_s if m is not None else 0.0
@@ -166,7 +171,7 @@ class Call:
             self._error = self._error or next((o.error for o in out.outputs if o.error), None)
         elif out is None:
             reason = "error" if self._error else "abort"
-        rt._notify_call(CallSummary(
+        rt.call_ended(CallSummary(
             self.request_id, self.program_id, self.thread_id, self.kind, self._wall0, self.num_prompt_tokens,
             self._generated, reason, self._ttft, time.monotonic() - self._t0, self._gaps, service, wait,
             self._error,

@@ -77,13 +77,13 @@ class RemoteRuntime:
             self._token = self._tg = self._client = None
 
     # --- what @program needs ------------------------------------------------------------------
-    def _program_started(self, info: ProgramInfo) -> None:
+    def program_started(self, info: ProgramInfo) -> None:
         self.programs.start(info)
 
     def tool_started(self, info: ProgramInfo | None, tool: str, ttl_s: float | None = None) -> None:
         """Nothing to do here: the server times the gap between a program's calls itself."""
 
-    def _end_program(self, handle: ProgramHandle, state: ProgramStatus, error: str | None) -> None:
+    def program_exited(self, handle: ProgramHandle, state: ProgramStatus, error: str | None) -> None:
         self.programs.end(handle.info, state, error)
         pid = handle.program_id
         if pid in self._remote and self._tg is not None:

@@ -20,9 +20,9 @@ class Host(Protocol):
 
     programs: ProcessTable
 
-    def _program_started(self, info: ProgramInfo) -> None: ...
+    def program_started(self, info: ProgramInfo) -> None: ...
 
-    def _end_program(self, handle: Any, state: ProgramStatus, error: str | None) -> None: ...  # a ProgramHandle
+    def program_exited(self, handle: Any, state: ProgramStatus, error: str | None) -> None: ...  # a ProgramHandle
 
     def tool_started(self, info: ProgramInfo | None, tool: str, ttl_s: float | None = None) -> None: ...
 

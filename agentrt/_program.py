@@ -110,7 +110,7 @@ def enter_program(
     )
     handle = ProgramHandle(info, runtime)
     if runtime is not None:
-        runtime._program_started(info)
+        runtime.program_started(info)
     if not make_current:
         return handle, None
     return handle, _current.set((handle, f"{info.program_id}.t0", anyio.get_current_task().id))
@@ -126,7 +126,7 @@ def exit_program(handle: ProgramHandle, token: contextvars.Token | None, exc: Ba
     else:
         state, error = "failed", repr(exc)
     if handle.runtime is not None:
-        handle.runtime._end_program(handle, state, error)
+        handle.runtime.program_exited(handle, state, error)
     else:
         handle.info.state, handle.info.end_time, handle.info.error = state, time.monotonic(), error
 

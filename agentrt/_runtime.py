@@ -32,12 +32,11 @@ from agentrt._errors import (
     ConfigError,
     InvalidCallError,
     NoRuntimeError,
-    ProgramExistsError,
-    ProgramNotFoundError,
 )
 from agentrt._lora import LoRAModules, parse_lora_modules
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
-from agentrt._program import ProgramHandle, calling_program, check_priority, current, new_program_id
+from agentrt._program import ProgramHandle, calling_program, current
+from agentrt._programs import ANY_OWNER, ProgramManager, RuntimeObserver
 from agentrt._reasoning import reasoning_parser as make_reasoning_parser
 from agentrt._results import Choice, Chunk, Result, Usage, token_logprobs, wants_result
 from agentrt._retention import RetentionConfig, RetentionPolicy
@@ -45,16 +44,13 @@ from agentrt._toolcalls import response_format_constraint, tool_specs
 from agentrt._toolparsers import tool_call_parser as make_tool_parser
 from agentrt.engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
 from agentrt.engine.beam_search import BeamSearchParams
+from agentrt.engine.client import EngineInfo, EngineStats
 from agentrt.engine.kv_cache_manager import OwnerKV
 from agentrt.engine.lora import LoRARequest
 from agentrt.engine.outputs import RequestOutput, StreamDelta
-from agentrt.engine.pooling import PoolingParams
-from agentrt.engine.pooling import default_method as default_pooling
-from agentrt.engine.program_ops import ProgramOp
+from agentrt.engine.pooling import ClassificationOutput, PoolingParams
 from agentrt.engine.sampling_params import truncate_prompt
 from agentrt.engine.structured import Constraint
-
-ANY_OWNER: Any = object()  # `owner=` default of the program look-ups: any client's program
 
 
 class Runtime:
@@ -115,16 +111,12 @@ class Runtime:
                 raise
             raise ConfigError(f"bad runtime configuration: {e}") from None
         self.program_idle_timeout_s = program_idle_timeout_s  # programs keyed by id end after this long idle
-        self.programs = ProcessTable()
         self.engine: AsyncEngine | None = None
-        self.retention: RetentionPolicy | None = None  # while the engine runs
-        self.observers: list[RuntimeObserver] = []  # told of program starts / ends and call ends
-        self._pooling: str | None = None  # embed's pooling: what the checkpoint declares (found on first use)
-        self._inflight: dict[str, set[str]] = {}  # program id -> request ids in the engine
         self._chat = ChatPrompts(lambda: self.tokenizer)  # per program: its last chat prompt and reply
-        self._keyed: dict[str, ProgramHandle] = {}  # running programs started by id (`start_program`, the server)
-        self._thread_ids: dict[str, set[str]] = {}  # keyed program id -> thread ids its calls named (num_threads)
-        self._num_waiting = 0  # calls submitted that have produced no token yet
+        # programs, their calls in flight, retention, observers (agentrt._programs)
+        self.program_manager = ProgramManager(self.policy, lambda: self.engine, self, self._chat.forget)
+        self.programs: ProcessTable = self.program_manager.table
+        self.observers: list[RuntimeObserver] = self.program_manager.observers  # told of program starts / ends, call ends
         self._call_ids = itertools.count(1)
         self._token: contextvars.Token | None = None
         self._stack: contextlib.AsyncExitStack | None = None
@@ -137,15 +129,15 @@ class Runtime:
             self.engine = await stack.enter_async_context(engine)
             for req in self.loras.requests():  # a bad adapter fails the start, naming it
                 try:
-                    engine.core.lora_adapter(req)
+                    await engine.load_lora(req)
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
-            kv = engine.core.kv
-            self.retention = RetentionPolicy(self.retention_config, self._program_op, kv.num_blocks * kv.block_size)
+            pm, info = self.program_manager, engine.info
+            pm.retention = RetentionPolicy(self.retention_config, pm.program_op, info.num_blocks * info.block_size)
             if self.program_idle_timeout_s is not None:
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)  # runs before the group exits
-                tg.start_soon(self._reap_idle_programs)
+                tg.start_soon(pm.reap_idle, self.program_idle_timeout_s)
         except BaseException:
             await stack.aclose()
             raise
@@ -157,8 +149,7 @@ class Runtime:
         assert self._stack is not None and self._token is not None
         _runtime.reset(self._token)
         try:
-            for handle in list(self._keyed.values()):
-                self._end_program(handle, "cancelled", "the runtime stopped")
+            self.program_manager.end_all("cancelled", "the runtime stopped")
             await self._stack.aclose()
         finally:
             self._stack = self._token = None
@@ -166,6 +157,24 @@ class Runtime:
     @property
     def tokenizer(self) -> Any:
         return self._engine().tokenizer
+
+    @property
+    def engine_info(self) -> EngineInfo:
+        """The served model and the engine's settings (engine.client.EngineInfo); NoRuntimeError when stopped."""
+        return self._engine().info
+
+    def check_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The token ids of a prompt the engine can run; InvalidRequestError (a ValueError) naming what is wrong."""
+        return self._engine().check_prompt(prompt)
+
+    async def engine_stats(self) -> EngineStats:
+        """A snapshot of the engine's state between steps (engine.client.EngineStats)."""
+        return await self._engine().stats()
+
+    @property
+    def retention(self) -> RetentionPolicy | None:
+        """KV pins across tool calls and reservations (agentrt._retention), while the engine runs."""
+        return self.program_manager.retention
 
     async def load_lora_adapter(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
         """Serve the LoRA adapter at `path` under `name` from now on (vLLM's /v1/load_lora_adapter); the
@@ -176,7 +185,7 @@ class Runtime:
         except ValueError as e:
             raise InvalidCallError(str(e), param="lora_name") from None
         try:
-            await anyio.to_thread.run_sync(self._engine().core.lora_adapter, req)
+            await self._engine().load_lora(req)
         except BaseException as e:
             self.loras.remove(name)
             if isinstance(e, ValueError):
@@ -187,10 +196,15 @@ class Runtime:
     def unload_lora_adapter(self, name: str) -> LoRARequest:
         """Stop serving the adapter `name` (calls running with it finish with it); KeyError if none has it."""
         req = self.loras.remove(name)
-        core = self._engine().core
-        if core.loras is not None:
-            core.loras.remove(req.lora_int_id)
+        self._engine().unload_lora(req.lora_int_id)
         return req
+
+    async def classifications(self, pooled: list[list[float]]) -> list[ClassificationOutput]:
+        """Class probabilities of pooled last-token states through the model's score head (on the engine's
+        thread): what /classify answers. InvalidCallError when the model has no score head."""
+        if not self.engine_info.has_score_head:
+            raise InvalidCallError(f"the served model {self.engine_info.model_name!r} has no classification head")
+        return await self._engine().classify([str(i) for i in range(len(pooled))], pooled)
 
     def kv_stats(self) -> Any:
         return self._engine().kv_stats()
@@ -205,43 +219,18 @@ class Runtime:
             raise NoRuntimeError("the runtime is not running: enter it with `async with`")
         return self.engine
 
-    # --- programs ---------------------------------------------------------------------------
-    def _program_op(self, op: ProgramOp) -> None:
-        if self.engine is not None:
-            self.engine.program_op(op)
+    # --- programs (agentrt._programs.ProgramManager) ------------------------------------------
+    def program_started(self, info: ProgramInfo) -> None:
+        """A `@program` function's program starts (agentrt._context.Host)."""
+        self.program_manager.program_started(info)
 
-    def _program_started(self, info: ProgramInfo) -> None:
-        self.programs.start(info)
-        if self.retention is not None:
-            self.retention.program_started(info.program_id, info.kv_reserve_tokens)
-        for o in self.observers:
-            o.program_started(info)
-
-    def _end_program(self, handle: ProgramHandle, state: ProgramStatus, error: str | None) -> None:
-        """Release everything the program holds: abort its calls still in flight, tell the policy."""
-        pid = handle.program_id
-        if self._keyed.get(pid) is handle:
-            del self._keyed[pid]
-        self._thread_ids.pop(pid, None)
-        self._chat.forget(pid)
-        for rid in self._inflight.pop(pid, ()):
-            if self.engine is not None:
-                self.engine.abort(rid)
-        if self.retention is not None and self.engine is not None:
-            handle.info.kv = self.program_kv(pid)
-            self.retention.program_ended(pid)  # the engine releases its KV and tells the policy
-        else:
-            self.policy.end_program(pid)
-        self.programs.end(handle.info, state, error)
-        for o in self.observers:
-            o.program_ended(handle.info)
+    def program_exited(self, handle: ProgramHandle, state: ProgramStatus, error: str | None) -> None:
+        """A program ends: its calls in flight are aborted, all it holds released (agentrt._context.Host)."""
+        self.program_manager.program_exited(handle, state, error)
 
     def abort_program(self, program_id: str) -> int:
         """Abort every in-flight call of a program (its awaiting `chat`s raise `CallAbortedError`)."""
-        rids = self._inflight.get(program_id, set())
-        for rid in list(rids):
-            self._engine().abort(rid)
-        return len(rids)
+        return self.program_manager.abort_program(program_id, self._engine())
 
     def start_program(self, program_id: str | None = None, *, name: str = "program", owner: str | None = None,
                       priority: int = 0) -> ProgramInfo:
@@ -249,91 +238,39 @@ class Runtime:
         programs). Its calls go through `submit(..., program_id=...)`; it ends with `end_program`,
         or by itself after `program_idle_timeout_s` without calls. An id whose program has ended may
         be started again (a new record replaces the old). `priority`: its calls' scheduling class."""
-        check_priority(priority, "priority")
-        if program_id is None:
-            program_id = new_program_id()
-        old = self.programs.get(program_id)
-        if old is not None and old.state == "running":
-            raise ProgramExistsError("a program with this id is already running", program_id=program_id)
-        if old is not None and old.owner != owner:  # an ended program's id stays its owner's while the table keeps it
-            raise ProgramExistsError("this program id belongs to another client", program_id=program_id)
-        info = ProgramInfo(program_id=program_id, name=name, parent_id=None, start_time=time.monotonic(), owner=owner,
-                           priority=priority)
-        handle = ProgramHandle(info, self)
-        self._keyed[program_id] = handle
-        self._program_started(info)
-        return info
+        return self.program_manager.start_program(program_id, name=name, owner=owner, priority=priority)
 
     def end_program(self, program_id: str, *, owner: Any = ANY_OWNER, state: ProgramStatus = "finished") -> ProgramInfo:
         """End a program started by id: abort its calls in flight and release all it holds."""
-        handle = self._keyed_handle(program_id, owner)
-        self._end_program(handle, state, None)
-        return handle.info
+        return self.program_manager.end_program(program_id, owner=owner, state=state)
 
     def program(self, program_id: str, *, owner: Any = ANY_OWNER) -> ProgramInfo:
         """A program's record (running or ended, while the process table keeps it)."""
-        info = self.programs.get(program_id)
-        if info is None or (owner is not ANY_OWNER and info.owner != owner):
-            raise ProgramNotFoundError("no such program", program_id=program_id)
-        return info
+        return self.program_manager.program(program_id, owner)
 
     def program_queue_level(self, program_id: str) -> int | None:
         """The best (lowest) queue level among the program's calls in the engine; None if it has none
         or the policy has no levels."""
-        level_of = getattr(self.policy, "level", None)
-        if level_of is None or self.engine is None:
-            return None
-        levels = []
-        for rid in list(self._inflight.get(program_id, ())):
-            req = self.engine.core.requests.get(rid)
-            if req is not None and req.policy_state:
-                levels.append(level_of(req))
-        return min(levels, default=None)
+        return self.program_manager.program_queue_level(program_id)
 
     def program_kv_blocks(self, program_id: str) -> int:
         """KV blocks the program's calls in the engine hold now (blocks its threads share count once)."""
-        if self.engine is None:
-            return 0
-        blocks: set[int] = set()
-        for rid in list(self._inflight.get(program_id, ())):
-            req = self.engine.core.requests.get(rid)
-            if req is not None:
-                blocks.update(list(req.block_ids))
-        return len(blocks)
+        return self.program_manager.program_kv_blocks(program_id)
 
     def program_kv(self, program_id: str) -> OwnerKV | None:
         """The program's KV in the engine now: blocks held, pinned, reserved; its TTL hits, misses,
         expiries and recomputed prefill tokens (None when the engine is not running)."""
-        if self.engine is None:
-            return None
-        return self.engine.core.kv.owner_kv(program_id)
+        return self.program_manager.program_kv(program_id)
 
     def tool_started(self, info: ProgramInfo | None, tool: str, ttl_s: float | None = None) -> None:
         """The program runs `tool` now: its KV is pinned for the tool's TTL (`ttl_s` if given)."""
-        if info is not None and self.retention is not None and info.state == "running":
-            self.retention.tool_started(info.program_id, tool, ttl_s)
+        retention = self.program_manager.retention
+        if info is not None and retention is not None and info.state == "running":
+            retention.tool_started(info.program_id, tool, ttl_s)
 
     def num_waiting_calls(self) -> int:
         """Calls submitted that have produced no token yet (queued or in prefill)."""
-        return self._num_waiting
-
-    def _keyed_handle(self, program_id: str, owner: Any) -> ProgramHandle:
-        handle = self._keyed.get(program_id)
-        if handle is None or (owner is not ANY_OWNER and handle.info.owner != owner):
-            raise ProgramNotFoundError("no such running program", program_id=program_id)
-        return handle
-
-    async def _reap_idle_programs(self) -> None:
-        timeout = self.program_idle_timeout_s
-        assert timeout is not None
-        while True:
-            await anyio.sleep(min(1.0, timeout / 4))
-            now = time.monotonic()
-            for handle in list(self._keyed.values()):
-                info = handle.info
-                last = max(info.start_time, info.last_call_completion or 0.0)
-                if info.calls_active == 0 and now - last >= timeout:
-                    self._end_program(handle, "finished", None)
+        return self.program_manager.num_waiting
 
     # --- calls --------------------------------------------------------------------------------
     def chat_token_ids(self, messages: Sequence[dict[str, Any]], program_id: str | None = None,
@@ -376,7 +313,7 @@ class Runtime:
         """Compile (and cache) an output grammar now, so a bad one fails here, naming `param`, and a good
         one costs nothing when its call is added. Blocking: the server runs it in a thread."""
         try:
-            self._engine().core.compile_constraint(constraint)
+            self._engine().compile_constraint(constraint)
         except (TypeError, ValueError) as e:
             raise InvalidCallError(str(e), param=param) from None
 
@@ -399,17 +336,13 @@ class Runtime:
         program makes no more calls, so nothing of it is pinned when this one ends. `name`: the name of
         a program this call starts. `model`: a LoRA adapter's name (None: the base model)."""
         lora = self.loras.resolve(model, program_id)
+        pm = self.program_manager
         if program_id is None:
             info = self.start_program(name=kind, owner=owner)
-            return self._submit(self._keyed[info.program_id], None, prompt, params, kind, cache_salt, one_call=True,
-                                lora=lora)
-        handle = self._keyed.get(program_id)
-        if handle is None or handle.info.owner != owner:
-            if handle is not None or (program_id in self.programs and self.programs[program_id].state == "running"):
-                raise ProgramNotFoundError("no such program", program_id=program_id)  # another owner's
-            self.start_program(program_id, name=name, owner=owner)
-            handle = self._keyed[program_id]
-        return self._submit(handle, thread_id, prompt, params, kind, cache_salt, last_call=last_call, lora=lora)
+            return self.submit_call(pm.keyed_handle(info.program_id), None, prompt, params, kind, cache_salt,
+                                    one_call=True, lora=lora)
+        handle = pm.handle_for(program_id, owner, name)
+        return self.submit_call(handle, thread_id, prompt, params, kind, cache_salt, last_call=last_call, lora=lora)
 
     def submit_beam_search(self, prompt_ids: list[int], params: BeamSearchParams, *, program_id: str | None = None,
                            owner: str | None = None, cache_salt: str | None = None, model: str | None = None,
@@ -426,11 +359,13 @@ class Runtime:
         return await beam_search_in_program(self, _check_prompt(prompt), beam_width=beam_width, max_tokens=max_tokens,
                                             length_penalty=length_penalty, ignore_eos=ignore_eos, model=model)
 
-    def _submit(
+    def submit_call(
         self, handle: ProgramHandle, thread_id: str | None, prompt: str | list[int], params: SamplingParams,
         kind: str, cache_salt: str | None, one_call: bool = False, last_call: bool = False,
         lora: LoRARequest | None = None,
     ) -> Call:
+        """Submit one call of the program `handle` (running; `submit` finds or starts it by id). `one_call`: the
+        program is the call's own, ended with it. Bad input raises InvalidCallError here."""
         engine = self._engine()
         pid = handle.program_id
         thread_id = thread_id or f"{pid}.t0"
@@ -440,49 +375,43 @@ class Runtime:
         try:
             if isinstance(prompt, str):
                 prompt = self.tokenizer(prompt)["input_ids"]
-            prompt = truncate_prompt(prompt, params.truncate_prompt_tokens, engine.core.max_model_len)  # as counted
+            prompt = truncate_prompt(prompt, params.truncate_prompt_tokens, engine.info.max_model_len)  # as counted
             if self.retention is not None:  # before the add: the TTL its end pins for is in place first
                 self.retention.call_submitted(pid, time.monotonic(), last=last_call or one_call)
             stream = engine.add_request(prompt, params, request_id=rid, program_id=pid, thread_id=thread_id,
                                         cache_salt=cache_salt, lora_request=lora)
         except (TypeError, ValueError, UnicodeError) as e:
             if one_call:
-                self._end_program(handle, "failed", repr(e))
+                self.program_exited(handle, "failed", repr(e))
             raise InvalidCallError(str(e), program_id=pid, request_id=rid, param=getattr(e, "parameter", None)) from None
-        self._inflight.setdefault(pid, set()).add(rid)
-        if self._keyed.get(pid) is handle:  # a @program counts its threads as it makes them; these name theirs
-            threads = self._thread_ids.setdefault(pid, set())
-            threads.add(thread_id)
-            handle.info.num_threads = max(handle.info.num_threads, len(threads))
-        record = self.programs.call_started(handle.info, rid, thread_id, len(prompt))
-        self._num_waiting += 1
+        record = self.program_manager.call_submitted(handle, rid, thread_id, len(prompt))
         call = Call(self, handle.info, thread_id, rid, kind, stream, record, len(prompt))
         call.one_call = handle if one_call else None
         call.model = lora.lora_name if lora is not None else None
         return call
 
-    def _call_closed(self, call: Call) -> None:
-        if call.kind == "chat":
-            self._chat.remember_reply(call.program_id, call._output)
-        inflight = self._inflight.get(call.program_id)
-        if inflight is not None:
-            inflight.discard(call.request_id)
-            if not inflight:
-                del self._inflight[call.program_id]
+    # --- what a Call (agentrt._call) and a beam search (agentrt._beam) report ------------------
+    def abort_request(self, request_id: str) -> None:
+        """Abort a call's engine request (its stream ends with finish_reason "abort")."""
+        self._engine().abort(request_id)
 
-    def _notify_call(self, summary: CallSummary, handle: ProgramHandle | None) -> None:
-        if self.retention is not None:
-            tokens = summary.num_prompt_tokens + summary.num_output_tokens
-            self.retention.call_ended(summary.program_id, time.monotonic(), tokens=tokens, computed_tokens=tokens,
-                                      service_s=summary.service_s, wait_s=summary.wait_s)
-            info = self.programs.get(summary.program_id)
-            if info is not None and info.state == "running":
-                info.kv = self.program_kv(summary.program_id)
-        for o in self.observers:
-            o.call_ended(summary)
-        if handle is not None:  # a one-call program ends with its call
-            state: ProgramStatus = "finished" if summary.finish_reason in ("stop", "length") else "failed"
-            self._end_program(handle, state, summary.error)
+    def call_not_waiting(self) -> None:
+        """A call produced its first token, or ended without one: it no longer counts as waiting."""
+        self.program_manager.num_waiting -= 1
+
+    def call_closed(self, call: Call) -> None:
+        """A call's request left the engine."""
+        if call.kind == "chat":
+            self._chat.remember_reply(call.program_id, call.output)
+        self.program_manager.call_closed(call.program_id, call.request_id)
+
+    def call_ended(self, summary: CallSummary, one_call: ProgramHandle | None) -> None:
+        """A call's end, for retention and the observers; a one-call program (`one_call`) ends with it."""
+        self.program_manager.call_ended(summary, one_call)
+
+    def result_of(self, out: RequestOutput) -> Result:
+        """A finished call's output as `generate` returns it in full: a `Result`."""
+        return self._result(out)
 
     async def _call(
         self, prompt: str | list[int], sampling: dict[str, Any], kind: str, out: list[RequestOutput]
@@ -492,8 +421,8 @@ class Runtime:
         self._engine()
         with calling_program(kind) as (prog, thread_id):
             lora = self.loras.resolve(sampling.pop("model", None), prog.program_id)
-            params = _sampling_params(merge_sampling(self._engine().core.generation_defaults, sampling), prog.program_id)
-            async with self._submit(prog, thread_id, prompt, params, kind, None, lora=lora) as call:
+            params = _sampling_params(merge_sampling(self.engine_info.generation_defaults, sampling), prog.program_id)
+            async with self.submit_call(prog, thread_id, prompt, params, kind, None, lora=lora) as call:
                 async for delta in call:
                     yield delta
                 out.append(await call.result())
@@ -525,10 +454,8 @@ class Runtime:
         """Embeddings of the inputs, each one call (agentrt._embed), all at once; `model`: a LoRA adapter's
         name (None: the base model)."""
         one, items = embed_inputs(inputs)
-        if self._pooling is None:
-            self._pooling = default_pooling(self._engine().core.model_path)
         try:
-            pooling = PoolingParams(self._pooling, normalize, dimensions)
+            pooling = PoolingParams(self.engine_info.pooling_method, normalize, dimensions)
         except ValueError as e:
             raise InvalidCallError(str(e)) from None
         vectors: list[Any] = [None] * len(items)
@@ -607,17 +534,6 @@ class Runtime:
             choices.append(Choice(c.index, reply.content, reason, reply.tool_calls, lps, list(c.token_ids),
                                   c.stop_reason, reply.reasoning))
         return Result(choices, Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens), out.prompt_logprobs)
-
-
-class RuntimeObserver:
-    """Hears of program starts and ends and of every call's end (the server's store and metrics).
-    Called on the event loop: an observer must not block."""
-
-    def program_started(self, info: ProgramInfo) -> None: ...
-
-    def program_ended(self, info: ProgramInfo) -> None: ...
-
-    def call_ended(self, summary: CallSummary) -> None: ...
 
 
 def _pid() -> str | None:

@@ -24,7 +24,7 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _generate(a: argparse.Namespace) -> int:
-    from agentrt.engine import SamplingParams
+    from agentrt.engine import SamplingParams, StreamDelta
     from agentrt.engine.config import EngineConfig
 
     # every argument is checked before the model loads (seconds)
@@ -44,14 +44,12 @@ def _generate(a: argparse.Namespace) -> int:
                                                    add_generation_prompt=True)
     t = time.perf_counter()
     if a.stream:
-        core = llm.core
-        req = core.add_request(prompt, params)
-        while core.has_work():
-            for d in core.step():
-                if d.new_text:
-                    print(d.new_text if params.n == 1 else f"[{d.index}] {d.new_text!r}", end="" if params.n == 1 else "\n",
-                          flush=True)
-        out = core.finished_output(req)
+        def show(d: StreamDelta) -> None:
+            if d.new_text:
+                print(d.new_text if params.n == 1 else f"[{d.index}] {d.new_text!r}", end="" if params.n == 1 else "\n",
+                      flush=True)
+
+        out = llm.generate([prompt], params, progress=False, on_delta=show)[0]
         if params.n == 1:
             print()
     else:

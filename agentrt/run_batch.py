@@ -227,7 +227,7 @@ async def _run(config: Any, source: IO[bytes], output: str, out: IO[bytes], max_
     app = create_app(config)
     async with in_process_client(app) as client:
         if max_concurrency is None:  # enough that the engine's batch stays full while answers are written
-            max_concurrency = 2 * app.state.server.runtime.engine.core.config.max_num_seqs
+            max_concurrency = 2 * app.state.server.runtime.engine_info.max_num_seqs
         with contextlib.ExitStack() as stack:
             sink = anyio.wrap_file(out if output == "-" else stack.enter_context(_open(output, "wb")))
 

@@ -12,8 +12,11 @@ served alone, and the loop below survives any exception. Every per-request entry
 its stream ends, and a stream dropped unread (garbage-collected) aborts its request.
 
 Program operations (`engine.program_ops`: start, reserve, pin, release, end) take the same road:
-`program_op` applies one now, or queues it behind the adds and aborts received during a step; so does
-`reset_prefix_cache`, which its caller awaits.
+`program_op` applies one now, or queues it behind the adds and aborts received during a step; so do
+`reset_prefix_cache` and `stats`, which their callers await. Work on the model (a LoRA adapter's load, a
+score head) runs on the engine's thread between steps (`_on_engine_thread`). Above `engine/`, this class is
+the only way in: `info` (engine.client.EngineInfo), `stats()`, `request_info`, `program_kv` and the
+operations below; nothing there holds `core`.
 """
 
 from __future__ import annotations
@@ -29,15 +32,19 @@ from typing import Any, TypeVar
 import anyio
 from anyio.abc import TaskGroup
 
+from agentrt.engine.client import EngineInfo, EngineStats, RequestInfo, engine_info, engine_stats, request_info
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.engine_core import EngineCore, KVStats, family_ids
 from agentrt.engine.engine_thread import EngineThread
 from agentrt.engine.llm import make_config
 from agentrt.engine.lora import LoRAAdapter, LoRARequest
 from agentrt.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
+from agentrt.engine.ownership import OwnerKV
+from agentrt.engine.pooling import ClassificationOutput, classifications
 from agentrt.engine.program_ops import ProgramOp
 from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.structured import Constraint
 
 T = TypeVar("T")
 
@@ -128,11 +135,13 @@ class _Add:
 
 
 @dataclass(slots=True)
-class _Reset:
-    """A prefix-cache reset asked for during a step, applied right after it."""
+class _Between:
+    """Work on the core asked for during a step, done on the event loop right after it."""
 
-    done: anyio.Event = field(default_factory=anyio.Event)  # set once applied (or the engine stopped)
-    reset: bool = False  # EngineCore.reset_prefix_cache's answer
+    fn: Callable[[], Any]
+    result: Any  # fn's answer; until it runs, the answer when the engine stops first
+    done: anyio.Event = field(default_factory=anyio.Event)  # set once done (or the engine stopped)
+    error: BaseException | None = None
 
 
 class AsyncEngine:
@@ -146,11 +155,12 @@ class AsyncEngine:
         except BaseException:
             self._thread.close()
             raise
+        self.info: EngineInfo = engine_info(self.core)  # read-only, built once
         self._streams: dict[str, _Sink] = {}  # root request id -> its stream's engine side, until it ends
         self._roots: dict[str, str] = {}  # request id (forks included) -> its root's id, until the stream ends
         self._root_reqs: dict[str, Request] = {}  # root id -> its Request once in the core, until the stream ends
-        self._queued: list[_Add | str | ProgramOp | _Reset] = []  # adds, aborts (by id), program ops, prefix-cache
-        # resets received during a step
+        self._queued: list[_Add | str | ProgramOp | _Between] = []  # adds, aborts (by id), program ops and
+        # other work on the core received during a step
         # streams collected unread; a finalizer may run on any thread, so a thread-safe queue. Drained
         # before every step: a request still in the core keeps the loop stepping, so no wake-up is needed.
         self._abandoned: queue.SimpleQueue[_Sink] = queue.SimpleQueue()
@@ -190,7 +200,7 @@ class AsyncEngine:
             self._tg = None
             self._stepping = False
             for item in self._queued:
-                if isinstance(item, _Reset):
+                if isinstance(item, _Between):
                     item.done.set()
             self._queued.clear()
             for rid in list(self._streams):
@@ -254,12 +264,51 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         """vLLM's reset_prefix_cache, between steps (EngineCore.reset_prefix_cache): cached blocks no one holds
         are forgotten. True when nothing cached is left (False too when the engine stopped first)."""
-        if not self._stepping:
-            return self.core.reset_prefix_cache()
-        item = _Reset()
-        self._queued.append(item)
-        await item.done.wait()
-        return item.reset
+        return await self._between_steps(self.core.reset_prefix_cache, False)
+
+    async def stats(self) -> EngineStats:
+        """A snapshot of the engine's state, taken between steps (engine.client.EngineStats)."""
+        stats = await self._between_steps(self._snapshot, None)
+        return stats if stats is not None else self._snapshot()  # the engine stopped meanwhile
+
+    def _snapshot(self) -> EngineStats:
+        return engine_stats(self.core, self.num_tracked())
+
+    def request_info(self, request_id: str) -> RequestInfo | None:
+        """An unfinished request's blocks and queue level (None once it is not in the engine)."""
+        return request_info(self.core, request_id)
+
+    def program_kv(self, program_id: str) -> OwnerKV:
+        """A program's KV: blocks held, pinned, reserved; its TTL hits, misses, expiries (engine.ownership)."""
+        return self.core.kv.owner_kv(program_id)
+
+    def check_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The token ids of a prompt that can run; InvalidRequestError naming what is wrong otherwise."""
+        return self.core.validate_prompt(prompt)
+
+    def compile_constraint(self, constraint: Constraint) -> None:
+        """Compile (cached) an output grammar; InvalidRequestError if it does not compile. Blocking: call it
+        from a worker thread. Not on the engine's thread: a compile can take longer than many steps, and the
+        grammar cache is thread-safe (engine.structured.GrammarCache)."""
+        self.core.compile_constraint(constraint)
+
+    async def load_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Load (once) the adapter a request names, on the engine's thread between steps; InvalidRequestError
+        when it cannot serve (engine.lora)."""
+        adapter = await self._on_engine_thread(lambda: self.core.lora_adapter(lora_request))
+        assert adapter is not None
+        return adapter
+
+    def unload_lora(self, lora_int_id: int) -> bool:
+        """Drop a loaded adapter (requests running with it keep theirs); False if it is not loaded."""
+        loras = self.core.loras
+        return loras is not None and loras.remove(lora_int_id)
+
+    async def classify(self, request_ids: list[str], pooled: list[list[float]]) -> list[ClassificationOutput]:
+        """Class probabilities of pooled last-token states (`LLM.classify`'s), through the model's score head
+        on the engine's thread between steps."""
+        return await self._on_engine_thread(
+            lambda: classifications(self.core.model, self.core.hf_config, request_ids, pooled))
 
     def close(self) -> None:
         """Stop the engine's thread once it is not serving (it cannot serve again). An engine dropped without
@@ -279,6 +328,24 @@ class AsyncEngine:
 
     def kv_stats(self) -> KVStats:
         return self.core.kv_stats()
+
+    async def _between_steps(self, fn: Callable[[], T], if_stopped: T) -> T:
+        """`fn()` now when no step runs, else right after the running one (`if_stopped` if the engine stops
+        first)."""
+        if not self._stepping:
+            return fn()
+        item = _Between(fn, if_stopped)
+        self._queued.append(item)
+        await item.done.wait()
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    async def _on_engine_thread(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the engine's thread, after the step it runs now (steps queue behind it)."""
+        if self._thread.closed:
+            raise EngineError("AsyncEngine was closed: build a new one")
+        return await self._thread.run(fn)
 
     def num_tracked(self) -> dict[str, int]:
         """Entries of every per-request map, here and in the core (debugging, leak tests): all 0 once
@@ -404,9 +471,11 @@ class AsyncEngine:
                         self._add_now(item)
                     elif isinstance(item, str):
                         self._abort_now(item)
-                    elif isinstance(item, _Reset):
+                    elif isinstance(item, _Between):
                         try:
-                            item.reset = self.core.reset_prefix_cache()
+                            item.result = item.fn()
+                        except Exception as e:
+                            item.error = e
                         finally:
                             item.done.set()
                     else:

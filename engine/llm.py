@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentrt.engine import chat_template as chat_template_
@@ -12,7 +12,7 @@ from agentrt.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchP
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.engine_core import EngineCore, KVStats
 from agentrt.engine.lora import LoRARequest
-from agentrt.engine.outputs import RequestOutput
+from agentrt.engine.outputs import RequestOutput, StreamDelta
 from agentrt.engine.pooling import ClassificationOutput, PoolingParams, classifications
 from agentrt.engine.request import Request
 from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
@@ -57,13 +57,15 @@ class LLM:
         progress: bool | str = "auto",
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        on_delta: Callable[[StreamDelta], None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order. Prompts are text or token id lists; `params` is one
         SamplingParams for all or one per prompt. Bad input raises InvalidRequestError (a ValueError)
         before anything runs. `progress`: a rich progress bar on stderr (True, False, or "auto": on a
         terminal from PROGRESS_MIN_PROMPTS prompts). `priority`: per prompt its scheduling class (vLLM's;
         SamplingParams.priority), smaller first. `lora_request`: the LoRA adapter (engine.lora) of every
-        prompt, or one per prompt (None: the base model); the engine needs enable_lora=True."""
+        prompt, or one per prompt (None: the base model); the engine needs enable_lora=True. `on_delta`: sees
+        every delta as it is produced (streaming)."""
         prompts = _prompt_list(prompts)
         if params is None:
             params = self.get_default_sampling_params()
@@ -91,6 +93,8 @@ class LLM:
                     reqs.append(self.core.add_checked(c))
                 while self.core.has_work():
                     for d in self.core.step():
+                        if on_delta is not None:
+                            on_delta(d)
                         if d.finished:
                             bar.advance(d.request_id)
             except BaseException:

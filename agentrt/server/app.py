@@ -53,7 +53,7 @@ async def models(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     st = state_of(request)
     st.owner(request)
-    body, content_type = st.metrics.render()
+    body, content_type = st.metrics.render(await _engine_state(st.runtime))
     return Response(body, media_type=content_type)
 
 
@@ -115,7 +115,7 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
                 if config.chat_template is not None:  # every chat prompt renders with the tokenizer's template
                     runtime.tokenizer.chat_template = config.chat_template
                 policy_name = getattr(runtime.policy, "name", config.policy)
-                metrics_ = Metrics(state_fn=lambda: _engine_state(runtime))
+                metrics_ = Metrics()  # the engine's state given at each scrape (`metrics`)
                 st = ServerState(config, runtime, store, metrics_)
                 recorder = Recorder(store, metrics_, policy_name, config.max_programs_kept)
                 runtime.observers.append(recorder)
@@ -158,37 +158,27 @@ async def _on_error(request: Request, exc: Exception) -> Response:
     return error_response(exc)
 
 
-def _engine_state(runtime: Runtime) -> EngineState:
-    """Gauges and cumulative counters for /metrics, read at scrape time."""
-    engine = runtime._engine()
-    core = engine.core
-    kv = engine.kv_stats()
-    levels: dict[int, int] = {}
-    level_of = getattr(runtime.policy, "level", None)
-    reqs = list(core.requests.values())
-    if level_of is not None:
-        for r in reqs:
-            if r.policy_state:
-                lv = level_of(r)
-                levels[lv] = levels.get(lv, 0) + 1
-    running, waiting = list(core.scheduler.running), list(core.scheduler.waiting)  # copies: the engine thread moves them
+async def _engine_state(runtime: Runtime) -> EngineState | None:
+    """Gauges and cumulative counters for /metrics, from a snapshot of the engine between steps; None (the
+    scrape serves the last known state) if taking it failed."""
+    try:
+        s, info = await runtime.engine_stats(), runtime.engine_info
+    except Exception:
+        logger.exception("metrics: reading the engine's state failed")
+        return None
+    kv = s.kv
     lora: dict[str, Any] = {}
-    if core.loras is not None:  # vLLM's lora_requests_info: the adapters of the requests in each queue
-        lora = {"max_lora": core.config.max_loras, "running_lora_adapters": _adapter_names(running),
-                "waiting_lora_adapters": _adapter_names(waiting)}
+    if info.lora_enabled:  # vLLM's lora_requests_info: the adapters of the requests in each queue
+        lora = {"max_lora": info.max_loras, "running_lora_adapters": ",".join(s.running_lora_adapters),
+                "waiting_lora_adapters": ",".join(s.waiting_lora_adapters)}
     return EngineState(
-        running=len(running), waiting=len(waiting),
+        running=s.num_running, waiting=s.num_waiting,
         kv_usage=1.0 - kv.num_free_blocks / kv.num_blocks, prefix_queries_tokens=kv.prefix_queries_tokens,
         prefix_hit_tokens=kv.prefix_hit_tokens, num_preemptions=kv.num_preemptions,
-        programs_active=len(runtime.programs.running()), calls_per_level=levels,
+        programs_active=len(runtime.programs.running()), calls_per_level=dict(s.calls_per_level),
         kv_pinned_blocks=kv.num_pinned_blocks, kv_reserved_blocks=kv.num_reserved_blocks, ttl_hits=kv.ttl_hits,
         ttl_misses=kv.ttl_misses, pin_expiries=kv.pin_expiries, recomputed_prefill_tokens=kv.recomputed_prefill_tokens,
         **lora,
     )
-
-
-def _adapter_names(requests: list[Any]) -> str:
-    """The LoRA adapters some of `requests` run with, sorted and comma-joined (one label value per set)."""
-    return ",".join(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 

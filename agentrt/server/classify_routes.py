@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import anyio
 from msgspec import Struct
 from starlette.requests import Request
 from starlette.responses import Response
@@ -26,7 +25,6 @@ from agentrt.server.embeddings_routes import (
 )
 from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
-from agentrt.engine.pooling import classifications
 
 
 class ClassificationRequest(PoolingCallFields, kw_only=True):
@@ -56,15 +54,12 @@ class ClassificationResponse(Struct):
 async def classify(request: Request) -> Response:
     b = await begin_pooling(request, ClassificationRequest)
     st, req = b.st, b.req
-    core = st.runtime._engine().core
-    model = core.model
-    if model.score is None:
+    if not st.runtime.engine_info.has_score_head:
         raise bad_request(f"the served model {st.model_name!r} has no classification head: /classify needs a "
                           "*ForSequenceClassification checkpoint", "model")
     got = await run_pooling(request, b, pooling_inputs(req.input), "input", normalize=False, method="last",
                       add_special_tokens=req.add_special_tokens)
-    outs = await anyio.to_thread.run_sync(
-        lambda: classifications(model, core.hf_config, [str(i) for i in range(len(got.vectors))], got.vectors))
+    outs = await st.runtime.classifications(got.vectors)
     data = [ClassificationData(i, o.label, o.probs, o.num_classes) for i, o in enumerate(outs)]
     body = ClassificationResponse(new_id("classify"), int(time.time()), b.adapter or st.model_name, data,
                                   EmbeddingUsage(got.prompt_tokens, got.prompt_tokens))

@@ -152,7 +152,7 @@ async def create_embeddings(request: Request) -> Response:
     b = await begin_pooling(request, EmbeddingRequest)
     st, req = b.st, b.req
     inputs = pooling_inputs(req.input)
-    hidden = st.runtime._engine().core.model.args.hidden_size
+    hidden = st.runtime.engine_info.hidden_size
     if req.dimensions is not None and req.dimensions > hidden:
         raise bad_request(f"dimensions={req.dimensions} is over the model's hidden size {hidden}", "dimensions")
     got = await run_pooling(request, b, inputs, "input", normalize=req.normalize, dimensions=req.dimensions,

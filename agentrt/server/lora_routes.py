@@ -36,7 +36,7 @@ def _updating(request: Request) -> ServerState:
     if not st.config.allow_runtime_lora_updating:
         raise APIError(404, "runtime LoRA updating is off: start the server with --allow-runtime-lora-updating "
                             "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)", "not_found_error", None, "not_found")
-    if st.runtime.engine is None or st.runtime.engine.core.loras is None:
+    if st.runtime.engine is None or not st.runtime.engine_info.lora_enabled:
         raise bad_request("this server serves no LoRA adapters: start it with --enable-lora", "lora_name")
     return st
 

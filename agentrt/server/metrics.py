@@ -153,9 +153,13 @@ class Metrics:
             self._set_engine_state(EngineState(running, waiting, kv_usage, prefix_queries_tokens, prefix_hit_tokens,
                                                num_preemptions, programs_active, dict(calls_per_level)))
 
-    def render(self) -> tuple[bytes, str]:
-        """The text exposition and its content type, after refreshing the engine state."""
-        if self._state_fn is not None:
+    def render(self, state: EngineState | None = None) -> tuple[bytes, str]:
+        """The text exposition and its content type, after refreshing the engine state (`state` if given,
+        else `state_fn`'s)."""
+        if state is not None:
+            with self._lock:
+                self._set_engine_state(state)
+        elif self._state_fn is not None:
             with self._lock:  # concurrent scrapes report in the order they read
                 try:
                     s = self._state_fn()

@@ -12,7 +12,6 @@ from typing import Any
 from starlette.requests import Request
 
 from agentrt._runtime import Runtime
-from agentrt.engine.pooling import default_method as default_pooling
 from agentrt.server.config import ServerConfig
 from agentrt.server.errors import APIError
 from agentrt.server.metrics import Metrics
@@ -28,13 +27,13 @@ class ServerState:
         self.runtime = runtime
         self.store = store
         self.metrics = metrics
-        core = runtime._engine().core
+        info = runtime.engine_info
         self.model_name = config.model_id()
-        self.max_model_len = core.max_model_len
-        self.vocab_size = core.model.args.vocab_size
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
         self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
-        self.pooling_method = config.pooling or default_pooling(core.model_path)
-        self.sampling_defaults = core.generation_defaults  # the model's generation config (vLLM's)
+        self.pooling_method = config.pooling or info.pooling_method
+        self.sampling_defaults = info.generation_defaults  # the model's generation config (vLLM's)
         self.created = int(time.time())
         self.draining = False
         self._keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k.encode() for k in config.api_keys}

@@ -110,7 +110,7 @@ async def _generate_ids(rt, prompt: list[int]) -> list[int]:
 
     handle, thread = current()
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    async with rt._submit(handle, thread, prompt, params, "generate", None) as call:
+    async with rt.submit_call(handle, thread, prompt, params, "generate", None) as call:
         return list((await call.result()).outputs[0].token_ids)
 
 

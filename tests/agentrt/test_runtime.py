@@ -164,7 +164,7 @@ async def test_failing_program_releases_everything(tiny_model_path):
         await anyio.sleep(0.1)  # the engine applies aborts between steps
         stats = rt.kv_stats()
         assert stats.num_free_blocks == stats.num_blocks
-        assert rt.engine.core.requests == {} and rt._inflight == {}
+        assert rt.engine.core.requests == {} and rt.program_manager.inflight == {}
 
 
 async def test_cancelled_program_ends_cancelled(tiny_model_path):

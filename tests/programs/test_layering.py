@@ -107,3 +107,47 @@ def test_importing_the_engine_loads_no_runtime():
             "or m.split('.')[0] in ('msgspec', 'sqlalchemy', 'starlette', 'uvicorn')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+ABOVE_ENGINE = ("agentrt", "agentrt_cli", "programs")  # bench/ aside: benchmarks drive the core directly
+RUNTIME_NAMES = {"runtime", "rt"}  # what code above the engine calls a Runtime
+
+
+def reaches_below(source: str, name: str = "<sample>") -> list[str]:
+    """Each `x.core` (the engine's core, behind its client: engine.client, AsyncEngine) and each `_`-name read
+    off something named runtime (`runtime._engine()`, `self.runtime._x`, `st.runtime._x`): `name:line expr`."""
+    bad = []
+    for node in ast.walk(ast.parse(source, name)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        owner_name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else None
+        if node.attr == "core" or (node.attr.startswith("_") and not node.attr.startswith("__")
+                                   and owner_name in RUNTIME_NAMES):
+            bad.append((node.lineno, node.col_offset, f"{name}:{node.lineno} {ast.unparse(node)}"))
+    return [b for *_, b in sorted(bad)]
+
+
+def test_reaching_below_is_caught():
+    code = ("engine.core.kv\nself.runtime._engine()\nst.runtime._inflight\nrt._result(out)\n"
+            "self._engine\nruntime.engine_info\nruntime.__class__\n")
+    found = [line.split(" ", 1)[1] for line in reaches_below(code)]
+    assert found == ["engine.core", "self.runtime._engine", "st.runtime._inflight", "rt._result"]
+
+
+def test_nothing_above_the_engine_reaches_into_its_core_or_the_runtime_privates():
+    """Above `engine/`, the engine is reached through `AsyncEngine` (info, stats, operations), never its core;
+    and the runtime through its public methods (DESIGN.md §5, "the engine client")."""
+    bad = [b for d in ABOVE_ENGINE for f in sorted((ROOT / d).rglob("*.py"))
+           for b in reaches_below(f.read_text(), str(f.relative_to(ROOT)))]
+    assert not bad, bad
+
+
+def test_server_modules_do_not_import_the_app_factory():
+    """`agentrt/server/app.py` builds the app from the route modules; none of them imports it back (the
+    shared state, config and body helpers live in their own modules). The package's `__init__` is its public
+    face: it hands out `create_app`, loading the module on use."""
+    server = ROOT / "agentrt" / "server"
+    bad = [(f.name, m) for f in sorted(server.rglob("*.py")) if f.name not in ("app.py", "__init__.py")
+           for m in imports(f) if m == "agentrt.server.app" or m.startswith("agentrt.server.app.")]
+    assert not bad, bad

@@ -177,7 +177,7 @@ def test_errors_leave_the_server_serving(http, srv):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
     idle_and_free(srv)
     assert srv.state.runtime.num_waiting_calls() == 0
-    assert not srv.state.runtime._inflight
+    assert not srv.state.runtime.program_manager.inflight
 
 
 # --- a client that goes away aborts its call ----------------------------------------------------
