@@ -73,3 +73,18 @@ def bad_request(http, path: str, **body) -> dict:
     r = http.post(path, json={"model": "tiny", **body})
     assert r.status_code == 400, r.text
     return r.json()["error"]
+
+
+def wait_healthy(proc, url: str, log, timeout_s: float = 120) -> None:
+    """Until `agentrt serve` in the child `proc` (its output in the file `log`) answers /health with 200."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, "serve did not become healthy"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)

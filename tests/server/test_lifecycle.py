@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from agentrt.server.store import Store
-from tests.server.live import free_port, live_server, tiny_config
+from tests.server.live import free_port, live_server, tiny_config, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 HI = [{"role": "user", "content": "hi"}]
@@ -71,16 +71,7 @@ def test_sigterm_drains_in_flight_streams_and_flushes_records(tiny_model_path, t
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, "serve did not become healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-
+        wait_healthy(proc, url, log)
         streams = [Stream(url, f"drain-{i}") for i in range(3)]
         for s in streams:
             s.start()

@@ -16,7 +16,7 @@ import pytest
 
 from agentrt.server.store import CallRecord, ProgramRecord, Store, default_url
 from agentrt.server.ui import PAGE
-from tests.server.live import free_port, live_server, tiny_config
+from tests.server.live import free_port, live_server, tiny_config, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 HI = [{"role": "user", "content": "hi"}]
@@ -44,15 +44,7 @@ class Serve:
         cmd = [sys.executable, "-m", "agentrt.cli", "serve", *args, "--port", str(self.port), "--log-level", "warning"]
         with log.open("w") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, "serve did not become healthy"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(self.proc, self.url, log)
 
     def stop(self, sig: int) -> int:
         self.proc.send_signal(sig)
