@@ -6,8 +6,8 @@
 Modules: `schemas` (the contract, msgspec), `config` (ServerConfig), `state` (what routes share: runtime,
 store, metrics, auth and limit checks), `bodies` (body read and JSON response), `app` (the factory:
 lifespan, route table, small routes), `openai_routes` (chat / completions), `program_routes`
-(/v1/programs), `openapi`, `sse`, `errors`, `store` (SQLAlchemy), `metrics` (Prometheus), `recorder`
-(runtime events to both). Routes import `state` and `bodies`, never `app`, which imports them all.
+(/v1/programs), `openapi`, `sse`, `errors`, `store` and `store_reads` (SQLAlchemy), `metrics` (Prometheus),
+`recorder` (runtime events to both; `open_store`). Routes import `state` and `bodies`, never `app`, which imports them all.
 """
 
 from __future__ import annotations

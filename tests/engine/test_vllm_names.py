@@ -53,7 +53,8 @@ def test_vllm_keywords_out_of_range_say_why(kw, message):
 
 def test_a_hub_id_says_models_are_not_downloaded():
     with pytest.raises(ModelNotFoundError, match=r"unknown model path 'HuggingFaceTB/SmolLM2-360M-Instruct'.*"
-                       r"looks like a Hugging Face hub id, and models are not downloaded here.*huggingface-cli download"):
+                       r"looks like a Hugging Face hub id, and models are not downloaded here.*"
+                       r"huggingface-cli download"):
         resolve_model("HuggingFaceTB/SmolLM2-360M-Instruct")
     with pytest.raises(ModelNotFoundError) as e:
         resolve_model("/nope/model.gguf")
