@@ -67,6 +67,18 @@ def prepare_chat(
     return PreparedCall(plan, ids, text)
 
 
+def openai_names(sampling: dict[str, Any]) -> dict[str, Any]:
+    """A call's sampling arguments with OpenAI's newer `max_completion_tokens` read as `max_tokens`
+    (it wins when both are given, as on the server's chat route)."""
+    if "max_completion_tokens" not in sampling:
+        return sampling
+    out = dict(sampling)
+    value = out.pop("max_completion_tokens")
+    if value is not None:
+        out["max_tokens"] = value
+    return out
+
+
 def merge_sampling(generation: Mapping[str, Any], *layers: Mapping[str, Any]) -> dict[str, Any]:
     """SamplingParams arguments: the model's generation defaults (engine.generation_config), each layer
     over them in turn (a server's defaults, then the call's own); later wins."""

@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import httpx
 
+from agentrt._chat import openai_names
 from agentrt._chat_prompt import pop_template_options
 from agentrt._context import _runtime
 from agentrt._embed import embed_inputs
@@ -183,6 +184,7 @@ class RemoteRuntime:
         return self._client
 
     def _sampling(self, sampling: dict[str, Any], completions: bool = False) -> dict[str, Any]:
+        sampling = openai_names(sampling)
         model = sampling.pop("model", None)  # a LoRA adapter's name; the server checks it
         if model is not None and not isinstance(model, str):
             raise InvalidCallError(f"model must be a LoRA adapter's name (a str) or None, got {model!r}", program_id=_pid())

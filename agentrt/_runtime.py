@@ -23,7 +23,7 @@ import anyio
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
 from agentrt._beam import BeamSearchCall, beam_search_in_program, submit_beam_search
 from agentrt._call import Call, CallSummary
-from agentrt._chat import PreparedCall, merge_sampling, prepare_chat
+from agentrt._chat import PreparedCall, merge_sampling, openai_names, prepare_chat
 from agentrt._chat_plan import ChatPlan, Reply, ReplyStreamer
 from agentrt._chat_prompt import ChatPrompts, pop_template_options
 from agentrt._context import _runtime
@@ -421,7 +421,8 @@ class Runtime:
         self._engine()
         with calling_program(kind) as (prog, thread_id):
             lora = self.loras.resolve(sampling.pop("model", None), prog.program_id)
-            params = _sampling_params(merge_sampling(self.engine_info.generation_defaults, sampling), prog.program_id)
+            params = _sampling_params(merge_sampling(self.engine_info.generation_defaults, openai_names(sampling)),
+                                      prog.program_id)
             async with self.submit_call(prog, thread_id, prompt, params, kind, None, lora=lora) as call:
                 async for delta in call:
                     yield delta

@@ -104,6 +104,16 @@ async def test_call_outside_a_program_is_a_one_call_program(tiny_model_path):
         assert info.num_output_tokens == 3 and info.service_s > 0 and info.latency_s > 0
 
 
+async def test_max_completion_tokens_is_openais_name_for_max_tokens(tiny_model_path):
+    async with runtime(tiny_model_path):
+        r = await agentrt.chat(MSG, max_completion_tokens=3, temperature=0, ignore_eos=True, full=True)
+        assert len(r.choices[0].token_ids) == 3
+        r = await agentrt.chat(MSG, max_tokens=9, max_completion_tokens=2, ignore_eos=True, full=True)
+        assert len(r.choices[0].token_ids) == 2  # the newer name wins, as on the server
+        with pytest.raises(agentrt.InvalidCallError, match="max_tokens"):
+            await agentrt.chat(MSG, max_completion_tokens=0)
+
+
 async def test_stream_yields_the_same_text(tiny_model_path):
     async with runtime(tiny_model_path):
         full = await agentrt.chat(MSG, max_tokens=12, temperature=0, ignore_eos=True)
