@@ -24,8 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import weakref
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -43,6 +42,7 @@ from agentrt.engine.ownership import OwnerKV
 from agentrt.engine.pooling import ClassificationOutput, classifications
 from agentrt.engine.program_ops import ProgramOp
 from agentrt.engine.request import Request
+from agentrt.engine.request_stream import RequestStream, StreamSink
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.structured import Constraint
 
@@ -55,77 +55,11 @@ class EngineError(RuntimeError):
     """The engine failed a request it had accepted (an internal error, or the engine stopped)."""
 
 
-class _Sink:
-    """The engine's side of one stream. Holds no reference to the `RequestStream`, so the user's
-    object can be collected while the request runs (its finalizer then aborts the request)."""
-
-    __slots__ = ("request_id", "n", "deltas", "changed", "open", "done", "output", "error", "finalizer")
-
-    def __init__(self, request_id: str, n: int):
-        self.request_id = request_id
-        self.n = n  # completions
-        self.deltas: deque[StreamDelta] = deque()  # pushed, not read yet
-        self.changed = anyio.Event()  # set (and replaced by a fresh one) on every push and at the end
-        self.open = set(range(n))  # completions without their final delta
-        self.done = anyio.Event()
-        self.output: RequestOutput | None = None
-        self.error: BaseException | None = None
-        self.finalizer: weakref.finalize | None = None
-
-    def push(self, delta: StreamDelta) -> None:
-        self.deltas.append(delta)
-        if delta.finished:
-            self.open.discard(delta.index)
-        self._notify()
-
-    def finish(self, output: RequestOutput | None, error: BaseException | None) -> None:
-        self.output, self.error = output, error
-        self.done.set()
-        self._notify()
-        if self.finalizer is not None:
-            self.finalizer.detach()
-
-    def _notify(self) -> None:
-        changed, self.changed = self.changed, anyio.Event()
-        changed.set()
-
-
-class RequestStream:
-    """Deltas of one request (all its n completions), then its final output. A stream dropped
-    without being read to the end or aborted aborts its request when it is garbage-collected."""
-
-    def __init__(self, sink: _Sink):
-        self.request_id = sink.request_id
-        self._sink = sink
-
-    def __aiter__(self) -> AsyncIterator[StreamDelta]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[StreamDelta]:
-        sink = self._sink
-        while True:
-            while sink.deltas:
-                yield sink.deltas.popleft()
-            if sink.done.is_set():
-                break
-            await sink.changed.wait()
-        if sink.error is not None:
-            raise sink.error
-
-    async def result(self) -> RequestOutput:
-        """Wait for the request to end and return its full output."""
-        await self._sink.done.wait()
-        if self._sink.error is not None:
-            raise self._sink.error
-        assert self._sink.output is not None
-        return self._sink.output
-
-
 @dataclass(slots=True)
 class _Add:
     """An add received during a step, applied right after it."""
 
-    sink: _Sink
+    sink: StreamSink
     prompt_token_ids: list[int]
     params: SamplingParams
     program_id: str | None
@@ -156,14 +90,14 @@ class AsyncEngine:
             self._thread.close()
             raise
         self.info: EngineInfo = engine_info(self.core)  # read-only, built once
-        self._streams: dict[str, _Sink] = {}  # root request id -> its stream's engine side, until it ends
+        self._streams: dict[str, StreamSink] = {}  # root request id -> its stream's engine side, until it ends
         self._roots: dict[str, str] = {}  # request id (forks included) -> its root's id, until the stream ends
         self._root_reqs: dict[str, Request] = {}  # root id -> its Request once in the core, until the stream ends
         self._queued: list[_Add | str | ProgramOp | _Between] = []  # adds, aborts (by id), program ops and
         # other work on the core received during a step
         # streams collected unread; a finalizer may run on any thread, so a thread-safe queue. Drained
         # before every step: a request still in the core keeps the loop stepping, so no wake-up is needed.
-        self._abandoned: queue.SimpleQueue[_Sink] = queue.SimpleQueue()
+        self._abandoned: queue.SimpleQueue[StreamSink] = queue.SimpleQueue()
         self._stepping = False
         self._wake = anyio.Event()
         self._tg: TaskGroup | None = None
@@ -229,7 +163,7 @@ class AsyncEngine:
         ids, params, request_id, adapter = self.core.check_request(
             prompt, params, request_id, program_id, thread_id, cache_salt, taken=self._roots, lora_request=lora_request
         )
-        sink = _Sink(request_id, params.n)
+        sink = StreamSink(request_id, params.n)
         stream = RequestStream(sink)
         add = _Add(sink, ids, params, program_id, thread_id, cache_salt, adapter)
         self._streams[request_id] = sink
@@ -376,7 +310,7 @@ class AsyncEngine:
             return
         self._dispatch(self.core.abort(request_id))
 
-    def _forget(self, root: str) -> _Sink | None:
+    def _forget(self, root: str) -> StreamSink | None:
         """Drop a stream's entries here (not the core's)."""
         sink = self._streams.pop(root, None)
         self._root_reqs.pop(root, None)
