@@ -136,7 +136,8 @@ def test_metrics_name_the_adapters_in_use(http, srv):
     body = {"model": "sql", "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
-        next(line for line in r.iter_lines() if line.startswith("data: "))  # running: a token came
+        lines = r.iter_lines()  # held: a dropped iterator closes the connection, which aborts the call
+        next(line for line in lines if line.startswith("data: "))  # running: a token came
         assert _lora_info(http) == [{"max_lora": "8", "running_lora_adapters": "sql", "waiting_lora_adapters": ""}]
     srv.wait_idle()  # the closed stream aborted the call
     assert _lora_info(http) == [{"max_lora": "8", "running_lora_adapters": "", "waiting_lora_adapters": ""}]
