@@ -32,6 +32,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from agentrt.engine.client import EngineInfo, EngineStats, RequestInfo, engine_info, engine_stats, request_info
+from agentrt.engine.admission import CheckedRequest
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.engine_core import EngineCore, KVStats, family_ids
 from agentrt.engine.engine_thread import EngineThread
@@ -60,12 +61,7 @@ class _Add:
     """An add received during a step, applied right after it."""
 
     sink: StreamSink
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    program_id: str | None
-    thread_id: str | None
-    cache_salt: str | None
-    lora: LoRAAdapter | None
+    checked: CheckedRequest  # admitted by the client side: the core queues it without checking again
 
 
 @dataclass(slots=True)
@@ -160,12 +156,12 @@ class AsyncEngine:
         field and value, and leaves no trace."""
         if self._closed or self._tg is None:
             raise EngineError("AsyncEngine is not running: use `async with AsyncEngine(...) as engine`")
-        ids, params, request_id, adapter = self.core.check_request(
-            prompt, params, request_id, program_id, thread_id, cache_salt, taken=self._roots, lora_request=lora_request
-        )
+        checked = self.core.admit(prompt, params, request_id, program_id, thread_id, cache_salt, taken=self._roots,
+                                  lora_request=lora_request)
+        request_id, params = checked.request_id, checked.params
         sink = StreamSink(request_id, params.n)
         stream = RequestStream(sink)
-        add = _Add(sink, ids, params, program_id, thread_id, cache_salt, adapter)
+        add = _Add(sink, checked)
         self._streams[request_id] = sink
         for rid in family_ids(request_id, params.n):
             self._roots[rid] = request_id
@@ -294,10 +290,7 @@ class AsyncEngine:
         rid = add.sink.request_id
         if self._streams.get(rid) is not add.sink:  # aborted (and maybe the id reused) before it was added
             return
-        req = self.core.add_request(
-            add.prompt_token_ids, add.params, rid, add.program_id, add.thread_id, add.cache_salt, add.lora
-        )
-        self._root_reqs[rid] = req
+        self._root_reqs[rid] = self.core.add_checked(add.checked)
 
     def _abort_now(self, request_id: str) -> None:
         sink = self._streams.get(request_id)

@@ -183,22 +183,6 @@ class EngineCore:
             self.compile_constraint(params.constraint)
         return CheckedRequest(request_id, ids, params, RequestOwner(program_id, thread_id, cache_salt), adapter)
 
-    def check_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        program_id: str | None = None,
-        thread_id: str | None = None,
-        cache_salt: str | None = None,
-        taken: Container[str] = (),
-        lora_request: LoRARequest | LoRAAdapter | None = None,
-    ) -> tuple[list[int], SamplingParams, str, LoRAAdapter | None]:
-        """`admit` as (prompt token ids, checked params, request id, the loaded LoRA adapter or None), for a
-        caller that keeps the owner apart."""
-        c = self.admit(prompt, params, request_id, program_id, thread_id, cache_salt, taken, lora_request)
-        return c.prompt_token_ids, c.params, c.request_id, c.lora
-
     def lora_adapter(self, lora_request: LoRARequest | LoRAAdapter | None) -> LoRAAdapter | None:
         """The adapter a request names, loaded on first use (InvalidRequestError when it cannot serve)."""
         return self.checks.lora_adapter(lora_request)

@@ -119,7 +119,7 @@ def test_allowed_token_id_out_of_the_vocabulary_is_refused(llm):
 
 def bad_word_ids(llm, word: str) -> list[list[int]]:
     """How the engine tokenizes a bad word (with and without a leading space, as vLLM)."""
-    return llm.core.check_request(PROMPT, SamplingParams(bad_words=[word]))[1].bad_words_token_ids
+    return llm.core.admit(PROMPT, SamplingParams(bad_words=[word])).params.bad_words_token_ids
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
