@@ -37,6 +37,7 @@ _EXPORTS = {
     "RemoteRuntime": "agentrt._client",
     "Result": "agentrt._results",
     "Runtime": "agentrt._runtime",
+    "RuntimeConfig": "agentrt._config",
     "TokenLogprob": "agentrt._results",
     "ToolCall": "agentrt._toolcalls",
     "TopLogprob": "agentrt._results",
@@ -94,6 +95,7 @@ if _TYPE_CHECKING:  # the names for type checkers and IDEs
     from agentrt._program import current_program_id, gather, program
     from agentrt._runtime import Runtime
     from agentrt._api import beam_search, chat, chat_stream, generate, generate_stream, process_table, run
+    from agentrt._config import RuntimeConfig
     from agentrt._context import current_runtime
     from agentrt._client import RemoteRuntime, connect
     from agentrt._embed import embed

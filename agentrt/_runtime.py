@@ -13,7 +13,6 @@ import contextlib
 import contextvars
 import dataclasses
 import itertools
-import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -26,6 +25,7 @@ from agentrt._call import Call, CallSummary
 from agentrt._chat import PreparedCall, merge_sampling, openai_names, prepare_chat
 from agentrt._chat_plan import ChatPlan, Reply, ReplyStreamer
 from agentrt._chat_prompt import ChatPrompts, pop_template_options
+from agentrt._config import RuntimeConfig
 from agentrt._context import _runtime
 from agentrt._embed import embed_inputs
 from agentrt._errors import (
@@ -57,7 +57,8 @@ class Runtime:
     """Owns an in-process `AsyncEngine` and the process table; an async context manager.
 
     Arguments:
-        model: model directory or .gguf file; None = the default model.
+        model: model directory or .gguf file; None = the default model. Or a `RuntimeConfig` holding
+            every argument below (a server's `ServerConfig` is one), and then nothing else.
         policy: scheduling policy name ("plas", "atlas", "mlfq", "fcfs") or a policy instance.
         policy_kwargs: arguments for a policy given by name (e.g. `{"beta": 4.0}`).
         reasoning_parser: vLLM's `--reasoning-parser` ("qwen3", "deepseek_r1"): chat replies come
@@ -73,7 +74,7 @@ class Runtime:
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | RuntimeConfig | None = None,
         policy: str | SchedulingPolicy = "plas",
         *,
         policy_kwargs: dict[str, Any] | None = None,
@@ -84,33 +85,41 @@ class Runtime:
         lora_modules: Any = None,
         **engine_config: Any,
     ) -> None:
+        if isinstance(model, RuntimeConfig):
+            given = (policy != "plas", policy_kwargs, program_idle_timeout_s, retention is not True, reasoning_parser,
+                     tool_call_parser != "auto", lora_modules, engine_config)
+            if any(given):
+                raise ConfigError("give a RuntimeConfig or keyword arguments, not both")
+            config = model
+        else:
+            try:
+                config = RuntimeConfig(model, policy, policy_kwargs, dict(engine_config), program_idle_timeout_s,
+                                       retention, reasoning_parser, tool_call_parser, lora_modules)
+            except (TypeError, ValueError) as e:
+                if isinstance(e, ConfigError):
+                    raise
+                raise ConfigError(f"bad runtime configuration: {e}") from None
+        self.config = config
         self.loras = LoRAModules()  # adapter name -> engine.LoRARequest
-        for name, path, base in parse_lora_modules(lora_modules):
+        for name, path, base in parse_lora_modules(config.lora_modules):
             try:
                 self.loras.add(name, path, base)
             except ValueError as e:
                 raise ConfigError(f"bad lora_modules: {e}") from None
+        engine_config = dict(config.engine)
         if self.loras:
             engine_config.setdefault("enable_lora", True)
         try:
-            self.reasoning = make_reasoning_parser(reasoning_parser)  # splits chat replies' thinking off; None: no
-            self.tool_parser = make_tool_parser(tool_call_parser)  # reads chat replies' calls; None: per template
-            if isinstance(retention, bool):
-                retention = RetentionConfig(ttl=retention)
-            if not isinstance(retention, RetentionConfig):
-                raise TypeError(f"retention must be a RetentionConfig or a bool, got {retention!r}")
-            self.retention_config = retention  # KV pins across tool calls, reservations (agentrt._retention)
-            if program_idle_timeout_s is not None and not (
-                isinstance(program_idle_timeout_s, (int, float)) and 0 < program_idle_timeout_s < math.inf
-            ):
-                raise ValueError(f"program_idle_timeout_s must be a positive number of seconds, got {program_idle_timeout_s!r}")
-            self.policy = make_policy(policy, **(policy_kwargs or {}))
-            self.engine_config = EngineConfig(model=model, policy=self.policy, **engine_config)
+            self.reasoning = make_reasoning_parser(config.reasoning_parser)  # splits chat replies' thinking off
+            self.tool_parser = make_tool_parser(config.tool_call_parser)  # reads chat replies' calls; None: per template
+            self.retention_config = config.retention  # KV pins across tool calls, reservations (agentrt._retention)
+            self.policy = make_policy(config.policy, **(config.policy_kwargs or {}))
+            self.engine_config = EngineConfig(model=config.model, policy=self.policy, **engine_config)
         except (TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"bad runtime configuration: {e}") from None
-        self.program_idle_timeout_s = program_idle_timeout_s  # programs keyed by id end after this long idle
+        self.program_idle_timeout_s = config.program_idle_timeout_s  # programs keyed by id end after this long idle
         self.engine: AsyncEngine | None = None
         self._chat = ChatPrompts(lambda: self.tokenizer)  # per program: its last chat prompt and reply
         # programs, their calls in flight, retention, observers (agentrt._programs)

@@ -1,6 +1,7 @@
 """Trace the project files one HTTP chat call crosses (issue 34's measure of the chat path).
 
-    .venv/bin/python scripts/call_trace.py [--tokenizer DIR] [--max-tokens 8] [--threads] [--resumes] [--show] [--hops]
+    .venv/bin/python scripts/call_trace.py [--tokenizer DIR] [--max-tokens 8] [--threads] [--resumes]
+                                           [--engine-as-one] [--show] [--hops]
 
 Runs ONE non-streaming POST /v1/chat/completions through the ASGI app in-process (starlette's
 TestClient, the lifespan entered, a tiny random Llama with the real tokenizer as the tests build it)
@@ -14,7 +15,8 @@ the loop are not counted. Only files under agentrt/, engine/ and kernels/ are ke
 Printed: distinct files crossed; file-to-file hops (call events whose callee file differs from the
 file of the nearest project frame that called it; a coroutine resumed by the event loop has none);
 returns to a file already left (positions in the sequence of files entered, runs collapsed, whose
-file was visited before).
+file was visited before). With --engine-as-one, engine/ and kernels/ count as one file, "engine/*": the
+path the chat call takes above the engine's client, the engine's own internals left out.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Trace:
 
     threads: bool  # count worker threads carrying the request's context too
     resumes: bool  # count a suspended coroutine's or generator's resumption as a call too
+    engine_as_one: bool = False  # engine/ and kernels/ files count as one, "engine/*"
     armed: bool = False  # the traced request is the next one the handler takes
     loop_thread: int | None = None  # the thread the handler ran on
     active: bool = False  # between the handler's entry and its return
@@ -62,6 +65,8 @@ class Trace:
                 p = Path(filename).resolve().relative_to(ROOT).as_posix()
             except ValueError:
                 p = None
+            if p is not None and self.engine_as_one and p.startswith(("engine/", "kernels/")):
+                p = "engine/*"
             self._rel[filename] = p if p is not None and p.startswith(FLOORS) else None
         return self._rel[filename]
 
@@ -136,12 +141,13 @@ def make_app(model: Path) -> Any:
     return create_app(ServerConfig(model=str(model), engine={"num_blocks": 256, "max_num_seqs": 16}, db="none"))
 
 
-def run(tokenizer: str | None, max_tokens: int, threads: bool, resumes: bool) -> tuple[Trace, int]:
+def run(tokenizer: str | None, max_tokens: int, threads: bool, resumes: bool,
+        engine_as_one: bool = False) -> tuple[Trace, int]:
     from starlette.testclient import TestClient
 
     body = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0,
             "messages": [{"role": "user", "content": "Say hello."}]}
-    trace = Trace(threads, resumes)
+    trace = Trace(threads, resumes, engine_as_one)
     app = make_app(tiny_model(tokenizer))
     threading.setprofile(trace.profile)  # before the loop's and the workers' threads start
     try:
@@ -164,16 +170,19 @@ def main() -> None:
     ap.add_argument("--threads", action="store_true", help="count worker threads the request hands work to")
     ap.add_argument("--resumes", action="store_true",
                     help="count each resumption of a suspended coroutine as a call event (per token generated)")
+    ap.add_argument("--engine-as-one", action="store_true",
+                    help="count engine/ and kernels/ as one file: the path above the engine's client")
     ap.add_argument("--show", action="store_true", help="print the sequence of files (runs collapsed)")
     ap.add_argument("--hops", action="store_true", help="print each hop: caller file -> callee file:function")
     args = ap.parse_args()
-    trace, tokens = run(args.tokenizer, args.max_tokens, args.threads, args.resumes)
+    trace, tokens = run(args.tokenizer, args.max_tokens, args.threads, args.resumes, args.engine_as_one)
     if args.show:
         print("\n".join(collapsed(trace.files)))
     if args.hops:
         print("\n".join(trace.hops))
     where = "event loop + worker threads" if args.threads else "event loop thread"
     where += ", coroutine resumptions included" if args.resumes else ", first entries of frames only"
+    where += ", engine/ and kernels/ as one file" if args.engine_as_one else ""
     print(f"one /v1/chat/completions call ({tokens} tokens generated), counted on the {where}:")
     print(f"  distinct files crossed:          {len(set(trace.files))}")
     print(f"  file-to-file hops:               {len(trace.hops)}")

@@ -95,10 +95,7 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
 
     config = config or ServerConfig()
     if runtime is None:
-        runtime = Runtime(config.model, config.policy, policy_kwargs=config.policy_kwargs,
-                          program_idle_timeout_s=config.program_idle_timeout_s,
-                          reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
-                          lora_modules=config.lora_modules or None, **config.engine)
+        runtime = Runtime(config)  # a ServerConfig is the runtime's config with the server's fields added
     else:
         if runtime.program_idle_timeout_s is None:
             runtime.program_idle_timeout_s = config.program_idle_timeout_s

@@ -7,25 +7,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrt._config import RuntimeConfig
 from agentrt._lora import parse_lora_modules
-from agentrt._reasoning import reasoning_parser
-from agentrt._toolparsers import tool_call_parser
 from agentrt.engine.pooling import POOLING_METHODS
 
 
 @dataclass(slots=True)
-class ServerConfig:
-    """Everything `agentrt serve` is told. Limits are enforced before a call reaches the engine."""
+class ServerConfig(RuntimeConfig):
+    """Everything `agentrt serve` is told: the runtime's config (model, policy, engine fields, parsers,
+    LoRA modules: `RuntimeConfig`, which this one embeds, so `Runtime(server_config)` serves it) and the
+    server's own fields. Limits are enforced before a call reaches the engine."""
 
-    model: str | None = None  # model directory or .gguf; None = the default model
-    policy: str = "plas"  # scheduling policy name
-    policy_kwargs: dict[str, Any] | None = None
-    engine: dict[str, Any] = field(default_factory=dict)  # other EngineConfig fields
     db: str | None = None  # SQLAlchemy URL; None = the served model's SQLite file under the cache dir
     # (store.default_url); "none" = no store. A database holds one server's records (see recorder.open_store)
     api_keys: list[str] = field(default_factory=list)  # empty = no authentication
     served_model_name: str | None = None  # the model id clients use; None = the model file's name
-    program_idle_timeout_s: float = 600.0  # a program without calls this long ends by itself
+    program_idle_timeout_s: float | None = 600.0  # a program without calls this long ends by itself
     max_waiting: int = 256  # queued calls (no token yet) beyond which new calls get 429
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     max_body_bytes: int = 4 << 20  # 413 beyond
@@ -43,8 +40,6 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])  # CORS: methods a browser may use
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])  # CORS: request headers a browser may send
     allow_credentials: bool = False  # CORS: browsers may send cookies and credentials
-    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat replies' thinking apart from the answer
-    tool_call_parser: str = "auto"  # vLLM's --tool-call-parser: the format calls are read in (agentrt._toolparsers)
     pooling: str | None = None  # /v1/embeddings' pooling (engine.pooling); None = the checkpoint's, else "last"
     max_embedding_inputs: int = 2048  # inputs of one /v1/embeddings request at most (OpenAI's limit)
     lora_modules: list[str] = field(default_factory=list)  # vLLM's --lora-modules: name=path or JSON objects;
@@ -76,8 +71,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.chat_template is not None:
             self.chat_template = load_chat_template(self.chat_template)
-        reasoning_parser(self.reasoning_parser)  # an unknown name fails here, naming the choices
-        tool_call_parser(self.tool_call_parser)  # likewise
+        RuntimeConfig.__post_init__(self)  # the runtime's fields (zero-argument super() fails in a slots dataclass)
         for name, path, _ in parse_lora_modules(self.lora_modules):  # a malformed entry fails here, naming it
             if not (Path(path) / "adapter_config.json").is_file():
                 raise ValueError(f"--lora-modules {name}={path}: no adapter_config.json there (a PEFT LoRA directory)")

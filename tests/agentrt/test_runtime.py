@@ -104,6 +104,18 @@ async def test_call_outside_a_program_is_a_one_call_program(tiny_model_path):
         assert info.num_output_tokens == 3 and info.service_s > 0 and info.latency_s > 0
 
 
+async def test_runtime_takes_its_config(tiny_model_path):
+    config = agentrt.RuntimeConfig(str(tiny_model_path), "fcfs", engine={"num_blocks": 64, "max_num_seqs": 4},
+                                   program_idle_timeout_s=5.0)
+    async with agentrt.Runtime(config) as rt:
+        assert rt.config is config and rt.program_idle_timeout_s == 5.0 and rt.engine_info.num_blocks == 64
+        assert isinstance(await agentrt.generate("hi", max_tokens=2), str)
+    with pytest.raises(agentrt.ConfigError, match="not both"):
+        agentrt.Runtime(config, num_blocks=8)
+    with pytest.raises(ValueError, match="program_idle_timeout_s must be a positive number of seconds, got -1"):
+        agentrt.RuntimeConfig(program_idle_timeout_s=-1)
+
+
 async def test_max_completion_tokens_is_openais_name_for_max_tokens(tiny_model_path):
     async with runtime(tiny_model_path):
         r = await agentrt.chat(MSG, max_completion_tokens=3, temperature=0, ignore_eos=True, full=True)
