@@ -78,6 +78,11 @@ def __dir__() -> list[str]:
 
 
 if _TYPE_CHECKING:  # the names for type checkers and IDEs
+    from agentrt._api import beam_search, chat, chat_stream, generate, generate_stream, process_table, run
+    from agentrt._client import RemoteRuntime, connect
+    from agentrt._config import RuntimeConfig
+    from agentrt._context import current_runtime
+    from agentrt._embed import embed
     from agentrt._errors import (
         AgentrtError,
         CallAbortedError,
@@ -90,15 +95,10 @@ if _TYPE_CHECKING:  # the names for type checkers and IDEs
         ProgramNotFoundError,
         UsageError,
     )
-    from agentrt.policies import ATLAS, MLFQ, PLAS
     from agentrt._process_table import ProcessTable, ProgramInfo
     from agentrt._program import current_program_id, gather, program
-    from agentrt._runtime import Runtime
-    from agentrt._api import beam_search, chat, chat_stream, generate, generate_stream, process_table, run
-    from agentrt._config import RuntimeConfig
-    from agentrt._context import current_runtime
-    from agentrt._client import RemoteRuntime, connect
-    from agentrt._embed import embed
-    from agentrt._tool import tool
     from agentrt._results import ChatReply, Choice, Chunk, Result, TokenLogprob, TopLogprob, Usage
+    from agentrt._runtime import Runtime
+    from agentrt._tool import tool
     from agentrt._toolcalls import ToolCall, function_spec, run_tool_calls
+    from agentrt.policies import ATLAS, MLFQ, PLAS

@@ -16,7 +16,6 @@ from agentrt._errors import InvalidCallError
 from agentrt.engine import chat_template as templates
 from agentrt.engine.outputs import RequestOutput
 
-
 TEMPLATE_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template")
 
 

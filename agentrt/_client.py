@@ -33,9 +33,9 @@ from agentrt._errors import (
     ProgramNotFoundError,
 )
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
+from agentrt._program import ProgramHandle, current
 from agentrt._results import Choice, Chunk, Result, TokenLogprob, TopLogprob, Usage, remote_logprobs, wants_result
 from agentrt._toolcalls import ToolCall, tool_specs
-from agentrt._program import ProgramHandle, current
 from agentrt.engine.sampling_params import SamplingParams
 
 _FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "n", "logprobs", "top_logprobs",

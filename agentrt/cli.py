@@ -16,9 +16,8 @@ from agentrt import run_batch
 from agentrt._cli_options import add_engine_options, engine_options, one_line_usage_errors
 from agentrt._reasoning import REASONING_PARSERS
 from agentrt._toolparsers import PARSER_CHOICES
-from agentrt.policies import POLICY_NAMES
 from agentrt.engine.pooling import POOLING_METHODS
-
+from agentrt.policies import POLICY_NAMES
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 

@@ -34,8 +34,8 @@ import msgspec
 from agentrt._cli_options import add_engine_options, engine_options
 from agentrt._reasoning import REASONING_PARSERS
 from agentrt._toolparsers import PARSER_CHOICES
-from agentrt.policies import POLICY_NAMES
 from agentrt.engine.pooling import POOLING_METHODS
+from agentrt.policies import POLICY_NAMES
 
 # what the server routes, as OpenAI's Batch API names them (and vLLM's aliases of /score and /rerank)
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/score", "/v1/rerank",
@@ -247,8 +247,8 @@ def _open(path: str, mode: str) -> IO[bytes]:
 
 
 def _command(a: argparse.Namespace) -> int:
-    from agentrt.server import ServerConfig
     from agentrt.engine.loader import resolve_model
+    from agentrt.server import ServerConfig
 
     # everything is checked, and the input opened, before the model loads
     if a.max_concurrency is not None and a.max_concurrency < 1:

@@ -83,8 +83,8 @@ def _main(argv: list[str]) -> int:
 def _user_errors(prog: str, run) -> int:
     """Run a command; a user error (a `SystemExit` with a message, an `InvalidRequestError`, a model that
     is not there) prints one line and exits 2, never a traceback."""
-    from agentrt.engine.loader import ModelNotFoundError
     from agentrt.engine.errors import InvalidRequestError
+    from agentrt.engine.loader import ModelNotFoundError
 
     try:
         return run()

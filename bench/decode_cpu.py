@@ -145,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2) if a.json else text)
     if a.docs:
         from agentrt.bench._common import write_section
-
         from agentrt.kernels import cpu
 
         write_section(DOCS_SECTION.format(kind=cpu.kind()), text)

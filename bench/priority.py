@@ -29,9 +29,9 @@ from typing import Any
 import anyio
 
 import agentrt
-from agentrt.policies import POLICY_NAMES
 from agentrt.bench import _common
 from agentrt.engine import SamplingParams
+from agentrt.policies import POLICY_NAMES
 
 DOCS_SECTION = "Priority classes"
 

@@ -29,9 +29,9 @@ from typing import Any
 import anyio
 
 import agentrt
-from agentrt.engine.loader import resolve_model
 from agentrt.bench import workload as wl
 from agentrt.bench.workload import REACT, TREE, Call, Parallel, ProgramSpec, make_workload, tokens
+from agentrt.engine.loader import resolve_model
 
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}  # few seats: the policies must choose
 

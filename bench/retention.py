@@ -49,11 +49,11 @@ import anyio
 
 import agentrt
 from agentrt._retention import RetentionConfig
-from agentrt.policies.autellix import TTL_SETTINGS
 from agentrt.bench import _common
 from agentrt.bench import workload as wl
 from agentrt.bench.workload import AGENT_SMALL, Call, ProgramSpec
 from agentrt.engine import SamplingParams
+from agentrt.policies.autellix import TTL_SETTINGS
 
 MODES = {
     "nocache": {"enable_prefix_caching": False, "retention": RetentionConfig(ttl=False)},

@@ -30,7 +30,6 @@ from typing import Any
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq)
 from agentrt._retention import RetentionConfig, RetentionPolicy
-from agentrt.policies.autellix import TTL_SETTINGS
 from agentrt.bench import costs
 from agentrt.bench import workload as wl
 from agentrt.bench.costs import StepCost
@@ -39,6 +38,7 @@ from agentrt.bench.workload import Parallel, ProgramSpec, Tool
 from agentrt.engine.policy import SchedulingPolicy, make_policy
 from agentrt.engine.program_ops import EndProgram
 from agentrt.engine.request import Request
+from agentrt.policies.autellix import TTL_SETTINGS
 
 
 def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, policy_kwargs: dict[str, Any] | None = None,

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrt.engine.config import EngineConfig
+from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
 from agentrt.engine.lora import LoRAAdapter, LoRARegistry, LoRARequest, load_adapter
 from agentrt.engine.model import interleave_rope_rows
 from agentrt.engine.model_args import ModelArgs
-from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
 from agentrt.engine.sampling_params import SamplingParams, truncate_prompt
 from agentrt.engine.structured import Constraint, GrammarCache
 

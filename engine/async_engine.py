@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 import anyio
 from anyio.abc import TaskGroup
 
-from agentrt.engine.client import EngineInfo, EngineStats, RequestInfo, engine_info, engine_stats, request_info
 from agentrt.engine.admission import CheckedRequest
+from agentrt.engine.client import EngineInfo, EngineStats, RequestInfo, engine_info, engine_stats, request_info
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.engine_core import EngineCore, KVStats, family_ids
 from agentrt.engine.engine_thread import EngineThread

@@ -26,6 +26,7 @@ import torch
 from agentrt import kernels
 from agentrt.engine.admission import CheckedRequest, RequestChecks, RequestOwner
 from agentrt.engine.config import EngineConfig, kv_budget
+from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
 from agentrt.engine.generation_config import generation_defaults
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.loader import load_model, load_tokenizer, resolve_model
@@ -36,7 +37,6 @@ from agentrt.engine.policy import make_policy
 from agentrt.engine.program_ops import ProgramOp
 from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.runner import ModelRunner
-from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.scheduler import Scheduler, SchedulerOutput
 from agentrt.engine.spec_decode import propose

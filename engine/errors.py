@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+
 class InvalidRequestError(ValueError):
     """The engine refuses a request. `parameter`: the offending field (None when the request as a whole is
     wrong, e.g. a count of prompts and params that differ); `value`: what it held (None when not kept)."""

@@ -11,11 +11,11 @@ from agentrt.engine import chat_template as chat_template_
 from agentrt.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.engine_core import EngineCore, KVStats
+from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
 from agentrt.engine.lora import LoRARequest
 from agentrt.engine.outputs import RequestOutput, StreamDelta
 from agentrt.engine.pooling import ClassificationOutput, PoolingParams, classifications
 from agentrt.engine.request import Request
-from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
 from agentrt.engine.sampling_params import SamplingParams
 
 PROGRESS_MIN_PROMPTS = 8  # progress="auto" shows a bar from this many prompts (on a terminal)

@@ -17,9 +17,8 @@ FLOORS = ("agentrt/engine/", "agentrt/kernels/", "agentrt/programs/", "agentrt/b
 
 
 def test_hugging_face_kernels_beside_ours():
-    import kernels
-
     import agentrt.kernels
+    import kernels
 
     assert Path(agentrt.kernels.__file__).parent == ROOT / "kernels"
     assert Path(kernels.__file__).resolve().parent != (ROOT / "kernels").resolve()

@@ -6,10 +6,10 @@ pins); given arguments override those settings."""
 
 from __future__ import annotations
 
+from agentrt.engine.policy import FCFS, register_policy
 from agentrt.policies._multilevel import CallState, MultiLevelPolicy, ProgramState
 from agentrt.policies.autellix import ATLAS, PLAS, TTL_SETTINGS
 from agentrt.policies.fastserve import MLFQ
-from agentrt.engine.policy import FCFS, register_policy
 
 for _cls in (PLAS, ATLAS, MLFQ):
     register_policy(_cls.name, _cls)

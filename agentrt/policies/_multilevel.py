@@ -28,10 +28,9 @@ programs (seconds), and 10k idle records are a few MB.
 
 from __future__ import annotations
 
-from abc import abstractmethod
-
 import bisect
 import collections
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from agentrt._errors import ConfigError
+from agentrt.engine.request import Request
 from agentrt.policies._multilevel import (
     CallState,
     MultiLevelPolicy,
@@ -41,7 +42,6 @@ from agentrt.policies._multilevel import (
     doubling,
     queue_of,
 )
-from agentrt.engine.request import Request
 
 # Defaults, per service unit; chosen on a 2-core CPU, where one decode step of the default model takes
 # 50-150 ms and a call receives ~0.3-1 s of executor time (the reimplementation's 0.02 s boundaries

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from agentrt._errors import ConfigError
-from agentrt.policies._multilevel import CallState, MultiLevelPolicy, ProgramState, ServiceUnit
 from agentrt.engine.request import Request
+from agentrt.policies._multilevel import CallState, MultiLevelPolicy, ProgramState, ServiceUnit
 
 # Defaults per service unit. prefill_cost: executor seconds per prompt token of the default model
 # on a 2-core CPU (measured: ~0.4 ms/token in large prefill batches); in token mode a prompt token

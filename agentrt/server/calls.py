@@ -19,7 +19,11 @@ from agentrt._call import Call
 from agentrt._chat import merge_sampling
 from agentrt._errors import InvalidCallError
 from agentrt._toolcalls import check_schema, response_format_constraint
-from agentrt.server.state import ServerState
+from agentrt.engine import SamplingParams, chat_template
+from agentrt.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
+from agentrt.engine.outputs import RequestOutput
+from agentrt.engine.sampling_params import truncate_prompt
+from agentrt.engine.structured import Constraint
 from agentrt.server.errors import bad_request, error_body, to_api_error
 from agentrt.server.schemas import (
     ChoiceLogprobs,
@@ -35,11 +39,7 @@ from agentrt.server.schemas import (
     Usage,
 )
 from agentrt.server.sse import until_disconnect
-from agentrt.engine import SamplingParams, chat_template
-from agentrt.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
-from agentrt.engine.outputs import RequestOutput
-from agentrt.engine.sampling_params import truncate_prompt
-from agentrt.engine.structured import Constraint
+from agentrt.server.state import ServerState
 
 TopList = list[tuple[int, float]]
 MIN_LOGPROB = -9999.0  # what a masked token's -inf log-prob is shown as (vLLM's; JSON has no -inf)

@@ -25,14 +25,14 @@ from starlette.routing import Route
 from agentrt._call import Call
 from agentrt._embed import embed_inputs
 from agentrt._errors import InvalidCallError
+from agentrt.engine.pooling import PoolingParams
+from agentrt.engine.sampling_params import SamplingParams
 from agentrt.server.bodies import read_body
-from agentrt.server.state import state_of
 from agentrt.server.calls import new_id, program_keys, program_name, results, submit, truncated
 from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
 from agentrt.server.schemas import Priority, ProgramId, TruncatePromptTokens, decode
-from agentrt.engine.pooling import PoolingParams
-from agentrt.engine.sampling_params import SamplingParams
+from agentrt.server.state import state_of
 
 
 class PoolingCallFields(Struct, kw_only=True):

@@ -13,10 +13,10 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from agentrt.server.bodies import read_body
-from agentrt.server.state import ServerState, state_of
 from agentrt.server.errors import APIError, api, bad_request
 from agentrt.server.openapi import Operation
 from agentrt.server.schemas import decode
+from agentrt.server.state import ServerState, state_of
 
 
 class LoadLoRAAdapterRequest(Struct, forbid_unknown_fields=False):

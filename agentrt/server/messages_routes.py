@@ -29,8 +29,9 @@ from agentrt._call import Call
 from agentrt._chat_plan import ChatPlan, Reply, plan_call
 from agentrt._errors import AgentrtError
 from agentrt._toolcalls import check_schema
+from agentrt.engine.outputs import RequestOutput
+from agentrt.engine.structured import Constraint
 from agentrt.server.bodies import read_body
-from agentrt.server.state import ServerState, state_of
 from agentrt.server.calls import (
     note_tool,
     program_keys,
@@ -58,8 +59,7 @@ from agentrt.server.messages_schemas import (
 from agentrt.server.openapi import Operation
 from agentrt.server.schemas import decode
 from agentrt.server.sse import SSEResponse
-from agentrt.engine.outputs import RequestOutput
-from agentrt.engine.structured import Constraint
+from agentrt.server.state import ServerState, state_of
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}

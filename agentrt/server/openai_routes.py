@@ -20,15 +20,15 @@ from starlette.routing import Route
 from agentrt._call import Call
 from agentrt._chat_plan import ChatPlan
 from agentrt._errors import AgentrtError
+from agentrt.engine.outputs import RequestOutput
 from agentrt.server.bodies import read_body
-from agentrt.server.state import ServerState, state_of
 from agentrt.server.calls import (
     PendingIds,
     StreamUsage,
+    beam_search_call,
     chat_logprobs,
     completion_logprobs,
     echoed_logprobs,
-    beam_search_call,
     engine_salt,
     error_event,
     message_dicts,
@@ -68,7 +68,7 @@ from agentrt.server.schemas import (
     decode,
 )
 from agentrt.server.sse import DONE, SSEResponse, event
-from agentrt.engine.outputs import RequestOutput
+from agentrt.server.state import ServerState, state_of
 
 
 # --- chat -------------------------------------------------------------------------------------

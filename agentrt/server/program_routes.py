@@ -18,12 +18,12 @@ from starlette.routing import Route
 from agentrt._errors import ProgramNotFoundError
 from agentrt._process_table import ProgramInfo
 from agentrt.server.bodies import json_response, read_body
-from agentrt.server.state import ServerState, state_of
 from agentrt.server.errors import APIError, api, bad_request
 from agentrt.server.openapi import Operation
 from agentrt.server.program_schemas import Program, ProgramCall, ProgramCallList, ProgramCreate, ProgramList
 from agentrt.server.recorder import wall_time
 from agentrt.server.schemas import decode
+from agentrt.server.state import ServerState, state_of
 from agentrt.server.store import ProgramRecord
 
 

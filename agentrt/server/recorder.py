@@ -12,8 +12,8 @@ import anyio
 from agentrt._call import CallSummary
 from agentrt._process_table import ProgramInfo
 from agentrt._runtime import RuntimeObserver
-from agentrt.server.metrics import Metrics
 from agentrt.server.config import ServerConfig
+from agentrt.server.metrics import Metrics
 from agentrt.server.store import CallRecord, ProgramRecord, Store, default_url
 from agentrt.server.store_reads import INTERRUPTED
 

@@ -19,6 +19,7 @@ import msgspec
 from agentrt._call import Call
 from agentrt._chat_plan import ChatPlan, Reply
 from agentrt._errors import AgentrtError
+from agentrt.engine.outputs import RequestOutput
 from agentrt.server.errors import to_api_error
 from agentrt.server.responses_schemas import (
     FunctionCallItem,
@@ -28,7 +29,6 @@ from agentrt.server.responses_schemas import (
     ReasoningText,
     ResponseObject,
 )
-from agentrt.engine.outputs import RequestOutput
 
 # finish(out, reply, msg_id, rs_id): the final response (stored when it asks to be), its items under these ids
 Finish = Callable[[RequestOutput, Reply, str, str], ResponseObject]

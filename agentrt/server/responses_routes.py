@@ -24,8 +24,8 @@ from starlette.routing import Route
 
 from agentrt._chat_plan import Reply
 from agentrt._toolcalls import ToolCall, response_format_constraint
+from agentrt.engine.outputs import RequestOutput
 from agentrt.server.bodies import read_body
-from agentrt.server.state import ServerState, state_of
 from agentrt.server.calls import (
     engine_salt,
     program_keys,
@@ -61,8 +61,8 @@ from agentrt.server.responses_schemas import (
 )
 from agentrt.server.schemas import decode
 from agentrt.server.sse import SSEResponse
+from agentrt.server.state import ServerState, state_of
 from agentrt.server.store import ResponseRecord
-from agentrt.engine.outputs import RequestOutput
 
 
 class ResponseMemory:

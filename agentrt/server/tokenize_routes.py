@@ -16,7 +16,6 @@ from starlette.routing import Route
 
 from agentrt._chat_plan import plan_call
 from agentrt.server.bodies import VERSION, json_response, read_body
-from agentrt.server.state import ServerState, state_of
 from agentrt.server.calls import message_dicts, request_template
 from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
@@ -30,6 +29,7 @@ from agentrt.server.schemas import (
     Version,
     decode,
 )
+from agentrt.server.state import ServerState, state_of
 
 
 @api

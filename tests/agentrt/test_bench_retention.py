@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from agentrt.policies.autellix import TTL_SETTINGS
 from agentrt.bench import retention as bench
+from agentrt.policies.autellix import TTL_SETTINGS
 
 
 def test_bench_retention_smoke(tiny_model_path, capsys):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 import agentrt
-from agentrt.policies import ATLAS, MLFQ, PLAS
 from agentrt.engine.policy import make_policy
 from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import SamplingParams
+from agentrt.policies import ATLAS, MLFQ, PLAS
 
 
 def call(rid: str, program: str | None = "p", *, prompt: int = 4, arrival: float = 0.0, thread: str | None = None) -> Request:

@@ -8,8 +8,8 @@ import anyio
 import pytest
 
 import agentrt
-from agentrt.policies import PLAS
 from agentrt.engine.request import Request
+from agentrt.policies import PLAS
 
 pytestmark = pytest.mark.anyio
 

@@ -8,9 +8,9 @@ import pytest
 
 from agentrt.bench import simulate as sim
 from agentrt.bench import workload as wl
-from agentrt.engine.scheduler import SchedulerOutput
 from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.scheduler import SchedulerOutput
 
 
 @pytest.fixture(autouse=True)

@@ -8,10 +8,10 @@ import pytest
 
 from agentrt._errors import ConfigError
 from agentrt._retention import choose_ttl
-from agentrt.policies import PLAS
-from agentrt.policies.autellix import TTL_SETTINGS
 from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import SamplingParams
+from agentrt.policies import PLAS
+from agentrt.policies.autellix import TTL_SETTINGS
 
 
 def _req(rid: str, program: str, now: float, policy: PLAS) -> Request:
@@ -63,8 +63,8 @@ def test_choose_ttl_equals_the_definition_ties_and_zero_gain_included():
 @pytest.mark.parametrize("name", ["plas+ttl", "atlas+ttl"])
 def test_ttl_compositions_are_registered_by_name(name):
     """`--policy plas+ttl` (serve, run) is PLAS with TTL_SETTINGS; given arguments override them."""
-    from agentrt.policies import ATLAS, POLICY_NAMES
     from agentrt.engine.policy import make_policy
+    from agentrt.policies import ATLAS, POLICY_NAMES
 
     cls = PLAS if name == "plas+ttl" else ATLAS
     p = make_policy(name)

@@ -6,9 +6,9 @@ import pytest
 
 import agentrt.policies  # noqa: F401  (registers plas, atlas, mlfq)
 from agentrt._process_table import PROGRAM_HISTORY, TOOL_HISTORY, ProcessTable, ProgramInfo
-from agentrt.policies import ATLAS, MLFQ, PLAS
 from agentrt.engine import FCFS, AsyncEngine, SamplingParams
 from agentrt.engine.request import Request
+from agentrt.policies import ATLAS, MLFQ, PLAS
 from tests.conftest import assert_all_blocks_free
 
 

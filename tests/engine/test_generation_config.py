@@ -72,13 +72,13 @@ def test_programs_and_the_server_fill_unset_fields(model):
     seen: list[SamplingParams] = []
     with live_server(tiny_config(model, served_model_name="tiny")) as srv:
         core = srv.state.runtime.engine.core
-        add = core.add_request
+        add = core.add_checked  # the engine client admits a request, then the engine thread adds it
 
-        def spy(prompt, params=None, *a, **k):
-            seen.append(params)
-            return add(prompt, params, *a, **k)
+        def spy(checked):
+            seen.append(checked.params)
+            return add(checked)
 
-        core.add_request = spy
+        core.add_checked = spy
         with httpx.Client(base_url=srv.url, timeout=60) as http:
             r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                         "ignore_eos": True})
@@ -87,7 +87,7 @@ def test_programs_and_the_server_fill_unset_fields(model):
             assert r.json()["usage"]["completion_tokens"] == 16  # OpenAI's (and vLLM's) default for completions
             http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                     "temperature": 0, "min_p": 0.2, "max_tokens": 2})
-        core.add_request = add
+        core.add_checked = add
     unset, _, chat = seen
     assert (unset.temperature, unset.top_p, unset.top_k, unset.repetition_penalty) == (0.6, 0.9, 20, 1.05)
     assert (chat.temperature, chat.min_p, chat.max_tokens, chat.top_k) == (0.0, 0.2, 2, 20)

@@ -8,9 +8,8 @@ import anyio
 import pytest
 import torch
 
-from agentrt.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from agentrt.engine import LLM, AsyncEngine, EngineConfig, SamplingParams, loader
 from agentrt.engine import llm as llm_mod
-from agentrt.engine import loader
 from agentrt.engine.sampling_params import InvalidRequestError
 
 KW = dict(num_blocks=64, block_size=4)

@@ -9,13 +9,13 @@ import anyio
 import pytest
 
 import agentrt
-from agentrt.policies import PLAS
 from agentrt.engine import LLM, SamplingParams
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.policy import FCFS
 from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.scheduler import Scheduler
+from agentrt.policies import PLAS
 from tests.conftest import assert_all_blocks_free
 from tests.engine.test_kv_retention import BS, run_step
 

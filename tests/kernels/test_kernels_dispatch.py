@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from agentrt import kernels
+
 dispatch = importlib.import_module("agentrt.kernels._dispatch")
 
 

@@ -12,7 +12,6 @@ import httpx
 import pytest
 import torch
 
-
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 

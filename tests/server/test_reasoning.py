@@ -22,9 +22,9 @@ import pytest
 
 import agentrt
 import agentrt.server
-from agentrt.server import ServerConfig
 from agentrt.command import main as cli
 from agentrt.engine.structured import Constraint
+from agentrt.server import ServerConfig
 from tests.server.conftest import check_idle
 from tests.server.live import live_server, tiny_config
 from tests.test_cli import one_line_error

@@ -18,9 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from agentrt.command import main as cli
 from agentrt.run_batch import in_process_client, run_batch
 from agentrt.server import create_app
-from agentrt.command import main as cli
 from tests.conftest import assert_all_blocks_free
 from tests.server.live import tiny_config
 from tests.test_cli import one_line_error

@@ -10,8 +10,8 @@ import re
 import pytest
 
 import agentrt.server
-from agentrt.server.calls import engine_salt
 from agentrt.command import main as cli
+from agentrt.server.calls import engine_salt
 from tests.server.live import bad_request as error
 
 ID = re.compile(r"^token_id:\d+$")

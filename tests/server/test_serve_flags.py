@@ -18,9 +18,9 @@ import pytest
 import uvicorn
 
 import agentrt.server
-from agentrt.server import ServerConfig, create_app
 from agentrt.command import main as cli
 from agentrt.engine.config import EngineConfig
+from agentrt.server import ServerConfig, create_app
 from tests.server.live import free_port, live_server, tiny_config
 from tests.test_cli import one_line_error
 

@@ -17,9 +17,9 @@ import openai
 import pytest
 
 import agentrt.server
-from agentrt.server import ServerConfig
 from agentrt.command import main as cli
 from agentrt.engine.structured import Constraint
+from agentrt.server import ServerConfig
 from tests.agentrt.test_toolparsers import literal
 from tests.server.conftest import check_idle
 from tests.server.live import live_server, tiny_config
