@@ -24,6 +24,9 @@ so each path this CPU supports can be run and tested on it. The best kind is com
 is its own library and op namespace (several load side by side), cached in torch's extension cache
 (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR) under a name holding the kind, a hash of the
 CPU's flags and a hash of the sources: the first build takes ~30-60 s, later processes load it.
+Builds and loads of one library take an OS file lock, which dies with its process: a build killed
+half-way (Ctrl-C, a restarted machine) leaves torch's own `lock` file behind, which would make every
+later process wait for it forever, so the holder of our lock removes it.
 
 When no compiler is there, or AGENTRT_CPU_KERNELS=0, `ops()` returns None (with one warning) and
 callers keep their torch paths; `use_cpu_kernels(False)` (a context manager, process-wide like the
@@ -32,6 +35,7 @@ kernel backend) turns them off for a block, e.g. to measure or test the torch pa
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -134,6 +138,17 @@ def _source_tag() -> str:
     return digest.hexdigest()[:8]
 
 
+def build_directory(kind_name: str) -> Path:
+    """Where the library of `kind_name` is built and cached: torch's extension cache, in the folder torch
+    itself would pick for this Python and torch build."""
+    from torch.utils import cpp_extension
+
+    cuda = torch.version.cuda
+    folder = f"py{sys.version_info.major}{sys.version_info.minor}_{'cu' + cuda.replace('.', '') if cuda else 'cpu'}"
+    name = f"agentrt_cpu_{kind_name}_{_cpu_tag()}_{_source_tag()}"
+    return Path(cpp_extension.get_default_build_root()) / folder / name
+
+
 def _build(kind_name: str):
     if os.environ.get(ENV_VAR, "1") == "0":
         return None
@@ -145,8 +160,14 @@ def _build(kind_name: str):
     namespace = f"agentrt_cpu_{kind_name}"
     flags = [*_FLAGS, "-march=native", *_DISABLE[kind_name], f"-DAGENTRT_NS={namespace}"]
     try:
-        cpp_extension.load(name=f"{namespace}_{_cpu_tag()}_{_source_tag()}", sources=[str(_SOURCE)],
-                           extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        build_dir = build_directory(kind_name)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(build_dir / "agentrt.flock", "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released by the OS when this process dies
+            (build_dir / "lock").unlink(missing_ok=True)  # torch's baton, left by a build that was killed
+            cpp_extension.load(name=build_dir.name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+                               extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+                               verbose=False)
     except Exception as e:  # no compiler or ninja, or a build error: keep the torch paths
         log.warning("agentrt C++ CPU kernels (%s) unavailable (%s: %s); using torch paths", kind_name,
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")

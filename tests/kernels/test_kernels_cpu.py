@@ -4,6 +4,9 @@ bf16 kernels follow the kernel rule against an fp32 reference on the same bf16 i
 err(kernel) <= 2 * err(torch in bf16) + atol, where torch in bf16 is what HF's bf16 model computes.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,6 +57,18 @@ def test_unsupported_or_unknown_kind_is_refused(monkeypatch):
     if missing:
         with pytest.raises(ValueError, match="this CPU supports"):
             cpu.ops(missing[0])
+
+
+def test_a_killed_build_does_not_stall_the_next_process(cpu_kind):
+    # torch's build baton (`lock`) outlives a build killed half-way (Ctrl-C, a restarted machine); torch alone
+    # would wait on it forever, in every later process, even with the library already built
+    build_dir = cpu.build_directory(cpu_kind)
+    assert (build_dir / f"{build_dir.name}.so").exists()
+    (build_dir / "lock").touch()
+    code = f"from agentrt.kernels import cpu; print(cpu.available({cpu_kind!r}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
+    assert not (build_dir / "lock").exists()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 30, 64, 100])  # every tile height of each kind, and more
