@@ -67,8 +67,7 @@ def test_a_killed_build_does_not_stall_the_next_process(cpu_kind):
     (build_dir / "lock").touch()
     code = f"from agentrt.kernels import cpu; print(cpu.available({cpu_kind!r}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip() == "True", done.stderr[-2000:]
-    assert not (build_dir / "lock").exists()
+    assert done.stdout.strip() == "True", done.stderr[-2000:]  # in time: torch alone would wait out the timeout
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 30, 64, 100])  # every tile height of each kind, and more
