@@ -57,7 +57,7 @@ class BeamSearchCall:
         self._submit = submit
         self._own_program = own_program
         self._calls: list[Call] = []
-        self._closed = False
+        self.closed = False  # close() ran
 
     async def result(self) -> RequestOutput:
         """Run the search to its end: the beams as completions, best first (CallAbortedError /
@@ -84,9 +84,9 @@ class BeamSearchCall:
 
     def close(self) -> None:
         """Abort the step in flight and end the search's own program (idempotent)."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._close_calls()
         if self._own_program:
             info = self.runtime.programs.get(self.program_id)

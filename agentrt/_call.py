@@ -8,8 +8,9 @@
 
 Submission is synchronous, so a caller (the HTTP server) learns of bad input before it has sent
 anything. Whatever way the call ends (finished, failed, cancelled, closed early) its bookkeeping
-runs exactly once: the engine request is aborted if still live, the process table and the
-runtime's in-flight map are updated, and the runtime's observers hear of it.
+runs exactly once: the engine request is aborted if still live, and the runtime's program manager hears
+of its end in one report (`ProgramManager.call_ended`: the process table, the in-flight map, retention,
+the observers).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from agentrt.engine.outputs import RequestOutput, StreamDelta
 
 if TYPE_CHECKING:
     from agentrt._program import ProgramHandle
-    from agentrt._runtime import Runtime
+    from agentrt._programs import ProgramManager
 
 
 @dataclass(slots=True)
@@ -53,10 +54,10 @@ class Call:
     """An in-flight call; see the module docstring."""
 
     def __init__(
-        self, runtime: Runtime, info: ProgramInfo, thread_id: str, request_id: str, kind: str,
+        self, programs: ProgramManager, info: ProgramInfo, thread_id: str, request_id: str, kind: str,
         stream: RequestStream, record: CallRecord, num_prompt_tokens: int,
     ) -> None:
-        self.runtime = runtime
+        self._programs = programs  # the runtime's program manager, which hears of the call's first token and end
         self.info = info
         self.program_id = info.program_id
         self.thread_id = thread_id
@@ -64,24 +65,18 @@ class Call:
         self.kind = kind
         self.num_prompt_tokens = num_prompt_tokens
         self._stream = stream
-        self._record = record
+        self.record = record  # in the process table
         self._t0 = time.monotonic()
         self._wall0 = time.time()
         self._last_token_t: float | None = None
         self._ttft: float | None = None
         self._gaps: list[float] = []
         self._generated = 0
-        self._output: RequestOutput | None = None
+        self.output: RequestOutput | None = None  # the final output, once `result` returned it
         self._error: str | None = None
-        self._closed = False
-        self._waiting = True  # counted in the runtime's waiting calls until its first token
+        self.closed = False  # close() ran
         self.one_call: ProgramHandle | None = None  # set when the call is a program of its own
         self.model: str | None = None  # the LoRA adapter it runs with (agentrt._lora); None: the base model
-
-    @property
-    def output(self) -> RequestOutput | None:
-        """The final output, once `result` returned it."""
-        return self._output
 
     # --- consuming -------------------------------------------------------------------------
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
@@ -94,8 +89,7 @@ class Call:
                     now = time.monotonic()
                     if self._ttft is None:
                         self._ttft = now - self._t0
-                        self.runtime.programs.call_running(self.info, self._record)
-                        self._not_waiting()
+                        self._programs.table.call_running(self.info, self.record)
                     elif self._last_token_t is not None and len(self._gaps) < 100_000:
                         self._gaps.append(now - self._last_token_t)
                     self._last_token_t = now
@@ -108,18 +102,18 @@ class Call:
     async def result(self) -> RequestOutput:
         """Drain the call and return its output; `CallAbortedError` / `CallFailedError` if it did
         not finish normally."""
-        if self._output is None:
+        if self.output is None:
             async for _ in self._deltas():
                 pass
             try:
-                self._output = await self._stream.result()
+                self.output = await self._stream.result()
             except (ValueError, TypeError, EngineError) as e:
                 self._error = str(e)
                 raise CallFailedError(str(e), program_id=self.program_id, request_id=self.request_id) from None
             finally:
-                if self._output is None:
+                if self.output is None:
                     self.close()
-        out = self._output
+        out = self.output
         self.close()
         reason = out.outputs[0].finish_reason if out.outputs else "abort"
         if reason == "abort":
@@ -132,8 +126,8 @@ class Call:
 
     def abort(self) -> None:
         """Stop generating; the stream ends with finish_reason "abort"."""
-        if not self._closed:
-            self.runtime.abort_request(self.request_id)
+        if not self.closed:
+            self._programs.abort_call(self.request_id)
 
     # --- ending ----------------------------------------------------------------------------
     async def __aenter__(self) -> Call:
@@ -142,28 +136,17 @@ class Call:
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    def _not_waiting(self) -> None:
-        if self._waiting:
-            self._waiting = False
-            self.runtime.call_not_waiting()
-
     def close(self) -> None:
         """Release everything the call holds (idempotent); aborts the request if still live."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
-        self._not_waiting()
-        rt = self.runtime
-        out = self._output
-        if out is None and rt.engine is not None:
-            rt.engine.abort(self.request_id)
-        rt.call_closed(self)
+        self.closed = True
+        out = self.output
+        if out is None:
+            self._programs.abort_call(self.request_id)
         m = out.metrics if out is not None else None
         wait = 0.0 if m is None or m.first_scheduled_time is None else max(0.0, m.first_scheduled_time - m.arrival_time)
         service = m.service_s if m is not None else 0.0
-        rt.programs.call_done(self.info, self._record, service_s=service, wait_s=wait,
-                              num_output_tokens=self._generated,
-                              num_prefix_hit_tokens=m.num_prefix_hit_tokens if m is not None else 0)
         reason = None
         if out is not None and out.outputs:
             reasons = [o.finish_reason for o in out.outputs]
@@ -171,8 +154,8 @@ class Call:
             self._error = self._error or next((o.error for o in out.outputs if o.error), None)
         elif out is None:
             reason = "error" if self._error else "abort"
-        rt.call_ended(CallSummary(
+        self._programs.call_ended(self, CallSummary(
             self.request_id, self.program_id, self.thread_id, self.kind, self._wall0, self.num_prompt_tokens,
             self._generated, reason, self._ttft, time.monotonic() - self._t0, self._gaps, service, wait,
             self._error,
-        ), self.one_call)
+        ), m.num_prefix_hit_tokens if m is not None else 0)

@@ -9,7 +9,7 @@ chat calls take them by the same names. A template that renders tools (`renders_
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentrt._errors import InvalidCallError
@@ -44,8 +44,8 @@ class ChatPrompts:
     """Renders and tokenizes conversations; per program (until `forget`), its latest prompt and its
     last prompt + reply."""
 
-    def __init__(self, tokenizer: Callable[[], Any]) -> None:
-        self._tokenizer = tokenizer  # the running engine's (the runtime's property)
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer  # the running engine's: the runtime sets it when its engine starts
         self.convs: dict[str, tuple[str, list[int]]] = {}  # program id -> (text, ids): last prompt + reply
         self.prompts: dict[str, tuple[str, list[int]]] = {}  # program id -> its latest prompt (text, ids)
 
@@ -71,7 +71,7 @@ class ChatPrompts:
         problem = templates.option_error(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
         if problem is not None:
             raise bad(*problem)
-        tok = self._tokenizer()
+        tok = self.tokenizer
         kwargs = dict(chat_template_kwargs or {})
         if tools is not None:  # apply_chat_template's own argument, past the check on the caller's kwargs
             kwargs["tools"] = tools
@@ -98,7 +98,7 @@ class ChatPrompts:
         of the tokenizer's), else the tokenizer's (its "tool_use" one, when it has one, for a call with
         tools, as transformers picks); None when there is none."""
         try:
-            source = self._tokenizer().get_chat_template(chat_template, tools)
+            source = self.tokenizer.get_chat_template(chat_template, tools)
         except Exception:  # noqa: BLE001 - no template: rendering the prompt names the problem
             return None
         return source if isinstance(source, str) else None
@@ -111,7 +111,7 @@ class ChatPrompts:
         if prompt is None or out is None or not out.outputs or list(out.prompt_token_ids) != prompt[1]:
             return
         ids = list(out.outputs[0].token_ids)
-        self.convs[program_id] = (prompt[0] + self._tokenizer().decode(ids), prompt[1] + ids)
+        self.convs[program_id] = (prompt[0] + self.tokenizer.decode(ids), prompt[1] + ids)
 
     def forget(self, program_id: str) -> None:
         self.convs.pop(program_id, None)

@@ -8,6 +8,7 @@ by their share of the step's tokens), so they add up to model time, not latency.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ class ProgramInfo:
     num_prefix_hit_tokens: int = 0  # prompt tokens of its completed calls served from the prefix cache
     last_call_arrival: float | None = None
     last_call_completion: float | None = None
-    gaps_s: collections.deque[float] = field(default_factory=lambda: _history(PROGRAM_HISTORY))  # idle time
+    gaps_s: collections.deque[float] = field(default_factory=functools.partial(collections.deque, maxlen=PROGRAM_HISTORY))  # idle time
     # between a call's end and the next call, the latest PROGRAM_HISTORY
     tool_durations: dict[str, collections.deque[float]] = field(default_factory=dict)  # seconds per call, by
     # tool name, the latest PROGRAM_HISTORY of each
@@ -89,6 +90,7 @@ class ProcessTable:
         self._programs: dict[str, ProgramInfo] = {}
         self._finished: collections.deque[str] = collections.deque()
         self.max_finished = max_finished  # ended programs kept for inspection, oldest dropped first
+        self.num_waiting = 0  # calls of all programs submitted that have produced no token yet
         self.tool_durations: dict[str, collections.deque[float]] = {}  # all programs, by tool name, the
         # latest TOOL_HISTORY of each
 
@@ -134,6 +136,7 @@ class ProcessTable:
         if info.calls_active == 0 and info.last_call_completion is not None:
             info.gaps_s.append(now - info.last_call_completion)
         info.calls_waiting += 1
+        self.num_waiting += 1
         info.last_call_arrival = now
         info.num_prompt_tokens += num_prompt_tokens
         return CallRecord(request_id, thread_id, now, info.critical_path_s)
@@ -142,6 +145,7 @@ class ProcessTable:
         if not call.running:
             call.running = True
             info.calls_waiting -= 1
+            self.num_waiting -= 1
             info.calls_running += 1
 
     def call_done(
@@ -158,6 +162,7 @@ class ProcessTable:
             info.calls_running -= 1
         else:
             info.calls_waiting -= 1
+            self.num_waiting -= 1
         info.calls_done += 1
         info.service_s += service_s
         info.critical_path_s = max(info.critical_path_s, call.start_critical_path_s + service_s)

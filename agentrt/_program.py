@@ -43,7 +43,7 @@ class ProgramHandle:
 
     info: ProgramInfo
     runtime: Host | None  # the runtime it registered with (None: ran outside any runtime)
-    _threads: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _threads: itertools.count = field(default_factory=functools.partial(itertools.count, 1))
 
     @property
     def program_id(self) -> str:

@@ -15,7 +15,6 @@ every start, end and call end.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -23,13 +22,14 @@ import anyio
 from agentrt._errors import ProgramExistsError, ProgramNotFoundError
 from agentrt._process_table import CallRecord, ProcessTable, ProgramInfo, ProgramStatus
 from agentrt._program import ProgramHandle, check_priority, new_program_id
-from agentrt._retention import RetentionPolicy
+from agentrt._retention import RetentionConfig, RetentionPolicy
 from agentrt.engine import AsyncEngine, SchedulingPolicy
 from agentrt.engine.ownership import OwnerKV
-from agentrt.engine.program_ops import ProgramOp
+from agentrt.engine.program_ops import EndProgram
 
 if TYPE_CHECKING:
-    from agentrt._call import CallSummary
+    from agentrt._call import Call, CallSummary
+    from agentrt._chat_prompt import ChatPrompts
 
 ANY_OWNER: Any = object()  # `owner=` default of the program look-ups: any client's program
 
@@ -46,51 +46,66 @@ class RuntimeObserver:
 
 
 class ProgramManager:
-    """Programs and their calls in flight; see the module docstring. `engine()`: the running engine (None
-    when stopped); `host`: the runtime, each handle's; `forget(program_id)`: drop what else the runtime keeps
-    of an ended program."""
+    """Programs and their calls in flight; see the module docstring. `engine`: the running engine (None when
+    stopped; the runtime sets it); `host`: the runtime, each handle's; `chat`: the runtime's chat prompts,
+    which remember a chat call's reply and forget an ended program."""
 
-    def __init__(self, policy: SchedulingPolicy, engine: Callable[[], AsyncEngine | None], host: Any,
-                 forget: Callable[[str], None]) -> None:
+    def __init__(self, policy: SchedulingPolicy, host: Any, chat: ChatPrompts) -> None:
         self.table = ProcessTable()
         self.observers: list[RuntimeObserver] = []
+        self.engine: AsyncEngine | None = None
         self.retention: RetentionPolicy | None = None  # while the engine runs
         self.inflight: dict[str, set[str]] = {}  # program id -> request ids in the engine
-        self.num_waiting = 0  # calls submitted that have produced no token yet
         self._policy = policy
-        self._current_engine = engine
         self._host = host
-        self._forget = forget
+        self._chat = chat
         self._keyed: dict[str, ProgramHandle] = {}  # running programs started by id (`start_program`, the server)
         self._thread_ids: dict[str, set[str]] = {}  # keyed program id -> thread ids its calls named (num_threads)
 
-    # --- lifetime -----------------------------------------------------------------------------
-    def program_op(self, op: ProgramOp) -> None:
-        engine = self._current_engine()
-        if engine is not None:
-            engine.program_op(op)
+    @property
+    def num_waiting(self) -> int:
+        """Calls submitted that have produced no token yet."""
+        return self.table.num_waiting
 
-    def program_started(self, info: ProgramInfo) -> None:
+    def engine_started(self, engine: AsyncEngine, retention: RetentionConfig) -> None:
+        """The runtime's engine runs: program operations go straight to it."""
+        self.engine = engine
+        info = engine.info
+        self.retention = RetentionPolicy(retention, engine.program_op, info.num_blocks * info.block_size)
+
+    def engine_stopped(self) -> None:
+        self.engine = self.retention = None
+
+    # --- lifetime -----------------------------------------------------------------------------
+    def program_started(self, info: ProgramInfo, one_call: bool = False) -> None:
+        """`one_call`: a program of one call, ended with it: nothing to pin or reserve for it, so the engine
+        hears of it only at its end (EndProgram), not at its start."""
         self.table.start(info)
-        if self.retention is not None:
+        if self.retention is not None and not one_call:
             self.retention.program_started(info.program_id, info.kv_reserve_tokens)
         for o in self.observers:
             o.program_started(info)
 
-    def program_exited(self, handle: ProgramHandle, state: ProgramStatus, error: str | None) -> None:
-        """Release everything the program holds: abort its calls still in flight, tell the policy."""
-        pid = handle.program_id
+    def program_exited(self, handle: ProgramHandle, state: ProgramStatus, error: str | None,
+                       one_call: bool = False) -> None:
+        """Release everything the program holds: abort its calls still in flight, tell the policy. `one_call`:
+        the program of one call (`program_started`), which remembered no chat and holds no pins or reservation."""
+        pid = handle.info.program_id
         if self._keyed.get(pid) is handle:
             del self._keyed[pid]
         self._thread_ids.pop(pid, None)
-        self._forget(pid)
-        engine = self._current_engine()
+        if not one_call:
+            self._chat.forget(pid)
+        engine = self.engine
         for rid in self.inflight.pop(pid, ()):
             if engine is not None:
                 engine.abort(rid)
         if self.retention is not None and engine is not None:
-            handle.info.kv = self.program_kv(pid)
-            self.retention.program_ended(pid)  # the engine releases its KV and tells the policy
+            handle.info.kv = engine.program_kv(pid)
+            if one_call:
+                engine.program_op(EndProgram(pid))  # the engine tells the policy
+            else:
+                self.retention.program_ended(pid)  # the engine releases its KV and tells the policy
         else:
             self._policy.end_program(pid)
         self.table.end(handle.info, state, error)
@@ -109,20 +124,23 @@ class ProgramManager:
         return len(rids)
 
     def start_program(self, program_id: str | None = None, *, name: str = "program", owner: str | None = None,
-                      priority: int = 0) -> ProgramInfo:
-        check_priority(priority, "priority")
+                      priority: int = 0, one_call: bool = False) -> ProgramHandle:
+        """Start a program known by id (None: a new id) and return its handle."""
+        if type(priority) is not int or priority != 0:  # the default needs no check
+            check_priority(priority, "priority")
         if program_id is None:
-            program_id = new_program_id()
-        old = self.table.get(program_id)
+            program_id, old = new_program_id(), None  # a new id is nobody's
+        else:
+            old = self.table.get(program_id)
         if old is not None and old.state == "running":
             raise ProgramExistsError("a program with this id is already running", program_id=program_id)
         if old is not None and old.owner != owner:  # an ended program's id stays its owner's while the table keeps it
             raise ProgramExistsError("this program id belongs to another client", program_id=program_id)
         info = ProgramInfo(program_id=program_id, name=name, parent_id=None, start_time=time.monotonic(), owner=owner,
                            priority=priority)
-        self._keyed[program_id] = ProgramHandle(info, self._host)
-        self.program_started(info)
-        return info
+        self._keyed[program_id] = handle = ProgramHandle(info, self._host)
+        self.program_started(info, one_call)
+        return handle
 
     def end_program(self, program_id: str, *, owner: Any = ANY_OWNER, state: ProgramStatus = "finished") -> ProgramInfo:
         handle = self.keyed_handle(program_id, owner)
@@ -142,8 +160,7 @@ class ProgramManager:
         if handle is None or handle.info.owner != owner:
             if handle is not None or (program_id in self.table and self.table[program_id].state == "running"):
                 raise ProgramNotFoundError("no such program", program_id=program_id)  # another owner's
-            self.start_program(program_id, name=name, owner=owner)
-            handle = self._keyed[program_id]
+            handle = self.start_program(program_id, name=name, owner=owner)
         return handle
 
     async def reap_idle(self, timeout_s: float) -> None:
@@ -165,20 +182,20 @@ class ProgramManager:
         return info
 
     def program_queue_level(self, program_id: str) -> int | None:
-        engine = self._current_engine()
+        engine = self.engine
         if engine is None:
             return None
         levels = [r.queue_level for r in self._requests(engine, program_id) if r.queue_level is not None]
         return min(levels, default=None)
 
     def program_kv_blocks(self, program_id: str) -> int:
-        engine = self._current_engine()
+        engine = self.engine
         if engine is None:
             return 0
         return len({b for r in self._requests(engine, program_id) for b in r.block_ids})
 
     def program_kv(self, program_id: str) -> OwnerKV | None:
-        engine = self._current_engine()
+        engine = self.engine
         return None if engine is None else engine.program_kv(program_id)
 
     def _requests(self, engine: AsyncEngine, program_id: str) -> list[Any]:
@@ -189,33 +206,40 @@ class ProgramManager:
     def call_submitted(self, handle: ProgramHandle, request_id: str, thread_id: str,
                        num_prompt_tokens: int) -> CallRecord:
         """A call of the program is in the engine now: its record in the process table."""
-        pid = handle.program_id
+        pid = handle.info.program_id
         self.inflight.setdefault(pid, set()).add(request_id)
         if self._keyed.get(pid) is handle:  # a @program counts its threads as it makes them; these name theirs
             threads = self._thread_ids.setdefault(pid, set())
             threads.add(thread_id)
             handle.info.num_threads = max(handle.info.num_threads, len(threads))
-        self.num_waiting += 1
         return self.table.call_started(handle.info, request_id, thread_id, num_prompt_tokens)
 
-    def call_closed(self, program_id: str, request_id: str) -> None:
-        inflight = self.inflight.get(program_id)
-        if inflight is not None:
-            inflight.discard(request_id)
-            if not inflight:
-                del self.inflight[program_id]
+    def abort_call(self, request_id: str) -> None:
+        """Abort a call's engine request (its stream ends with finish_reason "abort")."""
+        if self.engine is not None:
+            self.engine.abort(request_id)
 
-    def call_ended(self, summary: CallSummary, one_call: ProgramHandle | None) -> None:
-        """Tell retention and the observers; a one-call program (`one_call`) ends with its call."""
+    def call_ended(self, call: Call, summary: CallSummary, num_prefix_hit_tokens: int) -> None:
+        """A call's request left the engine (`Call.close`, once): its record, the runtime's in-flight map and
+        chat memory, retention and the observers; a one-call program ends with its call."""
+        pid, info = call.program_id, call.info
+        if call.kind == "chat" and call.one_call is None:  # the next call of its program renders it again
+            self._chat.remember_reply(pid, call.output)
+        inflight = self.inflight.get(pid)
+        if inflight is not None:
+            inflight.discard(call.request_id)
+            if not inflight:
+                del self.inflight[pid]
+        self.table.call_done(info, call.record, service_s=summary.service_s, wait_s=summary.wait_s,
+                             num_output_tokens=summary.num_output_tokens, num_prefix_hit_tokens=num_prefix_hit_tokens)
         if self.retention is not None:
             tokens = summary.num_prompt_tokens + summary.num_output_tokens
-            self.retention.call_ended(summary.program_id, time.monotonic(), tokens=tokens, computed_tokens=tokens,
+            self.retention.call_ended(pid, time.monotonic(), tokens=tokens, computed_tokens=tokens,
                                       service_s=summary.service_s, wait_s=summary.wait_s)
-            info = self.table.get(summary.program_id)
-            if info is not None and info.state == "running":
-                info.kv = self.program_kv(summary.program_id)
+            if call.one_call is None and info.state == "running" and self.engine is not None:
+                info.kv = self.engine.program_kv(pid)  # a one-call program's is read as it ends, below
         for o in self.observers:
             o.call_ended(summary)
-        if one_call is not None:
+        if call.one_call is not None:
             state: ProgramStatus = "finished" if summary.finish_reason in ("stop", "length") else "failed"
-            self.program_exited(one_call, state, summary.error)
+            self.program_exited(call.one_call, state, summary.error, one_call=True)

@@ -21,8 +21,8 @@ import anyio
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq with the engine)
 from agentrt._beam import BeamSearchCall, beam_search_in_program, submit_beam_search
-from agentrt._call import Call, CallSummary
-from agentrt._chat import PreparedCall, merge_sampling, openai_names, prepare_chat
+from agentrt._call import Call
+from agentrt._chat import PreparedCall, SamplingFor, merge_sampling, openai_names, prepare_chat
 from agentrt._chat_plan import ChatPlan, Reply, ReplyStreamer
 from agentrt._chat_prompt import ChatPrompts, pop_template_options
 from agentrt._config import RuntimeConfig
@@ -121,9 +121,9 @@ class Runtime:
             raise ConfigError(f"bad runtime configuration: {e}") from None
         self.program_idle_timeout_s = config.program_idle_timeout_s  # programs keyed by id end after this long idle
         self.engine: AsyncEngine | None = None
-        self._chat = ChatPrompts(lambda: self.tokenizer)  # per program: its last chat prompt and reply
+        self._chat = ChatPrompts()  # per program: its last chat prompt and reply
         # programs, their calls in flight, retention, observers (agentrt._programs)
-        self.program_manager = ProgramManager(self.policy, lambda: self.engine, self, self._chat.forget)
+        self.program_manager = ProgramManager(self.policy, self, self._chat)
         self.programs: ProcessTable = self.program_manager.table
         self.observers: list[RuntimeObserver] = self.program_manager.observers  # told of program starts / ends, call ends
         self._call_ids = itertools.count(1)
@@ -141,8 +141,9 @@ class Runtime:
                     await engine.load_lora(req)
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
-            pm, info = self.program_manager, engine.info
-            pm.retention = RetentionPolicy(self.retention_config, pm.program_op, info.num_blocks * info.block_size)
+            pm = self.program_manager
+            pm.engine_started(engine, self.retention_config)
+            self._chat.tokenizer = engine.tokenizer
             if self.program_idle_timeout_s is not None:
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)  # runs before the group exits
@@ -161,6 +162,7 @@ class Runtime:
             self.program_manager.end_all("cancelled", "the runtime stopped")
             await self._stack.aclose()
         finally:
+            self.program_manager.engine_stopped()
             self._stack = self._token = None
 
     @property
@@ -247,7 +249,7 @@ class Runtime:
         programs). Its calls go through `submit(..., program_id=...)`; it ends with `end_program`,
         or by itself after `program_idle_timeout_s` without calls. An id whose program has ended may
         be started again (a new record replaces the old). `priority`: its calls' scheduling class."""
-        return self.program_manager.start_program(program_id, name=name, owner=owner, priority=priority)
+        return self.program_manager.start_program(program_id, name=name, owner=owner, priority=priority).info
 
     def end_program(self, program_id: str, *, owner: Any = ANY_OWNER, state: ProgramStatus = "finished") -> ProgramInfo:
         """End a program started by id: abort its calls in flight and release all it holds."""
@@ -297,15 +299,22 @@ class Runtime:
     async def prepare_chat(self, messages: Any, *, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
                            output: Constraint | None = None, output_param: str = "response_format",
                            program_id: str | None = None, tools_when_none: bool = True,
+                           truncate_prompt_tokens: int | None = None, sampling: SamplingFor | None = None,
                            **options: Any) -> PreparedCall:
-        """A chat call's plan and prompt ids, prepared in a worker thread (agentrt._chat.prepare_chat): the
-        template fitted, the prompt rendered and tokenized, reasoning set up, the output grammar compiled."""
+        """A chat call's plan, prompt ids and sampling parameters, prepared in a worker thread
+        (agentrt._chat.prepare_chat): the template fitted, the prompt rendered, tokenized and cut, reasoning
+        set up, the output grammar compiled, `sampling(prompt_len, constraint)` built."""
         def prepare() -> PreparedCall:
             return prepare_chat(self, messages, tools=tools, tool_choice=tool_choice, output=output,
                                 output_param=output_param, program_id=program_id, tools_when_none=tools_when_none,
-                                **options)
+                                truncate_prompt_tokens=truncate_prompt_tokens, sampling=sampling, **options)
 
         return await anyio.to_thread.run_sync(prepare)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus output the engine takes."""
+        return self._engine().info.max_model_len
 
     def plan_template(self, plan: ChatPlan, chat_template: str | None = None) -> ChatPlan:
         """Fit a chat call's plan to the template its prompt renders with (`chat_template`, else the
@@ -344,12 +353,11 @@ class Runtime:
         program). Bad input raises `InvalidCallError` here; see `agentrt._call.Call`. `last_call`: the
         program makes no more calls, so nothing of it is pinned when this one ends. `name`: the name of
         a program this call starts. `model`: a LoRA adapter's name (None: the base model)."""
-        lora = self.loras.resolve(model, program_id)
+        lora = self.loras.resolve(model, program_id) if model is not None else None
         pm = self.program_manager
         if program_id is None:
-            info = self.start_program(name=kind, owner=owner)
-            return self.submit_call(pm.keyed_handle(info.program_id), None, prompt, params, kind, cache_salt,
-                                    one_call=True, lora=lora)
+            handle = pm.start_program(name=kind, owner=owner, one_call=True)
+            return self.submit_call(handle, None, prompt, params, kind, cache_salt, one_call=True, lora=lora)
         handle = pm.handle_for(program_id, owner, name)
         return self.submit_call(handle, thread_id, prompt, params, kind, cache_salt, last_call=last_call, lora=lora)
 
@@ -376,7 +384,7 @@ class Runtime:
         """Submit one call of the program `handle` (running; `submit` finds or starts it by id). `one_call`: the
         program is the call's own, ended with it. Bad input raises InvalidCallError here."""
         engine = self._engine()
-        pid = handle.program_id
+        pid = handle.info.program_id
         thread_id = thread_id or f"{pid}.t0"
         rid = f"{pid}-c{next(self._call_ids)}"
         if handle.info.priority and not params.priority:  # the program's class, unless the call names its own
@@ -384,9 +392,11 @@ class Runtime:
         try:
             if isinstance(prompt, str):
                 prompt = self.tokenizer(prompt)["input_ids"]
-            prompt = truncate_prompt(prompt, params.truncate_prompt_tokens, engine.info.max_model_len)  # as counted
-            if self.retention is not None:  # before the add: the TTL its end pins for is in place first
-                self.retention.call_submitted(pid, time.monotonic(), last=last_call or one_call)
+            if params.truncate_prompt_tokens is not None:  # as counted
+                prompt = truncate_prompt(prompt, params.truncate_prompt_tokens, engine.info.max_model_len)
+            retention = self.program_manager.retention
+            if retention is not None and not one_call:  # before the add: the TTL its end pins for is in place first
+                retention.call_submitted(pid, time.monotonic(), last=last_call)
             stream = engine.add_request(prompt, params, request_id=rid, program_id=pid, thread_id=thread_id,
                                         cache_salt=cache_salt, lora_request=lora)
         except (TypeError, ValueError, UnicodeError) as e:
@@ -394,30 +404,12 @@ class Runtime:
                 self.program_exited(handle, "failed", repr(e))
             raise InvalidCallError(str(e), program_id=pid, request_id=rid, param=getattr(e, "parameter", None)) from None
         record = self.program_manager.call_submitted(handle, rid, thread_id, len(prompt))
-        call = Call(self, handle.info, thread_id, rid, kind, stream, record, len(prompt))
+        call = Call(self.program_manager, handle.info, thread_id, rid, kind, stream, record, len(prompt))
         call.one_call = handle if one_call else None
         call.model = lora.lora_name if lora is not None else None
         return call
 
-    # --- what a Call (agentrt._call) and a beam search (agentrt._beam) report ------------------
-    def abort_request(self, request_id: str) -> None:
-        """Abort a call's engine request (its stream ends with finish_reason "abort")."""
-        self._engine().abort(request_id)
-
-    def call_not_waiting(self) -> None:
-        """A call produced its first token, or ended without one: it no longer counts as waiting."""
-        self.program_manager.num_waiting -= 1
-
-    def call_closed(self, call: Call) -> None:
-        """A call's request left the engine."""
-        if call.kind == "chat":
-            self._chat.remember_reply(call.program_id, call.output)
-        self.program_manager.call_closed(call.program_id, call.request_id)
-
-    def call_ended(self, summary: CallSummary, one_call: ProgramHandle | None) -> None:
-        """A call's end, for retention and the observers; a one-call program (`one_call`) ends with it."""
-        self.program_manager.call_ended(summary, one_call)
-
+    # --- what a beam search (agentrt._beam) asks ---------------------------------------------
     def result_of(self, out: RequestOutput) -> Result:
         """A finished call's output as `generate` returns it in full: a `Result`."""
         return self._result(out)

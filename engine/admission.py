@@ -77,7 +77,8 @@ class RequestChecks:
             hint = " (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray, memoryview)) else ""
             raise InvalidRequestTypeError(f"prompt must be a str or a list of token ids, got {show_value(prompt)}{hint}",
                                           parameter="prompt", value=prompt)
-        ids = truncate_prompt(ids, truncate_prompt_tokens, self.max_model_len)
+        if truncate_prompt_tokens is not None:
+            ids = truncate_prompt(ids, truncate_prompt_tokens, self.max_model_len)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens "

@@ -163,7 +163,7 @@ class AsyncEngine:
         stream = RequestStream(sink)
         add = _Add(sink, checked)
         self._streams[request_id] = sink
-        for rid in family_ids(request_id, params.n):
+        for rid in family_ids(request_id, params.n) if params.n > 1 else (request_id,):
             self._roots[rid] = request_id
         if self._stepping:
             self._queued.append(add)

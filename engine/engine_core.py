@@ -156,7 +156,7 @@ class EngineCore:
         """Every check a request must pass, once, without adding it: the checked request `add_checked`
         queues. `taken`: more ids to treat as in use (requests the caller has yet to add)."""
         params = self.validate_params(params)
-        adapter = self.lora_adapter(lora_request)
+        adapter = self.lora_adapter(lora_request) if lora_request is not None else None
         ids = self.validate_prompt(prompt, params.truncate_prompt_tokens)
         for name, value in (("program_id", program_id), ("thread_id", thread_id), ("cache_salt", cache_salt)):
             if value is not None and not isinstance(value, str):

@@ -207,7 +207,8 @@ class Ownership:
             o = self.owners.pop(pid, None)
             if o is not None:
                 self._unpin(pid, o)
-            self.pool.unreserve(pid)
+            if pid in self.pool.reservations:
+                self.pool.unreserve(pid)
             return
         o = self.owners.get(pid)
         if o is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -35,6 +37,11 @@ async def read_body(request: Request, limit: int) -> bytes:
                            "invalid_request_error", None, "body_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def decode_body(request: Request, type_: type, limit: int) -> Any:
+    """The request body (`read_body`) decoded into `type_` (msgspec.ValidationError / DecodeError: a 400)."""
+    return msgspec.json.decode(await read_body(request, limit), type=type_)
 
 
 def json_response(obj: object, status: int = 200) -> Response:

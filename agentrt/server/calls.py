@@ -12,11 +12,10 @@ import uuid
 from typing import Any
 
 import msgspec
-from starlette.requests import Request
 
 from agentrt._beam import BeamSearchCall
 from agentrt._call import Call
-from agentrt._chat import merge_sampling
+from agentrt._chat import PreparedCall, merge_sampling
 from agentrt._errors import InvalidCallError
 from agentrt._toolcalls import check_schema, response_format_constraint
 from agentrt.engine import SamplingParams, chat_template
@@ -24,12 +23,12 @@ from agentrt.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from agentrt.engine.outputs import RequestOutput
 from agentrt.engine.sampling_params import truncate_prompt
 from agentrt.engine.structured import Constraint
-from agentrt.server.errors import bad_request, error_body, to_api_error
+from agentrt.server.errors import APIError, bad_request, error_body, to_api_error
 from agentrt.server.schemas import (
+    ChatCompletionRequest,
     ChoiceLogprobs,
     CompletionLogprobs,
     GenerationExtras,
-    ProgramId,
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,
@@ -38,40 +37,13 @@ from agentrt.server.schemas import (
     TopLogprob,
     Usage,
 )
-from agentrt.server.sse import until_disconnect
-from agentrt.server.state import ServerState
+from agentrt.server.state import Caller, ServerState
 
 TopList = list[tuple[int, float]]
 MIN_LOGPROB = -9999.0  # what a masked token's -inf log-prob is shown as (vLLM's; JSON has no -inf)
 
 
 # --- shared -----------------------------------------------------------------------------------
-def program_keys(request: Request, program_id: str | None, thread_id: str | None) -> tuple[str | None, str | None]:
-    """The call's program and thread: `X-Program-Id` / `X-Thread-Id` headers or the body fields."""
-    out = []
-    for header, value, name in (("x-program-id", program_id, "program_id"), ("x-thread-id", thread_id, "thread_id")):
-        h = request.headers.get(header)
-        if h is not None:
-            try:
-                h = msgspec.convert(h, ProgramId)
-            except msgspec.ValidationError:
-                raise bad_request(f"header {header} {h!r} is not a valid id (1-128 of A-Z a-z 0-9 . _ : -)", name) from None
-            if value is not None and value != h:
-                raise bad_request(f"{name} {value!r} in the body differs from the {header} header {h!r}", name)
-        out.append(h if h is not None else value)
-    return out[0], out[1]
-
-
-def program_name(request: Request) -> str:
-    """The name a call gives the program it starts: the `X-Program-Name` header, else "program"."""
-    name = request.headers.get("x-program-name")
-    if name is None:
-        return "program"
-    if not 0 < len(name) <= 128 or not name.isprintable():
-        raise bad_request(f"header x-program-name {name[:40]!r} must be 1-128 printable characters", "program_name")
-    return name
-
-
 def sampling_params(
     st: ServerState, *, max_tokens: int | None, prompt_len: int, temperature: float | None, top_p: float | None,
     top_k: int | None, n: int, stop: str | list[str] | None, stop_token_ids: list[int] | None, seed: int | None,
@@ -116,10 +88,31 @@ def truncated(st: ServerState, ids: list[int], truncate_prompt_tokens: int | Non
         raise bad_request(str(e), "truncate_prompt_tokens") from None
 
 
-def submit(st: ServerState, ids: list[int], params: SamplingParams, prompt_param: str, **kw: Any) -> Call:
-    """`runtime.submit`; input the engine refuses is a 400 naming the field."""
+def check_capacity(st: ServerState) -> None:
+    """503 while the server drains; 429 once --max-waiting calls wait for their first token."""
+    if st.draining:
+        raise APIError(503, "the server is shutting down", "service_unavailable", None, "draining",
+                       {"Retry-After": "5"})
+    waiting = st.runtime.programs.num_waiting
+    if waiting >= st.config.max_waiting:
+        raise APIError(429, f"too many queued calls ({waiting} >= --max-waiting {st.config.max_waiting})",
+                       "rate_limit_error", None, "overloaded", {"Retry-After": "1"})
+
+
+def submit(st: ServerState, who: Caller, ids: list[int], params: SamplingParams, prompt_param: str, *, kind: str,
+           name: str = "program", cache_salt: str | None = None, tool: str | None = None,
+           check: bool = True) -> Call:
+    """A call of `who`'s program (`runtime.submit`; no program id: a program of its own, named `who.name`
+    or `name`): the capacity checked first (`check`; a route submitting several calls checks once before
+    them), the tool it answers noted (`tool`, note_tool). Input the engine refuses is a 400 naming the field."""
+    if check:
+        check_capacity(st)
+    if tool:
+        note_tool(st, who.program_id, who.owner, tool)
     try:
-        return st.runtime.submit(ids, params, **kw)
+        return st.runtime.submit(ids, params, program_id=who.program_id, thread_id=who.thread_id, owner=who.owner,
+                                 cache_salt=engine_salt(who.owner, cache_salt), kind=kind, name=who.name or name,
+                                 last_call=who.last_call, model=who.model)
     except InvalidCallError as e:
         raise bad_request(str(e), _param_of(e.param, prompt_param)) from None
 
@@ -131,8 +124,8 @@ def engine_salt(owner: str | None, cache_salt: str | None) -> str | None:
     return owner if cache_salt is None else json.dumps([owner, cache_salt])
 
 
-def beam_search_call(st: ServerState, req: Any, prompt_ids: list[int], params: SamplingParams,
-                     **kw: Any) -> BeamSearchCall:
+def beam_search_call(st: ServerState, who: Caller, req: Any, prompt_ids: list[int],
+                     params: SamplingParams) -> BeamSearchCall:
     """vLLM's use_beam_search: the request's n beams (its max_tokens, ignore_eos, temperature, length_penalty),
     a `Call`-like search whose steps are calls of the program (agentrt._beam). A 400 naming the field for
     what a beam search does not combine with: streaming, log-probs, echo, an output grammar."""
@@ -145,11 +138,14 @@ def beam_search_call(st: ServerState, req: Any, prompt_ids: list[int], params: S
                           "outputs, a forced tool call)", "use_beam_search")
     if req.n > MAX_BEAM_WIDTH:
         raise bad_request(f"n={req.n}: a beam search keeps at most {MAX_BEAM_WIDTH} beams", "n")
+    check_capacity(st)
     try:
         beam = BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
                                 temperature=params.temperature, length_penalty=req.length_penalty,
                                 include_stop_str_in_output=params.include_stop_str_in_output)
-        return st.runtime.submit_beam_search(prompt_ids, beam, **kw)
+        return st.runtime.submit_beam_search(prompt_ids, beam, program_id=who.program_id, owner=who.owner,
+                                             cache_salt=engine_salt(who.owner, req.cache_salt), model=who.model,
+                                             name=who.name or "program")
     except (TypeError, ValueError) as e:  # the penalty out of range, or a prompt the engine refuses
         raise bad_request(str(e), "length_penalty" if getattr(e, "parameter", None) == "length_penalty" else "prompt") from None
 
@@ -295,20 +291,10 @@ def reasoning_tokens(st: ServerState, reasoning: str | None) -> int:
 
 
 def usage_of(outs: list[RequestOutput]) -> Usage:
-    prompt = sum(o.num_prompt_tokens for o in outs)
-    completion = sum(o.num_output_tokens for o in outs)
-    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(sum(o.num_cached_tokens for o in outs)))
-
-
-async def results(request: Request, calls: list[Call]) -> list[RequestOutput]:
-    async def run() -> list[RequestOutput]:
-        return [await c.result() for c in calls]
-
-    try:
-        return await until_disconnect(request, run)
-    finally:
-        for c in calls:
-            c.close()
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(o.metrics.num_prefix_hit_tokens for o in outs if o.metrics is not None)  # o.num_cached_tokens
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
 
 def error_event(e: BaseException) -> bytes:
@@ -323,6 +309,30 @@ def note_tool(st: ServerState, pid: str | None, owner: str | None, name: str | N
     info = st.runtime.programs.get(pid)
     if info is not None and info.owner == owner and info.state == "running":
         st.runtime.tool_started(info, name)
+
+
+async def prepare_openai_chat(st: ServerState, who: Caller, req: ChatCompletionRequest) -> PreparedCall:
+    """An OpenAI chat request prepared by the runtime's one chat path (`Runtime.prepare_chat`, in a worker
+    thread): its messages, tools and tool choice, output constraint, template options, prompt cut
+    (truncate_prompt_tokens) and sampling parameters (`sampling_params`, over the model's defaults)."""
+    constraint, constraint_param = output_constraint(req)
+    tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
+    choice = msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None
+
+    def sampling(prompt_len: int, constraint: Constraint | None) -> SamplingParams:
+        return sampling_params(
+            st, max_tokens=req.max_completion_tokens or req.max_tokens, prompt_len=prompt_len,
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop,
+            stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs or 0, constraint=constraint, extras=req, prompt_logprobs=req.prompt_logprobs)
+
+    return await st.runtime.prepare_chat(
+        message_dicts(req.messages), tools=tools, tool_choice=choice, output=constraint,
+        output_param=constraint_param or "response_format", program_id=who.program_id,
+        tools_when_none=not st.config.exclude_tools_when_tool_choice_none,
+        add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+        chat_template_kwargs=req.chat_template_kwargs, chat_template=request_template(st, req.chat_template),
+        truncate_prompt_tokens=req.truncate_prompt_tokens, sampling=sampling)
 
 
 def request_template(st: ServerState, template: str | None) -> str | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from agentrt._config import RuntimeConfig
 from agentrt._lora import parse_lora_modules

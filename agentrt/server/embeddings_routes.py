@@ -27,12 +27,12 @@ from agentrt._embed import embed_inputs
 from agentrt._errors import InvalidCallError
 from agentrt.engine.pooling import PoolingParams
 from agentrt.engine.sampling_params import SamplingParams
-from agentrt.server.bodies import read_body
-from agentrt.server.calls import new_id, program_keys, program_name, results, submit, truncated
+from agentrt.server.calls import check_capacity, new_id, submit, truncated
 from agentrt.server.errors import api, bad_request
 from agentrt.server.openapi import Operation
-from agentrt.server.schemas import Priority, ProgramId, TruncatePromptTokens, decode
-from agentrt.server.state import state_of
+from agentrt.server.schemas import Priority, ProgramId, TruncatePromptTokens
+from agentrt.server.sse import results
+from agentrt.server.state import Caller, ServerState, read_call
 
 
 class PoolingCallFields(Struct, kw_only=True):
@@ -91,22 +91,20 @@ class _Pooled(NamedTuple):
 
 
 class PoolingCall(NamedTuple):
-    st: Any  # ServerState
-    owner: str | None
+    st: ServerState
+    who: Caller  # its key's owner, the LoRA adapter its model names, its program
     req: Any  # a PoolingCallFields request
-    program_id: str | None
-    thread_id: str | None
-    adapter: str | None  # the LoRA adapter the request names as its model
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter the request names as its model (None: the base model)."""
+        return self.who.model
 
 
 async def begin_pooling(request: Request, type_: type) -> PoolingCall:
     """What every embedding-based route starts with: the key checked (401 before anything else), the body
     decoded into `type_`, the model and the program keys."""
-    st = state_of(request)
-    owner = st.owner(request)
-    req = decode(await read_body(request, st.config.max_body_bytes), type_)
-    adapter = st.check_model(req.model)
-    return PoolingCall(st, owner, req, *program_keys(request, req.program_id, req.thread_id), adapter)
+    return PoolingCall(*await read_call(request, type_))
 
 
 async def run_pooling(request: Request, b: PoolingCall, inputs: list[str | list[int]], param: str, *,
@@ -129,12 +127,11 @@ async def run_pooling(request: Request, b: PoolingCall, inputs: list[str | list[
         ids.append(x)
     params = SamplingParams(max_tokens=1, priority=b.req.priority,
                             pooling=PoolingParams(method or st.pooling_method, normalize, dimensions))
-    st.check_capacity()
+    check_capacity(st)
     calls: list[Call] = []
     try:
         for x in ids:
-            calls.append(submit(st, x, params, param, program_id=b.program_id, thread_id=b.thread_id, owner=b.owner,
-                                cache_salt=b.owner, kind="embedding", name=program_name(request), model=b.adapter))
+            calls.append(submit(st, b.who, x, params, param, kind="embedding", check=False))
     except BaseException:
         for c in calls:
             c.close()

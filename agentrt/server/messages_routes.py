@@ -33,10 +33,6 @@ from agentrt.engine.outputs import RequestOutput
 from agentrt.engine.structured import Constraint
 from agentrt.server.bodies import read_body
 from agentrt.server.calls import (
-    note_tool,
-    program_keys,
-    program_name,
-    results,
     sampling_params,
     submit,
 )
@@ -58,8 +54,8 @@ from agentrt.server.messages_schemas import (
 )
 from agentrt.server.openapi import Operation
 from agentrt.server.schemas import decode
-from agentrt.server.sse import SSEResponse
-from agentrt.server.state import ServerState, state_of
+from agentrt.server.sse import SSEResponse, results
+from agentrt.server.state import ServerState, read_call, state_of
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -209,11 +205,7 @@ def _message(out: RequestOutput, plan: ChatPlan, req: MessagesRequest, msg_id: s
 
 @anthropic_api
 async def create_message(request: Request) -> Response:
-    st = state_of(request)
-    owner = st.owner(request)
-    req: MessagesRequest = decode(await read_body(request, st.config.max_body_bytes), MessagesRequest)
-    adapter = st.check_model(req.model)
-    pid, tid = program_keys(request, req.program_id, req.thread_id)
+    st, who, req = await read_call(request, MessagesRequest)
     messages, names = chat_messages(req)
     tools, choice = _tools(req)
     empty = [k for k, seq in enumerate(req.stop_sequences or []) if not seq]
@@ -225,7 +217,7 @@ async def create_message(request: Request) -> Response:
         check_schema(fmt.schema, "output_config.format.schema")
         output = Constraint.json_schema(fmt.schema)
     prepared = await st.runtime.prepare_chat(messages, tools=tools, tool_choice=choice, output=output,
-                                             output_param="output_config.format", program_id=pid,
+                                             output_param="output_config.format", program_id=who.program_id,
                                              tools_when_none=not st.config.exclude_tools_when_tool_choice_none,
                                              **_template_options(messages))
     plan, prompt_ids = prepared.plan, prepared.prompt_ids
@@ -234,10 +226,7 @@ async def create_message(request: Request) -> Response:
         top_k=req.top_k, n=1, stop=req.stop_sequences, stop_token_ids=None, seed=None, ignore_eos=False,
         logprobs=False, top_logprobs=0, constraint=plan.constraint,
     )
-    st.check_capacity()
-    note_tool(st, pid, owner, _answered_tool(req, names))
-    call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner, cache_salt=owner,
-                  kind="messages", name=program_name(request), model=adapter)
+    call = submit(st, who, prompt_ids, params, "messages", kind="messages", tool=_answered_tool(req, names))
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if req.stream:
         return SSEResponse(_events(st, call, plan, req, msg_id, len(prompt_ids)), {"X-Program-Id": call.program_id})

@@ -21,25 +21,20 @@ from agentrt._call import Call
 from agentrt._chat_plan import ChatPlan
 from agentrt._errors import AgentrtError
 from agentrt.engine.outputs import RequestOutput
-from agentrt.server.bodies import read_body
 from agentrt.server.calls import (
     PendingIds,
     StreamUsage,
     beam_search_call,
     chat_logprobs,
+    check_capacity,
     completion_logprobs,
     echoed_logprobs,
-    engine_salt,
     error_event,
     message_dicts,
     new_id,
-    note_tool,
     output_constraint,
-    program_keys,
-    program_name,
+    prepare_openai_chat,
     prompt_logprobs_of,
-    request_template,
-    results,
     sampling_params,
     submit,
     token_text,
@@ -65,18 +60,12 @@ from agentrt.server.schemas import (
     ToolCall,
     ToolCallDelta,
     Usage,
-    decode,
 )
-from agentrt.server.sse import DONE, SSEResponse, event
-from agentrt.server.state import ServerState, state_of
+from agentrt.server.sse import DONE, SSEResponse, event, results
+from agentrt.server.state import ServerState, read_call
 
 
 # --- chat -------------------------------------------------------------------------------------
-def _last_call(request: Request) -> bool:
-    """`X-Last-Call: true`: the program makes no more calls, so its KV is not pinned after this one."""
-    return request.headers.get("x-last-call", "").strip().lower() in ("1", "true", "yes")
-
-
 def _answered_tool(messages: list[Any]) -> str | None:
     """The tool a call answers (its last message has role "tool"): by the message's name, else the
     function its tool_call_id answers (calls.note_tool)."""
@@ -102,40 +91,17 @@ def _echoed(req: ChatCompletionRequest) -> str:
 
 @api
 async def chat_completions(request: Request) -> Response:
-    st = state_of(request)
-    owner = st.owner(request)
-    req: ChatCompletionRequest = decode(await read_body(request, st.config.max_body_bytes), ChatCompletionRequest)
-    adapter = st.check_model(req.model)
-    pid, tid = program_keys(request, req.program_id, req.thread_id)
+    st, who, req = await read_call(request, ChatCompletionRequest)
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
-    choice = msgspec.to_builtins(req.tool_choice) if req.tool_choice is not None else None
-    constraint, constraint_param = output_constraint(req)
     _check_prompt_logprobs(req)
-    prepared = await st.runtime.prepare_chat(
-        message_dicts(req.messages), tools=tools, tool_choice=choice, output=constraint,
-        output_param=constraint_param or "response_format", program_id=pid,
-        tools_when_none=not st.config.exclude_tools_when_tool_choice_none,
-        add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-        chat_template_kwargs=req.chat_template_kwargs, chat_template=request_template(st, req.chat_template))
-    plan, prompt_ids = prepared.plan, truncated(st, prepared.prompt_ids, req.truncate_prompt_tokens)
-    params = sampling_params(
-        st, max_tokens=req.max_completion_tokens or req.max_tokens, prompt_len=len(prompt_ids),
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop,
-        stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
-        top_logprobs=req.top_logprobs or 0, constraint=plan.constraint, extras=req,
-        prompt_logprobs=req.prompt_logprobs,
-    )
-    st.check_capacity()
-    note_tool(st, pid, owner, _answered_tool(req.messages))
+    prepared = await prepare_openai_chat(st, who, req)
+    plan, prompt_ids, params = prepared.plan, prepared.prompt_ids, prepared.params
     if req.use_beam_search:
-        call = beam_search_call(st, req, prompt_ids, params, program_id=pid, owner=owner,
-                                cache_salt=engine_salt(owner, req.cache_salt), model=adapter, name=program_name(request))
+        call = beam_search_call(st, who, req, prompt_ids, params)
     else:
-        call = submit(st, prompt_ids, params, "messages", program_id=pid, thread_id=tid, owner=owner,
-                      cache_salt=engine_salt(owner, req.cache_salt), kind="chat", name=program_name(request),
-                      last_call=_last_call(request), model=adapter)
+        call = submit(st, who, prompt_ids, params, "messages", kind="chat", cache_salt=req.cache_salt,
+                      tool=_answered_tool(req.messages))
     rid, created, head = new_id("chatcmpl"), int(time.time()), _echoed(req)
     if req.stream:
         usage = StreamUsage(req.stream_options, len(prompt_ids))
@@ -143,7 +109,7 @@ async def chat_completions(request: Request) -> Response:
                                         prompt_ids if req.return_token_ids else None, req.return_tokens_as_token_ids),
                            {"X-Program-Id": call.program_id})
     (out,) = await results(request, [call])
-    text = token_text(st, req.return_tokens_as_token_ids)
+    text = token_text(st, req.return_tokens_as_token_ids) if req.logprobs or req.prompt_logprobs is not None else None
     choices = []
     for c in out.outputs:
         reasoning, content, calls = plan.split(c.text)
@@ -152,10 +118,10 @@ async def chat_completions(request: Request) -> Response:
         message = ChatResponseMessage(content=content, tool_calls=[
             ToolCall(k.id, FunctionCall(k.name, k.arguments)) for k in calls] or None, reasoning=reasoning,
             reasoning_content=reasoning)
-        choices.append(ChatChoice(c.index, message, "tool_calls" if calls else c.finish_reason,
-                                  chat_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs), c.stop_reason,
-                                  c.token_ids if req.return_token_ids else None))
-    body = ChatCompletion(rid, created, st.model_of(call), choices, usage_of([out]), program_id=call.program_id,
+        logprobs = chat_logprobs(text, c.token_ids, c.logprobs, c.top_logprobs) if text is not None else None
+        choices.append(ChatChoice(c.index, message, "tool_calls" if calls else c.finish_reason, logprobs,
+                                  c.stop_reason, c.token_ids if req.return_token_ids else None))
+    body = ChatCompletion(rid, created, call.model or st.model_name, choices, usage_of([out]), program_id=call.program_id,
                           prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None)
     if req.prompt_logprobs is not None:
         body.prompt_logprobs = prompt_logprobs_of(text, out, req.prompt_logprobs)
@@ -242,14 +208,10 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 @api
 async def completions(request: Request) -> Response:
-    st = state_of(request)
-    owner = st.owner(request)
-    req: CompletionRequest = decode(await read_body(request, st.config.max_body_bytes), CompletionRequest)
-    adapter = st.check_model(req.model)
+    st, who, req = await read_call(request, CompletionRequest)
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens=0 generates nothing: it is allowed only with echo=true (the prompt scored)",
                           "max_tokens")
-    pid, tid = program_keys(request, req.program_id, req.thread_id)
     prompts = _prompts(req.prompt)
     if len(prompts) * req.n > st.config.max_n:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} completions is over the server's limit of "
@@ -275,17 +237,14 @@ async def completions(request: Request) -> Response:
     ]
     echo = [(p if isinstance(p, str) and req.truncate_prompt_tokens is None else tok.decode(i), i)
             for p, i in zip(prompts, ids)] if req.echo else None  # a truncated prompt echoes what ran
-    st.check_capacity()
+    check_capacity(st)
     calls: list[Call] = []
     try:
         for i, p in zip(ids, params):
             if req.use_beam_search:
-                calls.append(beam_search_call(st, req, i, p, program_id=pid, owner=owner, model=adapter,
-                                              cache_salt=engine_salt(owner, req.cache_salt), name=program_name(request)))
+                calls.append(beam_search_call(st, who, req, i, p))
                 continue
-            calls.append(submit(st, i, p, "prompt", program_id=pid, thread_id=tid, owner=owner,
-                                cache_salt=engine_salt(owner, req.cache_salt), kind="completion",
-                                name=program_name(request), model=adapter))
+            calls.append(submit(st, who, i, p, "prompt", kind="completion", cache_salt=req.cache_salt, check=False))
     except BaseException:
         for c in calls:
             c.close()

@@ -64,8 +64,9 @@ class Recorder(RuntimeObserver):
             self.store.put_program(program_record(info, self.policy))
 
     def program_ended(self, info: ProgramInfo) -> None:
-        if info.latency_s is not None:
-            self.metrics.observe_program_end(info.latency_s)
+        latency = info.latency_s
+        if latency is not None:
+            self.metrics.observe_program_end(latency)
         if self.store is not None:
             self.store.put_program(program_record(info, self.policy))
 

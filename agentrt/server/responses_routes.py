@@ -25,13 +25,9 @@ from starlette.routing import Route
 from agentrt._chat_plan import Reply
 from agentrt._toolcalls import ToolCall, response_format_constraint
 from agentrt.engine.outputs import RequestOutput
-from agentrt.server.bodies import read_body
 from agentrt.server.calls import (
-    engine_salt,
-    program_keys,
-    program_name,
+    check_capacity,
     reasoning_tokens,
-    results,
     sampling_params,
     submit,
 )
@@ -59,9 +55,8 @@ from agentrt.server.responses_schemas import (
     ResponseStreamEvent,
     ResponseUsage,
 )
-from agentrt.server.schemas import decode
-from agentrt.server.sse import SSEResponse
-from agentrt.server.state import ServerState, state_of
+from agentrt.server.sse import SSEResponse, results
+from agentrt.server.state import ServerState, read_call, state_of
 from agentrt.server.store import ResponseRecord
 
 
@@ -178,11 +173,8 @@ def _assistant_message(content: str | None, calls: list[ToolCall]) -> dict[str, 
 
 @api
 async def create_response(request: Request) -> Response:
-    st = state_of(request)
-    owner = st.owner(request)
-    req: ResponseCreate = decode(await read_body(request, st.config.max_body_bytes), ResponseCreate)
-    adapter = st.check_model(req.model)
-    pid, tid = program_keys(request, req.program_id, None)
+    st, who, req = await read_call(request, ResponseCreate)
+    owner, pid = who.owner, who.program_id
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         prev = await _memory(st).find(req.previous_response_id, owner, "previous_response_id")
@@ -204,12 +196,11 @@ async def create_response(request: Request) -> Response:
         top_p=req.top_p, top_k=None, n=1, stop=None, stop_token_ids=None, seed=None, ignore_eos=False,
         logprobs=False, top_logprobs=0, constraint=plan.constraint,
     )
-    st.check_capacity()
+    check_capacity(st)
     if pid is None:  # a new chain: its own program, ended by the idle timeout or DELETE
-        name = program_name(request) if "x-program-name" in request.headers else "responses"
-        pid = st.runtime.start_program(name=name, owner=owner).program_id
-    call = submit(st, prompt_ids, params, "input", program_id=pid, thread_id=tid, owner=owner,
-                  cache_salt=engine_salt(owner, req.cache_salt), kind="responses", model=adapter)
+        pid = st.runtime.start_program(name=who.name or "responses", owner=owner).program_id
+    who.program_id = pid
+    call = submit(st, who, prompt_ids, params, "input", kind="responses", cache_salt=req.cache_salt, check=False)
     base = ResponseObject(
         id=f"resp_{uuid.uuid4().hex[:24]}", created_at=int(time.time()), model=st.model_of(call), output=[],
         status="in_progress", usage=None, instructions=req.instructions, tools=req.tools or [],

@@ -3,20 +3,24 @@
 `SSEResponse` streams an async iterator of events while listening for the client's disconnect;
 on a disconnect the iterator is closed at once (not at its next chunk), so the engine request
 behind it is aborted and its blocks freed. `until_disconnect` does the same for a non-streaming
-handler.
+handler, and `results` awaits calls' outputs that way.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from agentrt._call import Call
+    from agentrt.engine.outputs import RequestOutput
 
 T = TypeVar("T")
 
@@ -78,3 +82,16 @@ async def until_disconnect(request: Request, fn: Callable[[], Awaitable[T]]) -> 
     if not result:
         raise ClientDisconnected()
     return result[0]
+
+
+async def results(request: Request, calls: list[Call]) -> list[RequestOutput]:
+    """The calls' outputs, in order; `ClientDisconnected` (the calls aborted) if the client goes first."""
+    async def run() -> list[RequestOutput]:
+        return [await c.result() for c in calls]
+
+    try:
+        return await until_disconnect(request, run)
+    finally:
+        for c in calls:
+            if not c.closed:
+                c.close()

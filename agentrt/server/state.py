@@ -1,21 +1,27 @@
 """What the routes share (`ServerState`): the runtime, the store, the metrics, the limits, and the checks
-every route makes (API key, model name, capacity). `create_app`'s lifespan builds it; routes read it
-with `state_of(request)`."""
+every route makes (API key, model name). `create_app`'s lifespan builds it; routes read it with
+`state_of(request)`, and a generation route reads its request with `read_call`:
+
+    st, who, req = await read_call(request, ChatCompletionRequest)   # 401, 413, 400, 404 in that order
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 
 from agentrt._runtime import Runtime
+from agentrt.server.bodies import decode_body
 from agentrt.server.config import ServerConfig
-from agentrt.server.errors import APIError
+from agentrt.server.errors import APIError, bad_request
 from agentrt.server.metrics import Metrics
-from agentrt.server.schemas import Model
+from agentrt.server.schemas import Model, ProgramId
 from agentrt.server.store import Store
 
 
@@ -75,15 +81,53 @@ class ServerState:
                 *(Model(r.lora_name, self.created, max_model_len=self.max_model_len, root=r.lora_path,
                         parent=self.model_name) for r in self.runtime.loras.requests())]
 
-    def check_capacity(self) -> None:
-        if self.draining:
-            raise APIError(503, "the server is shutting down", "service_unavailable", None, "draining",
-                           {"Retry-After": "5"})
-        waiting = self.runtime.num_waiting_calls()
-        if waiting >= self.config.max_waiting:
-            raise APIError(429, f"too many queued calls ({waiting} >= --max-waiting {self.config.max_waiting})",
-                           "rate_limit_error", None, "overloaded", {"Retry-After": "1"})
-
-
 def state_of(request: Request) -> ServerState:
     return request.app.state.server
+
+
+@dataclass(slots=True)
+class Caller:
+    """Who a generation request comes from and what program it is for, read once from its headers and body."""
+
+    owner: str | None  # the fingerprint of its API key (ServerState.owner)
+    model: str | None  # the LoRA adapter its `model` names; None: the base model
+    program_id: str | None  # X-Program-Id or the body's program_id; None: a program of its own
+    thread_id: str | None  # X-Thread-Id or the body's thread_id
+    name: str | None  # X-Program-Name: the name of a program its call starts (None: the route's default)
+    last_call: bool  # X-Last-Call: the program makes no more calls, so nothing of it is pinned after this one
+
+
+async def read_call(request: Request, type_: type) -> tuple[ServerState, Caller, Any]:
+    """What every generation route starts with: the key checked (401 before anything else), the body read
+    (413) and decoded into `type_` (400), its model (404 for an unknown one), the program's keys and name."""
+    st: ServerState = request.app.state.server
+    owner = st.owner(request)
+    req = await decode_body(request, type_, st.config.max_body_bytes)
+    model = st.check_model(req.model)
+    pid, tid = program_keys(request, getattr(req, "program_id", None), getattr(req, "thread_id", None))
+    last = request.headers.get("x-last-call", "").strip().lower() in ("1", "true", "yes")
+    return st, Caller(owner, model, pid, tid, program_name(request), last), req
+
+
+def program_keys(request: Request, program_id: str | None, thread_id: str | None) -> tuple[str | None, str | None]:
+    """The call's program and thread: `X-Program-Id` / `X-Thread-Id` headers or the body fields."""
+    out = []
+    for header, value, name in (("x-program-id", program_id, "program_id"), ("x-thread-id", thread_id, "thread_id")):
+        h = request.headers.get(header)
+        if h is not None:
+            try:
+                h = msgspec.convert(h, ProgramId)
+            except msgspec.ValidationError:
+                raise bad_request(f"header {header} {h!r} is not a valid id (1-128 of A-Z a-z 0-9 . _ : -)", name) from None
+            if value is not None and value != h:
+                raise bad_request(f"{name} {value!r} in the body differs from the {header} header {h!r}", name)
+        out.append(h if h is not None else value)
+    return out[0], out[1]
+
+
+def program_name(request: Request) -> str | None:
+    """The name a call gives the program it starts: the `X-Program-Name` header (None without one)."""
+    name = request.headers.get("x-program-name")
+    if name is not None and (not 0 < len(name) <= 128 or not name.isprintable()):
+        raise bad_request(f"header x-program-name {name[:40]!r} must be 1-128 printable characters", "program_name")
+    return name

@@ -179,7 +179,7 @@ CONVERSATION = [
 
 def prompt(tok, template, messages=CONVERSATION, tools=(WEATHER, ADD)) -> str:
     plan = plan_call(list(tools) or None, "auto").use_template(template)
-    return ChatPrompts(lambda: tok).prompt(plan.render(messages), chat_template=template, tools=plan.template_tools())[0]
+    return ChatPrompts(tok).prompt(plan.render(messages), chat_template=template, tools=plan.template_tools())[0]
 
 
 def test_a_llama_template_gets_tools_calls_and_results_natively(tok):
@@ -227,7 +227,7 @@ def test_the_default_template_keeps_the_hermes_text(tok):
     assert (plan.native, plan.parser, plan.template_tools()) == (False, HERMES, None)
     rendered = plan.render(CONVERSATION)
     assert rendered == render_messages(CONVERSATION, TOOLS)
-    text = ChatPrompts(lambda: tok).prompt(rendered)[0]
+    text = ChatPrompts(tok).prompt(rendered)[0]
     assert text == tok.apply_chat_template(render_messages(CONVERSATION, TOOLS), tokenize=False, add_generation_prompt=True)
     assert "<tools>\n" + json.dumps(TOOLS[0].spec()["function"]) in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
