@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from agentrt import run_batch
 from agentrt._cli_options import add_engine_options, engine_options, one_line_usage_errors
@@ -18,6 +19,9 @@ from agentrt._reasoning import REASONING_PARSERS
 from agentrt._toolparsers import PARSER_CHOICES
 from agentrt.engine.pooling import POOLING_METHODS
 from agentrt.policies import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from agentrt.server import ServerConfig
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -86,8 +90,27 @@ def _serve(a: argparse.Namespace) -> int:
         return_tokens_as_token_ids=a.return_tokens_as_token_ids, **cors,
         **({} if a.allow_runtime_lora_updating is None else {"allow_runtime_lora_updating": True}),
     )
+    if a.replicas is not None or a.ray_address is not None:
+        return _serve_replicas(a, config)
+    if a.router != "program":
+        raise ValueError(f"--router {a.router} needs --replicas N (one server has nothing to route between)")
     return serve(config, a.host, a.port, a.log_level, root_path=a.root_path, ssl_keyfile=a.ssl_keyfile,
                  ssl_certfile=a.ssl_certfile, access_log=not a.disable_uvicorn_access_log)
+
+
+def _serve_replicas(a: argparse.Namespace, config: ServerConfig) -> int:
+    replicas = 2 if a.replicas is None else a.replicas
+    if replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    try:
+        from agentrt.scale import ray_app
+    except ImportError as e:
+        raise ValueError(f"--replicas needs Ray Serve ({e.name or e} is not installed): pip install 'agentrt[ray]'") \
+            from None
+    from agentrt.engine.loader import resolve_model
+
+    resolve_model(config.model)  # a path that is not a model fails here, before Ray starts
+    return ray_app.serve_replicas(config, a.host, a.port, replicas, a.router, a.ray_address)
 
 
 def _json_strings(flag: str, text: str) -> list[str]:
@@ -188,6 +211,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--log-level", default="info", choices=_LOG_LEVELS, help="uvicorn's and the server's log level "
                    "(default: info)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn log line per request")
+    s.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N engine replicas on Ray Serve behind one port (needs `pip install 'agentrt[ray]'`; "
+                        "default: one engine, no Ray)")
+    s.add_argument("--router", default="program", choices=("program", "pow2", "round-robin", "prefix"),
+                   help="where each call goes among --replicas: program (a program's calls stay with its KV, with a "
+                        "load guard), or Ray's own pow2, round-robin, prefix (default: program)")
+    s.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join a running Ray cluster instead of starting a local one (with --replicas; default: local)")
     s.set_defaults(fn=_serve)
     run_batch.add_command(sub)
 

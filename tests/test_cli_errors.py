@@ -51,6 +51,9 @@ CASES = [  # (argv, what the line names); FILE is a program file that exists
     (["serve", "--tensor-parallel-size", "2"], "tensor_parallel_size must be 1"),
     (["serve", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be a fraction"),
     (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["serve", "--router", "pow2"], "--router pow2 needs --replicas N"),
+    (["serve", "--replicas", "0"], "--replicas must be >= 1"),
+    (["serve", "--router", "sticky"], "--router: invalid choice: 'sticky'"),
     (["run", "--policy", "nope", "FILE"], "'nope'"),
     (["generate", "hi", "--max-tokens", "many"], "--max-tokens: invalid int value"),
     (["run-batch", "-i", "-", "-o", "-", "--max-concurrency", "x"], "--max-concurrency"),
@@ -60,6 +63,7 @@ CASES = [  # (argv, what the line names); FILE is a program file that exists
     # missing model
     (["serve", NO_MODEL], NO_MODEL),
     (["serve", "--model", NO_MODEL], NO_MODEL),
+    (["serve", "--replicas", "2", "--model", NO_MODEL], NO_MODEL),
     (["run", "--model", NO_MODEL, "FILE"], NO_MODEL),
     (["generate", "hi", "--model", NO_MODEL], NO_MODEL),
     (["run-batch", "-i", "FILE", "-o", "-", "--model", NO_MODEL], NO_MODEL),
@@ -112,3 +116,17 @@ def test_the_real_command_exits_2_in_one_line():
     p = subprocess.run([sys.executable, "-m", "agentrt.command", "serve", "/nope/model.gguf"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "/nope/model.gguf" in p.stderr, p.stderr
+
+
+def test_replicas_without_ray_say_how_to_get_it(monkeypatch, capsys, default_model_path):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as on a machine without the extra: `import ray` fails
+    monkeypatch.delitem(sys.modules, "agentrt.scale.ray_app", raising=False)
+    assert_one_line(["serve", "--replicas", "2", "--model", str(default_model_path)], capsys,
+                    "--replicas needs Ray Serve", "pip install 'agentrt[ray]'")
+
+
+def test_serve_without_replicas_never_imports_ray():
+    code = ("import sys, agentrt.cli, agentrt.server, agentrt.scale; from agentrt.command import main; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]

@@ -45,6 +45,9 @@ def test_wheel_has_one_top_level_package(wheel):
     for floor in FLOORS:
         assert any(n.startswith(floor) for n in names), floor
     assert "agentrt/kernels/csrc/cpu_ops.cpp" in names  # the C++ kernels build from the installed copy
+    root = Path(__file__).resolve().parents[1]
+    for init in root.glob("agentrt/*/__init__.py"):  # every subpackage of the runtime floor ships
+        assert f"agentrt/{init.parent.name}/__init__.py" in names, init.parent.name
     assert any(n.startswith("agentrt/programs/data/") for n in names)
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "agentrt = agentrt.command:main" in entry

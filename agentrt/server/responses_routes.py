@@ -228,10 +228,11 @@ async def create_response(request: Request) -> Response:
             ))
         return done
 
+    headers = {"X-Program-Id": pid, "X-Response-Id": base.id}  # a router learns which program a chain is
     if req.stream:
-        return SSEResponse(response_events(call, plan, base, finish), {"X-Program-Id": pid})
+        return SSEResponse(response_events(call, plan, base, finish), headers)
     (out,) = await results(request, [call])
-    return Response(msgspec.json.encode(finish(out, plan.split(out.text))), headers={"X-Program-Id": pid},
+    return Response(msgspec.json.encode(finish(out, plan.split(out.text))), headers=headers,
                     media_type="application/json")
 
 

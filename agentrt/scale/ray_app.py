@@ -1,0 +1,336 @@
+"""agentrt replicas on Ray Serve, behind one HTTP front and a program-aware router.
+
+    app = build_app(ServerConfig(model=...), replicas=2, router="program")
+    serve.run(app, route_prefix="/")          # what `agentrt serve --replicas 2` does
+
+Two deployments:
+
+- `AgentrtReplica` (N replicas): each owns one engine and runtime, the very app `agentrt serve` runs
+  (`agentrt.server.create_app`), entered once and called in-process for every request it is sent:
+  the same endpoints, schemas and errors.
+- `AgentrtFront` (the HTTP ingress): reads each request once, finds its program (the `X-Program-Id`
+  header, the body's `program_id`, a Responses chain's `previous_response_id`, or the program in a
+  `/v1/programs/{id}` path) and hands it to a replica through a deployment handle whose router is
+  chosen by name: "program" (`ProgramAffinityRouter`: agentrt.scale.router's rule), or Ray's own
+  as Ray ships them: "pow2" (power of two choices, Ray's default), "round-robin", "prefix" (Ray's
+  `PrefixCacheAffinityRouter`).
+
+The router runs in the front's process, so a program's home is known to the one front; a replica
+that dies re-homes its programs (`on_replica_actor_died`). A call whose replica dies fails with a
+503 naming the cause (or an SSE error event once streaming began), never a hang. Only this module
+imports Ray: `agentrt serve` without `--replicas` never loads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from agentrt.scale.router import ProgramHomes, ReplicaStats, RouterConfig, route
+
+log = logging.getLogger("agentrt.scale")
+
+ROUTERS = {
+    "program": "agentrt.scale.ray_app.ProgramAffinityRouter",
+    "pow2": "ray.serve._private.request_router.pow_2_router.PowerOfTwoChoicesRequestRouter",
+    "round-robin": "ray.serve.experimental.round_robin_router.RoundRobinRouter",
+    "prefix": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
+}
+_PROGRAM_PATH = re.compile(r"^/v1/programs/([^/]+)")
+MAX_CHAINS = 100_000  # Responses ids (and programs) the front remembers the program (the replica) of
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """One HTTP request as the front hands it to a replica. `messages`: its chat messages or prompt text
+    ("" for other requests), the attribute Ray's prefix-affinity router reads."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    messages: Any = ""
+
+
+class ProgramAffinityRouter(FIFOMixin, RequestRouter):
+    """A Ray Serve request router over agentrt.scale.router.route: a program's calls go to the replica it
+    lives on unless that one is overloaded (the guard) or gone; calls without a program to the least
+    loaded. Kwargs (`request_router_kwargs`): RouterConfig's fields."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.router_config = RouterConfig(**kwargs)
+        self.homes = ProgramHomes()
+        self.decisions: collections.Counter[str] = collections.Counter()
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        kw = pending_request.kwargs if pending_request is not None else {}
+        pid, tokens = kw.get("program_id"), kw.get("prompt_tokens", 0)
+        home = self.homes.get(pid) or kw.get("home_hint")  # a program started where the front saw it answer
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        cache = self.replica_queue_len_cache
+        stats = [ReplicaStats(rid, cache.get(r.replica_id) or 0) for rid, r in by_id.items()]
+        key = pending_request.metadata.request_id if pending_request is not None else ""
+        d = route(pid, tokens, stats, home, self.router_config, key=pid or key)
+        self.homes.set(pid, d.home)
+        self.decisions[d.reason] += 1
+        return [[by_id[i] for i in rank] for rank in d.ranked]
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        moved = self.homes.replica_gone(replica_id.unique_id)
+        log.warning("agentrt replica %s died: %d programs re-home on their next call", replica_id.unique_id, moved)
+
+
+class AgentrtReplica:
+    """One engine and runtime: the app `agentrt serve` runs, entered once, called per request."""
+
+    async def __init__(self, config: Any, torch_threads: int | None = None) -> None:
+        if torch_threads:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        from agentrt.server import create_app
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.app = create_app(config)
+        started, self._stop = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:  # the app's lifespan, entered and left in this one task
+            async with self.app.router.lifespan_context(self.app):
+                started.set()
+                await self._stop.wait()
+
+        self._lifespan = asyncio.create_task(hold())
+        waiting = asyncio.create_task(started.wait())
+        await asyncio.wait({waiting, self._lifespan}, return_when=asyncio.FIRST_COMPLETED)
+        if not started.is_set():  # the engine failed to start: say why
+            waiting.cancel()
+            self._lifespan.result()
+            raise RuntimeError("the agentrt app's lifespan ended before it started")
+
+    async def handle(self, req: Forwarded, program_id: str | None = None, prompt_tokens: int = 0,
+                     home_hint: str | None = None) -> Any:
+        """Run the request through the app: yields (status, headers) first, then the body's chunks.
+        `program_id`, `prompt_tokens`, `home_hint` are for the router; the app reads the request itself."""
+        sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        gone = asyncio.Event()
+        first = [True]
+
+        async def receive() -> dict[str, Any]:
+            if first[0]:
+                first[0] = False
+                return {"type": "http.request", "body": req.body, "more_body": False}
+            await gone.wait()  # the front (or its client) went away
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            await sent.put(message)
+
+        headers = [*req.headers, (b"x-agentrt-replica", self.replica_id.encode())]
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": req.method,
+                 "scheme": "http", "path": req.path, "raw_path": req.path.encode(), "query_string": req.query,
+                 "root_path": "", "headers": headers, "client": ("127.0.0.1", 0), "server": ("agentrt", 80)}
+        task = asyncio.create_task(self.app(scope, receive, send))
+        try:
+            while True:
+                getter = asyncio.create_task(sent.get())
+                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:  # the app returned without sending more
+                    getter.cancel()
+                    if task.exception() is not None:
+                        raise task.exception()
+                    return
+                message = getter.result()
+                if message["type"] == "http.response.start":
+                    yield (message["status"], [*message.get("headers", []),
+                                               (b"x-agentrt-replica", self.replica_id.encode())])
+                elif message["type"] == "http.response.body":
+                    if message.get("body"):
+                        yield message["body"]
+                    if not message.get("more_body", False):
+                        return
+        finally:
+            gone.set()
+            if not task.done():
+                try:
+                    await asyncio.wait_for(task, timeout=5)
+                except (asyncio.TimeoutError, Exception):
+                    task.cancel()
+
+    async def __del__(self) -> None:
+        self._stop.set()  # the runtime drains, the engine stops, the records close
+        await self._lifespan
+
+
+class AgentrtFront:
+    """The HTTP ingress: finds each request's program and hands it to a replica (see the module docs)."""
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas = replicas.options(stream=True)
+        self.chains: collections.OrderedDict[str, str] = collections.OrderedDict()  # response id -> program
+        self.seen: collections.OrderedDict[str, str] = collections.OrderedDict()  # program -> replica that answered
+
+    def __serve_build_asgi_app__(self) -> Any:
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:  # a plain function: uvicorn sees ASGI 3
+            await self.asgi(scope, receive, send)
+
+        return app
+
+    def program_of(self, headers: dict[bytes, bytes], path: str, body: Any) -> str | None:
+        pid = headers.get(b"x-program-id")
+        if pid:
+            return pid.decode("latin-1")
+        m = _PROGRAM_PATH.match(path)
+        if m:
+            return m.group(1)
+        if isinstance(body, dict):
+            if isinstance(body.get("program_id"), str):
+                return body["program_id"]
+            prev = body.get("previous_response_id")
+            if isinstance(prev, str):
+                return self.chains.get(prev)
+        return None
+
+    def learn(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """From a reply's headers: which replica answered for its program (a program a call started, as a
+        new Responses chain's, is placed there) and which program a Responses id continues."""
+        h = dict(headers)
+        rid, pid, replica = h.get(b"x-response-id"), h.get(b"x-program-id"), h.get(b"x-agentrt-replica")
+        if pid and replica:
+            _remember(self.seen, pid.decode("latin-1"), replica.decode("latin-1"))
+        if rid and pid:
+            _remember(self.chains, rid.decode("latin-1"), pid.decode("latin-1"))
+
+    async def asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        parsed: Any = None
+        if body[:1] == b"{":
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                parsed = None  # the replica answers the 400
+        headers = list(scope.get("headers", []))
+        text = ""
+        if isinstance(parsed, dict):
+            text = parsed.get("messages") or parsed.get("prompt") or parsed.get("input") or ""
+        req = Forwarded(scope["method"], scope["path"], scope.get("query_string", b""), headers, body, text)
+        pid = self.program_of(dict(headers), scope["path"], parsed)
+        started = False
+        try:
+            stream = self.replicas.handle.remote(req, program_id=pid, prompt_tokens=len(body) // 4,
+                                                 home_hint=self.seen.get(pid) if pid is not None else None)
+            async for item in stream:
+                if not started:
+                    status, out_headers = item
+                    self.learn(out_headers)
+                    await send({"type": "http.response.start", "status": status, "headers": out_headers})
+                    started = True
+                else:
+                    await send({"type": "http.response.body", "body": item, "more_body": True})
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the replica died or failed: this call only
+            cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            error = {"error": {"message": f"the agentrt replica serving this call failed ({cause[:300]})",
+                               "type": "service_unavailable", "param": None, "code": "replica_failed"}}
+            if not started:
+                payload = json.dumps(error).encode()
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
+                await send({"type": "http.response.body", "body": payload, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(error).encode() + b"\n\n",
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _remember(table: collections.OrderedDict[str, str], key: str, value: str) -> None:
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > MAX_CHAINS:
+        table.popitem(last=False)
+
+
+def build_app(config: Any, replicas: int = 2, router: str = "program", *, num_cpus: float = 1.0,
+              torch_threads: int | None = None, router_kwargs: dict[str, Any] | None = None) -> Any:
+    """The Ray Serve application: `replicas` AgentrtReplica deployments (`num_cpus` logical CPUs each,
+    `torch_threads` torch threads) behind one AgentrtFront, routed by `router` (a name of ROUTERS)."""
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}; expected one of {', '.join(ROUTERS)}")
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+    if router_kwargs and router != "program":
+        raise ValueError("router_kwargs are RouterConfig's fields: only for router 'program'")
+    if router_kwargs:
+        RouterConfig(**router_kwargs)  # a bad value fails here, naming the field
+    replica = serve.deployment(
+        AgentrtReplica, name="agentrt-replica", num_replicas=replicas, max_ongoing_requests=1000,
+        ray_actor_options={"num_cpus": num_cpus},
+        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
+                                                  request_router_kwargs=router_kwargs or {}),
+    )
+    front = serve.deployment(serve.ingress()(AgentrtFront), name="agentrt-front", num_replicas=1,
+                             max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+    return front.bind(replica.bind(config, torch_threads))
+
+
+def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str = "program",
+                   ray_address: str | None = None) -> int:
+    """`agentrt serve --replicas N`: a local Ray instance (or the cluster at `ray_address`) with logical
+    CPUs sized so N replicas fit, one replica per logical CPU with this machine's cores shared out as
+    torch threads, the app on `host:port`, until SIGINT / SIGTERM."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    import ray
+
+    cores = os.cpu_count() or 1
+    app = build_app(config, replicas, router, num_cpus=1, torch_threads=max(1, cores // replicas))
+    if ray_address:
+        ray.init(address=ray_address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(replicas, cores), include_dashboard=False, log_to_driver=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(app, name="agentrt", route_prefix="/")
+        print(f"agentrt: serving {replicas} replicas of {config.model_id()} on http://{host}:{port} "
+              f"(router {router}, Ray {ray.__version__})", file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,140 @@
+"""Program-affinity routing among replicas: a pure function of (the call, the replicas' stats, where
+each program lives), so a Ray Serve router and the simulator run the same code.
+
+    decision = route(call_program_id, prompt_tokens, replicas, homes.get(pid), config)
+    homes.set(pid, decision.home)          # the router remembers; a program's end forgets
+    decision.ranked                        # [[first choice], [then these], ...] as Ray's routers rank
+
+The rule, after Autellix (arXiv 2502.13965, §4.3), then fitted to agents:
+
+- Autellix sends a call of at most ~2,048 prompt tokens to the least-loaded engine and a longer one
+  to the engine its program was placed on at its first long call. An agent's later calls extend its
+  earlier context, which sits in its home replica's prefix cache and TTL pin, so here every call of
+  at least `sticky_tokens` prompt tokens (0 by default: every call) goes to its program's home, and
+  the first such call places the program on the least-loaded replica. `sticky_tokens=2048` is
+  Autellix's rule.
+- The load guard (SGLang's router rebalances only past an absolute and a relative threshold): a
+  home whose load is over `max_load` calls and over `max_load_ratio` times the least-loaded
+  replica's (+1) is skipped; the call goes to the least-loaded replica and the program moves there
+  (its context is computed once there, rather than queueing behind a hot replica for every call).
+- A home that is gone (dead, drained, not among the candidates) re-homes the program on its next
+  call the same way. Calls without a program go to the least-loaded replica.
+
+Ties between equally loaded replicas break by a stable hash of the call's key, so equal replicas
+share new programs instead of all landing on the first one.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """What the router knows of one replica when a call arrives."""
+
+    replica_id: str
+    load: int  # calls queued or running on it (Ray probes queue lengths per request)
+    alive: bool = True  # False: dead or draining, never chosen
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    sticky_tokens: int = 0  # calls with at least this many prompt tokens go home (Autellix: 2048)
+    max_load: int = 8  # the guard's absolute threshold: a home is overloaded only above this load ...
+    max_load_ratio: float = 2.0  # ... and above this many times the least-loaded replica's load + 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sticky_tokens, int) or self.sticky_tokens < 0:
+            raise ValueError(f"RouterConfig.sticky_tokens must be an int >= 0, got {self.sticky_tokens!r}")
+        if not isinstance(self.max_load, int) or self.max_load < 0:
+            raise ValueError(f"RouterConfig.max_load must be an int >= 0, got {self.max_load!r}")
+        if not isinstance(self.max_load_ratio, (int, float)) or not self.max_load_ratio >= 1:
+            raise ValueError(f"RouterConfig.max_load_ratio must be a number >= 1, got {self.max_load_ratio!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    ranked: list[list[str]]  # replica ids, best rank first (empty: no replica alive)
+    home: str | None  # the program's home after this call (None: no program, or not placed)
+    reason: str  # "home" | "placed" | "rehomed-overload" | "rehomed-gone" | "least-loaded" | "none"
+
+
+def route(program_id: str | None, prompt_tokens: int, replicas: Sequence[ReplicaStats], home: str | None,
+          config: RouterConfig = RouterConfig(), key: str = "") -> Decision:
+    """Where a call goes. `home`: the replica its program lives on (None: not placed yet); `key`: what
+    breaks ties among equally loaded replicas (the program id, else the request's id)."""
+    alive = [r for r in replicas if r.alive]
+    if not alive:
+        return Decision([], home, "none")
+    order = _least_loaded(alive, key or program_id or "")
+    least = order[0]
+    rest = [[r.replica_id] for r in order]
+    if program_id is None:
+        return Decision(rest, None, "least-loaded")
+    if prompt_tokens < config.sticky_tokens:  # a short call: load first, its program stays where it is
+        return Decision(rest, home, "least-loaded")
+    current = next((r for r in alive if r.replica_id == home), None)
+    if current is None:
+        return Decision(rest, least.replica_id, "placed" if home is None else "rehomed-gone")
+    if overloaded(current.load, least.load, config):
+        return Decision(rest, least.replica_id, "rehomed-overload")
+    others = [[r.replica_id] for r in order if r.replica_id != home]
+    return Decision([[home], *others], home, "home")
+
+
+def overloaded(load: int, least_load: int, config: RouterConfig) -> bool:
+    """The guard: over the absolute threshold and over the ratio to the least-loaded replica."""
+    return load > config.max_load and load > config.max_load_ratio * (least_load + 1)
+
+
+def _least_loaded(replicas: list[ReplicaStats], key: str) -> list[ReplicaStats]:
+    """By load, ties by a stable hash of `key` with each replica's id (rendezvous hashing; a CRC would
+    order similar keys alike)."""
+    return sorted(replicas, key=lambda r: (r.load, hashlib.blake2b(f"{key}|{r.replica_id}".encode(),
+                                                                      digest_size=8).digest()))
+
+
+class ProgramHomes:
+    """The router's memory of where each program lives: bounded (least recently routed dropped first),
+    forgotten at the program's end or when its replica goes."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"ProgramHomes capacity must be an int >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._homes: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def get(self, program_id: str | None) -> str | None:
+        return self._homes.get(program_id) if program_id is not None else None
+
+    def set(self, program_id: str | None, replica_id: str | None) -> None:
+        if program_id is None:
+            return
+        if replica_id is None:
+            self._homes.pop(program_id, None)
+            return
+        self._homes[program_id] = replica_id
+        self._homes.move_to_end(program_id)
+        while len(self._homes) > self.capacity:
+            self._homes.popitem(last=False)
+
+    def forget(self, program_id: str) -> None:
+        self._homes.pop(program_id, None)
+
+    def replica_gone(self, replica_id: str) -> int:
+        """Drop the homes on a replica that is gone (its programs re-home on their next call); how many."""
+        gone = [p for p, r in self._homes.items() if r == replica_id]
+        for p in gone:
+            del self._homes[p]
+        return len(gone)
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+    def counts(self) -> dict[str, int]:
+        """Programs per replica."""
+        return dict(collections.Counter(self._homes.values()))

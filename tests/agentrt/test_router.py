@@ -1,0 +1,118 @@
+"""The replica router as a pure function (agentrt.scale.router): ranked choices, stickiness, the load
+guard, re-homing when a replica goes; hypothesis over random replica stats."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentrt.scale import ProgramHomes, ReplicaStats, RouterConfig, route
+from agentrt.scale.router import overloaded
+
+CFG = RouterConfig(max_load=4, max_load_ratio=2.0)
+
+
+def stats(*loads: int, dead: tuple[int, ...] = ()) -> list[ReplicaStats]:
+    return [ReplicaStats(f"r{i}", load, i not in dead) for i, load in enumerate(loads)]
+
+
+def flat(ranked: list[list[str]]) -> list[str]:
+    return [r for rank in ranked for r in rank]
+
+
+def test_a_new_program_is_placed_on_the_least_loaded_replica_and_stays():
+    d = route("p1", 100, stats(3, 1, 2), None, CFG)
+    assert (d.ranked[0], d.home, d.reason) == (["r1"], "r1", "placed")
+    d = route("p1", 100, stats(0, 3, 0), "r1", CFG)  # now busier than the others, but under the guard
+    assert (d.ranked[0], d.home, d.reason) == (["r1"], "r1", "home")
+    assert sorted(flat(d.ranked)) == ["r0", "r1", "r2"]  # the others follow, in case the home refuses
+
+
+def test_the_load_guard_moves_a_program_off_a_hot_replica():
+    assert not overloaded(4, 0, CFG)  # not over the absolute threshold
+    assert not overloaded(9, 4, CFG)  # over it, but not 2x the least-loaded's load + 1
+    assert overloaded(11, 4, CFG)
+    d = route("p1", 100, stats(11, 4, 6), "r0", CFG)
+    assert (d.ranked[0], d.home, d.reason) == (["r1"], "r1", "rehomed-overload")
+
+
+def test_a_program_whose_replica_went_re_homes():
+    d = route("p1", 100, stats(0, 5, 2, dead=(0,)), "r0", CFG)
+    assert (d.ranked[0], d.home, d.reason) == (["r2"], "r2", "rehomed-gone")
+    assert "r0" not in flat(d.ranked)
+    d = route("p1", 100, stats(0, 5), "r7", CFG)  # no longer among the candidates at all
+    assert d.reason == "rehomed-gone" and d.home == "r0"
+
+
+def test_calls_without_a_program_and_short_calls_go_by_load():
+    d = route(None, 100, stats(2, 0, 1), None, CFG, key="req-1")
+    assert (d.ranked[0], d.home, d.reason) == (["r1"], None, "least-loaded")
+    autellix = RouterConfig(sticky_tokens=2048)
+    d = route("p1", 300, stats(2, 0, 1), "r0", autellix)  # short: least-loaded, its home kept
+    assert (d.ranked[0], d.home, d.reason) == (["r1"], "r0", "least-loaded")
+    d = route("p1", 4000, stats(2, 0, 1), "r0", autellix)  # long: home
+    assert (d.ranked[0], d.reason) == (["r0"], "home")
+
+
+def test_no_replica_alive():
+    d = route("p1", 10, stats(1, 1, dead=(0, 1)), "r0", CFG)
+    assert d.ranked == [] and d.reason == "none"
+
+
+def test_equal_replicas_share_new_programs():
+    homes = {route(f"p{i}", 10, stats(0, 0, 0, 0), None, CFG).home for i in range(64)}
+    assert homes == {"r0", "r1", "r2", "r3"}
+
+
+def test_bad_config_is_refused_naming_the_field():
+    for kw, name in (({"sticky_tokens": -1}, "sticky_tokens"), ({"max_load": 1.5}, "max_load"),
+                     ({"max_load_ratio": 0.5}, "max_load_ratio")):
+        with pytest.raises(ValueError, match=name):
+            RouterConfig(**kw)
+
+
+def test_program_homes_are_bounded_and_forgotten():
+    homes = ProgramHomes(capacity=3)
+    for i in range(5):
+        homes.set(f"p{i}", f"r{i % 2}")
+    assert len(homes) == 3 and homes.get("p0") is None and homes.get("p4") == "r0"
+    homes.get("p2")
+    homes.set("p2", "r1")  # routed again: the most recent
+    homes.set("p5", "r1")
+    assert homes.get("p3") is None and homes.get("p2") == "r1"
+    assert homes.replica_gone("r1") == 2 and homes.counts() == {"r0": 1}
+    homes.forget("p4")
+    homes.set(None, "r0")
+    assert len(homes) == 0
+    with pytest.raises(ValueError, match="capacity"):
+        ProgramHomes(0)
+
+
+replica_sets = st.lists(st.tuples(st.integers(0, 40), st.booleans()), min_size=1, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(replica_sets, st.sampled_from([None, "p1"]), st.integers(0, 5000),
+       st.sampled_from([None, "r0", "r1", "r5", "r9"]), st.sampled_from([0, 2048]))
+def test_any_stats(reps, pid, tokens, home, sticky):
+    cfg = RouterConfig(sticky_tokens=sticky, max_load=4, max_load_ratio=2.0)
+    replicas = [ReplicaStats(f"r{i}", load, alive) for i, (load, alive) in enumerate(reps)]
+    alive = {r.replica_id: r.load for r in replicas if r.alive}
+    d = route(pid, tokens, replicas, home, cfg)
+    chosen = flat(d.ranked)
+    assert sorted(chosen) == sorted(alive) and len(set(chosen)) == len(chosen)  # every live replica, once
+    assert all(len(rank) == 1 for rank in d.ranked)
+    if not alive:
+        assert d.reason == "none"
+        return
+    least = min(alive.values())
+    first = chosen[0]
+    if pid is None:
+        assert d.home is None and alive[first] == least
+    elif tokens < sticky:
+        assert d.home == home and alive[first] == least
+    elif home in alive and not overloaded(alive[home], least, cfg):
+        assert first == home == d.home and d.reason == "home"
+    else:  # placed, or moved off a home that is gone or hot: onto a least-loaded replica
+        assert first == d.home and alive[first] == least
+        assert d.reason == ("placed" if home is None else "rehomed-gone" if home not in alive else "rehomed-overload")
+    assert [alive[r] for r in chosen[1:]] == sorted(alive[r] for r in chosen[1:])  # the rest by load

@@ -1,0 +1,137 @@
+"""agentrt replicas on Ray Serve (agentrt.scale.ray_app): two replicas of the tiny model under a local Ray
+instance (logical CPUs, one torch thread each, no dashboard), behind the front and the program router.
+
+Skips, saying why, where the `ray` extra is not installed (`pip install agentrt[ray]`); CI installs it."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="ray[serve] is not installed: pip install 'agentrt[ray]'")
+serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install 'agentrt[ray]'")
+
+from agentrt.scale.ray_app import ROUTERS, build_app  # noqa: E402
+from agentrt.server import ServerConfig  # noqa: E402
+from tests.server.live import free_port  # noqa: E402
+
+CHAT = {"model": "tiny", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi there."}]}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_path, tmp_path_factory):
+    """Two replicas behind the program router on a free port; Ray stopped at the end."""
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             namespace="agentrt-test")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        db = tmp_path_factory.mktemp("ray-records") / "records.db"
+        config = ServerConfig(model=str(tiny_model_path), served_model_name="tiny", db=f"sqlite:///{db}",
+                              engine={"num_blocks": 128, "max_num_seqs": 8})
+        serve.run(build_app(config, replicas=2, router="program", num_cpus=1, torch_threads=1),
+                  name="agentrt", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def test_build_app_refuses_bad_arguments_naming_them():
+    with pytest.raises(ValueError, match="unknown router 'sticky'"):
+        build_app(ServerConfig(), router="sticky")
+    with pytest.raises(ValueError, match="replicas"):
+        build_app(ServerConfig(), replicas=0)
+    with pytest.raises(ValueError, match="max_load_ratio"):
+        build_app(ServerConfig(), router_kwargs={"max_load_ratio": 0.5})
+    assert set(ROUTERS) == {"program", "pow2", "round-robin", "prefix"}
+
+
+def test_a_programs_calls_stay_on_one_replica(cluster):
+    where: dict[str, set[str]] = collections.defaultdict(set)
+    with httpx.Client(base_url=cluster, timeout=120) as client:
+        for _turn in range(2):
+            for p in range(12):
+                r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": f"prog-{p}"})
+                assert r.status_code == 200, r.text
+                assert r.headers["x-program-id"] == f"prog-{p}"
+                where[f"prog-{p}"].add(r.headers["x-agentrt-replica"])
+        for p in range(12):  # the body's program_id counts as the header does
+            r = client.post("/v1/chat/completions", json={**CHAT, "program_id": f"prog-{p}"})
+            assert r.status_code == 200, r.text
+            where[f"prog-{p}"].add(r.headers["x-agentrt-replica"])
+        assert all(len(replicas) == 1 for replicas in where.values()), where
+        assert len(set().union(*where.values())) == 2  # new programs spread over both replicas (all 12 on one: 1/2048)
+        # the program endpoint answers from the program's replica
+        r = client.get("/v1/programs/prog-0")
+        assert r.status_code == 200 and r.json()["calls_done"] == 3 and r.json()["service_s"] > 0, r.text
+        assert r.headers["x-agentrt-replica"] in where["prog-0"]
+        r = client.delete("/v1/programs/prog-0")
+        assert r.status_code == 200 and r.json()["state"] != "running", r.text
+
+
+def test_a_responses_chain_follows_its_program(cluster):
+    with httpx.Client(base_url=cluster, timeout=120) as client:
+        first = client.post("/v1/responses", json={"model": "tiny", "input": "Hi.", "max_output_tokens": 4})
+        assert first.status_code == 200, first.text
+        home = first.headers["x-agentrt-replica"]
+        prev = first.json()["id"]
+        for _ in range(3):
+            r = client.post("/v1/responses", json={"model": "tiny", "input": "And?", "max_output_tokens": 4,
+                                                   "previous_response_id": prev})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-agentrt-replica"] == home and r.json()["program_id"] == first.json()["program_id"]
+            prev = r.json()["id"]
+
+
+def test_the_openai_client_works_unchanged_and_errors_keep_their_shape(cluster):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0)
+    out = client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4,
+                                                 temperature=0, stream=True))
+    assert chunks and chunks[-1].choices == [] or chunks[-1].choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT["messages"], max_tokens=4)
+
+
+def test_a_killed_replica_fails_only_its_calls_and_comes_back(cluster):
+    with httpx.Client(base_url=cluster, timeout=120) as client:
+        r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": "victim"})
+        victim = r.headers["x-agentrt-replica"]
+        actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                  if victim in a["name"] and "agentrt-replica" in a["name"]]
+        assert len(actors) == 1, actors
+        handle = ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"])
+        ray.kill(handle, no_restart=False)
+        # the program's next calls go elsewhere at once (or fail with a 503 naming the cause), never hang
+        t0 = time.monotonic()
+        codes = []
+        for _ in range(3):
+            r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": "victim"})
+            codes.append(r.status_code)
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "replica_failed"
+            else:
+                assert r.status_code == 200 and r.headers["x-agentrt-replica"] != victim, r.text
+        assert codes[-1] == 200 and time.monotonic() - t0 < 60
+        # other programs keep being served, and Ray brings the replica back
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            status = serve.status().applications["agentrt"].deployments["agentrt-replica"]
+            if status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == 2:
+                break
+            time.sleep(1)
+        else:
+            pytest.fail(f"the killed replica did not come back: {status}")
+        r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": "after-restart"})
+        assert r.status_code == 200, r.text
