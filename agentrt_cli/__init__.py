@@ -32,6 +32,7 @@ BENCHES = {
     "structured": "agentrt.bench.structured",
     "embed": "agentrt.bench.embed",
     "lora": "agentrt.bench.lora",
+    "replicas": "agentrt.bench.replicas",
 }
 
 

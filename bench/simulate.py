@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     from agentrt.bench import programs as real  # the report format and the policy-entry syntax of the real benchmark
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--replicas" or a.startswith("--replicas=") for a in argv):  # N engines behind a router
+        from agentrt.bench import sim_replicas
+
+        return sim_replicas.main([a for a in argv if a != "agents"])
     if argv[:1] == ["agents"]:
         return agents_main(argv[1:])
     if "--calibrate" in argv:

@@ -14,7 +14,7 @@ from agentrt.command import main as cli
 
 NO_MODEL = "/no/such/model"
 BENCHES_WITH_MODEL = ["calibrate", "countdown", "decode-cpu", "embed", "lora", "prefix", "priority", "programs",
-                      "retention", "sampling", "serve", "simcheck", "structured", "throughput"]
+                      "replicas", "retention", "sampling", "serve", "simcheck", "structured", "throughput"]
 
 
 @pytest.fixture
@@ -121,6 +121,9 @@ def test_the_real_command_exits_2_in_one_line():
 def test_replicas_without_ray_say_how_to_get_it(monkeypatch, capsys, default_model_path):
     monkeypatch.setitem(sys.modules, "ray", None)  # as on a machine without the extra: `import ray` fails
     monkeypatch.delitem(sys.modules, "agentrt.scale.ray_app", raising=False)
+    import agentrt.scale
+
+    monkeypatch.delattr(agentrt.scale, "ray_app", raising=False)  # imported again, so `import ray` runs
     assert_one_line(["serve", "--replicas", "2", "--model", str(default_model_path)], capsys,
                     "--replicas needs Ray Serve", "pip install 'agentrt[ray]'")
 

@@ -43,7 +43,9 @@ ROUTERS = {
     "program": "agentrt.scale.ray_app.ProgramAffinityRouter",
     "pow2": "ray.serve._private.request_router.pow_2_router.PowerOfTwoChoicesRequestRouter",
     "round-robin": "ray.serve.experimental.round_robin_router.RoundRobinRouter",
-    "prefix": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
+    # Ray's PrefixCacheAffinityRouter (what ray.serve.llm.request_router re-exports; that module needs
+    # ray[llm]'s pyarrow, this one does not)
+    "prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter",
 }
 _PROGRAM_PATH = re.compile(r"^/v1/programs/([^/]+)")
 MAX_CHAINS = 100_000  # Responses ids (and programs) the front remembers the program (the replica) of
@@ -239,9 +241,11 @@ class AgentrtFront:
             except ValueError:
                 parsed = None  # the replica answers the 400
         headers = list(scope.get("headers", []))
-        text = ""
+        text: Any = ""
         if isinstance(parsed, dict):
             text = parsed.get("messages") or parsed.get("prompt") or parsed.get("input") or ""
+            if isinstance(text, list) and text and all(isinstance(t, int) for t in text):
+                text = " ".join(map(str, text))  # token ids: a prefix tree over text still sees shared prefixes
         req = Forwarded(scope["method"], scope["path"], scope.get("query_string", b""), headers, body, text)
         pid = self.program_of(dict(headers), scope["path"], parsed)
         started = False

@@ -1,0 +1,215 @@
+"""Replicas on Ray Serve: each router over the same agent workload, real engines, one run.
+
+    agentrt bench replicas [--replicas 2] [--routers single,program,pow2,round-robin,prefix]
+                           [--programs 16] [--rate 1.0] [--seed 0] [--json] [--write-docs]
+
+For each router: a local Ray instance (logical CPUs = replicas, one torch thread per replica, no
+dashboard) serves `--replicas` replicas of the default model behind agentrt's front
+(agentrt.scale.ray_app), and the same agents (bench/workload.py's `agent_plan` at `AGENT_SMALL`: a
+shared system prompt, a task, 4-6 turns of call then tool, log-normal tool times) arrive as a Poisson
+process. Each agent's calls carry its program id (`X-Program-Id`) and feed the generated token ids into
+the next prompt, over `/v1/completions` with token-id prompts (greedy, EOS ignored: every router does
+the same work). `single` is one replica (one engine, two threads): the prefix hits an engine that
+holds every program gets.
+
+Reported per router: later-turn prefix hit rate (of calls after a program's first, the share of prompt
+tokens served from the prefix cache: `usage.prompt_tokens_details.cached_tokens`), its ratio to
+`single`, program latency mean and p95 (arrival -> last call's end, tool time included), calls per
+replica, and the ratios of the program router's mean latency to the others'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+import anyio
+import httpx
+
+from agentrt.bench import _common
+from agentrt.bench import workload as wl
+from agentrt.bench.workload import AGENT_SMALL, Call
+
+ROUTER_NAMES = ("single", "program", "pow2", "round-robin", "prefix")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _agent(client: httpx.AsyncClient, pid: str, plan: Any, delay: float, calls: list[dict[str, Any]],
+                 latencies: list[float]) -> None:
+    await anyio.sleep(delay)
+    t0 = time.monotonic()
+    step = next(plan)
+    turn = 0
+    while True:
+        if isinstance(step, Call):
+            body = {"model": "m", "prompt": step.prompt, "max_tokens": step.max_tokens, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}
+            r = await client.post("/v1/completions", json=body, headers={"X-Program-Id": pid})
+            if r.status_code != 200:
+                raise RuntimeError(f"program {pid} turn {turn}: {r.status_code} {r.text[:300]}")
+            out = r.json()
+            usage = out["usage"]
+            calls.append({"program": pid, "turn": turn, "replica": r.headers.get("x-agentrt-replica", "?"),
+                          "prompt": usage["prompt_tokens"],
+                          "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0})
+            turn += 1
+            reply = out["choices"][0]["token_ids"]
+        else:  # a tool: its time, then its observation joins the context
+            await anyio.sleep(step.seconds)
+            reply = step.observation
+        try:
+            step = plan.send(reply)
+        except StopIteration:
+            break
+    latencies.append(time.monotonic() - t0)
+
+
+def _plans(args: argparse.Namespace, vocab: int) -> list[tuple[str, Any, float]]:
+    rng = random.Random(args.seed)
+    system = [rng.randrange(100, vocab) for _ in range(AGENT_SMALL["system"])]
+    out, t = [], 0.0
+    for i in range(args.programs):
+        t += rng.expovariate(args.rate)
+        prng = random.Random(rng.randrange(1 << 30))
+        fresh = lambda n, prng=prng: [prng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
+        out.append((f"agent-{args.seed}-{i}", wl.agent_plan(prng, AGENT_SMALL, fresh, system), t))
+    return out
+
+
+def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from agentrt.scale.ray_app import build_app
+    from agentrt.server import ServerConfig
+
+    replicas = 1 if router == "single" else args.replicas
+    threads = args.replicas if router == "single" else 1
+    port = _free_port()
+    config = ServerConfig(model=model, served_model_name="m", db="none")
+    ray.init(num_cpus=max(replicas, 1), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config, replicas, "program" if router == "single" else router, num_cpus=1,
+                            torch_threads=threads), name="agentrt", route_prefix="/")
+        calls: list[dict[str, Any]] = []
+        latencies: list[float] = []
+
+        async def main() -> None:
+            limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as client:
+                warm = await client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 1})
+                warm.raise_for_status()
+                async with anyio.create_task_group() as tg:
+                    for pid, plan, delay in _plans(args, args.vocab):
+                        tg.start_soon(_agent, client, pid, plan, delay, calls, latencies)
+
+        t0 = time.monotonic()
+        anyio.run(main)
+        wall = time.monotonic() - t0
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    later = [c for c in calls if c["turn"] > 0]
+    per_replica = sorted(collections_count(c["replica"] for c in calls).values(), reverse=True)
+    lat = sorted(latencies)
+    return {
+        "router": router, "replicas": replicas, "programs": len(latencies), "calls": len(calls),
+        "later_hit_rate": sum(c["cached"] for c in later) / max(1, sum(c["prompt"] for c in later)),
+        "mean_s": statistics.mean(lat), "p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
+        "per_replica": per_replica, "wall_s": wall,
+        "programs_split": sum(1 for p in {c["program"] for c in calls}
+                              if len({c["replica"] for c in calls if c["program"] == p}) > 1),
+    }
+
+
+def collections_count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    by = {r["router"]: r for r in rows}
+    single = by.get("single")
+    table = []
+    for r in rows:
+        vs_single = f"{r['later_hit_rate'] / single['later_hit_rate']:.2f}x" if single and single["later_hit_rate"] else "-"
+        table.append([r["router"], r["replicas"], r["calls"], f"{100 * r['later_hit_rate']:.1f}%", vs_single,
+                      f"{r['mean_s']:.2f}", f"{r['p95_s']:.2f}", " / ".join(map(str, r["per_replica"])),
+                      r["programs_split"], f"{r['wall_s']:.0f}"])
+    lines = [_common.markdown_table(["router", "replicas", "calls", "later-turn prefix hits", "vs single",
+                                     "program mean s", "program p95 s", "calls per replica",
+                                     "programs split over replicas", "wall s"], table)]
+    prog = by.get("program")
+    if prog:
+        ratios = [f"{name} {prog['mean_s'] / by[name]['mean_s']:.2f}x" for name in ("pow2", "round-robin", "prefix")
+                  if name in by]
+        if ratios:
+            lines.append(f"Program router mean program latency vs: {', '.join(ratios)} (targets: <= 0.75x pow2, "
+                         "<= 0.9x prefix).")
+        if single and single["later_hit_rate"]:
+            lines.append(f"Program router later-turn prefix hits: {prog['later_hit_rate'] / single['later_hit_rate']:.2f}x "
+                         "of one engine's (target >= 0.95x).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="agentrt bench replicas", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--routers", default=",".join(ROUTER_NAMES), help=f"comma-separated: {', '.join(ROUTER_NAMES)}")
+    ap.add_argument("--programs", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=1.0, help="programs per second (Poisson)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    ap.add_argument("--write-docs", action="store_true", help="write the table to docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    bad = [r for r in routers if r not in ROUTER_NAMES]
+    if bad:
+        ap.error(f"unknown router {bad[0]!r}; expected some of {', '.join(ROUTER_NAMES)}")
+    if args.replicas < 1 or args.programs < 1 or args.rate <= 0:
+        ap.error("--replicas and --programs must be >= 1 and --rate > 0")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        ap.error("needs Ray Serve: pip install 'agentrt[ray]'")
+    from agentrt.engine.loader import resolve_model
+
+    model = str(resolve_model(args.model))
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    rows = []
+    for router in routers:
+        row = run_router(args, router, model)
+        print(f"{router}: later-turn hits {100 * row['later_hit_rate']:.1f}%, program mean {row['mean_s']:.2f} s, "
+              f"p95 {row['p95_s']:.2f} s, calls per replica {row['per_replica']}", flush=True)
+        rows.append(row)
+    text = (f"Run {started}. {_common.machine()}. {_common.cpu_flags_line()}\n\n"
+            f"`{_common.command()}`: {args.programs} agents (AGENT_SMALL) at {args.rate}/s, seed {args.seed}, "
+            f"{args.replicas} replicas with one torch thread each (`single`: one replica, {args.replicas} threads), "
+            "default model, greedy, EOS ignored.\n\n" + report(rows, args))
+    print(text)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    if args.write_docs:
+        _common.write_section("Replicas on Ray Serve (bench replicas)", text)
+
+
+if __name__ == "__main__":
+    main()
