@@ -82,14 +82,18 @@ def _plans(args: argparse.Namespace, vocab: int) -> list[tuple[str, Any, float]]
     for i in range(args.programs):
         t += rng.expovariate(args.rate)
         prng = random.Random(rng.randrange(1 << 30))
-        fresh = lambda n, prng=prng: [prng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
+        fresh = lambda n, prng=prng: [prng.randrange(100, vocab) for _ in range(n)]
         out.append((f"agent-{args.seed}-{i}", wl.agent_plan(prng, AGENT_SMALL, fresh, system), t))
     return out
 
 
 def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, Any]:
+    import logging
+
     import ray
     from ray import serve
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # Ray's logging set-up would print every request
 
     from agentrt.scale.ray_app import build_app
     from agentrt.server import ServerConfig
@@ -148,7 +152,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     single = by.get("single")
     table = []
     for r in rows:
-        vs_single = f"{r['later_hit_rate'] / single['later_hit_rate']:.2f}x" if single and single["later_hit_rate"] else "-"
+        base = single["later_hit_rate"] if single else 0.0
+        vs_single = f"{r['later_hit_rate'] / base:.2f}x" if base else "-"
         table.append([r["router"], r["replicas"], r["calls"], f"{100 * r['later_hit_rate']:.1f}%", vs_single,
                       f"{r['mean_s']:.2f}", f"{r['p95_s']:.2f}", " / ".join(map(str, r["per_replica"])),
                       r["programs_split"], f"{r['wall_s']:.0f}"])
@@ -163,8 +168,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             lines.append(f"Program router mean program latency vs: {', '.join(ratios)} (targets: <= 0.75x pow2, "
                          "<= 0.9x prefix).")
         if single and single["later_hit_rate"]:
-            lines.append(f"Program router later-turn prefix hits: {prog['later_hit_rate'] / single['later_hit_rate']:.2f}x "
-                         "of one engine's (target >= 0.95x).")
+            share = prog["later_hit_rate"] / single["later_hit_rate"]
+            lines.append(f"Program router later-turn prefix hits: {share:.2f}x of one engine's (target >= 0.95x).")
     return "\n".join(lines)
 
 

@@ -74,7 +74,10 @@ class _Router:
         return a if loads[a] <= loads[b] else b
 
     def _prefix(self, prompt: list[int], loads: list[int]) -> int:
-        keys = [hash(tuple(prompt[: (k + 1) * BLOCK])) for k in range(len(prompt) // BLOCK)]
+        keys, h = [], 0
+        for k in range(len(prompt) // BLOCK):  # chained, as the engine's block hashes: a key names its whole prefix
+            h = hash((h, tuple(prompt[k * BLOCK:(k + 1) * BLOCK])))
+            keys.append(h)
         if max(loads) - min(loads) >= self.imbalance:
             choice = self._pow2(loads)
         else:

@@ -329,8 +329,13 @@ def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(app, name="agentrt", route_prefix="/")
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            serve.run(app, name="agentrt", route_prefix="/")
+        except Exception as e:  # Ray's own failure (a busy port, a proxy or replica that did not start): one line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"Ray Serve did not start the app on {host}:{port} ({type(e).__name__}: {first}); "
+                             "its logs are under /tmp/ray/session_latest/logs/serve") from None
         print(f"agentrt: serving {replicas} replicas of {config.model_id()} on http://{host}:{port} "
               f"(router {router}, Ray {ray.__version__})", file=sys.stderr, flush=True)
         stop.wait()
@@ -338,3 +343,22 @@ def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def app_builder(args: dict[str, str]) -> Any:
+    """For `serve run` on a real cluster (Ray's application-builder convention; values arrive as strings):
+
+        serve run agentrt.scale.ray_app:app_builder model=/models/Qwen2.5-1.5B-Instruct replicas=8 router=program
+
+    Keys: model, replicas (default 2), router (default program), num_cpus (per replica, default 1),
+    torch_threads, db (a database every replica shares, e.g. PostgreSQL), served_model_name, policy."""
+    from agentrt.server import ServerConfig
+
+    known = {"model", "replicas", "router", "num_cpus", "torch_threads", "db", "served_model_name", "policy"}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"unknown argument {unknown[0]!r} for agentrt's app builder; known: {', '.join(sorted(known))}")
+    config = ServerConfig(**{k: args[k] for k in ("model", "db", "served_model_name", "policy") if k in args})
+    threads = args.get("torch_threads")
+    return build_app(config, int(args.get("replicas", 2)), args.get("router", "program"),
+                     num_cpus=float(args.get("num_cpus", 1)), torch_threads=int(threads) if threads else None)

@@ -14,7 +14,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray[serve] is not installed: pip install 'agentrt[ray]'")
 serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install 'agentrt[ray]'")
 
-from agentrt.scale.ray_app import ROUTERS, build_app  # noqa: E402
+from agentrt.scale.ray_app import ROUTERS, app_builder, build_app  # noqa: E402
 from agentrt.server import ServerConfig  # noqa: E402
 from tests.server.live import free_port  # noqa: E402
 
@@ -50,6 +50,10 @@ def test_build_app_refuses_bad_arguments_naming_them():
     with pytest.raises(ValueError, match="max_load_ratio"):
         build_app(ServerConfig(), router_kwargs={"max_load_ratio": 0.5})
     assert set(ROUTERS) == {"program", "pow2", "round-robin", "prefix"}
+    app = app_builder({"replicas": "3", "router": "pow2", "torch_threads": "1"})  # `serve run ...:app_builder`
+    assert type(app).__name__ == "Application"
+    with pytest.raises(ValueError, match="unknown argument 'replica'"):
+        app_builder({"replica": "3"})
 
 
 def test_a_programs_calls_stay_on_one_replica(cluster):
