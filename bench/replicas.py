@@ -95,14 +95,14 @@ def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, A
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Ray's logging set-up would print every request
 
-    from agentrt.scale.ray_app import build_app
+    from agentrt.scale.ray_app import build_app, init_local_ray
     from agentrt.server import ServerConfig
 
     replicas = 1 if router == "single" else args.replicas
     threads = args.replicas if router == "single" else 1
     port = _free_port()
     config = ServerConfig(model=model, served_model_name="m", db="none")
-    ray.init(num_cpus=max(replicas, 1), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    init_local_ray(max(replicas, 1), configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config, replicas, "program" if router == "single" else router, num_cpus=1,

@@ -307,6 +307,23 @@ def build_app(config: Any, replicas: int = 2, router: str = "program", *, num_cp
     return front.bind(replica.bind(config, torch_threads))
 
 
+# A small machine under load starts Ray Serve's HTTP proxy slower than Ray's 5 s ready check allows, which
+# then kills it and fails the start: give a local instance more time (a value set in the environment wins).
+SLOW_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
+
+def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
+    """A local Ray instance for agentrt: `num_cpus` logical CPUs, no dashboard, Serve's start-up checks
+    relaxed (SLOW_START_ENV); the CLI, the benchmark and the tests start theirs with it."""
+    import os
+
+    import ray
+
+    for key, value in SLOW_START_ENV.items():
+        os.environ.setdefault(key, value)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **kwargs)
+
+
 def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str = "program",
                    ray_address: str | None = None) -> int:
     """`agentrt serve --replicas N`: a local Ray instance (or the cluster at `ray_address`) with logical
@@ -324,7 +341,7 @@ def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str
     if ray_address:
         ray.init(address=ray_address, log_to_driver=False)
     else:
-        ray.init(num_cpus=max(replicas, cores), include_dashboard=False, log_to_driver=False)
+        init_local_ray(max(replicas, cores))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

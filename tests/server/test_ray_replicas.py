@@ -14,7 +14,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray[serve] is not installed: pip install 'agentrt[ray]'")
 serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install 'agentrt[ray]'")
 
-from agentrt.scale.ray_app import ROUTERS, app_builder, build_app  # noqa: E402
+from agentrt.scale.ray_app import ROUTERS, app_builder, build_app, init_local_ray  # noqa: E402
 from agentrt.server import ServerConfig  # noqa: E402
 from tests.server.live import free_port  # noqa: E402
 
@@ -25,8 +25,7 @@ CHAT = {"model": "tiny", "max_tokens": 4, "temperature": 0, "messages": [{"role"
 def cluster(tiny_model_path, tmp_path_factory):
     """Two replicas behind the program router on a free port; Ray stopped at the end."""
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             namespace="agentrt-test")
+    init_local_ray(4, configure_logging=False, namespace="agentrt-test")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         db = tmp_path_factory.mktemp("ray-records") / "records.db"
