@@ -107,15 +107,57 @@ def test_the_openai_client_works_unchanged_and_errors_keep_their_shape(cluster):
         client.chat.completions.create(model="nope", messages=CHAT["messages"], max_tokens=4)
 
 
+def _kill(replica_id: str) -> None:
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if replica_id in a["name"] and "agentrt-replica" in a["name"]]
+    assert len(actors) == 1, actors
+    ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=False)
+
+
+def test_a_replica_killed_mid_stream_fails_only_its_call(cluster):
+    with httpx.Client(base_url=cluster, timeout=120) as client:
+        homes: dict[str, str] = {}  # replica -> a program living there
+        for p in range(32):
+            r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": f"mid-{p}"})
+            assert r.status_code == 200, r.text
+            homes.setdefault(r.headers["x-agentrt-replica"], f"mid-{p}")
+            if len(homes) == 2:
+                break
+        assert len(homes) == 2, homes
+        (victim_replica, victim), (other_replica, other) = homes.items()
+        body = {**CHAT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        t0 = time.monotonic()
+        with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Program-Id": victim}) as s:
+            assert s.status_code == 200 and s.headers["x-agentrt-replica"] == victim_replica
+            lines = s.iter_lines()
+            assert next(x for x in lines if x.startswith("data: "))  # it is streaming
+            _kill(victim_replica)
+            rest = list(lines)  # the stream ends (the client would time out after 120 s on a hang)
+        assert time.monotonic() - t0 < 60
+        errors = [x for x in rest if '"replica_failed"' in x]
+        assert errors and "data: [DONE]" not in rest, rest[-3:]
+        # the other replica's program is served as before
+        r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": other})
+        assert r.status_code == 200 and r.headers["x-agentrt-replica"] == other_replica, r.text
+        _wait_until_both_run()
+
+
+def _wait_until_both_run(timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications["agentrt"].deployments["agentrt-replica"]
+        if status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == 2:
+            time.sleep(2)  # the front's router hears of the new replica by long poll
+            return
+        time.sleep(1)
+    pytest.fail(f"the killed replica did not come back: {status}")
+
+
 def test_a_killed_replica_fails_only_its_calls_and_comes_back(cluster):
     with httpx.Client(base_url=cluster, timeout=120) as client:
         r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": "victim"})
         victim = r.headers["x-agentrt-replica"]
-        actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                  if victim in a["name"] and "agentrt-replica" in a["name"]]
-        assert len(actors) == 1, actors
-        handle = ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"])
-        ray.kill(handle, no_restart=False)
+        _kill(victim)
         # the program's next calls go elsewhere at once (or fail with a 503 naming the cause), never hang
         t0 = time.monotonic()
         codes = []
@@ -128,13 +170,6 @@ def test_a_killed_replica_fails_only_its_calls_and_comes_back(cluster):
                 assert r.status_code == 200 and r.headers["x-agentrt-replica"] != victim, r.text
         assert codes[-1] == 200 and time.monotonic() - t0 < 60
         # other programs keep being served, and Ray brings the replica back
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            status = serve.status().applications["agentrt"].deployments["agentrt-replica"]
-            if status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == 2:
-                break
-            time.sleep(1)
-        else:
-            pytest.fail(f"the killed replica did not come back: {status}")
+        _wait_until_both_run()
         r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": "after-restart"})
         assert r.status_code == 200, r.text
