@@ -126,8 +126,7 @@ class ProgramManager:
     def start_program(self, program_id: str | None = None, *, name: str = "program", owner: str | None = None,
                       priority: int = 0, one_call: bool = False) -> ProgramHandle:
         """Start a program known by id (None: a new id) and return its handle."""
-        if type(priority) is not int or priority != 0:  # the default needs no check
-            check_priority(priority, "priority")
+        check_priority(priority, "priority")
         if program_id is None:
             program_id, old = new_program_id(), None  # a new id is nobody's
         else:

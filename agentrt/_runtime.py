@@ -353,7 +353,7 @@ class Runtime:
         program). Bad input raises `InvalidCallError` here; see `agentrt._call.Call`. `last_call`: the
         program makes no more calls, so nothing of it is pinned when this one ends. `name`: the name of
         a program this call starts. `model`: a LoRA adapter's name (None: the base model)."""
-        lora = self.loras.resolve(model, program_id) if model is not None else None
+        lora = self.loras.resolve(model, program_id)
         pm = self.program_manager
         if program_id is None:
             handle = pm.start_program(name=kind, owner=owner, one_call=True)

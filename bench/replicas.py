@@ -21,6 +21,7 @@ replica, and the ratios of the program router's mean latency to the others'.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import statistics
@@ -128,7 +129,7 @@ def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, A
         finally:
             ray.shutdown()
     later = [c for c in calls if c["turn"] > 0]
-    per_replica = sorted(collections_count(c["replica"] for c in calls).values(), reverse=True)
+    per_replica = sorted(collections.Counter(c["replica"] for c in calls).values(), reverse=True)
     lat = sorted(latencies)
     return {
         "router": router, "replicas": replicas, "programs": len(latencies), "calls": len(calls),
@@ -138,13 +139,6 @@ def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, A
         "programs_split": sum(1 for p in {c["program"] for c in calls}
                               if len({c["replica"] for c in calls if c["program"] == p}) > 1),
     }
-
-
-def collections_count(items: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:

@@ -194,13 +194,9 @@ def replicas_sweep(n: int, rates: list[float], replicas: int, routers: list[str]
     arrival rate (bench/simulate.py agents_sweep's engine, one per replica)."""
     import time
 
-    from agentrt.bench import costs
+    from agentrt.bench.simulate import agent_engine
 
-    cost, kv_tokens, _ = costs.named(cost_model)
-    if kv_tokens is None:
-        raise SystemExit(f"cost model {cost_model!r} has no KV-cache size: choose a GPU model for full-size agents")
-    engine = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-              "num_blocks": kv_tokens // block_size, "block_size": block_size}
+    cost, engine = agent_engine(cost_model, block_size, max_num_seqs, max_num_batched_tokens)
     rows = []
     for rate in rates:
         work = wl.make_agent_workload(n, rate, seed)

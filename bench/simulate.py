@@ -150,6 +150,17 @@ AGENT_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {  # name -> (polic
 DEFAULT_AGENT_CONFIGS = ("fcfs", "fcfs+ttl", "plas", "plas+ttl")
 
 
+def agent_engine(cost_model: str, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> tuple[StepCost, dict[str, Any]]:
+    """The step cost and engine settings of full-size agents on a named GPU cost model: its KV cache in
+    blocks of `block_size` tokens."""
+    cost, kv_tokens, _ = costs.named(cost_model)
+    if kv_tokens is None:
+        raise SystemExit(f"cost model {cost_model!r} has no KV-cache size: choose a GPU model for full-size agents")
+    return cost, {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                  "num_blocks": kv_tokens // block_size, "block_size": block_size}
+
+
 def agents_sweep(n: int, rates: list[float], seed: int, configs: list[str], block_size: int = 256,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  cost_model: str = "h100-llama-3.1-8b") -> list[dict[str, Any]]:
@@ -158,11 +169,7 @@ def agents_sweep(n: int, rates: list[float], seed: int, configs: list[str], bloc
     thousand programs of tens of thousands of tokens simulate in minutes; hits are at that granularity)."""
     import time as _time
 
-    cost, kv_tokens, _ = costs.named(cost_model)
-    if kv_tokens is None:
-        raise SystemExit(f"cost model {cost_model!r} has no KV-cache size: choose a GPU model for full-size agents")
-    engine = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-              "num_blocks": kv_tokens // block_size, "block_size": block_size}
+    cost, engine = agent_engine(cost_model, block_size, max_num_seqs, max_num_batched_tokens)
     rows = []
     for rate in rates:
         work = wl.make_agent_workload(n, rate, seed)

@@ -180,8 +180,8 @@ class AgentrtFront:
 
     def __init__(self, replicas: Any) -> None:
         self.replicas = replicas.options(stream=True)
-        self.chains: collections.OrderedDict[str, str] = collections.OrderedDict()  # response id -> program
-        self.seen: collections.OrderedDict[str, str] = collections.OrderedDict()  # program -> replica that answered
+        self.chains = ProgramHomes(MAX_CHAINS)  # a bounded LRU map too: Responses id -> the program it continued
+        self.seen = ProgramHomes(MAX_CHAINS)  # program -> the replica that answered for it
 
     def __serve_build_asgi_app__(self) -> Any:
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:  # a plain function: uvicorn sees ASGI 3
@@ -210,9 +210,9 @@ class AgentrtFront:
         h = dict(headers)
         rid, pid, replica = h.get(b"x-response-id"), h.get(b"x-program-id"), h.get(b"x-agentrt-replica")
         if pid and replica:
-            _remember(self.seen, pid.decode("latin-1"), replica.decode("latin-1"))
+            self.seen.set(pid.decode("latin-1"), replica.decode("latin-1"))
         if rid and pid:
-            _remember(self.chains, rid.decode("latin-1"), pid.decode("latin-1"))
+            self.chains.set(rid.decode("latin-1"), pid.decode("latin-1"))
 
     async def asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -251,7 +251,7 @@ class AgentrtFront:
         started = False
         try:
             stream = self.replicas.handle.remote(req, program_id=pid, prompt_tokens=len(body) // 4,
-                                                 home_hint=self.seen.get(pid) if pid is not None else None)
+                                                 home_hint=self.seen.get(pid))
             async for item in stream:
                 if not started:
                     status, out_headers = item
@@ -275,13 +275,6 @@ class AgentrtFront:
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(error).encode() + b"\n\n",
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _remember(table: collections.OrderedDict[str, str], key: str, value: str) -> None:
-    table[key] = value
-    table.move_to_end(key)
-    while len(table) > MAX_CHAINS:
-        table.popitem(last=False)
 
 
 def build_app(config: Any, replicas: int = 2, router: str = "program", *, num_cpus: float = 1.0,
