@@ -48,6 +48,8 @@ class EngineConfig:
     generation_config: str = "auto"  # sampling defaults (engine.generation_config): "auto" = the checkpoint's
     # generation_config.json, "vllm" = none, or a directory holding such a file
     override_generation_config: dict | None = None  # {field: value} on top of those, e.g. {"temperature": 0.5}
+    deterministic: bool = False  # batch-invariant kernels: a greedy request's tokens do not depend on what else the
+    # engine runs, how its prompt is chunked, prefix-cache hits or preemption (CPU with the C++ kernels; README)
     dtype_reason: str = field(default="", init=False)  # how `dtype` was chosen, for the start-up line
 
     def __post_init__(self) -> None:
@@ -82,6 +84,8 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min!r} "
                              f"and {self.prompt_lookup_max!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
         source = "dtype"
         if self.dtype is None and os.environ.get("AGENTRT_DTYPE"):
             self.dtype, source = os.environ["AGENTRT_DTYPE"], "$AGENTRT_DTYPE"
@@ -100,6 +104,11 @@ class EngineConfig:
             self.dtype_reason = f"auto: {why}"
         else:
             self.dtype_reason = f"set by {source}"
+        if self.deterministic and self.device != "cpu":
+            raise ValueError(f"deterministic is implemented for the CPU kernels only, not on device {self.device!r}: "
+                             "cuBLAS picks its GEMM kernel by the batch's row count (README, Deterministic outputs)")
+        if self.deterministic and self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"deterministic needs dtype float32 or bfloat16 (the C++ kernels'), got {self.dtype!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

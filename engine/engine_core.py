@@ -100,13 +100,19 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, config.device)
         if config.device == "cpu":
             kernels.cpu.ops()  # build (first time, ~30 s) or load the C++ CPU kernels now, not mid-request
+        if config.deterministic:
+            if kernels.cpu.ops() is None:
+                raise ValueError(f"deterministic needs the C++ CPU kernels, which are unavailable here "
+                                 f"({kernels.cpu.describe()}: no C++ compiler, or ${kernels.cpu.ENV_VAR}=0)")
+            self.model.set_batch_invariant(True)
         self.policy = make_policy(config.policy, **(config.policy_kwargs or {}))
         kv_bytes = num_blocks * ModelRunner.bytes_per_block(self.model.args, config.block_size, config.torch_dtype)
         self.startup_line = (f"agentrt engine: {self.model_path.name} on {config.device}, {config.dtype} "
                              f"({config.dtype_reason}), {num_blocks} KV blocks of {config.block_size} tokens "
                              f"({kv_bytes / 2**20:.0f} MiB, from {budget_from}), policy "
                              f"{getattr(self.policy, 'name', type(self.policy).__name__)}"
-                             + (f", kernels: {kernels.cpu.describe()}" if config.device == "cpu" else ""))
+                             + (f", kernels: {kernels.cpu.describe()}" if config.device == "cpu" else "")
+                             + (", deterministic (batch-invariant)" if config.deterministic else ""))
         announce(self.startup_line)
         self.scheduler = Scheduler(config, self.kv, self.policy)
         self.requests: dict[str, Request] = {}  # unfinished, by id (forked children included)

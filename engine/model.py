@@ -200,6 +200,15 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos_sin: torch.Tensor | None = None
         self._decode_cache: tuple | None = None  # see _decode_weights
         self._packs_homed = False  # see _packs_on_huge_pages
+        self.batch_invariant = False  # see set_batch_invariant
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """The engine's deterministic mode: every projection (kernels.linear) and the attention of every step
+        (the runner's metadata) compute a row the same way whatever else the step holds."""
+        self.batch_invariant = bool(on)
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.batch_invariant = self.batch_invariant
 
     @torch.no_grad()
     def init_rope(self, inv_freq: torch.Tensor, scaling: float) -> None:
@@ -218,7 +227,8 @@ class LlamaForCausalLM(nn.Module):
             a = self.args
             return ops.decode_forward(x, *self._decode_weights(), kv_cache, positions, slot_mapping, self.rope_cos_sin,
                                       meta.query_start_loc, meta.seq_lens, meta.block_tables, a.num_heads,
-                                      a.intermediate_size, a.rms_norm_eps, self.layers[0].self_attn.scale)
+                                      a.intermediate_size, a.rms_norm_eps, self.layers[0].self_attn.scale,
+                                      meta.batch_invariant)
         if ops is not None:
             rope = Rope(positions, self.rope_cos_sin, None)
         else:
@@ -298,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.norm(hidden)
         if self.lm_head is not None:
             return self.lm_head(h)
-        return linear(h, self.embed_tokens.weight, None, self._tied_head_pack)
+        return linear(h, self.embed_tokens.weight, None, self._tied_head_pack, self.batch_invariant)
 
     @torch.inference_mode()
     def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -321,7 +331,8 @@ class LlamaForCausalLM(nn.Module):
                     else self._tied_head_pack.get(w))
             return ops.decode_steps(input_ids, w, *self._decode_weights(), kv_cache, positions, self.rope_cos_sin,
                                     block_tables, self.norm.weight, head, a.vocab_size, stop_ids, steps, a.num_heads,
-                                    a.intermediate_size, a.rms_norm_eps, self.layers[0].self_attn.scale)
+                                    a.intermediate_size, a.rms_norm_eps, self.layers[0].self_attn.scale,
+                                    self.batch_invariant)
         dev, bs = input_ids.device, kv_cache.shape[3]
         width = block_tables.shape[1]
         last = (positions + steps - 1) // bs  # a row's blocks are a prefix of its table row
@@ -340,7 +351,8 @@ class LlamaForCausalLM(nn.Module):
             slots = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
             meta = kernels.build_attention_metadata(query_start_loc=qsl, seq_lens=(pos + 1).int(),
                                                     block_tables=block_tables, max_query_len=1,
-                                                    max_seq_len=int(pos.max()) + 1)
+                                                    max_seq_len=int(pos.max()) + 1,
+                                                    batch_invariant=self.batch_invariant)
             ids = self.compute_logits(self.forward(ids, pos, kv_cache, meta, slots)).float().argmax(dim=-1)
             tokens[:, j] = ids
             pos = pos + 1

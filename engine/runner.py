@@ -100,6 +100,7 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables).to(dev),
             max_query_len=max(out.num_tokens),
             max_seq_len=max(seq_lens),
+            batch_invariant=self.model.batch_invariant,
         )
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),

@@ -140,14 +140,18 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           pack_cache: PackCache | None = None) -> torch.Tensor:
+           pack_cache: PackCache | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """x: [..., K], weight: [N, K] (nn.Linear layout), bias: [N] or None -> [..., N].
 
-    `pack_cache` (owned by the caller, one per weight) enables the C++ path on CPU."""
+    `pack_cache` (owned by the caller, one per weight) enables the C++ path on CPU. `batch_invariant`: every
+    row count takes the same C++ kernel (bf16 prefill too, instead of the library GEMM above
+    BF16_PACKED_MAX_ROWS), whose tiles sum each row's products in one order whatever the row count: a row's
+    output does not depend on the other rows. (fp32 with the C++ kernels is that way already.)"""
     if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == x.dtype and pack_cache is not None
             and x.numel() and not torch.is_grad_enabled()):
         x2 = x.reshape(-1, x.shape[-1])
-        if (ops := cpu.ops()) is not None and (x2.shape[0] <= BF16_PACKED_MAX_ROWS or cpu.compiled_isa() != "avx512_bf16"):
+        if (ops := cpu.ops()) is not None and (batch_invariant or x2.shape[0] <= BF16_PACKED_MAX_ROWS
+                                               or cpu.compiled_isa() != "avx512_bf16"):
             b = None if bias is None else pack_cache.get_bias_f32(bias)
             out = ops.packed_linear_bf16(x2.contiguous(), pack_cache.get(weight), b, weight.shape[0])
             return out.view(*x.shape[:-1], weight.shape[0])
@@ -177,6 +181,7 @@ class Linear(torch.nn.Linear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.pack_cache = PackCache()
+        self.batch_invariant = False  # set by the engine's deterministic mode (`linear`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.pack_cache)
+        return linear(x, self.weight, self.bias, self.pack_cache, self.batch_invariant)

@@ -58,6 +58,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32; entries past ceil(seq_len/block_size) are padding
     max_query_len: int  # max over b of qsl[b+1] - qsl[b] (python int: no device sync)
     max_seq_len: int  # max over b of seq_lens[b]
+    batch_invariant: bool = False  # each row's output independent of the step's other rows (CPU kernels only)
     _cpu_plan: Any = field(default=None, repr=False, compare=False)  # kernels.paged_attention_cpu, lazily built
     _tile_start_loc: dict[tuple[int, int], torch.Tensor] = field(  # Triton: per (GROUP, BLOCK_M), lazily built
         default_factory=dict, repr=False, compare=False)
@@ -68,8 +69,10 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                             max_query_len: int, max_seq_len: int) -> AttentionMetadata:
-    """Check shapes and build an `AttentionMetadata` (index tensors are converted to int32)."""
+                             max_query_len: int, max_seq_len: int, batch_invariant: bool = False) -> AttentionMetadata:
+    """Check shapes and build an `AttentionMetadata` (index tensors are converted to int32). `batch_invariant`:
+    the CPU kernels compute each query row the same way whatever else the step holds (how many rows, split
+    how, decode or prefill), at some cost in speed (kernels.paged_attention_cpu)."""
     num_seqs = seq_lens.shape[0]
     if seq_lens.dim() != 1 or query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [B+1] and seq_lens [B]; got {tuple(query_start_loc.shape)} "
@@ -84,6 +87,7 @@ def build_attention_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tens
         block_tables=block_tables.to(torch.int32).contiguous(),
         max_query_len=int(max_query_len),
         max_seq_len=int(max_seq_len),
+        batch_invariant=bool(batch_invariant),
     )
 
 

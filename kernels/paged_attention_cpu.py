@@ -59,6 +59,8 @@ class _CpuPlan:
     tiled_seqs: torch.Tensor | None = None  # tiled C++ kernel: [S] int64, sequences with query rows
     prefill_each: list[tuple[_Part, int, int, bool]] | None = None  # torch path, SDPA per prefill sequence:
     # (its part, first and end row of q, whether it is a fresh prompt: q_len == seq_len, so plainly causal)
+    pieces: tuple[torch.Tensor, ...] | None = None  # batch-invariant small_q path: (query_start_loc, seq_lens,
+    # block_tables, seqs) of every sequence cut in runs of at most CPP_MAX_QUERY_ROWS rows (`_row_pieces`)
 
 
 def _build_part(meta: AttentionMetadata, seqs: torch.Tensor, block_size: int, decode: bool) -> _Part:
@@ -140,6 +142,26 @@ def _prefill_parts(meta: AttentionMetadata, seqs: torch.Tensor, block_size: int)
     return _build_part(meta, seqs, block_size, False), None
 
 
+def _row_pieces(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    """Every sequence's query rows in runs of at most CPP_MAX_QUERY_ROWS, each run a sequence of its own for
+    `paged_attention_small_q`: rows [a, e) of a sequence of R rows and L positions see what they saw in it,
+    so the run's seq_len is L - R + e; the runs tile the rows of q in order, as sequences do."""
+    qsl, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    starts, run_lens, owners = [], [], []
+    for b, length in enumerate(lens):
+        rows = qsl[b + 1] - qsl[b]
+        for a in range(0, rows, CPP_MAX_QUERY_ROWS):
+            end = min(a + CPP_MAX_QUERY_ROWS, rows)
+            starts.append(qsl[b] + a)
+            run_lens.append(length - rows + end)
+            owners.append(b)
+    device = meta.seq_lens.device
+    run_qsl = torch.tensor([*starts, qsl[-1]] if starts else [0], dtype=torch.int32, device=device)
+    owner = torch.tensor(owners, dtype=torch.long, device=device)
+    return (run_qsl, torch.tensor(run_lens, dtype=torch.int32, device=device),
+            meta.block_tables.index_select(0, owner).contiguous(), torch.arange(len(owners), device=device))
+
+
 def _cpu_plan(meta: AttentionMetadata, block_size: int, use_cpp: bool, tiled: bool) -> _CpuPlan:
     plan = meta._cpu_plan
     if plan is None:
@@ -149,6 +171,9 @@ def _cpu_plan(meta: AttentionMetadata, block_size: int, use_cpp: bool, tiled: bo
             if tiled:  # the tiled bf16 kernel takes every row
                 plan = _CpuPlan(block_size=block_size, use_cpp=True, decode=[], prefill=None, tiled=True,
                                 small_seqs=q_lens[:0], tiled_seqs=(q_lens >= 1).nonzero().squeeze(1))
+            elif meta.batch_invariant:  # every row through small_q (no SDPA: it sums in another order)
+                plan = _CpuPlan(block_size=block_size, use_cpp=True, decode=[], prefill=None, small_seqs=q_lens[:0],
+                                pieces=_row_pieces(meta))
             else:
                 small = ((q_lens >= 1) & (q_lens <= CPP_MAX_QUERY_ROWS)).nonzero().squeeze(1)
                 prefill_seqs = (q_lens > CPP_MAX_QUERY_ROWS).nonzero().squeeze(1)
@@ -224,7 +249,9 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     On CPU in bf16 on AVX512-BF16 every sequence goes to the tiled C++ kernel (`paged_attention_bf16`);
     otherwise, with the C++ kernels built (kernels/cpu.py), sequences with up to `CPP_MAX_QUERY_ROWS`
     query rows go to `paged_attention_small_q` and longer ones to SDPA over gathered blocks; without
-    them, pure torch."""
+    them, pure torch. With `meta.batch_invariant` the C++ kernels take every row (longer runs cut in
+    pieces for `paged_attention_small_q`), never splitting a sequence's positions, so a row's output is
+    the same whatever else the step holds; the torch path makes no such promise."""
     _check(q, k_cache, v_cache, meta)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -235,12 +262,15 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     use_cpp = _cpp_applies(q, k_cache, v_cache)
     plan = _cpu_plan(meta, k_cache.shape[1], use_cpp, use_cpp and q.dtype == torch.bfloat16
                      and cpu.compiled_isa() == "avx512_bf16")
+    invariant = meta.batch_invariant
     if plan.use_cpp and plan.small_seqs.numel():
         cpu.ops().paged_attention_small_q(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                          meta.block_tables, plan.small_seqs, scale, out)
+                                          meta.block_tables, plan.small_seqs, scale, out, invariant)
+    if plan.pieces is not None and plan.pieces[3].numel():
+        cpu.ops().paged_attention_small_q(q, k_cache, v_cache, *plan.pieces, scale, out, True)
     if plan.tiled_seqs is not None and plan.tiled_seqs.numel():
         cpu.ops().paged_attention_bf16(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                          meta.block_tables, plan.tiled_seqs, scale, out)
+                                          meta.block_tables, plan.tiled_seqs, scale, out, invariant)
     for part in plan.decode:
         num_seqs = part.rows.shape[0]
         q_dec = q if part.in_order else q.index_select(0, part.rows)

@@ -20,6 +20,14 @@ namespace agentrt {
 constexpr int64_t kMaxQueryRows = 16;  // query rows per sequence this kernel takes
 constexpr int64_t kMaxHeads = 64;       // query heads
 
+// hsum4's sum of one vector's lanes (its pairwise tree, not hsum's halves): a position's score is the
+// same number whether it is one of four (hsum4) or in a block's tail, wherever the block ends.
+inline float hsum_like4(v8 a) {
+  float s[4];
+  hsum4(a, splat(0.f), splat(0.f), splat(0.f), s);
+  return s[0];
+}
+
 // Scores of `nq` queries (fp32 rows of qs, stride D) against m positions of one kv head (rows of kb,
 // `stride` elements apart): s[i * L + j] = q_i . k_j. Queries two at a time and positions four at a
 // time, so each loaded K row serves two queries and eight FMA chains run side by side.
@@ -52,8 +60,8 @@ inline void block_scores(const float* qs, int64_t nq, const float* kb, int64_t s
         a += load8(q0 + 8 * d) * k;
         b += load8(q1 + 8 * d) * k;
       }
-      s0[j] = hsum(a);
-      s1[j] = hsum(b);
+      s0[j] = hsum_like4(a);
+      s1[j] = hsum_like4(b);
     }
   }
   if (i < nq) {
@@ -74,7 +82,7 @@ inline void block_scores(const float* qs, int64_t nq, const float* kb, int64_t s
       const float* kp = kb + j * stride;
       v8 a = splat(0.f);
       for (int d = 0; d < ND; ++d) a += load8(q0 + 8 * d) * load8(kp + 8 * d);
-      s0[j] = hsum(a);
+      s0[j] = hsum_like4(a);
     }
   }
 }
@@ -260,12 +268,15 @@ constexpr int64_t kMinPartPositions = 64;
 // least, never below kMinPartPositions); a sequence too short for two such parts, with fewer sequences
 // than threads, splits by kv heads instead. The items then go to the threads longest first, each to
 // the least loaded (a decode sequence of 3 kv heads, or 3 sequences, or one long and a few short ones
-// keep 2 threads evenly busy), laid out one thread's share after another.
+// keep 2 threads evenly busy), laid out one thread's share after another. `invariant` (batch-invariant
+// mode): never split a sequence's positions (merged parts sum in another order than one walk), only
+// its kv heads, whose rows are independent: a row's output then does not depend on its step's other
+// rows or the thread count.
 template <typename T>
 void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* k_cache, const T* v_cache,
                              const int32_t* qsl, const int32_t* lens, const int32_t* tables, int64_t max_blocks,
                              const int64_t* seqs, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                             float scale) {
+                             float scale, bool invariant = false) {
   const int64_t G = H / KVH, threads = num_threads();
   std::vector<SeqPart> items;
   // split sequences: parts, positions per part, first float of their buffer
@@ -280,7 +291,7 @@ void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* 
     std::vector<SeqPart> planned;
     for (int64_t i = 0; i < S; ++i) {
       const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b], L = lens[b], span = L - R + 1;
-      if (span < 2 * kMinPartPositions && S < threads) {
+      if (invariant || (span < 2 * kMinPartPositions && S < threads)) {
         for (int64_t kvh = 0; kvh < KVH; ++kvh) planned.push_back({i, kvh, kvh + 1, 0, L, nullptr});
         continue;
       }

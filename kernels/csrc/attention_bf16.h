@@ -479,12 +479,19 @@ inline void merge_parts(const std::vector<Item>& list, const std::vector<int64_t
 // consecutive items, so a thread reads whole K/V rows of its positions. Part boundaries are
 // multiples of kPrefillTile at or before the first row's position, so every part holds a visible
 // position of every row; at least kMinSplit positions per part.
+// `invariant` (batch-invariant mode): a row's output does not depend on the other rows of its step,
+// whatever they are: no split of positions (a split walk merges its parts in another order), and every
+// item walks packed K/V (walk_rows), decode rows too: walk_direct sums a score's products in another
+// order than walk_rows. Each row then sums over tiles of 32 positions from position 0, its dim pairs
+// in one order, the same whether it is a decode row, one of a prefill chunk of any size, or a
+// recomputed one.
 constexpr int64_t kMinSplit = 64;
 
 inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out, const bf16* k_cache,
                                     const bf16* v_cache, const int32_t* qsl, const int32_t* lens,
                                     const int32_t* tables, int64_t max_blocks, const int64_t* seqs, int64_t S,
-                                    int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale) {
+                                    int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,
+                                    bool invariant = false) {
   const int64_t G = H / KVH, threads = num_threads();
   const float scale_log2e = scale * 1.4426950408889634f;
   // Items go to all threads from kParallelWork (query row x head, position) pairs on: one decode row
@@ -500,7 +507,7 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
     items += KVH * chunks[i];
     offset[i + 1] = offset[i] + (chunks[i] > 1 ? KVH * lp[i] * D : 0);  // uint32s: Lp * D / 2 for K, as many for V
   }
-  const bool split = work >= kParallelWork && items < 2 * threads &&
+  const bool split = !invariant && work >= kParallelWork && items < 2 * threads &&
                      std::all_of(chunks.begin(), chunks.end(), [](int64_t c) { return c == 1; });
   std::vector<Item> list;
   std::vector<int64_t> seq_of;  // each item's index in seqs
@@ -509,7 +516,7 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
     if (split) parts[i] = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, span / kMinSplit));
     const int64_t step = ((span + parts[i] - 1) / parts[i] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
     parts[i] = (span + step - 1) / step;  // whole tiles per part may leave fewer parts
-    const bool by_tile = R * G <= walk_rows_per_tile(D);
+    const bool by_tile = !invariant && R * G <= walk_rows_per_tile(D);
     for (int64_t begin = 0; begin < span; begin += step)  // a part's kv heads side by side: whole rows
       for (int64_t kvh = 0; kvh < KVH; ++kvh)
         for (int64_t c = 0; c < chunks[i]; ++c) {

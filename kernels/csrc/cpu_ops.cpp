@@ -124,7 +124,8 @@ void check_rows(const int32_t* qsl, const int32_t* lens, const int64_t* seqs, in
 // (1 to 16 query rows each).
 void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                             const at::Tensor& block_tables, const at::Tensor& seqs, double scale, at::Tensor& out) {
+                             const at::Tensor& block_tables, const at::Tensor& seqs, double scale, at::Tensor& out,
+                             bool invariant) {
   TORCH_CHECK(is_float_or_bf16(q) && k_cache.scalar_type() == q.scalar_type() &&
                   v_cache.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "paged_attention_small_q: q, caches and out all fp32 or all bf16");
@@ -150,7 +151,7 @@ void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, con
     using T = decltype(tag);
     agentrt::paged_attention_small_q<T>(ptr<T>(q), q.stride(0), ptr<T>(out), ptr<T>(k_cache), ptr<T>(v_cache), qsl,
                                         lens, block_tables.data_ptr<int32_t>(), max_blocks, sp, S, H, KVH, D,
-                                        block_size, static_cast<float>(scale));
+                                        block_size, static_cast<float>(scale), invariant);
   });
 }
 
@@ -158,7 +159,8 @@ void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, con
 // AVX512-BF16 build only (attention_bf16.h).
 void paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                             const at::Tensor& block_tables, const at::Tensor& seqs, double scale, at::Tensor& out) {
+                             const at::Tensor& block_tables, const at::Tensor& seqs, double scale, at::Tensor& out,
+                             bool invariant) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
@@ -180,7 +182,7 @@ void paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const 
   check_rows(qsl, lens, sp, S, block_size, max_blocks, std::numeric_limits<int64_t>::max(), "paged_attention_bf16");
   agentrt::paged_attention_bf16(ptr<bf16>(q), q.stride(0), ptr<bf16>(out), ptr<bf16>(k_cache), ptr<bf16>(v_cache),
                                    qsl, lens, block_tables.data_ptr<int32_t>(), max_blocks, sp, S, H, KVH, D,
-                                   block_size, static_cast<float>(scale));
+                                   block_size, static_cast<float>(scale), invariant);
 #else
   TORCH_CHECK(false, "paged_attention_bf16: needs the avx512_bf16 build, this is ", agentrt::compiled_isa());
 #endif
@@ -286,7 +288,7 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
                           const at::Tensor& slot_mapping, const at::Tensor& cos_sin,
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                           const at::Tensor& block_tables, int64_t num_heads, int64_t intermediate, double eps,
-                          double scale) {
+                          double scale, bool invariant) {
   const int64_t layers = input_norms.size();
   TORCH_CHECK(qkv.size() == layers && qkv_bias.size() == layers && o_proj.size() == layers &&
                   post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
@@ -416,14 +418,14 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<E, bf16>) {
           agentrt::paged_attention_bf16(qp, H * D, attnp, kc, vc, qsl, lens, tables, max_blocks, seqs.data(),
-                                        seqs.size(), H, KVH, D, block_size, fscale);
+                                        seqs.size(), H, KVH, D, block_size, fscale, invariant);
         } else {
           agentrt::paged_attention_small_q<E>(qp, H * D, attnp, kc, vc, qsl, lens, tables, max_blocks, seqs.data(),
-                                              seqs.size(), H, KVH, D, block_size, fscale);
+                                              seqs.size(), H, KVH, D, block_size, fscale, invariant);
         }
 #else
         agentrt::paged_attention_small_q<E>(qp, H * D, attnp, kc, vc, qsl, lens, tables, max_blocks, seqs.data(),
-                                            seqs.size(), H, KVH, D, block_size, fscale);
+                                            seqs.size(), H, KVH, D, block_size, fscale, invariant);
 #endif
         linear(attnp, H * D, o_proj[i], nullptr, op, hidden);
         agentrt::single([&] {
@@ -530,7 +532,7 @@ std::tuple<at::Tensor, at::Tensor> decode_steps(
     at::TensorList gate_up, at::TensorList down, at::TensorList qk_norms, at::Tensor& kv_cache,
     const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& block_tables, const at::Tensor& final_norm,
     const at::Tensor& lm_head, int64_t vocab, const at::Tensor& stop_ids, int64_t steps, int64_t num_heads,
-    int64_t intermediate, double eps, double scale) {
+    int64_t intermediate, double eps, double scale, bool invariant) {
   const int64_t R = input_ids.numel();
   TORCH_CHECK(steps >= 1, "decode_steps: steps must be >= 1, got ", steps);
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.dim() == 1 && R >= 1 &&
@@ -579,7 +581,7 @@ std::tuple<at::Tensor, at::Tensor> decode_steps(
     const at::Tensor x = embed.index_select(0, ids);
     const at::Tensor h = decode_forward(x, input_norms, qkv, qkv_bias, o_proj, post_norms, gate_up, down, qk_norms,
                                         kv_cache, pos, slots, cos_sin, qsl, seq_lens, block_tables, num_heads, intermediate,
-                                        eps, scale);
+                                        eps, scale, invariant);
     const at::Tensor normed = rms_norm(h, final_norm, eps);
     const at::Tensor logits = bf ? packed_linear_bf16(normed, lm_head, std::nullopt, vocab)
                                  : packed_linear(normed, lm_head, std::nullopt, vocab);
@@ -622,21 +624,21 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("packed_linear_bf16(Tensor x, Tensor w_packed, Tensor? bias, int N) -> Tensor");
   m.def(
       "paged_attention_small_q(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out) -> ()");
+      "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out, bool invariant=False) -> ()");
   m.def(
       "paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out) -> ()");
+      "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out, bool invariant=False) -> ()");
   m.def(
       "decode_forward(Tensor x, Tensor[] input_norms, Tensor[] qkv, Tensor?[] qkv_bias, Tensor[] o_proj, "
       "Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor[] qk_norms, Tensor(a!) kv_cache, "
       "Tensor positions, Tensor slot_mapping, Tensor cos_sin, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
-      "int num_heads, int intermediate, float eps, float scale) -> Tensor");
+      "int num_heads, int intermediate, float eps, float scale, bool invariant=False) -> Tensor");
   m.def(
       "decode_steps(Tensor input_ids, Tensor embed, Tensor[] input_norms, Tensor[] qkv, Tensor?[] qkv_bias, "
       "Tensor[] o_proj, Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor[] qk_norms, Tensor(a!) kv_cache, "
       "Tensor positions, "
       "Tensor cos_sin, Tensor block_tables, Tensor final_norm, Tensor lm_head, int vocab, Tensor stop_ids, int steps, "
-      "int num_heads, int intermediate, float eps, float scale) -> (Tensor, Tensor)");
+      "int num_heads, int intermediate, float eps, float scale, bool invariant=False) -> (Tensor, Tensor)");
   m.def(
       "rope_store_kv(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, int num_heads) -> Tensor");

@@ -106,7 +106,10 @@ inline void store_row_bf16(bf16* row, const float* acc, int64_t ncols) {
 
 #if defined(__AVX512BF16__)
 
-constexpr int kMaxTileRowsBf16 = 12;  // 12 rows x 2 vectors = 24 of the 32 zmm registers
+// 6 rows x 2 vectors x 2 accumulator sets = 24 of the 32 zmm registers. Every tile, whatever its row count,
+// sums a row's k pairs in the same order (even pairs in one set, odd in the other, then the two added):
+// a row's output does not depend on how many rows share the call (batch invariance, kernels/linear.py).
+constexpr int kMaxTileRowsBf16 = 6;
 
 inline int32_t load_pair(const bf16* p) {
   int32_t v;
@@ -115,7 +118,7 @@ inline int32_t load_pair(const bf16* p) {
 }
 
 // MR rows of x times one panel; KU independent accumulator sets over alternating k pairs (few rows
-// would otherwise wait on the dot product's latency).
+// would otherwise wait on the dot product's latency); linear_rows_bf16 uses KU = 2 for every tile.
 template <int MR, int KU>
 inline void linear_tile_bf16(const bf16* x, int64_t K, const bf16* panel, const float* bias, bf16* y, int64_t ldy,
                              int64_t ncols) {
@@ -183,14 +186,8 @@ inline void linear_rows_bf16(const bf16* x, int64_t rows, int64_t K, const bf16*
       case 2: linear_tile_bf16<2, 2>(xm, K, panel, bias, ym, N, ncols); break;
       case 3: linear_tile_bf16<3, 2>(xm, K, panel, bias, ym, N, ncols); break;
       case 4: linear_tile_bf16<4, 2>(xm, K, panel, bias, ym, N, ncols); break;
-      case 5: linear_tile_bf16<5, 1>(xm, K, panel, bias, ym, N, ncols); break;
-      case 6: linear_tile_bf16<6, 1>(xm, K, panel, bias, ym, N, ncols); break;
-      case 7: linear_tile_bf16<7, 1>(xm, K, panel, bias, ym, N, ncols); break;
-      case 8: linear_tile_bf16<8, 1>(xm, K, panel, bias, ym, N, ncols); break;
-      case 9: linear_tile_bf16<9, 1>(xm, K, panel, bias, ym, N, ncols); break;
-      case 10: linear_tile_bf16<10, 1>(xm, K, panel, bias, ym, N, ncols); break;
-      case 11: linear_tile_bf16<11, 1>(xm, K, panel, bias, ym, N, ncols); break;
-      default: linear_tile_bf16<12, 1>(xm, K, panel, bias, ym, N, ncols); break;
+      case 5: linear_tile_bf16<5, 2>(xm, K, panel, bias, ym, N, ncols); break;
+      default: linear_tile_bf16<6, 2>(xm, K, panel, bias, ym, N, ncols); break;
     }
   }
 }
@@ -216,7 +213,10 @@ inline void linear_tile_bf16(const float* xf, int64_t K, const bf16* panel, cons
     }
     for (int m = 0; m < MR; ++m) {
       const v8 a = splat(xf[m * (K + 1) + 2 * kk]), b = splat(xf[m * (K + 1) + 2 * kk + 1]);
-      for (int c = 0; c < 4; ++c) acc[m][c] += a * lo[c] + b * hi[c];
+      for (int c = 0; c < 4; ++c) {  // k = 2kk, then 2kk + 1: the order of the widened path's fp32 tiles
+        acc[m][c] += a * lo[c];
+        acc[m][c] += b * hi[c];
+      }
     }
   }
   float bv[kPanelBf16] = {};
