@@ -34,7 +34,9 @@ _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
     "--generation-config": (str, ("sampling defaults for unset request fields: auto (the model's "
                                   "generation_config.json; the default), vllm (none) or a directory holding one")),
 }
-_SWITCHES = ("enable_prefix_caching", "enable_lora")
+_SWITCHES = ("enable_prefix_caching", "enable_lora", "deterministic")
+DETERMINISTIC_HELP = ("batch-invariant kernels: a greedy call's tokens do not depend on the other calls, prefix-cache "
+                      "hits, chunking or preemption (CPU with the C++ kernels; costs some speed, see the README)")
 
 
 def _one_line_error(self: argparse.ArgumentParser, message: str) -> NoReturn:
@@ -66,6 +68,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, type=type_, default=None, help=help_)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of shared prompt prefixes (default: on)")
+    g.add_argument("--deterministic", action="store_true", default=None, help=DETERMINISTIC_HELP)
     g.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters (PEFT directories): a request names one as its model")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",

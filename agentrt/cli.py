@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from agentrt import run_batch
-from agentrt._cli_options import add_engine_options, engine_options, one_line_usage_errors
+from agentrt._cli_options import DETERMINISTIC_HELP, add_engine_options, engine_options, one_line_usage_errors
 from agentrt._reasoning import REASONING_PARSERS
 from agentrt._toolparsers import PARSER_CHOICES
 from agentrt.engine.pooling import POOLING_METHODS
@@ -33,7 +33,8 @@ def _generate(a: argparse.Namespace) -> int:
     # every argument is checked before the model loads (seconds)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=a.stop, n=a.n)
-    config = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, num_scheduler_steps=a.num_scheduler_steps)
+    config = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, num_scheduler_steps=a.num_scheduler_steps,
+                          deterministic=a.deterministic)
     if not a.prompt:
         raise ValueError("the prompt is empty")
     from agentrt.engine import LLM
@@ -140,6 +141,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", default=None)
     g.add_argument("--num-scheduler-steps", type=int, default=8,
                    help="greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens come in bursts of this many)")
+    g.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(fn=_generate)
     s = sub.add_parser("serve", help="serve the runtime over an OpenAI-compatible HTTP API keyed by program id")

@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from agentrt import cli as lib_cli
-from agentrt._cli_options import one_line_usage_errors, usage_error
+from agentrt._cli_options import DETERMINISTIC_HELP, one_line_usage_errors, usage_error
 from agentrt.policies import POLICY_NAMES
 
 BENCHES = {
@@ -40,7 +40,11 @@ def _run(a: argparse.Namespace) -> int:
     from agentrt.command.run import run_file
 
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
-    return run_file(a.file, args, url=a.url, api_key=a.api_key, model=a.model, policy=a.policy)
+    if a.deterministic and a.url is not None:
+        return usage_error("agentrt run", "--deterministic sets the in-process engine; with --url start the server "
+                                          "with agentrt serve --deterministic")
+    return run_file(a.file, args, url=a.url, api_key=a.api_key, model=a.model, policy=a.policy,
+                    deterministic=a.deterministic)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +77,7 @@ def _main(argv: list[str]) -> int:
     r.add_argument("--api-key", default=None, help="API key for --url (default: $AGENTRT_API_KEY)")
     r.add_argument("--model", default=None, help="in-process: HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     r.add_argument("--policy", default="plas", choices=POLICY_NAMES, help="in-process policy")
+    r.add_argument("--deterministic", action="store_true", help=f"in-process: {DETERMINISTIC_HELP}")
     r.add_argument("file")
     r.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the file's main (after --)")
     r.set_defaults(fn=_run)

@@ -209,6 +209,64 @@ def engines_decode_paired(engines: dict, prompt, new: int) -> dict:
     return seconds
 
 
+def deterministic_cost(a, kw: dict) -> tuple[dict, str]:
+    """The deterministic (batch-invariant) engine against the default one, same run, same requests: batched
+    output tok/s and a prefill-only pass (the two run in turn, `--repeats` times, each repeat's prompts new to
+    both prefix caches), and single-request decode stepped in turn (`engines_decode_paired`). Returns
+    (results, the markdown section)."""
+    from agentrt.engine import LLM
+
+    engines = {"default": LLM(a.model, **kw), "deterministic": LLM(a.model, **kw, deterministic=True)}
+    reqs = workload(a.num_requests, a.seed)
+    useful, prompt_tokens = sum(o for _, o in reqs), sum(len(p) for p, _ in reqs)
+    for e in engines.values():
+        run_engine(e, [(p[:300], 4) for p, _ in reqs[:4]])  # pack the weights, warm both paths
+    batched: dict[str, list[float]] = {k: [] for k in engines}
+    prefill: dict[str, list[float]] = {k: [] for k in engines}
+    for r in range(a.det_repeats):
+        fresh = [([p[0] + 1 + 2 * r, *p[1:]], o) for p, o in reqs]  # a first token no earlier run used
+        once = [([p[0] + 2 + 2 * r, *p[1:]], 1) for p, _ in reqs]
+        for k in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            batched[k].append(useful / run_engine(engines[k], fresh))
+            prefill[k].append(prompt_tokens / run_engine(engines[k], once))
+            print(f"repeat {r} {k}: {batched[k][-1]:.1f} output tok/s, prefill {prefill[k][-1]:.0f} tok/s",
+                  file=sys.stderr)
+    singles = reqs[: a.single_requests]
+    decode: dict[str, dict[int, list[float]]] = {k: {} for k in engines}
+    for _ in range(max(1, a.single_repeats)):
+        for j, (p, o) in enumerate(singles):
+            for k, seconds in engines_decode_paired(engines, p, o).items():
+                decode[k].setdefault(j, []).append(seconds)
+    dec_tokens = sum(o - 1 for _, o in singles)
+    res = {"dtype": engines["default"].core.config.dtype, "num_requests": a.num_requests, "output_tokens": useful,
+           "startup_lines": {k: e.core.startup_line for k, e in engines.items()},
+           "batched_tok_s": {k: statistics.median(v) for k, v in batched.items()},
+           "prefill_tok_s": {k: statistics.median(v) for k, v in prefill.items()}}
+    if singles:
+        res["single_decode_tok_s"] = {k: dec_tokens / sum(statistics.median(ts) for ts in per.values())
+                                      for k, per in decode.items()}
+    rows = []
+    for key, label in (("batched_tok_s", f"batched output tok/s ({a.num_requests} requests)"),
+                       ("prefill_tok_s", "prefill-only prompt tok/s (1 output token each)"),
+                       ("single_decode_tok_s", f"single-request decode tok/s ({len(singles)} requests, prefill excluded)")):
+        if key in res:
+            v = res[key]
+            res[key.replace("_tok_s", "_cost")] = 1 - v["deterministic"] / v["default"]
+            rows.append([label, v["default"], v["deterministic"], v["deterministic"] / v["default"]])
+    table = markdown_table(["measure", "default", "deterministic", "deterministic / default"], rows)
+    costs = ", ".join(f"{name} **{res[key]:+.0%}**" for name, key in
+                      (("batched throughput", "batched_cost"), ("single-request decode", "single_decode_cost"))
+                      if key in res)
+    section = (f"{cpu_flags_note()}. Load average {os.getloadavg()[0]:.1f} at the end.  \n"
+               f"Engines: `{res['startup_lines']['deterministic']}`, and the same without deterministic; "
+               f"num_scheduler_steps={a.num_scheduler_steps}\n\n{a.num_requests} requests, prompts 16-512, outputs "
+               f"16-256 ({useful} output tokens), ignore_eos, greedy; batched and prefill rows the median of "
+               f"{a.det_repeats} runs per engine, run in turn; single-request decode the median of "
+               f"{max(1, a.single_repeats)} runs per request, the engines stepped in turn.\n\n{table}\n\n"
+               f"Cost of deterministic mode (1 - deterministic / default): {costs} (target <= 10% each).\n")
+    return res, section
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="agentrt bench throughput", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -238,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--sampling-steps", type=int, default=8,
                     help="decode steps per run of the sampling-processors row (bench.sampling; 0 = skip)")
+    ap.add_argument("--deterministic-cost", action="store_true",
+                    help="only the deterministic (batch-invariant) engine against the default one (no HF)")
+    ap.add_argument("--det-repeats", type=int, default=2, help="batched runs per engine with --deterministic-cost")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
                     help="write this benchmark's section of docs/benchmarks.md (default: no)")
@@ -264,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
           "num_scheduler_steps": a.num_scheduler_steps}
     if a.kv_cache_gb is not None:
         kw["kv_cache_bytes"] = int(a.kv_cache_gb * 2**30)
+    if a.deterministic_cost:
+        res, section = deterministic_cost(a, kw)
+        print(json.dumps(res, indent=2, default=str) if a.json else section)
+        if a.docs:
+            write_section(f"Deterministic mode ({dtype_on_cpu(getattr(torch, res['dtype']))})", section)
+        return 0
     llm = LLM(a.model, **kw)
     config = llm.core.config
     spec = LLM(a.model, num_speculative_tokens=a.speculative, **kw) if a.speculative else None

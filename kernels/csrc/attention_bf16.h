@@ -270,7 +270,11 @@ inline __m512 sum16x16(const __m512 v[16]) {
 // packing each tile (walk_rows with a tile source) it skips the 16 x 16 transposes and the stores of
 // the packed copy. Positions [base, end) of the kv head at kv_off of each cache row; row m sees up to
 // pos[m]. Outputs as walk_rows.
-template <int MR, int KZ>
+// INV (batch-invariant mode): each 16 x 32-dim block of K rows is transposed in registers
+// (transpose16x16, as pack_kv does) and the scores are summed over dim pairs in walk_rows's order, so a
+// decode row's output is bit-identical to the same row's in a prefill chunk (walk_rows), still without
+// a packed copy in memory.
+template <int MR, int KZ, bool INV = false>
 inline void walk_direct(const uint32_t* qp, const int64_t* pos, int64_t base, int64_t end, const bf16* k_cache,
                         const bf16* v_cache, const int32_t* table, int64_t block_size, int64_t row_stride,
                         int64_t kv_off, float scale_log2e, bf16* const* out, float* const* partial) {
@@ -324,10 +328,28 @@ inline void walk_direct(const uint32_t* qp, const int64_t* pos, int64_t base, in
       vrow[j] = cur[j] >= 0 ? v_cache + cur[j] : zeros;
     }
     if (more) std::copy(next, next + kPrefillTile, cur);
+    __m512 st[INV ? MR : 1][2];  // INV: the rows' scores, dim pairs in walk_rows's order
+    if constexpr (INV) {
+      for (int m = 0; m < MR; ++m) st[m][0] = st[m][1] = _mm512_setzero_ps();
+      for (int h = 0; h < 2; ++h)
+        for (int z = 0; z < KZ; ++z) {
+          __m512i r[16];
+          for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(krow[16 * h + j] + 32 * z);
+          transpose16x16(r);  // r[c]: dim pair 16 z + c of the 16 positions
+          for (int c = 0; c < 16; ++c)
+            for (int m = 0; m < MR; ++m)
+              st[m][h] = _mm512_dpbf16_ps(st[m][h], (__m512bh)_mm512_set1_epi32(qp[m * half + 16 * z + c]),
+                                          (__m512bh)r[c]);
+        }
+    }
     for (int m = 0; m < MR; ++m) {
+      v16 s[2];
+      if constexpr (INV) {
+        s[0] = (v16)st[m][0] * scale_log2e;
+        s[1] = (v16)st[m][1] * scale_log2e;
+      } else {
       __m512bh q[KZ];
       for (int z = 0; z < KZ; ++z) q[z] = (__m512bh)_mm512_loadu_si512(qp + m * half + 16 * z);
-      v16 s[2];
       for (int h = 0; h < 2; ++h) {
         __m512 acc[16];
         for (int j = 0; j < 16; ++j) {
@@ -336,6 +358,7 @@ inline void walk_direct(const uint32_t* qp, const int64_t* pos, int64_t base, in
           for (int z = 1; z < KZ; ++z) acc[j] = _mm512_dpbf16_ps(acc[j], q[z], (__m512bh)_mm512_loadu_si512(k + 32 * z));
         }
         s[h] = (v16)sum16x16(acc) * scale_log2e;
+      }
       }
       // hide positions past the row's own and past the walk's end
       const float lim = static_cast<float>(std::min(pos[m] - base - n0, count - 1));
@@ -387,7 +410,7 @@ struct Item {
 template <int NC>
 void run_item(const bf16* q, int64_t q_row_stride, bf16* out, int64_t H, int64_t G, const Item& it,
               const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t KVH, int64_t block_size,
-              float scale_log2e) {
+              float scale_log2e, bool invariant) {
   constexpr int64_t D = NC * 16, half = D / 2;
   constexpr int MR = walk_rows_per_tile(D);
   alignas(64) uint32_t qp[MR * half];
@@ -414,8 +437,14 @@ void run_item(const bf16* q, int64_t q_row_stride, bf16* out, int64_t H, int64_t
       static_assert(NC % 2 == 0, "walk_direct reads whole 32-dim vectors");
       const int64_t rows = it.row1 - i0;  // no padding row for a GQA group of 3
       auto direct = [&](auto tile_rows) {
-        walk_direct<decltype(tile_rows)::value, NC / 2>(qp, pos, it.base, it.end, k_cache, v_cache, table, block_size,
-                                                        KVH * D, it.kvh * D, scale_log2e, dst, po);
+        constexpr int rows_ = decltype(tile_rows)::value;
+        if (invariant) {
+          walk_direct<rows_, NC / 2, true>(qp, pos, it.base, it.end, k_cache, v_cache, table, block_size, KVH * D,
+                                           it.kvh * D, scale_log2e, dst, po);
+        } else {
+          walk_direct<rows_, NC / 2>(qp, pos, it.base, it.end, k_cache, v_cache, table, block_size, KVH * D,
+                                     it.kvh * D, scale_log2e, dst, po);
+        }
       };
       if (rows >= MR) {
         direct(std::integral_constant<int, MR>{});
@@ -480,11 +509,10 @@ inline void merge_parts(const std::vector<Item>& list, const std::vector<int64_t
 // multiples of kPrefillTile at or before the first row's position, so every part holds a visible
 // position of every row; at least kMinSplit positions per part.
 // `invariant` (batch-invariant mode): a row's output does not depend on the other rows of its step,
-// whatever they are: no split of positions (a split walk merges its parts in another order), and every
-// item walks packed K/V (walk_rows), decode rows too: walk_direct sums a score's products in another
-// order than walk_rows. Each row then sums over tiles of 32 positions from position 0, its dim pairs
-// in one order, the same whether it is a decode row, one of a prefill chunk of any size, or a
-// recomputed one.
+// whatever they are: no split of positions (a split walk merges its parts in another order), and
+// decode rows' walk_direct sums each score's products in walk_rows's order (its INV form). Each row
+// then sums over tiles of 32 positions from position 0, its dim pairs in one order, the same whether
+// it is a decode row, one of a prefill chunk of any size, or a recomputed one.
 constexpr int64_t kMinSplit = 64;
 
 inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out, const bf16* k_cache,
@@ -516,7 +544,7 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
     if (split) parts[i] = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, span / kMinSplit));
     const int64_t step = ((span + parts[i] - 1) / parts[i] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
     parts[i] = (span + step - 1) / step;  // whole tiles per part may leave fewer parts
-    const bool by_tile = !invariant && R * G <= walk_rows_per_tile(D);
+    const bool by_tile = R * G <= walk_rows_per_tile(D);
     for (int64_t begin = 0; begin < span; begin += step)  // a part's kv heads side by side: whole rows
       for (int64_t kvh = 0; kvh < KVH; ++kvh)
         for (int64_t c = 0; c < chunks[i]; ++c) {
@@ -573,7 +601,8 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
         }
       }
       auto run = [&](auto fn) {
-        fn(q, q_row_stride, out, H, G, it, k_cache, v_cache, tables + b * max_blocks, KVH, block_size, scale_log2e);
+        fn(q, q_row_stride, out, H, G, it, k_cache, v_cache, tables + b * max_blocks, KVH, block_size, scale_log2e,
+           invariant);
       };
       switch (D) {
         case 32: run(run_item<2>); break;
