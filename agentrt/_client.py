@@ -68,7 +68,7 @@ class RemoteRuntime:
         self._token = _runtime.set(self)  # type: ignore[arg-type]
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, *exc: Any) -> None:
         assert self._token is not None and self._tg is not None and self._client is not None
         _runtime.reset(self._token)
         try:

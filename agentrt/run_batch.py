@@ -240,7 +240,7 @@ async def _run(config: Any, source: IO[bytes], output: str, out: IO[bytes], max_
 
 def _open(path: str, mode: str) -> IO[bytes]:
     try:
-        return open(path, mode)
+        return open(path, mode)  # noqa: SIM115 (closed by the caller's ExitStack)
     except OSError as e:
         what = "input" if "r" in mode else "output"
         raise ValueError(f"cannot open the {what} file {path!r}: {e.strerror or e}") from None

@@ -62,7 +62,7 @@ def write_section(title: str, body: str, path: Path = DOCS) -> None:
     text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section is written by its benchmark script.\n"
     stamp = f"Machine: {machine()}  \nCommand: `{command()}`  \nDate: {_dt.date.today().isoformat()}\n\n"
     section = f"## {title}\n\n{stamp}{body.rstrip()}\n"
-    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text)
     else:

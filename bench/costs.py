@@ -201,4 +201,4 @@ def for_this_machine(model: str | None = None, dtype: str | None = None, *, quie
 
 
 def today() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

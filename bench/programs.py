@@ -340,7 +340,7 @@ def setup(args: argparse.Namespace, cost: Any = None) -> tuple[list[ProgramSpec]
 
 def new_report(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
     return {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} {platform.python_version()}",
         "config": {"mix": dict(wl.MIX), "tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": "{}-{}".format(*REACT["calls"]), "step_tokens": REACT["max_tokens"],
                    "first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta,

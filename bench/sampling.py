@@ -48,7 +48,7 @@ class _SamplerClock:
     NAMES = ("sample", "_context", "_top_lists")
 
     def __init__(self) -> None:
-        from agentrt.engine import runner
+        import agentrt.engine.runner as runner
 
         self.runner, self.total_s, self.orig = runner, 0.0, {}
         for name in self.NAMES:

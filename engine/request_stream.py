@@ -19,7 +19,7 @@ class StreamSink:
     """The engine's side of one stream. Holds no reference to the `RequestStream`, so the user's
     object can be collected while the request runs (its finalizer then aborts the request)."""
 
-    __slots__ = ("changed", "deltas", "done", "error", "finalizer", "n", "open", "output", "request_id")
+    __slots__ = ("request_id", "n", "deltas", "changed", "open", "done", "output", "error", "finalizer")
 
     def __init__(self, request_id: str, n: int):
         self.request_id = request_id

@@ -167,7 +167,7 @@ class AgentrtReplica:
             if not task.done():
                 try:
                     await asyncio.wait_for(task, timeout=5)
-                except (TimeoutError, Exception):
+                except (asyncio.TimeoutError, Exception):
                     task.cancel()
 
     async def __del__(self) -> None:

@@ -36,7 +36,7 @@ def _where_program(q: Select, owner: str | None | _AnyOwner, state: str | None) 
     return q
 
 
-def _where_owner(q: Any, table: type[_Program | _Response], owner: str | None | _AnyOwner) -> Any:
+def _where_owner(q: Any, table: type[_Program] | type[_Response], owner: str | None | _AnyOwner) -> Any:
     if isinstance(owner, _AnyOwner):
         return q
     return q.where(table.owner.is_(None) if owner is None else table.owner == owner)
