@@ -153,7 +153,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if (ops := cpu.ops()) is not None and (batch_invariant or x2.shape[0] <= BF16_PACKED_MAX_ROWS
                                                or cpu.compiled_isa() != "avx512_bf16"):
             b = None if bias is None else pack_cache.get_bias_f32(bias)
-            out = ops.packed_linear_bf16(x2.contiguous(), pack_cache.get(weight), b, weight.shape[0])
+            out = ops.packed_linear_bf16(x2.contiguous(), pack_cache.get(weight), b, weight.shape[0], batch_invariant)
             return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == x.dtype and weight.is_contiguous()

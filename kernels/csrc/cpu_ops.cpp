@@ -98,13 +98,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const 
 
 // x [M, K] bf16, w_packed [ceil(N / 32), ceil(K / 2), 32, 2] bf16, bias [N] fp32 or None -> [M, N] bf16.
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& w_packed, const std::optional<at::Tensor>& bias,
-                              int64_t N) {
+                              int64_t N, bool invariant) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "packed_linear_bf16: x [M, K] contiguous bf16");
   const int64_t M = x.size(0), K = x.size(1);
   const float* b = check_packed(w_packed, bias, K, N, true);
   at::Tensor y = at::empty({M, N}, x.options());
-  agentrt::packed_linear_bf16(ptr<bf16>(x), M, K, ptr<bf16>(w_packed), b, ptr<bf16>(y), N);
+  agentrt::packed_linear_bf16(ptr<bf16>(x), M, K, ptr<bf16>(w_packed), b, ptr<bf16>(y), N, invariant);
   return y;
 }
 
@@ -373,7 +373,7 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
       if constexpr (std::is_same_v<E, float>) {
         agentrt::packed_linear_f32(in, T, K, w.data_ptr<float>(), bias, out, N);
       } else {
-        agentrt::packed_linear_bf16(in, T, K, ptr<bf16>(w), bias, out, N);
+        agentrt::packed_linear_bf16(in, T, K, ptr<bf16>(w), bias, out, N, invariant);
       }
     };
     agentrt::run_team([&] {
@@ -583,7 +583,7 @@ std::tuple<at::Tensor, at::Tensor> decode_steps(
                                         kv_cache, pos, slots, cos_sin, qsl, seq_lens, block_tables, num_heads, intermediate,
                                         eps, scale, invariant);
     const at::Tensor normed = rms_norm(h, final_norm, eps);
-    const at::Tensor logits = bf ? packed_linear_bf16(normed, lm_head, std::nullopt, vocab)
+    const at::Tensor logits = bf ? packed_linear_bf16(normed, lm_head, std::nullopt, vocab, invariant)
                                  : packed_linear(normed, lm_head, std::nullopt, vocab);
     const at::Tensor next = argmax_rows(logits);
     const int64_t* best = next.data_ptr<int64_t>();
@@ -621,7 +621,7 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor w_packed, Tensor? bias, int N) -> Tensor");
-  m.def("packed_linear_bf16(Tensor x, Tensor w_packed, Tensor? bias, int N) -> Tensor");
+  m.def("packed_linear_bf16(Tensor x, Tensor w_packed, Tensor? bias, int N, bool invariant=False) -> Tensor");
   m.def(
       "paged_attention_small_q(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out, bool invariant=False) -> ()");

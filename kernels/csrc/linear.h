@@ -27,6 +27,11 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AGENTRT_AMX 1
+#endif
 
 namespace agentrt {
 
@@ -278,10 +283,112 @@ inline void linear_rows_widened(const float* xf, int64_t ldx, int64_t M, int64_t
 
 #endif
 
-// x [M, K] bf16, w packed as above, bias fp32 [N] or null -> y [M, N] bf16.
+#if defined(AGENTRT_AMX)
+// AMX (Sapphire Rapids on): the same packed panels are the B operand of `tdpbf16ps` as they lie: 16 rows
+// of k pairs x 16 columns, 128 bytes apart. For batch invariance (kernels/linear.py) a weight takes this
+// path at every row count, decode rows too: each output sums its k pairs 32 at a time in k order, in
+// hardware that computes every row alike, so a row's output does not depend on the others in its tile.
+
+// Linux grants the tile data state to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+inline bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles of a block of r rows: C 0 and 1 (r x 16 fp32, a panel's two halves), A 2 (r x 32 bf16 of x), B 3
+// and 4 (16 k pairs x 16 columns).
+inline void amx_configure(int r) {
+  TileConfig c;
+  for (int t = 0; t < 5; ++t) c.colsb[t] = 64;
+  c.rows[0] = c.rows[1] = c.rows[2] = static_cast<uint8_t>(r);
+  c.rows[3] = c.rows[4] = 16;
+  _tile_loadconfig(&c);
+}
+
+// All M rows of x through one panel (K a multiple of 32), 16 rows at a time.
+inline void linear_rows_amx(const bf16* x, int64_t M, int64_t K, const bf16* panel, const float* bias, bf16* y,
+                            int64_t N, int64_t ncols, int& configured) {
+  alignas(64) float c[16][kPanelBf16];
+  float b[kPanelBf16] = {};
+  if (bias)
+    for (int64_t j = 0; j < ncols; ++j) b[j] = bias[j];
+  const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int r = static_cast<int>(std::min<int64_t>(16, M - m0));
+    if (r != configured) {
+      amx_configure(r);
+      configured = r;
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      _tile_loadd(2, x + m0 * K + k0, K * sizeof(bf16));
+      _tile_loadd(3, panel + k0 * kPanelBf16, 2 * kPanelBf16 * sizeof(bf16));
+      _tile_loadd(4, panel + k0 * kPanelBf16 + kPanelBf16, 2 * kPanelBf16 * sizeof(bf16));
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, &c[0][0], kPanelBf16 * sizeof(float));
+    _tile_stored(1, &c[0][16], kPanelBf16 * sizeof(float));
+    for (int i = 0; i < r; ++i) {
+      const __m512 s0 = _mm512_add_ps(_mm512_load_ps(c[i]), b0), s1 = _mm512_add_ps(_mm512_load_ps(c[i] + 16), b1);
+      bf16* row = y + (m0 + i) * N;
+      if (ncols == kPanelBf16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), (__m256i)_mm512_cvtneps_pbh(s0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16), (__m256i)_mm512_cvtneps_pbh(s1));
+      } else {
+        float out[kPanelBf16];
+        _mm512_storeu_ps(out, s0);
+        _mm512_storeu_ps(out + 16, s1);
+        store_row_bf16(row, out, ncols);
+      }
+    }
+  }
+}
+#endif
+
+// Whether packed_linear_bf16(..., amx = true) runs on AMX for a weight of K inputs (else its AVX512-BF16 or
+// AVX2 tiles, at every row count alike).
+inline bool amx_linear_applies(int64_t K) {
+#if defined(AGENTRT_AMX)
+  return K % 32 == 0 && amx_ready();
+#else
+  (void)K;
+  return false;
+#endif
+}
+
+// x [M, K] bf16, w packed as above, bias fp32 [N] or null -> y [M, N] bf16. `amx`: on AMX for every row
+// count where amx_linear_applies (batch-invariant mode).
 inline void packed_linear_bf16(const bf16* x, int64_t M, int64_t K, const bf16* w, const float* bias, bf16* y,
-                               int64_t N) {
+                               int64_t N, bool amx = false) {
   const int64_t panels = (N + kPanelBf16 - 1) / kPanelBf16, panel_elems = ((K + 1) / 2) * 2 * kPanelBf16;
+#if defined(AGENTRT_AMX)
+  if (amx && amx_linear_applies(K)) {
+    agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
+      int configured = 0;  // tile configuration is per thread
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n = p * kPanelBf16;
+        linear_rows_amx(x, M, K, w + p * panel_elems, bias ? bias + n : nullptr, y + n, N,
+                        std::min(kPanelBf16, N - n), configured);
+      }
+      if (configured) _tile_release();
+    });
+    return;
+  }
+#else
+  (void)amx;
+#endif
 #if !defined(__AVX512BF16__)
   std::vector<float> xf(M * (K + 1), 0.f);  // x in fp32, each row padded with a zero to whole pairs
   for (int64_t m = 0; m < M; ++m)
