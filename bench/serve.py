@@ -225,6 +225,7 @@ def server_process(a: argparse.Namespace) -> Iterator[tuple[str, subprocess.Pope
            "--policy", a.policy, "--log-level", "warning", "--max-waiting", str(max(256, a.max_requests))]
     for flag, value in server_engine_flags(a):
         cmd += [flag, str(value)]
+    cmd += getattr(a, "extra_flags", [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -265,6 +266,68 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 def server_engine_flags(a: argparse.Namespace) -> list[tuple[str, Any]]:
     flags = [("--model", a.model)] + [(f"--{k.replace('_', '-')}", v) for k, v in engine_kwargs(a).items()]
     return [(f, v) for f, v in flags if v is not None]
+
+
+async def deterministic_cost(a: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Two servers, the default and `--deterministic`, in the same run on the same requests: saturated output
+    tok/s (`--repeats` batches of `--saturation-requests` at once, the servers in turn, each batch new to both
+    prefix caches) and single-stream decode (one request of 64 tokens at a time, the servers alternating:
+    tok/s from the inter-token gaps, i.e. decode without the prefill)."""
+    from agentrt.engine.loader import load_tokenizer, resolve_model
+
+    prompts = Prompts(load_tokenizer(resolve_model(a.model)), (a.prompt_min, a.prompt_max),
+                      (a.output_min, a.output_max), a.seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    names = ("default", "deterministic")
+    sat: dict[str, list[float]] = {n: [] for n in names}
+    itl: dict[str, list[float]] = {n: [] for n in names}
+    failed = dict.fromkeys(names, 0)
+    det = argparse.Namespace(**{**vars(a), "extra_flags": ["--deterministic"]})
+    with server_process(a) as (url0, p0), server_process(det) as (url1, p1):
+        async with contextlib.AsyncExitStack() as stack:
+            clients = {}
+            for n, url, proc in ((names[0], url0, p0), (names[1], url1, p1)):
+                clients[n] = await stack.enter_async_context(
+                    httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits))
+                await wait_healthy(clients[n], proc, a.startup_timeout_s)
+            warm = prompts.draw("warm-up", 4, max_tokens=4)
+            for n in names:
+                await run_load(clients[n], warm, [0.0] * len(warm))
+            for k in range(a.repeats):
+                reqs = prompts.draw(f"saturation-{k}", a.saturation_requests)
+                for n in (names if k % 2 == 0 else names[::-1]):
+                    results, wall = await run_load(clients[n], reqs, [0.0] * len(reqs))
+                    s = summarize(results, wall)
+                    sat[n].append(s["output_tok_s"])
+                    failed[n] += s["failed"]
+                    print(f"saturation {k} {n}: {s['output_tok_s']:.1f} tok/s", file=sys.stderr)
+            for i, req in enumerate(prompts.draw("single", a.ttft_requests, max_tokens=64)):
+                for n in (names if i % 2 == 0 else names[::-1]):
+                    r = await stream_chat(clients[n], req)
+                    failed[n] += r.error is not None
+                    itl[n] += r.itl_s
+    res = {"saturated_tok_s": {n: statistics.median(v) for n, v in sat.items()},
+           "single_decode_tok_s": {n: 1 / statistics.median(v) for n, v in itl.items()}, "failed": failed,
+           "repeats": a.repeats, "requests": a.saturation_requests, "single_requests": a.ttft_requests}
+    rows = []
+    for key, label in (("saturated_tok_s", f"saturated output tok/s ({a.saturation_requests} requests at once, "
+                                           f"median of {a.repeats})"),
+                       ("single_decode_tok_s", f"single-stream decode tok/s (1 / median inter-token gap, "
+                                               f"{a.ttft_requests} requests of 64 tokens)")):
+        v = res[key]
+        res[key.replace("_tok_s", "_cost")] = 1 - v["deterministic"] / v["default"]
+        rows.append([label, v["default"], v["deterministic"], v["deterministic"] / v["default"]])
+    table = markdown_table(["through agentrt serve", "default", "--deterministic", "deterministic / default"], rows)
+    cpu = cpu_info()
+    section = (f"CPU: {cpu['model']}, {cpu['cores']} cores, SIMD flags: {' '.join(cpu['simd_flags']) or '-'}; "
+               f"load average {os.getloadavg()[0]:.2f} at the end. Two `agentrt serve --db none` subprocesses, the "
+               f"same engine options ({engine_kwargs(a) or 'defaults'}), one with `--deterministic`; streaming chat, "
+               f"greedy, ignore_eos, prompts {a.prompt_min}-{a.prompt_max} tokens, outputs "
+               f"{a.output_min}-{a.output_max}; the servers take each batch and each single request in turn.\n\n"
+               f"{table}\n\nCost of deterministic mode (1 - deterministic / default): saturated "
+               f"**{res['saturated_cost']:+.0%}**, single-stream decode **{res['single_decode_cost']:+.0%}** "
+               f"(target <= 10% each); failed requests: {failed}.\n")
+    return res, section
 
 
 # --- the in-process peers --------------------------------------------------------------------
@@ -511,6 +574,15 @@ def report(res: dict[str, Any], load_before: tuple[float, ...]) -> str:
     )
 
 
+def res_dtype(a: argparse.Namespace) -> Any:
+    """The torch dtype the servers chose (`--dtype`, else the engine's auto choice on this machine)."""
+    import torch
+
+    from agentrt.engine import EngineConfig
+
+    return getattr(torch, EngineConfig(dtype=a.dtype, device="cpu").dtype)
+
+
 def parse_floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
@@ -539,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache size (default: the engine's)")
     ap.add_argument("--startup-timeout-s", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deterministic-cost", action="store_true",
+                    help="only a --deterministic server against a default one (saturation and single-stream decode)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
                     help="write this benchmark's section of docs/benchmarks.md (default: no)")
@@ -546,6 +620,14 @@ def main(argv: list[str] | None = None) -> int:
     if min(a.rates, default=1) <= 0 or a.repeats < 1 or a.ttft_requests < 1 or a.saturation_requests < 1:
         ap.error("--rates must be positive; --repeats, --ttft-requests, --saturation-requests at least 1")
 
+    if a.deterministic_cost:
+        res, section = anyio.run(deterministic_cost, a)
+        print(json.dumps(res, indent=2) if a.json else section)
+        if a.docs:
+            from agentrt.bench.throughput import dtype_on_cpu
+
+            write_section(f"Deterministic mode, serving ({dtype_on_cpu(res_dtype(a))})", section)
+        return 0
     load_before = os.getloadavg()
     started = datetime.datetime.now(datetime.UTC).strftime("%H:%M UTC")
     res = anyio.run(run, a)
