@@ -36,7 +36,7 @@ _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
 }
 _SWITCHES = ("enable_prefix_caching", "enable_lora", "deterministic")
 DETERMINISTIC_HELP = ("batch-invariant kernels: a greedy call's tokens do not depend on the other calls, prefix-cache "
-                      "hits, chunking or preemption (CPU with the C++ kernels; costs some speed, see the README)")
+                      "hits, chunking or preemption (CPU with the C++ kernels; its speed per CPU kind: docs/engine.md)")
 
 
 def _one_line_error(self: argparse.ArgumentParser, message: str) -> NoReturn:
