@@ -348,17 +348,17 @@ inline void walk_direct(const uint32_t* qp, const int64_t* pos, int64_t base, in
         s[0] = (v16)st[m][0] * scale_log2e;
         s[1] = (v16)st[m][1] * scale_log2e;
       } else {
-      __m512bh q[KZ];
-      for (int z = 0; z < KZ; ++z) q[z] = (__m512bh)_mm512_loadu_si512(qp + m * half + 16 * z);
-      for (int h = 0; h < 2; ++h) {
-        __m512 acc[16];
-        for (int j = 0; j < 16; ++j) {
-          const bf16* k = krow[16 * h + j];
-          acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
-          for (int z = 1; z < KZ; ++z) acc[j] = _mm512_dpbf16_ps(acc[j], q[z], (__m512bh)_mm512_loadu_si512(k + 32 * z));
+        __m512bh q[KZ];
+        for (int z = 0; z < KZ; ++z) q[z] = (__m512bh)_mm512_loadu_si512(qp + m * half + 16 * z);
+        for (int h = 0; h < 2; ++h) {
+          __m512 acc[16];
+          for (int j = 0; j < 16; ++j) {
+            const bf16* k = krow[16 * h + j];
+            acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
+            for (int z = 1; z < KZ; ++z) acc[j] = _mm512_dpbf16_ps(acc[j], q[z], (__m512bh)_mm512_loadu_si512(k + 32 * z));
+          }
+          s[h] = (v16)sum16x16(acc) * scale_log2e;
         }
-        s[h] = (v16)sum16x16(acc) * scale_log2e;
-      }
       }
       // hide positions past the row's own and past the walk's end
       const float lim = static_cast<float>(std::min(pos[m] - base - n0, count - 1));

@@ -116,6 +116,28 @@ inline void store_row_bf16(bf16* row, const float* acc, int64_t ncols) {
 // a row's output does not depend on how many rows share the call (batch invariance, kernels/linear.py).
 constexpr int kMaxTileRowsBf16 = 6;
 
+// A panel's bias (ncols of its 32 columns, zeros past them or without one) as two 16-lane vectors.
+inline void load_panel_bias(const float* bias, int64_t ncols, __m512& b0, __m512& b1) {
+  float b[kPanelBf16] = {};
+  if (bias)
+    for (int64_t j = 0; j < ncols; ++j) b[j] = bias[j];
+  b0 = _mm512_loadu_ps(b);
+  b1 = _mm512_loadu_ps(b + 16);
+}
+
+// One output row of a panel (fp32 columns 0-15 in s0, 16-31 in s1) rounded to bf16: its first ncols columns.
+inline void store_panel_row_bf16(bf16* row, __m512 s0, __m512 s1, int64_t ncols) {
+  if (ncols == kPanelBf16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), (__m256i)_mm512_cvtneps_pbh(s0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16), (__m256i)_mm512_cvtneps_pbh(s1));
+    return;
+  }
+  float out[kPanelBf16];
+  _mm512_storeu_ps(out, s0);
+  _mm512_storeu_ps(out + 16, s1);
+  store_row_bf16(row, out, ncols);
+}
+
 inline int32_t load_pair(const bf16* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -153,31 +175,15 @@ inline void linear_tile_bf16(const bf16* x, int64_t K, const bf16* panel, const 
       acc[0][m][1] = _mm512_dpbf16_ps(acc[0][m][1], a, w1);
     }
   }
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (bias) {
-    float b[kPanelBf16] = {};
-    for (int64_t j = 0; j < ncols; ++j) b[j] = bias[j];
-    b0 = _mm512_loadu_ps(b);
-    b1 = _mm512_loadu_ps(b + 16);
-  }
+  __m512 b0, b1;
+  load_panel_bias(bias, ncols, b0, b1);
   for (int m = 0; m < MR; ++m) {
     __m512 s0 = acc[0][m][0], s1 = acc[0][m][1];
     for (int u = 1; u < KU; ++u) {
       s0 = _mm512_add_ps(s0, acc[u][m][0]);
       s1 = _mm512_add_ps(s1, acc[u][m][1]);
     }
-    s0 = _mm512_add_ps(s0, b0);
-    s1 = _mm512_add_ps(s1, b1);
-    bf16* row = y + m * ldy;
-    if (ncols == kPanelBf16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), (__m256i)_mm512_cvtneps_pbh(s0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16), (__m256i)_mm512_cvtneps_pbh(s1));
-    } else {
-      float out[kPanelBf16];
-      _mm512_storeu_ps(out, s0);
-      _mm512_storeu_ps(out + 16, s1);
-      store_row_bf16(row, out, ncols);
-    }
+    store_panel_row_bf16(y + m * ldy, _mm512_add_ps(s0, b0), _mm512_add_ps(s1, b1), ncols);
   }
 }
 
@@ -319,10 +325,8 @@ inline void amx_configure(int r) {
 inline void linear_rows_amx(const bf16* x, int64_t M, int64_t K, const bf16* panel, const float* bias, bf16* y,
                             int64_t N, int64_t ncols, int& configured) {
   alignas(64) float c[16][kPanelBf16];
-  float b[kPanelBf16] = {};
-  if (bias)
-    for (int64_t j = 0; j < ncols; ++j) b[j] = bias[j];
-  const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+  __m512 b0, b1;
+  load_panel_bias(bias, ncols, b0, b1);
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int r = static_cast<int>(std::min<int64_t>(16, M - m0));
     if (r != configured) {
@@ -340,19 +344,9 @@ inline void linear_rows_amx(const bf16* x, int64_t M, int64_t K, const bf16* pan
     }
     _tile_stored(0, &c[0][0], kPanelBf16 * sizeof(float));
     _tile_stored(1, &c[0][16], kPanelBf16 * sizeof(float));
-    for (int i = 0; i < r; ++i) {
-      const __m512 s0 = _mm512_add_ps(_mm512_load_ps(c[i]), b0), s1 = _mm512_add_ps(_mm512_load_ps(c[i] + 16), b1);
-      bf16* row = y + (m0 + i) * N;
-      if (ncols == kPanelBf16) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), (__m256i)_mm512_cvtneps_pbh(s0));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16), (__m256i)_mm512_cvtneps_pbh(s1));
-      } else {
-        float out[kPanelBf16];
-        _mm512_storeu_ps(out, s0);
-        _mm512_storeu_ps(out + 16, s1);
-        store_row_bf16(row, out, ncols);
-      }
-    }
+    for (int i = 0; i < r; ++i)
+      store_panel_row_bf16(y + (m0 + i) * N, _mm512_add_ps(_mm512_load_ps(c[i]), b0),
+                           _mm512_add_ps(_mm512_load_ps(c[i] + 16), b1), ncols);
   }
 }
 #endif
