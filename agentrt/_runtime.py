@@ -264,6 +264,11 @@ class Runtime:
         or the policy has no levels."""
         return self.program_manager.program_queue_level(program_id)
 
+    def credit_service(self, program_id: str, attained_s: float, critical_s: float = 0.0) -> None:
+        """The service `program_id` received on other replicas (totals): PLAS / ATLAS order its calls here
+        by that plus what this engine gave it. A Ray replica's sync calls it; any thread."""
+        self.policy.credit_service(program_id, attained_s, critical_s)
+
     def program_kv_blocks(self, program_id: str) -> int:
         """KV blocks the program's calls in the engine hold now (blocks its threads share count once)."""
         return self.program_manager.program_kv_blocks(program_id)

@@ -54,6 +54,11 @@ class SchedulingPolicy(ABC):
         A policy keeping per-program state must also bound it without this call (an engine used
         without agentrt's runtime never makes it)."""
 
+    def credit_service(self, program_id: str, attained: float, critical: float) -> None:
+        """The service `program_id` has received outside this engine (on other replicas), as totals:
+        `attained` (summed) and `critical` (the longest critical path there). Program-level policies
+        order by it plus what they saw here; any thread, so queue it like `end_program`. Default: ignored."""
+
     def displaces(self, waiting: Request, running: Request) -> bool:
         """Preemptive policies: may `waiting` take `running`'s place? Recompute preemption is not
         free, so a policy with coarse classes (queues) should answer by class, not by full key."""

@@ -15,7 +15,8 @@ Service is measured in one of two units (`service=`):
 - ``"tokens"`` — `token_cost` units per token computed. Deterministic, for tests and simulation.
 
 Thread safety: the engine calls every hook from its step thread. The only method meant for other
-threads is `end_program`, which queues the id; the step thread drops the state on its next step.
+threads are `end_program`, which queues the id (the step thread drops the state on its next step),
+and `credit_service`, which queues a program's service on other replicas the same way.
 
 Bounded state: a program's state lives while it has calls in the engine and until the runtime ends
 it. An engine used without agentrt's runtime never ends programs, so a program with no call in the
@@ -72,6 +73,8 @@ class ProgramState:
     active: int = 0  # calls of the program currently in the engine
     start: float | None = None  # arrival of its first call
     ended: bool = False  # the runtime said the program is over: drop once `active` reaches 0
+    elsewhere: float = 0.0  # service its calls received on other engines (replicas): `credit_service`
+    elsewhere_critical: float = 0.0  # ATLAS: the longest critical path seen on other engines
 
 
 def doubling(first: float, count: int) -> list[float]:
@@ -111,6 +114,7 @@ class MultiLevelPolicy(SchedulingPolicy):
         self.token_cost = token_cost
         self.programs: dict[str, ProgramState] = {}
         self._ended: collections.deque[str] = collections.deque()
+        self._credits: collections.deque[tuple[str, float, float]] = collections.deque()
         self._idle: collections.OrderedDict[str, float] = collections.OrderedDict()  # program key -> when its
         # last call left, oldest first: programs in `programs` with no call in the engine
 
@@ -190,6 +194,13 @@ class MultiLevelPolicy(SchedulingPolicy):
                 if prog.active <= 0:
                     del self.programs[key]
                     self._idle.pop(key, None)
+        while self._credits:
+            key, attained, critical = self._credits.popleft()
+            prog = self.programs.get(key)
+            if prog is None:  # no call of it here yet: kept as an idle program until one comes
+                prog = self.programs[key] = ProgramState()
+                self._idle[key] = now
+            prog.elsewhere, prog.elsewhere_critical = attained, critical
         self._expire_idle(now)
         for req in running:
             st = self.state(req)
@@ -291,6 +302,10 @@ class MultiLevelPolicy(SchedulingPolicy):
     def end_program(self, program_id: str) -> None:
         """The program is over: forget its state once its last call leaves. Any thread."""
         self._ended.append(program_id)
+
+    def credit_service(self, program_id: str, attained: float, critical: float) -> None:
+        """The program's service on other replicas (totals, not increments). Any thread."""
+        self._credits.append((program_id, float(attained), float(critical)))
 
     def _program(self, req: Request) -> ProgramState:
         return self._program_by_key(self.program_key(req))

@@ -159,11 +159,11 @@ class PLAS(MultiLevelPolicy):
         self.order_by_program = order == "program"
 
     def program_priority(self, prog: ProgramState) -> float:
-        return prog.attained
+        return prog.attained + prog.elsewhere  # other replicas' service counts: the figure is global
 
     def live_priority(self, prog: ProgramState) -> float:
         """The priority counting the service its calls in the engine have received so far."""
-        return prog.attained + prog.in_flight
+        return prog.attained + prog.elsewhere + prog.in_flight
 
     def entry_level(self, req: Request, prog: ProgramState, st: CallState) -> int:
         st.start_priority = self.program_priority(prog)
@@ -176,7 +176,7 @@ class PLAS(MultiLevelPolicy):
 
     def starving(self, prog: ProgramState, st: CallState) -> bool:
         wait = prog.wait  # W_program + W_call: the program's wait so far includes this call's
-        service = prog.attained + st.service
+        service = prog.attained + prog.elsewhere + st.service
         return wait >= self.beta * service if service > 0 else wait > 0
 
     def on_call_done(self, prog: ProgramState, st: CallState) -> None:
@@ -191,7 +191,7 @@ class ATLAS(PLAS):
     defaults: ClassVar[dict[str, dict[str, float]]] = ATLAS_DEFAULTS
 
     def program_priority(self, prog: ProgramState) -> float:
-        return prog.critical
+        return max(prog.critical, prog.elsewhere_critical)
 
     def live_priority(self, prog: ProgramState) -> float:
-        return max(prog.critical, prog.live_critical)
+        return max(prog.critical, prog.elsewhere_critical, prog.live_critical)

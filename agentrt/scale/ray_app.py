@@ -35,6 +35,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from agentrt.scale.directory import ProgramDirectory
 from agentrt.scale.router import ProgramHomes, ReplicaStats, RouterConfig, route
 
 log = logging.getLogger("agentrt.scale")
@@ -94,10 +95,30 @@ class ProgramAffinityRouter(FIFOMixin, RequestRouter):
         log.warning("agentrt replica %s died: %d programs re-home on their next call", replica_id.unique_id, moved)
 
 
-class AgentrtReplica:
-    """One engine and runtime: the app `agentrt serve` runs, entered once, called per request."""
+class AgentrtDirectory(ProgramDirectory):
+    """The program directory (agentrt.scale.directory) as a one-replica Serve deployment."""
 
-    async def __init__(self, config: Any, torch_threads: int | None = None) -> None:
+
+class DirectoryHandle:
+    """A Serve handle to AgentrtDirectory with ProgramDirectory's methods as coroutines (for ReplicaPeers)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.handle, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await method.remote(*args, **kwargs)
+
+        return call
+
+
+class AgentrtReplica:
+    """One engine and runtime: the app `agentrt serve` runs, entered once, called per request; its program
+    records and /metrics joined to the other replicas' through the directory (agentrt.scale.peers)."""
+
+    async def __init__(self, config: Any, torch_threads: int | None = None, directory: Any = None) -> None:
         if torch_threads:
             import torch
 
@@ -120,6 +141,15 @@ class AgentrtReplica:
             waiting.cancel()
             self._lifespan.result()
             raise RuntimeError("the agentrt app's lifespan ended before it started")
+        self._sync = None
+        if directory is not None:
+            from agentrt.scale.peers import ReplicaPeers
+            from agentrt.server.app import metrics_text
+
+            st = self.app.state.server
+            st.peers = ReplicaPeers(st, self.replica_id, DirectoryHandle(directory),
+                                    render_metrics=lambda: metrics_text(st))
+            self._sync = asyncio.create_task(st.peers.run())
 
     async def handle(self, req: Forwarded, program_id: str | None = None, prompt_tokens: int = 0,
                      home_hint: str | None = None) -> Any:
@@ -171,6 +201,8 @@ class AgentrtReplica:
                     task.cancel()
 
     async def __del__(self) -> None:
+        if self._sync is not None:
+            self._sync.cancel()
         self._stop.set()  # the runtime drains, the engine stops, the records close
         await self._lifespan
 
@@ -295,9 +327,11 @@ def build_app(config: Any, replicas: int = 2, router: str = "program", *, num_cp
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
                                                   request_router_kwargs=router_kwargs or {}),
     )
+    directory = serve.deployment(AgentrtDirectory, name="agentrt-directory", num_replicas=1,
+                                 max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
     front = serve.deployment(serve.ingress()(AgentrtFront), name="agentrt-front", num_replicas=1,
                              max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
-    return front.bind(replica.bind(config, torch_threads))
+    return front.bind(replica.bind(config, torch_threads, directory.bind()))
 
 
 # A small machine under load starts Ray Serve's HTTP proxy slower than Ray's 5 s ready check allows, which

@@ -29,7 +29,7 @@ from agentrt.server import ui
 from agentrt.server.bodies import VERSION, json_response
 from agentrt.server.config import ServerConfig
 from agentrt.server.errors import APIError, error_response
-from agentrt.server.metrics import EngineState, Metrics
+from agentrt.server.metrics import CONTENT_TYPE_LATEST, EngineState, Metrics
 from agentrt.server.openapi import Operation, build
 from agentrt.server.recorder import Recorder, open_store
 from agentrt.server.schemas import Health, ModelList
@@ -53,8 +53,15 @@ async def models(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     st = state_of(request)
     st.owner(request)
-    body, content_type = st.metrics.render(await _engine_state(st.runtime))
-    return Response(body, media_type=content_type)
+    body = await metrics_text(st)
+    if st.peers is not None:  # every replica's series, each labelled by its replica
+        body = await st.peers.metrics(body)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+async def metrics_text(st: ServerState) -> str:
+    """This server's /metrics exposition now."""
+    return st.metrics.render(await _engine_state(st.runtime))[0].decode()
 
 
 async def openapi(request: Request) -> Response:

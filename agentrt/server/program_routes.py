@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import anyio
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -89,36 +90,51 @@ async def list_programs(request: Request) -> Response:
     state = request.query_params.get("state")
     after = request.query_params.get("after")
     to_wall = time.time() - time.monotonic()  # one offset for the whole page: keys compare exactly
-    mine = [p for p in st.runtime.programs if p.owner == owner]
-    rows: list[tuple[tuple[float, str], ProgramInfo | ProgramRecord]] = [
-        ((p.start_time + to_wall, p.program_id), p) for p in mine if state is None or p.state == state]
     cursor = None
     if after is not None:
         try:
             cursor = _page_key(await _locate(st, after, owner), to_wall)
         except ProgramNotFoundError:
             raise bad_request(f"query parameter after={after!r} is not one of your programs", "after") from None
-        rows = [r for r in rows if r[0] < cursor]
+    rows: list[tuple[tuple[float, str], ProgramInfo | ProgramRecord | Program]]
+    if st.peers is not None:  # replicas: every replica's programs, merged, from the directory
+        views = [msgspec.convert(v, Program) for v in await st.peers.programs(owner, state, limit + 1, cursor)]
+        rows = [((v.created_at, v.id), v) for v in views]
+    else:
+        rows = [((p.start_time + to_wall, p.program_id), p) for p in st.runtime.programs
+                if p.owner == owner and (state is None or p.state == state)]
+        rows = [r for r in rows if cursor is None or r[0] < cursor]
     if st.store is not None:
-        live_ids = {p.program_id for p in mine}
+        live_ids = {r[0][1] for r in rows} | {p.program_id for p in st.runtime.programs if p.owner == owner}
         stored = await anyio.to_thread.run_sync(lambda: st.store.list_programs(
             owner=owner, state=state, limit=limit + 1 + len(live_ids), before=cursor))
-        rows += [((r.created_at, r.program_id), r) for r in stored if r.program_id not in live_ids]
+        stored = [r for r in stored if r.program_id not in live_ids]
+        if st.peers is not None:  # a program the directory knows is in `rows` already, or on a later page
+            known = await st.peers.known([r.program_id for r in stored])
+            stored = [r for r in stored if r.program_id not in known]
+        rows += [((r.created_at, r.program_id), r) for r in stored]
     rows.sort(key=lambda r: r[0], reverse=True)
     page = [_view(st, p) for _, p in rows[:limit]]
     return json_response(ProgramList(page, has_more=len(rows) > limit, first_id=page[0].id if page else None,
                                      last_id=page[-1].id if page else None))
 
 
-def _page_key(found: ProgramInfo | ProgramRecord, to_wall: float) -> tuple[float, str]:
+def _page_key(found: ProgramInfo | ProgramRecord | Program, to_wall: float) -> tuple[float, str]:
     """Where a program sorts in a page: (created_at, id), a live one's start time made wall time by `to_wall`."""
     if isinstance(found, ProgramInfo):
         return found.start_time + to_wall, found.program_id
+    if isinstance(found, Program):
+        return found.created_at, found.id
     return found.created_at, found.program_id
 
 
-async def _locate(st: ServerState, pid: str, owner: str | None) -> ProgramInfo | ProgramRecord:
-    """The program in the process table, else in the store; ProgramNotFoundError if neither holds it for `owner`."""
+async def _locate(st: ServerState, pid: str, owner: str | None) -> ProgramInfo | ProgramRecord | Program:
+    """The program: across replicas the directory's merged record; else the process table's, else the store's;
+    ProgramNotFoundError if none holds it for `owner`."""
+    if st.peers is not None:
+        view = await st.peers.program(pid, owner)
+        if view is not None:
+            return msgspec.convert(view, Program)
     info = st.runtime.programs.get(pid)
     if info is not None:
         if info.owner != owner:
@@ -131,7 +147,9 @@ async def _locate(st: ServerState, pid: str, owner: str | None) -> ProgramInfo |
     raise ProgramNotFoundError("no such program", program_id=pid)
 
 
-def _view(st: ServerState, found: ProgramInfo | ProgramRecord) -> Program:
+def _view(st: ServerState, found: ProgramInfo | ProgramRecord | Program) -> Program:
+    if isinstance(found, Program):
+        return found
     return live_view(st, found) if isinstance(found, ProgramInfo) else stored_view(found)
 
 
@@ -150,7 +168,16 @@ async def end_program(request: Request) -> Response:
     st = state_of(request)
     owner = st.owner(request)
     pid = request.path_params["program_id"]
+    if st.peers is not None:  # replicas: ended here, then everywhere else on their next sync
+        info = st.runtime.programs.get(pid)
+        if info is not None and info.owner == owner and info.state == "running":
+            st.runtime.end_program(pid, owner=owner)
+        view = await st.peers.end(pid, owner)
+        if view is not None:
+            return json_response(msgspec.convert(view, Program))
     found = await _locate(st, pid, owner)
+    if isinstance(found, Program):
+        return json_response(found)
     if isinstance(found, ProgramInfo):
         if found.state == "running":
             found = st.runtime.end_program(pid, owner=owner)

@@ -43,6 +43,7 @@ class Program(Struct):
     error: str | None = None
     live: bool = True  # False: served from the database (a program of an earlier server run)
     priority: int = 0  # its calls' scheduling class
+    replicas: list[str] | None = None  # the replicas that ran its calls (`agentrt serve --replicas`); None: one server
     object: str = "program"
 
 

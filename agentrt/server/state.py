@@ -42,6 +42,8 @@ class ServerState:
         self.sampling_defaults = info.generation_defaults  # the model's generation config (vLLM's)
         self.created = int(time.time())
         self.draining = False
+        self.peers: Any = None  # a Ray replica's agentrt.scale.peers.ReplicaPeers: program records and /metrics
+        # across replicas; None on one server
         self._keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k.encode() for k in config.api_keys}
 
     def owner(self, request: Request) -> str | None:
@@ -105,6 +107,8 @@ async def read_call(request: Request, type_: type) -> tuple[ServerState, Caller,
     req = await decode_body(request, type_, st.config.max_body_bytes)
     model = st.check_model(req.model)
     pid, tid = program_keys(request, getattr(req, "program_id", None), getattr(req, "thread_id", None))
+    if st.peers is not None and pid is not None:  # a program other replicas may run: one owner, one service
+        await st.peers.admit(pid, owner)
     last = request.headers.get("x-last-call", "").strip().lower() in ("1", "true", "yes")
     return st, Caller(owner, model, pid, tid, program_name(request), last), req
 

@@ -76,14 +76,16 @@ async function get(path) {
   if (!r.ok) throw new Error(path + ": HTTP " + r.status);
   return r;
 }
-function metrics(text) {
-  const m = {};
+function metrics(text) {  // each name summed over its series (replicas: one per replica); a fraction averaged
+  const m = {}, n = {};
   for (const line of text.split("\\n")) {
     if (!line || line[0] === "#") continue;
     const i = line.lastIndexOf(" ");
     const name = line.slice(0, i).replace(/\\{.*\\}$/, "");
     m[name] = (m[name] || 0) + Number(line.slice(i + 1));
+    n[name] = (n[name] || 0) + 1;
   }
+  for (const name in m) if (name.endsWith("_perc")) m[name] /= n[name];
   return m;
 }
 function cell(text, cls) {
@@ -96,6 +98,7 @@ function render(programs) {
   for (const p of programs) {
     const tr = document.createElement("tr");
     tr.dataset.programId = p.id; tr.dataset.state = p.state; tr.dataset.name = p.name;
+    if (p.replicas) tr.title = "replicas: " + p.replicas.join(", ");  // agentrt serve --replicas
     tr.append(cell(p.id, "l"), cell(p.name, "l"), cell(p.state, "l state"),
       cell(p.calls_waiting + "/" + p.calls_running + "/" + p.calls_done), cell(p.num_threads),
       cell(p.service_s.toFixed(2)), cell(p.wait_s.toFixed(2)), cell(p.queue_level ?? "-"), cell(p.kv_blocks_pinned == null ? p.kv_blocks : p.kv_blocks + " (" + p.kv_blocks_pinned + " pinned)"),

@@ -343,3 +343,39 @@ def test_order_within_a_queue(order):
     assert [r.request_id for r in ranked] == expect
     with pytest.raises(agentrt.ConfigError, match="'fifo'"):
         plas(order="fifo")
+
+
+def test_service_credited_from_other_replicas_orders_the_program():
+    """`credit_service` (a Ray replica's sync): the program's service elsewhere counts as its own, as totals
+    (a repeated credit does not add up), applied on the step thread's next `before_schedule`."""
+    pol = plas()
+    pol.credit_service("p", 25.0, 25.0)  # 25 units on other replicas: queue [20, 40)
+    pol.credit_service("p", 25.0, 25.0)
+    assert "p" not in pol.programs  # queued, not applied from the caller's thread
+    pol.before_schedule([], [], 1.0)
+    assert pol.programs["p"].elsewhere == 25.0 and pol.programs["p"].active == 0
+    a, fresh = call("a", arrival=2.0), call("f", program="q", arrival=2.5)
+    pol.on_arrival(a, 2.0)
+    pol.on_arrival(fresh, 2.5)
+    assert pol.level(a) == 2 and pol.level(fresh) == 0
+    assert sorted([a, fresh], key=pol.priority) == [fresh, a]
+    pol.on_step([a], [0.0], [3], now=3.0)
+    pol.on_finish(a, 3.0)
+    assert pol.programs["p"].attained == 3  # its own service here stays apart from the credit
+    assert pol.live_priority(pol.programs["p"]) == 28.0
+    atlas = ATLAS(num_queues=4, first_boundary=10, quantum=5, service="tokens")
+    atlas.credit_service("p", 50.0, 12.0)  # ATLAS orders by the critical path: 12 -> queue [10, 20)
+    atlas.before_schedule([], [], 0.0)
+    b = call("b")
+    atlas.on_arrival(b, 1.0)
+    assert atlas.level(b) == 1
+
+
+def test_a_credited_program_with_no_call_is_dropped_as_idle():
+    pol = plas()
+    pol.idle_ttl_s = 10.0
+    pol.credit_service("p", 5.0, 5.0)
+    pol.before_schedule([], [], 0.0)
+    assert "p" in pol.programs
+    pol.before_schedule([], [], 11.0)
+    assert "p" not in pol.programs

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray", reason="ray[serve] is not installed: pip install 'agentrt[ray]'")
 serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install 'agentrt[ray]'")
@@ -74,8 +75,32 @@ def test_a_programs_calls_stay_on_one_replica(cluster):
         r = client.get("/v1/programs/prog-0")
         assert r.status_code == 200 and r.json()["calls_done"] == 3 and r.json()["service_s"] > 0, r.text
         assert r.headers["x-agentrt-replica"] in where["prog-0"]
+        assert r.json()["replicas"] == [r.headers["x-agentrt-replica"]]
         r = client.delete("/v1/programs/prog-0")
         assert r.status_code == 200 and r.json()["state"] != "running", r.text
+        # the list is every replica's, whichever replica answers it
+        for _ in range(3):
+            listed = {p["id"]: p for p in client.get("/v1/programs", params={"limit": 1000}).json()["data"]}
+            assert {f"prog-{p}" for p in range(12)} <= set(listed)
+            assert all(listed[f"prog-{p}"]["calls_done"] == 3 for p in range(1, 12))
+        # /metrics: each replica's series, labelled; the calls each replica finished are where the router sent them
+        placed = collections.Counter(next(iter(v)) for v in where.values())
+        deadline = time.monotonic() + 10  # the replica that answers is fresh, the others within their 1 s push
+        while True:
+            text = client.get("/metrics").text
+            done = collections.Counter()
+            for family in text_string_to_metric_families(text):
+                if family.name == "agentrt:request_success":
+                    for sample in family.samples:
+                        if sample.name.endswith("_total"):
+                            done[sample.labels["replica"]] += sample.value
+            if all(done[replica] >= 3 * n for replica, n in placed.items()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert set(done) == set(placed), text[:2000]
+        page = client.get("/ui")  # the live page polls these two: it shows every replica's programs
+        assert page.status_code == 200 and "v1/programs?limit=200" in page.text
+        assert all(done[replica] >= 3 * n for replica, n in placed.items()), (done, placed)
 
 
 def test_a_responses_chain_follows_its_program(cluster):
@@ -155,8 +180,12 @@ def _wait_until_both_run(timeout_s: float = 120) -> None:
 
 def test_a_killed_replica_fails_only_its_calls_and_comes_back(cluster):
     with httpx.Client(base_url=cluster, timeout=120) as client:
-        r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": "victim"})
+        for _ in range(2):
+            r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": "victim"})
         victim = r.headers["x-agentrt-replica"]
+        before = client.get("/v1/programs/victim").json()
+        assert before["calls_done"] == 2 and before["service_s"] > 0
+        time.sleep(1)  # the replica's record reaches the directory (it syncs every 0.25 s)
         _kill(victim)
         # the program's next calls go elsewhere at once (or fail with a 503 naming the cause), never hang
         t0 = time.monotonic()
@@ -169,6 +198,10 @@ def test_a_killed_replica_fails_only_its_calls_and_comes_back(cluster):
             else:
                 assert r.status_code == 200 and r.headers["x-agentrt-replica"] != victim, r.text
         assert codes[-1] == 200 and time.monotonic() - t0 < 60
+        # its record and attained service survive its replica: the new home's PLAS counts them
+        after = client.get("/v1/programs/victim").json()
+        assert after["calls_done"] == 2 + codes.count(200) and after["service_s"] > before["service_s"]
+        assert victim in after["replicas"] and len(after["replicas"]) == 2 and after["state"] == "running"
         # other programs keep being served, and Ray brings the replica back
         _wait_until_both_run()
         r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": "after-restart"})
