@@ -1,13 +1,15 @@
 """Replicas on Ray Serve: each router over the same agent workload, real engines, one run.
 
     agentrt bench replicas [--replicas 2] [--routers single,program,pow2,round-robin,prefix]
-                           [--programs 16] [--rate 1.0] [--seed 0] [--json] [--write-docs]
+                           [--agent react|small] [--programs 16] [--rate 1.0] [--seeds 0,1,2]
+                           [--json] [--write-docs]
 
 For each router: a local Ray instance (logical CPUs = replicas, one torch thread per replica, no
 dashboard) serves `--replicas` replicas of the default model behind agentrt's front
-(agentrt.scale.ray_app), and the same agents (bench/workload.py's `agent_plan` at `AGENT_SMALL`: a
-shared system prompt, a task, 4-6 turns of call then tool, log-normal tool times) arrive as a Poisson
-process. Each agent's calls carry its program id (`X-Program-Id`) and feed the generated token ids into
+(agentrt.scale.ray_app), and the same agents (bench/workload.py's `agent_plan`: a shared system prompt,
+a task, 4-6 turns of call then tool, log-normal tool times; `--agent react` = REACT_SMALL, ReAct's ~20
+prompt tokens per output token with tool observations growing the context, or `small` = AGENT_SMALL,
+short contexts) arrive as a Poisson process, the same for every router of a seed. Each agent's calls carry its program id (`X-Program-Id`) and feed the generated token ids into
 the next prompt, over `/v1/completions` with token-id prompts (greedy, EOS ignored: every router does
 the same work). `single` is one replica (one engine, two threads): the prefix hits an engine that
 holds every program gets.
@@ -15,7 +17,8 @@ holds every program gets.
 Reported per router: later-turn prefix hit rate (of calls after a program's first, the share of prompt
 tokens served from the prefix cache: `usage.prompt_tokens_details.cached_tokens`), its ratio to
 `single`, program latency mean and p95 (arrival -> last call's end, tool time included), calls per
-replica, and the ratios of the program router's mean latency to the others'.
+replica, and the ratios of the program router's mean latency to the others'. With several `--seeds`
+each router runs every seed and its row pools them (every program's latency, every later call).
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ import httpx
 
 from agentrt.bench import _common
 from agentrt.bench import workload as wl
-from agentrt.bench.workload import AGENT_SMALL, Call
+from agentrt.bench.workload import AGENT_SMALL, REACT_SMALL, Call
 
 ROUTER_NAMES = ("single", "program", "pow2", "round-robin", "prefix")
+AGENTS = {"react": REACT_SMALL, "small": AGENT_SMALL}
+_SIZE_NAMES = {"react": "REACT_SMALL", "small": "AGENT_SMALL"}
 
 
 def _free_port() -> int:
@@ -78,13 +83,14 @@ async def _agent(client: httpx.AsyncClient, pid: str, plan: Any, delay: float, c
 
 def _plans(args: argparse.Namespace, vocab: int) -> list[tuple[str, Any, float]]:
     rng = random.Random(args.seed)
-    system = [rng.randrange(100, vocab) for _ in range(AGENT_SMALL["system"])]
+    size = AGENTS[args.agent]
+    system = [rng.randrange(100, vocab) for _ in range(size["system"])]
     out, t = [], 0.0
     for i in range(args.programs):
         t += rng.expovariate(args.rate)
         prng = random.Random(rng.randrange(1 << 30))
         fresh = lambda n, prng=prng: [prng.randrange(100, vocab) for _ in range(n)]
-        out.append((f"agent-{args.seed}-{i}", wl.agent_plan(prng, AGENT_SMALL, fresh, system), t))
+        out.append((f"agent-{args.seed}-{i}", wl.agent_plan(prng, size, fresh, system), t))
     return out
 
 
@@ -102,7 +108,9 @@ def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, A
     replicas = 1 if router == "single" else args.replicas
     threads = args.replicas if router == "single" else 1
     port = _free_port()
-    config = ServerConfig(model=model, served_model_name="m", db="none")
+    blocks = args.num_blocks * (args.replicas // replicas) if args.num_blocks else None  # single: all the KV
+    config = ServerConfig(model=model, served_model_name="m", db="none",
+                          engine={"num_blocks": blocks} if blocks else {})
     init_local_ray(max(replicas, 1), configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -129,15 +137,28 @@ def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, A
         finally:
             ray.shutdown()
     later = [c for c in calls if c["turn"] > 0]
-    per_replica = sorted(collections.Counter(c["replica"] for c in calls).values(), reverse=True)
-    lat = sorted(latencies)
     return {
-        "router": router, "replicas": replicas, "programs": len(latencies), "calls": len(calls),
-        "later_hit_rate": sum(c["cached"] for c in later) / max(1, sum(c["prompt"] for c in later)),
-        "mean_s": statistics.mean(lat), "p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
-        "per_replica": per_replica, "wall_s": wall,
+        "router": router, "replicas": replicas, "seed": args.seed, "latencies": latencies, "wall_s": wall,
+        "later_cached": sum(c["cached"] for c in later), "later_prompt": sum(c["prompt"] for c in later),
+        "per_replica": sorted(collections.Counter(c["replica"] for c in calls).values(), reverse=True),
         "programs_split": sum(1 for p in {c["program"] for c in calls}
                               if len({c["replica"] for c in calls if c["program"] == p}) > 1),
+    }
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One router's runs over several seeds as one row: every program's latency and every later call pooled,
+    calls per replica summed rank by rank (busiest replica of each run first)."""
+    lat = sorted(x for r in runs for x in r["latencies"])
+    width = max(len(r["per_replica"]) for r in runs)
+    return {
+        "router": runs[0]["router"], "replicas": runs[0]["replicas"], "seeds": [r["seed"] for r in runs],
+        "programs": len(lat), "calls": sum(sum(r["per_replica"]) for r in runs),
+        "later_hit_rate": sum(r["later_cached"] for r in runs) / max(1, sum(r["later_prompt"] for r in runs)),
+        "mean_s": statistics.mean(lat), "p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
+        "per_seed_mean_s": [statistics.mean(r["latencies"]) for r in runs],
+        "per_replica": [sum(r["per_replica"][i] for r in runs if i < len(r["per_replica"])) for i in range(width)],
+        "programs_split": sum(r["programs_split"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs),
     }
 
 
@@ -159,8 +180,12 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         ratios = [f"{name} {prog['mean_s'] / by[name]['mean_s']:.2f}x" for name in ("pow2", "round-robin", "prefix")
                   if name in by]
         if ratios:
-            lines.append(f"Program router mean program latency vs: {', '.join(ratios)} (targets: <= 0.75x pow2, "
-                         "<= 0.9x prefix).")
+            lines.append(f"Program router mean program latency (pooled over seeds {prog['seeds']}) vs: "
+                         f"{', '.join(ratios)} (targets: <= 0.75x pow2, <= 0.9x prefix).")
+        for name in ("pow2", "prefix"):
+            if name in by and len(prog["seeds"]) > 1:
+                each = ", ".join(f"{a / b:.2f}x" for a, b in zip(prog["per_seed_mean_s"], by[name]["per_seed_mean_s"]))
+                lines.append(f"Per seed, program vs {name}: {each}.")
         if single and single["later_hit_rate"]:
             share = prog["later_hit_rate"] / single["later_hit_rate"]
             lines.append(f"Program router later-turn prefix hits: {share:.2f}x of one engine's (target >= 0.95x).")
@@ -172,9 +197,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--routers", default=",".join(ROUTER_NAMES), help=f"comma-separated: {', '.join(ROUTER_NAMES)}")
+    ap.add_argument("--agent", choices=sorted(AGENTS), default="react",
+                    help="agent shape (bench/workload.py): react = REACT_SMALL, ~20 prompt tokens per output token "
+                         "and a context growing by tool observations (default); small = AGENT_SMALL, short contexts")
     ap.add_argument("--programs", type=int, default=16)
     ap.add_argument("--rate", type=float, default=1.0, help="programs per second (Poisson)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV blocks of 16 tokens per replica (`single`: all replicas' blocks; default: the CPU default "
+                         "pool, ~1 GiB, which holds every context here; a smaller pool is a KV-bound replica, as "
+                         "on a GPU)")
+    ap.add_argument("--seeds", default="0", help="comma-separated workload seeds; each router runs each, pooled")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
     ap.add_argument("--write-docs", action="store_true", help="write the table to docs/benchmarks.md")
@@ -183,8 +215,16 @@ def main(argv: list[str] | None = None) -> None:
     bad = [r for r in routers if r not in ROUTER_NAMES]
     if bad:
         ap.error(f"unknown router {bad[0]!r}; expected some of {', '.join(ROUTER_NAMES)}")
+    if args.num_blocks is not None and args.num_blocks < 64:
+        ap.error(f"--num-blocks {args.num_blocks} is too small: at least 64 (a context of 1,024 tokens)")
     if args.replicas < 1 or args.programs < 1 or args.rate <= 0:
         ap.error("--replicas and --programs must be >= 1 and --rate > 0")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r} must be comma-separated integers")
+    if not seeds:
+        ap.error("--seeds names no seed")
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -195,12 +235,19 @@ def main(argv: list[str] | None = None) -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
     for router in routers:
-        row = run_router(args, router, model)
-        print(f"{router}: later-turn hits {100 * row['later_hit_rate']:.1f}%, program mean {row['mean_s']:.2f} s, "
-              f"p95 {row['p95_s']:.2f} s, calls per replica {row['per_replica']}", flush=True)
+        runs = []
+        for seed in seeds:
+            args.seed = seed
+            runs.append(run_router(args, router, model))
+        row = pooled(runs)
+        print(f"{router}: later-turn hits {100 * row['later_hit_rate']:.1f}%, program mean {row['mean_s']:.2f} s "
+              f"(per seed {', '.join(f'{m:.2f}' for m in row['per_seed_mean_s'])}), p95 {row['p95_s']:.2f} s, "
+              f"calls per replica {row['per_replica']}", flush=True)
         rows.append(row)
     text = (f"Run {started}. {_common.machine()}. {_common.cpu_flags_line()}\n\n"
-            f"`{_common.command()}`: {args.programs} agents (AGENT_SMALL) at {args.rate}/s, seed {args.seed}, "
+            f"`{_common.command()}`: {args.programs} agents ({args.agent}: {_SIZE_NAMES[args.agent]}) at "
+            f"{args.rate}/s per seed, seeds {args.seeds}, "
+            f"KV pool {f'{args.num_blocks} blocks of 16 tokens' if args.num_blocks else 'the CPU default'} per replica, "
             f"{args.replicas} replicas with one torch thread each (`single`: one replica, {args.replicas} threads), "
             "default model, greedy, EOS ignored.\n\n" + report(rows, args))
     print(text)

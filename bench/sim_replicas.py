@@ -54,11 +54,13 @@ class _Router:
         self.tree: dict[int, set[int]] = {}  # prefix stand-in: hash of a block-aligned prefix -> replicas
         self.held = [0] * n  # prefix stand-in: blocks routed to each replica (its "tenant" size)
 
-    def choose(self, pid: str, prompt: list[int], loads: list[int]) -> int:
+    def choose(self, pid: str, prompt: list[int], loads: list[int], now: float = 0.0) -> int:
         if self.name == "program":
-            stats = [ReplicaStats(str(i), load) for i, load in enumerate(loads)]
-            d = route(pid, len(prompt), stats, self.homes.get(pid), self.config, key=pid)
-            self.homes.set(pid, d.home)
+            home = self.homes.get(pid)
+            live = self.homes.active(now, self.config.active_s) if home is None else {}
+            stats = [ReplicaStats(str(i), load, programs=live.get(str(i), 0)) for i, load in enumerate(loads)]
+            d = route(pid, len(prompt), stats, home, self.config, key=pid)
+            self.homes.set(pid, d.home, now)
             return int(d.ranked[0][0])
         if self.name == "least-loaded":
             low = min(loads)
@@ -149,7 +151,7 @@ def simulate_replicas(workload: list[ProgramSpec], *, replicas: int, router: str
                     advance(outs if isinstance(action, Parallel) else outs[0])
 
             for i, call in enumerate(calls):
-                k = chooser.choose(pid, call.prompt, [load(e) for e in engines])
+                k = chooser.choose(pid, call.prompt, [load(e) for e in engines], clock[0])
                 eng = engines[k]
                 calls_on[k] += 1
                 used.setdefault(pid, set()).add(k)

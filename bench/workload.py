@@ -143,6 +143,10 @@ def plan(spec: ProgramSpec) -> Plan:
 # Sizes here are ours, chosen to match those shapes; `AGENT_SMALL` scales them to the 2-core CPU.
 AGENT_SMALL = {"turns": (4, 6), "system": 32, "task": 160, "max_tokens": 16, "observation": (16, 32),
                "tool_median_s": 0.4, "tool_sigma": 1.0, "tool_max_s": 6.0}
+# REACT_SMALL: REACT_FULL's shape on the 2-core CPU (~20 prompt tokens per output token per call, the context
+# growing by tool observations), so that recomputing a lost context costs what it does in real agent traffic
+REACT_SMALL = {"turns": (4, 6), "system": 64, "task": 480, "max_tokens": 24, "observation": (96, 192),
+               "tool_median_s": 0.3, "tool_sigma": 1.0, "tool_max_s": 6.0}
 CODING_FULL = {"turns": (10, 40), "system": 1000, "task": 3000, "max_tokens": 150, "observation": (1500, 2500),
                "tool_median_s": 0.5, "tool_sigma": 1.5, "tool_max_s": 120.0}
 REACT_FULL = {"turns": (6, 15), "system": 500, "task": 235, "max_tokens": 34, "observation": (100, 400),

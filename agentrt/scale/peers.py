@@ -23,6 +23,8 @@ import anyio
 import msgspec
 
 from agentrt._errors import ProgramNotFoundError
+from agentrt.scale.directory import merge_expositions
+from agentrt.server.errors import APIError
 from agentrt.server.program_routes import live_view
 
 log = logging.getLogger("agentrt.scale")
@@ -132,26 +134,45 @@ class ReplicaPeers:
         info = self.st.runtime.programs.get(pid)
         if info is not None and info.state == "running":
             return
-        found = await self.directory.claim(pid, owner)
+        try:
+            found = await self.directory.claim(pid, owner)
+        except Exception as e:  # the directory restarting: serve the call (this replica checks its own owners)
+            log.warning("agentrt replica %s: could not claim program %r in the directory: %s: %s",
+                        self.replica_id, pid, type(e).__name__, e)
+            return
         if found["owner"] != owner:
             raise ProgramNotFoundError("no such program", program_id=pid)
         self._credit(pid, found["service_s"], found["critical_path_s"])
 
+    async def _ask(self, method: str, *args: Any, flush: bool = True) -> Any:
+        """A directory read for a route, after sending this replica's changes: a 503 naming the cause when
+        the directory cannot answer (one replica's view would be a wrong answer, not a partial one)."""
+        try:
+            if flush:
+                await self.flush()
+            return await getattr(self.directory, method)(*args)
+        except Exception as e:
+            raise APIError(503, f"the program directory did not answer ({type(e).__name__}: {str(e)[:200]})",
+                           "service_unavailable", None, "directory_unavailable", {"Retry-After": "1"}) from None
+
     async def program(self, pid: str, owner: str | None) -> dict[str, Any] | None:
-        await self.flush()
-        return await self.directory.program(pid, owner)
+        return await self._ask("program", pid, owner)
 
     async def programs(self, owner: str | None, state: str | None, limit: int,
                        before: tuple[float, str] | None) -> list[dict[str, Any]]:
-        await self.flush()
-        return await self.directory.page(owner, state, limit, before)
+        return await self._ask("page", owner, state, limit, before)
 
     async def known(self, pids: list[str]) -> set[str]:
-        return set(await self.directory.known(pids)) if pids else set()
+        return set(await self._ask("known", pids, flush=False)) if pids else set()
 
     async def end(self, pid: str, owner: str | None) -> dict[str, Any] | None:
-        await self.flush()
-        return await self.directory.end(pid, owner)
+        return await self._ask("end", pid, owner)
 
     async def metrics(self, text: str) -> str:
-        return await self.directory.metrics(self.replica_id, text)
+        """Every replica's series, labelled; this replica's alone (labelled) when the directory cannot answer."""
+        try:
+            return await self.directory.metrics(self.replica_id, text)
+        except Exception as e:
+            log.warning("agentrt replica %s: /metrics without the other replicas: %s: %s", self.replica_id,
+                        type(e).__name__, e)
+            return merge_expositions({self.replica_id: text})

@@ -3,7 +3,7 @@
     app = build_app(ServerConfig(model=...), replicas=2, router="program")
     serve.run(app, route_prefix="/")          # what `agentrt serve --replicas 2` does
 
-Two deployments:
+Three deployments:
 
 - `AgentrtReplica` (N replicas): each owns one engine and runtime, the very app `agentrt serve` runs
   (`agentrt.server.create_app`), entered once and called in-process for every request it is sent:
@@ -14,6 +14,10 @@ Two deployments:
   chosen by name: "program" (`ProgramAffinityRouter`: agentrt.scale.router's rule), or Ray's own
   as Ray ships them: "pow2" (power of two choices, Ray's default), "round-robin", "prefix" (Ray's
   `PrefixCacheAffinityRouter`).
+- `AgentrtDirectory` (one replica, no CPU): the program directory (agentrt.scale.directory) every
+  replica syncs with (agentrt.scale.peers), so a program is one record across replicas: its attained
+  service (PLAS orders by the global figure), the program endpoints, DELETE, and /metrics labelled
+  by replica.
 
 The router runs in the front's process, so a program's home is known to the one front; a replica
 that dies re-homes its programs (`on_replica_actor_died`). A call whose replica dies fails with a
@@ -28,6 +32,7 @@ import collections
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,10 +87,13 @@ class ProgramAffinityRouter(FIFOMixin, RequestRouter):
         home = self.homes.get(pid) or kw.get("home_hint")  # a program started where the front saw it answer
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         cache = self.replica_queue_len_cache
-        stats = [ReplicaStats(rid, cache.get(r.replica_id) or 0) for rid, r in by_id.items()]
+        now = time.monotonic()
+        placing = pid is not None and home not in by_id  # a new program, or one whose replica is gone
+        live = self.homes.active(now, self.router_config.active_s) if placing else {}
+        stats = [ReplicaStats(rid, cache.get(r.replica_id) or 0, programs=live.get(rid, 0)) for rid, r in by_id.items()]
         key = pending_request.metadata.request_id if pending_request is not None else ""
         d = route(pid, tokens, stats, home, self.router_config, key=pid or key)
-        self.homes.set(pid, d.home)
+        self.homes.set(pid, d.home, now)
         self.decisions[d.reason] += 1
         return [[by_id[i] for i in rank] for rank in d.ranked]
 

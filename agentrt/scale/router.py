@@ -2,7 +2,7 @@
 each program lives), so a Ray Serve router and the simulator run the same code.
 
     decision = route(call_program_id, prompt_tokens, replicas, homes.get(pid), config)
-    homes.set(pid, decision.home)          # the router remembers; a program's end forgets
+    homes.set(pid, decision.home, now)     # the router remembers; a program's end forgets
     decision.ranked                        # [[first choice], [then these], ...] as Ray's routers rank
 
 The rule, after Autellix (arXiv 2502.13965, §4.3), then fitted to agents:
@@ -11,8 +11,11 @@ The rule, after Autellix (arXiv 2502.13965, §4.3), then fitted to agents:
   to the engine its program was placed on at its first long call. An agent's later calls extend its
   earlier context, which sits in its home replica's prefix cache and TTL pin, so here every call of
   at least `sticky_tokens` prompt tokens (0 by default: every call) goes to its program's home, and
-  the first such call places the program on the least-loaded replica. `sticky_tokens=2048` is
-  Autellix's rule.
+  the first such call places the program. `sticky_tokens=2048` is Autellix's rule.
+- Placement: where the fewest programs live (those that called within `active_s`, a program in a tool
+  gap included), then by load. Autellix places by load alone, but a replica's queue at the instant a
+  program starts says little about the calls its programs in tool gaps are about to make: placing by
+  live programs spreads the work that will come, not the work that is there.
 - The load guard (SGLang's router rebalances only past an absolute and a relative threshold): a
   home whose load is over `max_load` calls and over `max_load_ratio` times the least-loaded
   replica's (+1) is skipped; the call goes to the least-loaded replica and the program moves there
@@ -39,6 +42,8 @@ class ReplicaStats:
     replica_id: str
     load: int  # calls queued or running on it (Ray probes queue lengths per request)
     alive: bool = True  # False: dead or draining, never chosen
+    programs: int = 0  # programs living on it that called within RouterConfig.active_s (those in a tool
+    # gap included: each will call again), what a new program is placed by
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,7 @@ class RouterConfig:
     sticky_tokens: int = 0  # calls with at least this many prompt tokens go home (Autellix: 2048)
     max_load: int = 8  # the guard's absolute threshold: a home is overloaded only above this load ...
     max_load_ratio: float = 2.0  # ... and above this many times the least-loaded replica's load + 1
+    active_s: float = 30.0  # a program that called within this many seconds counts on its home (placement)
 
     def __post_init__(self) -> None:
         if not isinstance(self.sticky_tokens, int) or self.sticky_tokens < 0:
@@ -54,6 +60,8 @@ class RouterConfig:
             raise ValueError(f"RouterConfig.max_load must be an int >= 0, got {self.max_load!r}")
         if not isinstance(self.max_load_ratio, (int, float)) or not self.max_load_ratio >= 1:
             raise ValueError(f"RouterConfig.max_load_ratio must be a number >= 1, got {self.max_load_ratio!r}")
+        if not isinstance(self.active_s, (int, float)) or not self.active_s > 0:
+            raise ValueError(f"RouterConfig.active_s must be a number > 0, got {self.active_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +86,10 @@ def route(program_id: str | None, prompt_tokens: int, replicas: Sequence[Replica
     if prompt_tokens < config.sticky_tokens:  # a short call: load first, its program stays where it is
         return Decision(rest, home, "least-loaded")
     current = next((r for r in alive if r.replica_id == home), None)
-    if current is None:
-        return Decision(rest, least.replica_id, "placed" if home is None else "rehomed-gone")
+    if current is None:  # placed where the fewest live programs are (then by load): its later calls follow
+        spread = _fewest_programs(alive, key or program_id)
+        return Decision([[r.replica_id] for r in spread], spread[0].replica_id,
+                        "placed" if home is None else "rehomed-gone")
     if overloaded(current.load, least.load, config):
         return Decision(rest, least.replica_id, "rehomed-overload")
     others = [[r.replica_id] for r in order if r.replica_id != home]
@@ -91,11 +101,18 @@ def overloaded(load: int, least_load: int, config: RouterConfig) -> bool:
     return load > config.max_load and load > config.max_load_ratio * (least_load + 1)
 
 
+def _tie(key: str, replica_id: str) -> bytes:
+    """A stable hash of `key` with a replica's id: rendezvous hashing breaks ties (a CRC would order similar
+    keys alike)."""
+    return hashlib.blake2b(f"{key}|{replica_id}".encode(), digest_size=8).digest()
+
+
 def _least_loaded(replicas: list[ReplicaStats], key: str) -> list[ReplicaStats]:
-    """By load, ties by a stable hash of `key` with each replica's id (rendezvous hashing; a CRC would
-    order similar keys alike)."""
-    return sorted(replicas, key=lambda r: (r.load, hashlib.blake2b(f"{key}|{r.replica_id}".encode(),
-                                                                      digest_size=8).digest()))
+    return sorted(replicas, key=lambda r: (r.load, _tie(key, r.replica_id)))
+
+
+def _fewest_programs(replicas: list[ReplicaStats], key: str) -> list[ReplicaStats]:
+    return sorted(replicas, key=lambda r: (r.programs, r.load, _tie(key, r.replica_id)))
 
 
 class ProgramHomes:
@@ -106,18 +123,20 @@ class ProgramHomes:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"ProgramHomes capacity must be an int >= 1, got {capacity!r}")
         self.capacity = capacity
-        self._homes: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._homes: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()  # program ->
+        # (its replica, when it was last routed), least recently routed first
 
     def get(self, program_id: str | None) -> str | None:
-        return self._homes.get(program_id) if program_id is not None else None
+        found = self._homes.get(program_id) if program_id is not None else None
+        return found[0] if found is not None else None
 
-    def set(self, program_id: str | None, replica_id: str | None) -> None:
+    def set(self, program_id: str | None, replica_id: str | None, now: float = 0.0) -> None:
         if program_id is None:
             return
         if replica_id is None:
             self._homes.pop(program_id, None)
             return
-        self._homes[program_id] = replica_id
+        self._homes[program_id] = (replica_id, now)
         self._homes.move_to_end(program_id)
         while len(self._homes) > self.capacity:
             self._homes.popitem(last=False)
@@ -127,7 +146,7 @@ class ProgramHomes:
 
     def replica_gone(self, replica_id: str) -> int:
         """Drop the homes on a replica that is gone (its programs re-home on their next call); how many."""
-        gone = [p for p, r in self._homes.items() if r == replica_id]
+        gone = [p for p, (r, _) in self._homes.items() if r == replica_id]
         for p in gone:
             del self._homes[p]
         return len(gone)
@@ -137,4 +156,14 @@ class ProgramHomes:
 
     def counts(self) -> dict[str, int]:
         """Programs per replica."""
-        return dict(collections.Counter(self._homes.values()))
+        return dict(collections.Counter(r for r, _ in self._homes.values()))
+
+    def active(self, now: float, window_s: float) -> collections.Counter[str]:
+        """Programs per replica routed within the last `window_s` (walks only those, newest first)."""
+        out: collections.Counter[str] = collections.Counter()
+        for pid in reversed(self._homes):
+            replica, t = self._homes[pid]
+            if now - t > window_s:
+                break
+            out[replica] += 1
+        return out

@@ -58,6 +58,29 @@ def test_no_replica_alive():
     assert d.ranked == [] and d.reason == "none"
 
 
+def test_a_new_program_goes_where_the_fewest_live_programs_are():
+    """Three programs in tool gaps on r0 (queue empty now) will call again: a new program goes to r1, whose
+    one program is running a call, not to the replica that looks idle this instant."""
+    live = [ReplicaStats("r0", 0, programs=3), ReplicaStats("r1", 1, programs=1), ReplicaStats("r2", 2, programs=1)]
+    d = route("p9", 100, live, None, CFG)
+    assert (flat(d.ranked), d.home, d.reason) == (["r1", "r2", "r0"], "r1", "placed")
+    d = route("p9", 100, live, "r0", CFG)  # a program that lives there stays: placement only places
+    assert (d.ranked[0], d.reason) == (["r0"], "home")
+    d = route(None, 100, live, None, CFG)  # a call of no program: by load
+    assert d.ranked[0] == ["r0"]
+
+
+def test_live_programs_per_replica_are_those_routed_within_the_window():
+    homes = ProgramHomes()
+    homes.set("a", "r0", now=0.0)
+    homes.set("b", "r0", now=5.0)
+    homes.set("c", "r1", now=8.0)
+    homes.set("a", "r1", now=9.0)  # moved, and routed again: counts once, where it is now
+    assert homes.active(10.0, 30.0) == {"r0": 1, "r1": 2}
+    assert homes.active(36.0, 30.0) == {"r1": 2}  # b last called 31 s ago
+    assert homes.active(100.0, 30.0) == {}
+
+
 def test_equal_replicas_share_new_programs():
     homes = {route(f"p{i}", 10, stats(0, 0, 0, 0), None, CFG).home for i in range(64)}
     assert homes == {"r0", "r1", "r2", "r3"}
@@ -65,7 +88,7 @@ def test_equal_replicas_share_new_programs():
 
 def test_bad_config_is_refused_naming_the_field():
     for kw, name in (({"sticky_tokens": -1}, "sticky_tokens"), ({"max_load": 1.5}, "max_load"),
-                     ({"max_load_ratio": 0.5}, "max_load_ratio")):
+                     ({"max_load_ratio": 0.5}, "max_load_ratio"), ({"active_s": 0}, "active_s")):
         with pytest.raises(ValueError, match=name):
             RouterConfig(**kw)
 
@@ -87,7 +110,7 @@ def test_program_homes_are_bounded_and_forgotten():
         ProgramHomes(0)
 
 
-replica_sets = st.lists(st.tuples(st.integers(0, 40), st.booleans()), min_size=1, max_size=8)
+replica_sets = st.lists(st.tuples(st.integers(0, 40), st.booleans(), st.integers(0, 6)), min_size=1, max_size=8)
 
 
 @settings(max_examples=300, deadline=None)
@@ -95,8 +118,9 @@ replica_sets = st.lists(st.tuples(st.integers(0, 40), st.booleans()), min_size=1
        st.sampled_from([None, "r0", "r1", "r5", "r9"]), st.sampled_from([0, 2048]))
 def test_any_stats(reps, pid, tokens, home, sticky):
     cfg = RouterConfig(sticky_tokens=sticky, max_load=4, max_load_ratio=2.0)
-    replicas = [ReplicaStats(f"r{i}", load, alive) for i, (load, alive) in enumerate(reps)]
+    replicas = [ReplicaStats(f"r{i}", load, alive, programs) for i, (load, alive, programs) in enumerate(reps)]
     alive = {r.replica_id: r.load for r in replicas if r.alive}
+    spread = {r.replica_id: (r.programs, r.load) for r in replicas if r.alive}
     d = route(pid, tokens, replicas, home, cfg)
     chosen = flat(d.ranked)
     assert sorted(chosen) == sorted(alive) and len(set(chosen)) == len(chosen)  # every live replica, once
@@ -112,7 +136,11 @@ def test_any_stats(reps, pid, tokens, home, sticky):
         assert d.home == home and alive[first] == least
     elif home in alive and not overloaded(alive[home], least, cfg):
         assert first == home == d.home and d.reason == "home"
-    else:  # placed, or moved off a home that is gone or hot: onto a least-loaded replica
-        assert first == d.home and alive[first] == least
-        assert d.reason == ("placed" if home is None else "rehomed-gone" if home not in alive else "rehomed-overload")
+    elif home in alive:  # moved off a hot home: onto a least-loaded replica
+        assert first == d.home and alive[first] == least and d.reason == "rehomed-overload"
+    else:  # placed (or re-homed off a replica that is gone) where the fewest live programs are, then by load
+        assert first == d.home and spread[first] == min(spread.values())
+        assert d.reason == ("placed" if home is None else "rehomed-gone")
+        assert [spread[r] for r in chosen] == sorted(spread.values())
+        return
     assert [alive[r] for r in chosen[1:]] == sorted(alive[r] for r in chosen[1:])  # the rest by load

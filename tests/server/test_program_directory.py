@@ -118,3 +118,30 @@ def test_metrics_carry_every_replica_labelled(pair):
     done = {s.labels["replica"]: s.value for s in families["agentrt:request_success"].samples
             if s.name.endswith("_total")}
     assert done["b"] >= 1
+
+
+class Unreachable:
+    def __getattr__(self, name):
+        async def call(*args, **kwargs):
+            raise ConnectionError("directory actor is dead")
+
+        return call
+
+
+def test_without_the_directory_calls_are_served_and_reads_say_why(pair):
+    a, b, ha, hb = pair
+    peers = b.state.peers
+    directory, failures = peers.directory, peers.num_failures
+    peers.directory = Unreachable()
+    try:
+        chat(hb, "glob-5")  # served: this replica checks its own owners meanwhile
+        r = hb.get("/v1/programs/glob-5", headers=KEYS["k1"])
+        assert r.status_code == 503 and r.json()["error"]["code"] == "directory_unavailable"
+        assert "directory actor is dead" in r.json()["error"]["message"]
+        text = hb.get("/metrics", headers=KEYS["k1"]).text  # this replica's own series, labelled
+        assert 'replica="b"' in text and 'replica="a"' not in text
+    finally:
+        peers.directory = directory
+    p = wait_for(lambda: (q := hb.get("/v1/programs/glob-5", headers=KEYS["k1"])).status_code == 200 and q.json())
+    assert p["calls_done"] == 1 and p["replicas"] == ["b"]
+    peers.num_failures = failures  # the fixture checks the loop never failed otherwise

@@ -178,6 +178,24 @@ def _wait_until_both_run(timeout_s: float = 120) -> None:
     pytest.fail(f"the killed replica did not come back: {status}")
 
 
+def test_every_endpoint_answers_through_the_front_as_one_server_does(cluster):
+    with httpx.Client(base_url=cluster, timeout=120) as client:
+        pid = {"X-Program-Id": "endpoints"}
+        r = client.post("/v1/embeddings", json={"model": "tiny", "input": [[11, 12, 13, 14], [7, 8]]}, headers=pid)
+        assert r.status_code == 200 and [len(d["embedding"]) for d in r.json()["data"]] == [64, 64], r.text
+        r = client.post("/v1/messages", json={"model": "tiny", "max_tokens": 3,
+                                              "messages": [{"role": "user", "content": "Hi."}]}, headers=pid)
+        assert r.status_code == 200 and r.json()["type"] == "message" and r.json()["usage"]["output_tokens"] >= 1
+        r = client.post("/v1/messages", json={"model": "tiny", "messages": []})  # Anthropic's error shape
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}, headers=pid)
+        assert r.status_code == 200 and r.json()["object"] == "text_completion"
+        assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        assert client.get("/health").status_code == 200
+        calls = client.get("/v1/programs/endpoints/calls").json()  # from the database the replicas share
+        assert len(calls["data"]) == 3 and not calls["has_more"], calls
+
+
 def test_a_killed_replica_fails_only_its_calls_and_comes_back(cluster):
     with httpx.Client(base_url=cluster, timeout=120) as client:
         for _ in range(2):
