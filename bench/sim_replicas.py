@@ -219,6 +219,28 @@ def replicas_sweep(n: int, rates: list[float], replicas: int, routers: list[str]
     return rows
 
 
+def plot_replicas(rows: list[dict[str, Any]], path: str) -> None:
+    """Mean program latency vs arrival rate, one panel per replica count, one line per router."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({r["replicas"] for r in rows})
+    fig, axes = plt.subplots(1, len(counts), figsize=(5.5 * len(counts), 4), squeeze=False)
+    for ax, n in zip(axes[0], counts):
+        mine = [r for r in rows if r["replicas"] == n]
+        for name in dict.fromkeys(r["config"] for r in mine):
+            pts = sorted((r["rate"], r["latency_mean_s"]) for r in mine if r["config"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set(xlabel="arrival rate (programs/s)", ylabel="mean program latency (s)", yscale="log",
+               title=f"{n} replicas, full-size agents (H100 / Llama-3.1-8B cost model)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str]) -> int:
     import argparse
     import json
@@ -237,7 +259,23 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--cost-model", default="h100-llama-3.1-8b", choices=[k for k, v in costs.NAMED.items() if v[1]])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--save", default=None, metavar="JSON", help="write the rows to this file too")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="plot latency vs rate per router; with --plot-from, of saved rows instead of a run")
+    ap.add_argument("--plot-from", default=None, metavar="JSON,...", help="saved rows (--save) to plot, no run")
     args = ap.parse_args(argv)
+    if args.plot_from:
+        if not args.plot:
+            ap.error("--plot-from needs --plot PNG")
+        rows = []
+        for name in args.plot_from.split(","):
+            try:
+                with open(name) as f:
+                    rows += json.load(f)
+            except (OSError, ValueError) as e:
+                ap.error(f"--plot-from {name!r}: {e}")
+        plot_replicas(rows, args.plot)
+        return 0
     routers = [args.router] if args.router else [r for r in args.routers.split(",") if r]
     bad = [r for r in routers if r not in SIM_ROUTERS]
     if bad:
@@ -250,6 +288,11 @@ def main(argv: list[str]) -> int:
         ap.error(f"--rates must be numbers such as 0.2,0.3, got {args.rates!r}")
     rows = replicas_sweep(args.programs, rates, args.replicas, routers, seed=args.seed, policy=args.policy,
                           block_size=args.block_size, cost_model=args.cost_model)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot_replicas(rows, args.plot)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
