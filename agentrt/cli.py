@@ -79,8 +79,16 @@ def _serve(a: argparse.Namespace) -> int:
         ("allowed_origins", "--allowed-origins", a.allowed_origins),
         ("allowed_methods", "--allowed-methods", a.allowed_methods),
         ("allowed_headers", "--allowed-headers", a.allowed_headers)) if text is not None}
+    policy_kwargs = None
+    if a.running_cap is not None:
+        if a.policy not in ("plas", "plas+ttl", "atlas", "atlas+ttl"):
+            raise ValueError(f"--running-cap needs a program-level policy (plas, atlas, +ttl), not --policy {a.policy}")
+        if a.running_cap != "auto" and not (a.running_cap.isdigit() and int(a.running_cap) >= 1):
+            raise ValueError(f"--running-cap must be 'auto' or an integer >= 1, got {a.running_cap!r}")
+        policy_kwargs = {"running_cap": "auto" if a.running_cap == "auto" else int(a.running_cap)}
     config = ServerConfig(
-        model=a.model_tag or a.model, policy=a.policy, engine=engine, db=a.db, api_keys=[*a.api_key, *env_api_keys()],
+        model=a.model_tag or a.model, policy=a.policy, policy_kwargs=policy_kwargs, engine=engine, db=a.db,
+        api_keys=[*a.api_key, *env_api_keys()],
         served_model_name=a.served_model_name, program_idle_timeout_s=a.program_idle_timeout,
         max_waiting=a.max_waiting, drain_timeout_s=a.drain_timeout, max_body_bytes=a.max_body_bytes, max_n=a.max_n,
         max_tokens_limit=a.max_tokens_limit, exclude_tools_when_tool_choice_none=a.exclude_tools_when_tool_choice_none,
@@ -158,6 +166,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="HTTPS: the certificate (with --ssl-keyfile; default: plain HTTP)")
     s.add_argument("--policy", default="plas", choices=POLICY_NAMES, help="how waiting calls are ordered: "
                    f"{', '.join(POLICY_NAMES)} (default: plas, least attained service of the program first)")
+    s.add_argument("--running-cap", default=None, metavar="auto|N",
+                   help="plas / atlas: while calls wait, run at most N calls at once, in program order, a better "
+                   "waiting call displacing the worst running one; 'auto': the knee of this engine's measured step "
+                   "cost, where a wider batch adds under 10%% throughput (default: none, --max-num-seqs alone)")
     s.add_argument("--db", default=None, help="SQLAlchemy URL for program and call records (default: a SQLite "
                    "file per served model under ~/.cache/agentrt/records; 'none' keeps no records). A database holds "
                    "one server's records: at start-up the programs a previous run left running become 'interrupted'")

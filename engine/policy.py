@@ -54,6 +54,12 @@ class SchedulingPolicy(ABC):
         A policy keeping per-program state must also bound it without this call (an engine used
         without agentrt's runtime never makes it)."""
 
+    def max_running(self, waiting: Sequence[Request], running: Sequence[Request], max_num_seqs: int) -> int | None:
+        """The running set this step may have (the scheduler takes the smaller of it and `max_num_seqs`):
+        admission stops there, and under a preemptive policy a better waiting call displaces the worst
+        running one at it. Called each step after `before_schedule`. None (the default): `max_num_seqs`."""
+        return None
+
     def credit_service(self, program_id: str, attained: float, critical: float) -> None:
         """The service `program_id` has received outside this engine (on other replicas), as totals:
         `attained` (summed) and `critical` (the longest critical path there). Program-level policies

@@ -21,6 +21,10 @@ Two policy switches concern pins (SchedulingPolicy attributes, False unless a po
 `protect_pins` is admission control for a KV-bound engine: while others run, a waiting call goes in only
 if its whole prompt and output fit, and only a call of a program that holds a pin may make other
 programs' pins give way (an idle engine admits as usual). agentrt's PLAS takes both as arguments.
+
+The running set: `max_num_seqs` seats, or fewer while the policy's `max_running` says so (a running-set
+cap: admission stops at it, and a preemptive policy's better waiting call displaces the worst running
+one there); requests already running above a lowered cap finish as usual.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._classes = False  # this step: some request is in a class other than 0
+        self._seats = config.max_num_seqs  # this step: the running set's size limit (policy.max_running)
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -150,6 +155,8 @@ class Scheduler:
         now = self.clock()
         self.expire_pins()
         self.policy.before_schedule(self.waiting, self.running, now)
+        cap = self.policy.max_running(self.waiting, self.running, self.config.max_num_seqs)
+        self._seats = self.config.max_num_seqs if cap is None else max(1, min(cap, self.config.max_num_seqs))
         self._classes = any(r.sampling.priority for r in self.running) or any(r.sampling.priority for r in self.waiting)
         self.running.sort(key=self._key if self._classes else self.policy.priority)
         self.waiting.sort(key=self._waiting_key())
@@ -189,7 +196,7 @@ class Scheduler:
         in_flight: set[bytes] | None = None  # hashes of the full blocks this step computes (made on first need)
         j = 0  # waiting requests before j wait for blocks this step computes
         while (not short_of_blocks and j < len(self.waiting) and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self._seats):
             req = self.waiting[j]
             error = self.kv.capacity_error(req)
             if error is not None:  # would preempt itself forever
@@ -277,7 +284,7 @@ class Scheduler:
         """A waiting request that ranks above the worst running one (by class; within a class only
         under a preemptive policy) takes its place when there is no seat or no blocks for it."""
         key = self._waiting_key()
-        max_seqs, max_tokens = self.config.max_num_seqs, self.config.max_num_batched_tokens
+        max_seqs, max_tokens = self._seats, self.config.max_num_batched_tokens
         allocatable: dict[str | None, int] = {}  # per owner, until the next preemption changes it
         per_owner = self.kv.num_reserved_blocks > 0  # without reservations every owner may take the same
         for w in list(self.waiting):

@@ -53,6 +53,8 @@ CASES = [  # (argv, what the line names); FILE is a program file that exists
     (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["serve", "--router", "pow2"], "--router pow2 needs --replicas N"),
     (["serve", "--replicas", "0"], "--replicas must be >= 1"),
+    (["serve", "--running-cap", "0"], "--running-cap must be 'auto' or an integer >= 1, got '0'"),
+    (["serve", "--policy", "fcfs", "--running-cap", "auto"], "--running-cap needs a program-level policy"),
     (["serve", "--router", "sticky"], "--router: invalid choice: 'sticky'"),
     (["run", "--policy", "nope", "FILE"], "'nope'"),
     (["generate", "hi", "--max-tokens", "many"], "--max-tokens: invalid int value"),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,7 +94,8 @@ class MultiLevelPolicy(SchedulingPolicy):
 
     def __init__(self, *, num_queues: int, quantum: float, service: ServiceUnit, token_cost: float,
                  preempt: bool = True, pinned_first: bool = False, victim: str = "priority",
-                 protect_pins: bool = False) -> None:
+                 protect_pins: bool = False, running_cap: int | str | None = None,
+                 cap_efficiency: float = 0.9) -> None:
         if not isinstance(num_queues, int) or num_queues < 1:
             raise ConfigError(f"{self.name}: num_queues must be an integer >= 1, got {num_queues!r}")
         if not quantum > 0:
@@ -104,6 +106,12 @@ class MultiLevelPolicy(SchedulingPolicy):
             raise ConfigError(f"{self.name}: token_cost must be > 0, got {token_cost!r}")
         if victim not in ("priority", "newest"):
             raise ConfigError(f"{self.name}: victim must be 'priority' or 'newest', got {victim!r}")
+        if not (running_cap is None or running_cap == "auto" or (isinstance(running_cap, int) and running_cap >= 1)):
+            raise ConfigError(f"{self.name}: running_cap must be None, 'auto' or an int >= 1, got {running_cap!r}")
+        if not 0 < cap_efficiency < 1:
+            raise ConfigError(f"{self.name}: cap_efficiency must be in (0, 1), got {cap_efficiency!r}")
+        self.running_cap = running_cap  # the running set while calls wait: see `max_running`
+        self.step_fit = StepFit(cap_efficiency)
         self.preemptive = preempt  # False: order waiting calls only, never displace running ones
         self.pinned_first = pinned_first  # calls of programs holding pinned KV go first (engine.scheduler)
         self.protect_pins = protect_pins  # admission keeps paused programs' pinned KV (engine.scheduler)
@@ -244,7 +252,20 @@ class MultiLevelPolicy(SchedulingPolicy):
         st.wait = st.service = 0.0
         st.promotions += 1
 
+    def max_running(self, waiting: Sequence[Request], running: Sequence[Request], max_num_seqs: int) -> int | None:
+        """The running-set cap (`running_cap`): only while calls wait (an engine with room for everyone runs
+        everyone); a fixed size, or "auto": the knee of this engine's measured step cost (`StepFit`), the
+        smallest batch with `cap_efficiency` of the throughput of a full one, so a wider batch would add
+        little throughput and slow every call."""
+        if self.running_cap is None or not waiting:
+            return None
+        if self.running_cap == "auto":
+            return self.step_fit.knee(max_num_seqs)
+        return self.running_cap
+
     def on_step(self, reqs: Sequence[Request], service_s: Sequence[float], num_tokens: Sequence[int], now: float) -> None:
+        if self.running_cap == "auto":
+            self.step_fit.add(sum(num_tokens), sum(service_s))
         tokens_mode = self.service_unit == "tokens"
         for req, secs, ntok in zip(reqs, service_s, num_tokens):
             st = self.state(req)
@@ -315,6 +336,49 @@ class MultiLevelPolicy(SchedulingPolicy):
         if prog is None:
             prog = self.programs[key] = ProgramState(active=1)
         return prog
+
+
+class StepFit:
+    """A step's time as a + c * tokens, fitted by least squares over the latest `window` steps (refitted
+    every `every` steps), and the knee of throughput b / (a + c b): the smallest b with `efficiency` of
+    the throughput at `max_num_seqs` rows, b >= f B a / (a + c B (1 - f)). None until `min_steps` steps
+    of at least two sizes were seen, or while the fit says nothing (a fixed cost below one row's cost:
+    nothing for a wider batch to amortize, or noise)."""
+
+    def __init__(self, efficiency: float, window: int = 512, every: int = 32, min_steps: int = 32,
+                 min_cap: int = 2) -> None:
+        self.efficiency, self.every, self.min_steps, self.min_cap = efficiency, every, min_steps, min_cap
+        self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self.coef: tuple[float, float] | None = None  # (a, c) of the latest fit
+        self._since = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        self.samples.append((tokens, seconds))
+        self._since += 1
+        if self._since >= self.every and len(self.samples) >= self.min_steps:
+            self._since = 0
+            self.coef = self._fit()
+
+    def _fit(self) -> tuple[float, float] | None:
+        n = len(self.samples)
+        mx = sum(x for x, _ in self.samples) / n
+        my = sum(y for _, y in self.samples) / n
+        sxx = sum((x - mx) ** 2 for x, _ in self.samples)
+        if sxx <= 0:
+            return self.coef
+        c = sum((x - mx) * (y - my) for x, y in self.samples) / sxx
+        return my - c * mx, c
+
+    def knee(self, max_num_seqs: int) -> int | None:
+        if self.coef is None:
+            return None
+        a, c = self.coef
+        if c <= 0 or a < c:  # a fixed cost below one row's: nothing a wider batch amortizes, or a poor fit
+            return None
+        f, b = self.efficiency, max_num_seqs
+        return max(self.min_cap, min(max_num_seqs, math.ceil(f * b * a / (a + c * b * (1 - f)))))
 
 
 def queue_of(boundaries: Sequence[float], value: float) -> int:

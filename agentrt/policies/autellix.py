@@ -111,6 +111,10 @@ class PLAS(MultiLevelPolicy):
             (Continuum's order, composed with PLAS; see `TTL_SETTINGS`).
         victim: "priority" (preempt from the lowest queue) or "newest" (a call of the latest-started program).
         protect_pins: admission control that keeps paused programs' pinned KV (engine.scheduler).
+        running_cap: the running set while calls wait: None (max_num_seqs), an int, or "auto" (the knee
+            of the measured step cost, where `cap_efficiency` of a full batch's throughput is reached;
+            see MultiLevelPolicy.max_running). Admission in program order stops there, and with
+            `preempt` a waiting call of a better queue displaces the worst running one.
     """
 
     name: ClassVar[str] = "plas"
@@ -131,6 +135,8 @@ class PLAS(MultiLevelPolicy):
         pinned_first: bool = False,
         victim: str = "priority",
         protect_pins: bool = False,
+        running_cap: int | str | None = None,
+        cap_efficiency: float = 0.9,
     ) -> None:
         if service not in self.defaults:
             raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
@@ -146,6 +152,8 @@ class PLAS(MultiLevelPolicy):
             pinned_first=pinned_first,
             victim=victim,
             protect_pins=protect_pins,
+            running_cap=running_cap,
+            cap_efficiency=cap_efficiency,
         )
         if not first_boundary > 0:
             raise ConfigError(f"{self.name}: first_boundary must be > 0, got {first_boundary!r}")

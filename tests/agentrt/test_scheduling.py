@@ -35,11 +35,13 @@ async def wait_until(cond, timeout_s: float = 30.0) -> None:
             await anyio.sleep(0.002)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "plas", "atlas"])
-async def test_short_programs_overtake_a_long_one(tiny_model_path, policy):
+@pytest.mark.parametrize("policy, seats, cap", [("fcfs", 2, None), ("plas", 2, None), ("atlas", 2, None),
+                                                ("plas", 8, 2), ("plas+ttl", 8, 2)])
+async def test_short_programs_overtake_a_long_one(tiny_model_path, policy, seats, cap):
     """A long program (two sequential calls, then a fan-out of two long calls) holds both seats when
     three one-call programs arrive. FCFS makes them wait for the long calls; PLAS and ATLAS see that
-    the long program already had its share and let the short ones through first."""
+    the long program already had its share and let the short ones through first. With 8 seats and a
+    running-set cap of 2 (`running_cap`) the same happens (plas+ttl displaces too, with `preempt`)."""
 
     @agentrt.program(name="long")
     async def long_program() -> float:
@@ -56,10 +58,21 @@ async def test_short_programs_overtake_a_long_one(tiny_model_path, policy):
     async def run_shorts() -> None:
         ends["short"] = list(await agentrt.gather(*(short(i) for i in range(3))))
 
-    async with runtime(tiny_model_path, policy, max_num_seqs=2) as rt:
+    extra = {} if cap is None else {"running_cap": cap, "preempt": True}
+    widest = [0]  # the engine's running set at its widest once the short programs came
+
+    async with runtime(tiny_model_path, policy, max_num_seqs=seats, **extra) as rt:
+        scheduler = rt._engine().core.scheduler
+
+        async def watch() -> None:
+            while "short" not in ends:
+                widest[0] = max(widest[0], len(scheduler.running))
+                await anyio.sleep(0.001)
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_long)
             await wait_until(lambda: any(p.calls_done == 2 and p.calls_running == 2 for p in rt.programs))
+            tg.start_soon(watch)
             tg.start_soon(run_shorts)
         long_info = next(p for p in rt.programs if p.name == "long")
         assert long_info.calls_done == 4 and long_info.num_output_tokens == 480
@@ -67,6 +80,7 @@ async def test_short_programs_overtake_a_long_one(tiny_model_path, policy):
         assert ends["long"] < min(ends["short"])
     else:
         assert max(ends["short"]) < ends["long"]
+    assert widest[0] <= (cap or seats)  # 2 long branches + 3 short calls would be 5 wide without the cap
 
 
 @pytest.mark.parametrize("beta, starves", [(0.002, False), (float("inf"), True)])
