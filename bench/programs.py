@@ -214,8 +214,19 @@ def _flag(value: str) -> bool:
 
 
 _flag.__name__ = "a flag (1/0, true/false)"
+
+
+def _cap(value: str) -> int | str:
+    if value == "auto":
+        return value
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise ValueError(value)
+
+
+_cap.__name__ = "'auto' or an integer >= 1"
 _KNOBS: dict[str, Any] = {"first_boundary": float, "quantum": float, "beta": float, "num_queues": int, "order": str,
-                          "live": _flag}
+                          "live": _flag, "running_cap": _cap}
 
 
 _POLICIES = ("fcfs", "mlfq", "plas", "atlas")
@@ -223,8 +234,9 @@ _POLICIES = ("fcfs", "mlfq", "plas", "atlas")
 
 def policy_spec(policy: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """"NAME[:np][:KEY=VALUE...]" -> (name, policy kwargs): `np` = without preemption; KEY is one of
-    first_boundary, quantum, beta, num_queues, order, live (plas/atlas; quantum also mlfq), overriding
-    the command-line value for this entry only, e.g. `plas:beta=2` or `plas:order=call:live=0`."""
+    first_boundary, quantum, beta, num_queues, order, live, running_cap (plas/atlas; quantum also mlfq),
+    overriding the command-line value for this entry only, e.g. `plas:beta=2`, `plas:order=call:live=0`
+    or `plas:running_cap=auto`."""
     name, *variants = policy.split(":")
     if name not in _POLICIES:
         raise SystemExit(f"unknown policy {name!r} in --policies: choose from {', '.join(_POLICIES)}")

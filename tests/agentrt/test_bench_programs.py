@@ -40,11 +40,14 @@ def test_policy_entries_with_overrides():
     assert bench.policy_spec("fcfs", args) == ("fcfs", {})
     assert bench.policy_spec("atlas:num_queues=8:order=call:live=off", args) == (
         "atlas", {"beta": 3.0, "num_queues": 8, "order": "call", "live": False})
+    assert bench.policy_spec("plas:running_cap=auto", args) == ("plas", {"beta": 3.0, "running_cap": "auto"})
+    assert bench.policy_spec("plas:running_cap=6", args) == ("plas", {"beta": 3.0, "running_cap": 6})
     for bad, message in [("plas:fast", "unknown policy variant 'fast'"), ("fcfs:beta=2", "nothing for fcfs"),
                          ("atlas:beta=high", "beta must be float, got 'high'"),
                          ("plas:num_queues=2.5", "num_queues must be int"),
                          ("plas:live=maybe", r"live must be a flag \(1/0, true/false\), got 'maybe'"),
-                         ("mlfq:order=call", "unknown policy variant 'order=call'")]:
+                         ("mlfq:order=call", "unknown policy variant 'order=call'"),
+                         ("plas:running_cap=0", "running_cap must be 'auto' or an integer >= 1, got '0'")]:
         with pytest.raises(SystemExit, match=message):
             bench.policy_spec(bad, args)
 
