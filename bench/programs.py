@@ -1,6 +1,7 @@
 """Program-scheduling benchmark: one program mix, Poisson arrivals, every policy in one run.
 
     agentrt bench programs [--json] [--programs N] [--rate R] [--policies fcfs,mlfq,plas,atlas]
+                           [--http [--timeline PNG]]
     python -m agentrt.bench.programs ...
 
 The mix (chat, ReAct, tree search after Autellix) is defined once, as plans, in
@@ -118,6 +119,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "latency_s": _summary([r["latency_s"] for r in done]),
         "latency_per_token_s": _summary([r["latency_s"] / max(1, r["output_tokens"]) for r in done]),
         "by_kind": {k: _summary([r["latency_s"] for r in done if r["kind"] == k]) for k in wl.PLANS},
+        "by_class": {"short": _summary([r["latency_s"] for r in done if r["kind"] not in LONG_KINDS]),
+                     "long": _summary([r["latency_s"] for r in done if r["kind"] in LONG_KINDS])},
     }
 
 
@@ -142,6 +145,12 @@ def add_ratios(report: dict[str, Any]) -> None:
             for metric in ("latency_s", "latency_per_token_s")
             for stat in ("mean", "p50", "p95", "p99")
         }
+        for cls in ("short", "long"):
+            mine, theirs = res.get("by_class", {}).get(cls), base.get("by_class", {}).get(cls)
+            if mine and theirs:
+                res["vs_fcfs"][f"{cls}.mean"] = mine["mean"] / theirs["mean"]
+                res["vs_fcfs"][f"{cls}.p99"] = mine["p99"] / theirs["p99"]
+        res["vs_fcfs"]["makespan"] = res["makespan_s"] / base["makespan_s"]
 
 
 def table(report: dict[str, Any]) -> str:
@@ -229,7 +238,8 @@ _KNOBS: dict[str, Any] = {"first_boundary": float, "quantum": float, "beta": flo
                           "live": _flag, "running_cap": _cap}
 
 
-_POLICIES = ("fcfs", "mlfq", "plas", "atlas")
+_POLICIES = ("fcfs", "mlfq", "plas", "atlas", "plas+ttl", "atlas+ttl")
+LONG_KINDS = ("tree",)  # the long class of programs (many calls, fan-out); the others are short
 
 
 def policy_spec(policy: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
@@ -241,7 +251,7 @@ def policy_spec(policy: str, args: argparse.Namespace) -> tuple[str, dict[str, A
     if name not in _POLICIES:
         raise SystemExit(f"unknown policy {name!r} in --policies: choose from {', '.join(_POLICIES)}")
     given = {"first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta}
-    allowed = {"plas": set(_KNOBS), "atlas": set(_KNOBS), "mlfq": {"quantum"}}.get(name, set())
+    allowed = {"mlfq": {"quantum"}}.get(name, set(_KNOBS) if name.startswith(("plas", "atlas")) else set())
     kwargs = {k: v for k, v in given.items() if k in allowed and v is not None}
     for variant in variants:
         key, eq, value = variant.partition("=")
@@ -368,21 +378,43 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(ap)
     ap.add_argument("--model", default=None, help="model path; default: the default model")
     ap.add_argument("--docs", type=Path, default=None, help="write the table to this markdown file (docs/benchmarks.md)")
+    ap.add_argument("--http", action="store_true",
+                    help="the same programs through a fresh `agentrt serve` per policy, over HTTP (bench/programs_http.py)")
+    ap.add_argument("--timeline", default=None, metavar="PNG", help="--http: plot every call of the run here")
     args = ap.parse_args(argv)
-    resolve_model(args.model)  # a path that is not a model fails first, in one line
+    model = str(resolve_model(args.model))  # a path that is not a model fails first, in one line
     workload, engine = setup(args)
+    if args.timeline and not args.http:
+        raise SystemExit("--timeline needs --http")
+    if args.http:
+        from agentrt.bench import programs_http
+
+        for policy in args.policies.split(","):  # a knob the server does not take fails before anything runs
+            programs_http.serve_args(*policy_spec(policy, args))
     report = new_report(args, engine)
     for policy in args.policies.split(","):
         t0 = time.monotonic()
         name, kwargs = policy_spec(policy, args)
-        report["results"][policy] = summarize(anyio.run(run_policy, name, workload, args.model, engine, kwargs))
+        if args.http:
+            res = programs_http.run_policy_http(name, kwargs, workload, model, engine)
+        else:
+            res = anyio.run(run_policy, name, workload, args.model, engine, kwargs)
+        report["results"][policy] = summarize(res)
         print(f"{policy}: done in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     add_ratios(report)
+    if args.timeline:
+        programs_http.plot_timeline(report, args.timeline)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(f"arrival rate {args.rate:.3f} programs/s{load_note(report['config'])}")
         print(table(report))
+        for name, r in report["results"].items():
+            vs = r.get("vs_fcfs", {})
+            print(f"{name}: short programs mean {r['by_class']['short'].get('mean', float('nan')):.2f} s "
+                  f"({vs.get('short.mean', float('nan')):.2f}x fcfs), long programs mean "
+                  f"{r['by_class']['long'].get('mean', float('nan')):.2f} s ({vs.get('long.mean', float('nan')):.2f}x), "
+                  f"long p99 {vs.get('long.p99', float('nan')):.2f}x, time for all {vs.get('makespan', float('nan')):.2f}x")
     if args.docs is not None:
         cmd = "agentrt bench programs " + " ".join(argv if argv is not None else sys.argv[1:])
         write_docs(report, cmd.strip(), args.docs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from agentrt.bench import programs as bench
 
 
@@ -20,6 +22,26 @@ def test_bench_programs_smoke(tiny_model_path, tmp_path, capsys):
     text = docs.read_text()
     assert "keep me" in text and "keep too" in text and "old" not in text
     assert text.count("## Program scheduling") == 1 and "| plas |" in text
+
+
+def test_bench_programs_over_http(tiny_model_path, tmp_path, capsys):
+    """The same programs through a fresh `agentrt serve` per policy: every program done with its calls, the
+    classes' latencies, the server's counters, a timeline of every call and its plot."""
+    plot = tmp_path / "timeline.png"
+    argv = ["--model", str(tiny_model_path), "--programs", "6", "--rate", "20", "--mix", "react=0.5,tree=0.5",
+            "--tree", "2x2", "--policies", "fcfs,plas+ttl:running_cap=2", "--http", "--timeline", str(plot), "--json"]
+    assert bench.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["results"]) == ["fcfs", "plas+ttl:running_cap=2"]
+    for r in report["results"].values():
+        assert r["latency_s"]["n"] == 6 and all(p["calls"] >= 1 and p["output_tokens"] > 0 for p in r["programs"])
+        calls = sum(p["calls"] for p in r["programs"])
+        assert len(r["timeline"]) == calls and all(c["end"] > c["start"] >= 0 for c in r["timeline"])
+        assert r["by_class"]["long"]["n"] + r["by_class"]["short"]["n"] == 6 and 0 <= r["prefix_hit_rate"] <= 1
+    assert report["results"]["plas+ttl:running_cap=2"]["vs_fcfs"]["makespan"] > 0
+    assert plot.stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="--policy and --running-cap only, not 'beta'"):
+        bench.main(["--model", str(tiny_model_path), "--rate", "1", "--policies", "plas:beta=2", "--http"])
 
 
 def test_workload_is_seeded():

@@ -1,0 +1,194 @@
+"""`agentrt bench programs --http`: the same programs, through `agentrt serve`, as a user's client sends them.
+
+For each policy a fresh `agentrt serve` (its own process, no records) runs the engine; the programs of
+bench/workload.py arrive as a Poisson process and each call goes over HTTP (`/v1/completions`, token-id
+prompts, greedy, EOS ignored, `X-Program-Id`, parallel branches with `X-Thread-Id`), tool gaps as sleeps,
+every call's generated ids feeding the next prompt as in the in-process run. Recorded per call: its
+program, kind, start and end (the timeline), per program its latency; from the server's /metrics its
+preemptions and prefix hits. Policies are `agentrt serve --policy` names; `running_cap` is its
+`--running-cap`, the one policy argument the server takes.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import anyio
+import httpx
+
+from agentrt.bench import workload as wl
+from agentrt.bench.workload import Call, Parallel, ProgramSpec
+
+SERVE_POLICIES = ("fcfs", "mlfq", "plas", "plas+ttl", "atlas", "atlas+ttl")
+
+
+def serve_args(name: str, kwargs: dict[str, Any]) -> list[str]:
+    """`agentrt serve` flags for a policy entry; a knob the server does not take fails here, naming it."""
+    if name not in SERVE_POLICIES:
+        raise SystemExit(f"--http: policy {name!r} is not one `agentrt serve --policy` takes ({', '.join(SERVE_POLICIES)})")
+    other = sorted(set(kwargs) - {"running_cap"})
+    if other:
+        raise SystemExit(f"--http: the server takes --policy and --running-cap only, not {other[0]!r} "
+                         f"(policy {name!r}); run it in-process, without --http")
+    return ["--policy", name, *(["--running-cap", str(kwargs["running_cap"])] if "running_cap" in kwargs else [])]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metric(text: str, name: str) -> float:
+    """Sum of a metric's samples in a Prometheus exposition (0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class Server:
+    """`agentrt serve` in a child process on a free port, until the `with` block ends."""
+
+    def __init__(self, model: str, flags: list[str], engine: dict[str, Any]) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "agentrt.cli", "serve", "--model", model, "--port", str(self.port),
+                    "--db", "none", "--served-model-name", "m", "--max-num-seqs", str(engine["max_num_seqs"]),
+                    "--max-num-batched-tokens", str(engine["max_num_batched_tokens"]), *flags]
+
+    def __enter__(self) -> Server:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"agentrt serve exited ({self.proc.returncode}): {self.proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.proc.kill()
+        raise SystemExit(f"agentrt serve did not become healthy in 300 s: {' '.join(self.cmd)}")
+
+    def __exit__(self, *exc: Any) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def _program(client: httpx.AsyncClient, spec: ProgramSpec, start: float, results: list[Any],
+                   timeline: list[dict[str, Any]]) -> None:
+    await anyio.sleep(max(0.0, start + spec.arrival_s - time.monotonic()))
+    pid = f"{spec.kind}-{spec.index}"
+    calls = 0
+    tokens = 0
+
+    async def call(c: Call, thread: str | None = None) -> list[int]:
+        nonlocal calls, tokens
+        body = {"model": "m", "prompt": c.prompt, "max_tokens": c.max_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        headers = {"X-Program-Id": pid, **({"X-Thread-Id": thread} if thread else {})}
+        t0 = time.monotonic()
+        r = await client.post("/v1/completions", json=body, headers=headers)
+        if r.status_code != 200:
+            raise RuntimeError(f"program {pid}: {r.status_code} {r.text[:300]}")
+        ids = r.json()["choices"][0]["token_ids"]
+        timeline.append({"program": spec.index, "kind": spec.kind, "start": t0 - start, "end": time.monotonic() - start})
+        calls += 1
+        tokens += len(ids)
+        return ids
+
+    gen, value = wl.plan(spec), None
+    while True:
+        try:
+            action = gen.send(value)
+        except StopIteration:
+            break
+        if isinstance(action, Call):
+            value = await call(action)
+        elif isinstance(action, Parallel):
+            out: list[Any] = [None] * len(action.calls)
+
+            async def branch(i: int, c: Call) -> None:
+                out[i] = await call(c, f"t{i}")
+
+            async with anyio.create_task_group() as tg:
+                for i, c in enumerate(action.calls):
+                    tg.start_soon(branch, i, c)
+            value = out
+        else:
+            await anyio.sleep(action.seconds)
+            value = action.observation
+    results[spec.index] = {"kind": spec.kind, "latency_s": time.monotonic() - (start + spec.arrival_s),
+                           "calls": calls, "output_tokens": tokens}
+
+
+def run_policy_http(name: str, kwargs: dict[str, Any], workload: list[ProgramSpec], model: str,
+                    engine: dict[str, Any]) -> dict[str, Any]:
+    """Serve the workload under one policy through a fresh `agentrt serve`; the in-process run's result shape,
+    plus the calls' timeline."""
+    results: list[dict[str, Any] | None] = [None] * len(workload)
+    timeline: list[dict[str, Any]] = []
+    with Server(model, serve_args(name, kwargs), engine) as server:
+
+        async def main() -> tuple[float, str, str]:
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+            async with httpx.AsyncClient(base_url=server.url, timeout=3600, limits=limits) as client:
+                warm = await client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
+                warm.raise_for_status()
+                before = (await client.get("/metrics")).text
+                start = time.monotonic()
+                async with anyio.create_task_group() as tg:
+                    for spec in workload:
+                        tg.start_soon(_program, client, spec, start, results, timeline)
+                makespan = time.monotonic() - start
+                return makespan, before, (await client.get("/metrics")).text
+
+        makespan, before, after = anyio.run(main)
+
+    def grew(metric: str) -> float:
+        return _metric(after, metric) - _metric(before, metric)
+
+    return {
+        "policy": name if not kwargs else f"{name}:" + ":".join(f"{k}={v}" for k, v in kwargs.items()),
+        "makespan_s": makespan,
+        "utilization": float("nan"),  # not visible over HTTP
+        "steps": 0,
+        "preemptions": int(grew("agentrt:num_preemptions_total")),
+        "prefix_hit_rate": grew("agentrt:prefix_cache_hits_total") / max(1.0, grew("agentrt:prefix_cache_queries_total")),
+        "programs": [r for r in results if r is not None],
+        "timeline": timeline,
+    }
+
+
+def plot_timeline(report: dict[str, Any], path: str) -> None:
+    """One panel per policy: each program a row (by arrival), its calls as bars coloured by kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(name, r) for name, r in report["results"].items() if r.get("timeline")]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 3.2 * len(runs)), sharex=True, squeeze=False)
+    colors = {"chat": "tab:blue", "react": "tab:orange", "tree": "tab:red"}
+    for ax, (name, r) in zip(axes[:, 0], runs):
+        for kind, color in colors.items():
+            bars = [(c["program"], c["start"], c["end"] - c["start"]) for c in r["timeline"] if c["kind"] == kind]
+            if bars:
+                ax.barh([b[0] for b in bars], [b[2] for b in bars], left=[b[1] for b in bars], height=0.8,
+                        color=color, alpha=0.6, label=kind)
+        lat = r["latency_s"]
+        ax.set(ylabel="program", title=f"{name}: mean program latency {lat['mean']:.1f} s, p99 {lat['p99']:.1f} s")
+        ax.legend(loc="upper right")
+    axes[-1, 0].set(xlabel="seconds since the first arrival")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
