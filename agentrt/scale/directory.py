@@ -36,7 +36,8 @@ MAXED = ("critical_path_s", "num_threads", "ttl_s")
 class Entry:
     owner: str | None
     views: dict[str, dict[str, Any]] = field(default_factory=dict)  # replica -> its view (a Program as builtins)
-    ended: tuple[float, str] | None = None  # (when, state) of a DELETE while it still ran somewhere
+    ended: tuple[float, str] | None = None  # (when, state) once a DELETE ended it: now if it ran somewhere, else
+    # its own end (replicas' views whose call started before then end too; a view started after is a new program)
 
 
 class ProgramDirectory:
