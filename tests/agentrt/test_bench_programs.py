@@ -24,9 +24,14 @@ def test_bench_programs_smoke(tiny_model_path, tmp_path, capsys):
     assert text.count("## Program scheduling") == 1 and "| plas |" in text
 
 
-def test_bench_programs_over_http(tiny_model_path, tmp_path, capsys):
+def test_bench_programs_over_http(tiny_model_path, tmp_path, capsys, monkeypatch):
     """The same programs through a fresh `agentrt serve` per policy: every program done with its calls, the
     classes' latencies, the server's counters, a timeline of every call and its plot."""
+    from agentrt.bench import workload as wl
+
+    monkeypatch.setattr(wl, "MIX", dict(wl.MIX))  # --mix and --tree change these module tables: restored after
+    monkeypatch.setattr(wl, "TREE", dict(wl.TREE))
+    monkeypatch.setattr(bench, "TREE", wl.TREE)
     plot = tmp_path / "timeline.png"
     argv = ["--model", str(tiny_model_path), "--programs", "6", "--rate", "20", "--mix", "react=0.5,tree=0.5",
             "--tree", "2x2", "--policies", "fcfs,plas+ttl:running_cap=2", "--http", "--timeline", str(plot), "--json"]
