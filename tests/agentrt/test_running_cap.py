@@ -4,6 +4,8 @@ starved, an engine with room for everyone runs everyone, FCFS is unchanged, and 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from agentrt.engine.config import EngineConfig
@@ -33,8 +35,13 @@ def make(policy, *, max_num_seqs: int = 8, num_blocks: int = 256) -> tuple[Sched
     return Scheduler(cfg, KVCacheManager(num_blocks, BS), policy, clock=clock), clock
 
 
+_BASES = itertools.count(1)
+
+
 def call(rid: str, program: str, max_tokens: int, arrival: float, prompt: int = 6) -> Request:
-    base = 1000 * (hash(program) % 97 + 1)
+    """A call whose prompt shares no block with any other (identical prompts would wait a step for each other:
+    the scheduler's in-batch prefix sharing)."""
+    base = 1000 * next(_BASES)
     return Request(rid, list(range(base, base + prompt)), SamplingParams(max_tokens=max_tokens),
                    program_id=program, arrival_time=arrival)
 
