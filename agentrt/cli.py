@@ -18,7 +18,7 @@ from agentrt._cli_options import DETERMINISTIC_HELP, add_engine_options, engine_
 from agentrt._reasoning import REASONING_PARSERS
 from agentrt._toolparsers import PARSER_CHOICES
 from agentrt.engine.pooling import POOLING_METHODS
-from agentrt.policies import POLICY_NAMES
+from agentrt.policies import POLICY_NAMES, parse_running_cap
 
 if TYPE_CHECKING:
     from agentrt.server import ServerConfig
@@ -83,9 +83,10 @@ def _serve(a: argparse.Namespace) -> int:
     if a.running_cap is not None:
         if a.policy not in ("plas", "plas+ttl", "atlas", "atlas+ttl"):
             raise ValueError(f"--running-cap needs a program-level policy (plas, atlas, +ttl), not --policy {a.policy}")
-        if a.running_cap != "auto" and not (a.running_cap.isdigit() and int(a.running_cap) >= 1):
-            raise ValueError(f"--running-cap must be 'auto' or an integer >= 1, got {a.running_cap!r}")
-        policy_kwargs = {"running_cap": "auto" if a.running_cap == "auto" else int(a.running_cap)}
+        try:
+            policy_kwargs = {"running_cap": parse_running_cap(a.running_cap)}
+        except ValueError as e:
+            raise ValueError(f"--running-cap {e}") from None
     config = ServerConfig(
         model=a.model_tag or a.model, policy=a.policy, policy_kwargs=policy_kwargs, engine=engine, db=a.db,
         api_keys=[*a.api_key, *env_api_keys()],

@@ -33,6 +33,7 @@ import agentrt
 from agentrt.bench import workload as wl
 from agentrt.bench.workload import REACT, TREE, Call, Parallel, ProgramSpec, make_workload, tokens
 from agentrt.engine.loader import resolve_model
+from agentrt.policies import RUNNING_CAP_FORMS, parse_running_cap
 
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}  # few seats: the policies must choose
 
@@ -226,14 +227,10 @@ _flag.__name__ = "a flag (1/0, true/false)"
 
 
 def _cap(value: str) -> int | str:
-    if value == "auto":
-        return value
-    if value.isdigit() and int(value) >= 1:
-        return int(value)
-    raise ValueError(value)
+    return parse_running_cap(value)
 
 
-_cap.__name__ = "'auto' or an integer >= 1"
+_cap.__name__ = RUNNING_CAP_FORMS
 _KNOBS: dict[str, Any] = {"first_boundary": float, "quantum": float, "beta": float, "num_queues": int, "order": str,
                           "live": _flag, "running_cap": _cap}
 

@@ -1,8 +1,8 @@
 """`agentrt bench programs --http`: the same programs, through `agentrt serve`, as a user's client sends them.
 
-For each policy a fresh `agentrt serve` (its own process, no records) runs the engine; the programs of
-bench/workload.py arrive as a Poisson process and each call goes over HTTP (`/v1/completions`, token-id
-prompts, greedy, EOS ignored, `X-Program-Id`, parallel branches with `X-Thread-Id`), tool gaps as sleeps,
+For each policy a fresh `agentrt serve` (its own process, no records: bench/serve.py's `server_process`)
+runs the engine; the programs of bench/workload.py arrive as a Poisson process and each call goes over
+HTTP (`/v1/completions`, token-id prompts, greedy, EOS ignored, `X-Program-Id`, parallel branches with `X-Thread-Id`), tool gaps as sleeps,
 every call's generated ids feeding the next prompt as in the in-process run. Recorded per call: its
 program, kind, start and end (the timeline), per program its latency; from the server's /metrics its
 preemptions and prefix hits. Policies are `agentrt serve --policy` names; `running_cap` is its
@@ -11,9 +11,7 @@ preemptions and prefix hits. Policies are `agentrt serve --policy` names; `runni
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
+import argparse
 import time
 from typing import Any
 
@@ -21,26 +19,22 @@ import anyio
 import httpx
 
 from agentrt.bench import workload as wl
+from agentrt.bench.serve import server_process, wait_healthy
 from agentrt.bench.workload import Call, Parallel, ProgramSpec
 
 SERVE_POLICIES = ("fcfs", "mlfq", "plas", "plas+ttl", "atlas", "atlas+ttl")
 
 
 def serve_args(name: str, kwargs: dict[str, Any]) -> list[str]:
-    """`agentrt serve` flags for a policy entry; a knob the server does not take fails here, naming it."""
+    """`agentrt serve` flags for a policy entry beyond `--policy`; a knob the server does not take fails here,
+    naming it."""
     if name not in SERVE_POLICIES:
         raise SystemExit(f"--http: policy {name!r} is not one `agentrt serve --policy` takes ({', '.join(SERVE_POLICIES)})")
     other = sorted(set(kwargs) - {"running_cap"})
     if other:
         raise SystemExit(f"--http: the server takes --policy and --running-cap only, not {other[0]!r} "
                          f"(policy {name!r}); run it in-process, without --http")
-    return ["--policy", name, *(["--running-cap", str(kwargs["running_cap"])] if "running_cap" in kwargs else [])]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ["--running-cap", str(kwargs["running_cap"])] if "running_cap" in kwargs else []
 
 
 def _metric(text: str, name: str) -> float:
@@ -50,39 +44,6 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name) and (line[len(name)] in " {"):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-class Server:
-    """`agentrt serve` in a child process on a free port, until the `with` block ends."""
-
-    def __init__(self, model: str, flags: list[str], engine: dict[str, Any]) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "agentrt.cli", "serve", "--model", model, "--port", str(self.port),
-                    "--db", "none", "--served-model-name", "m", "--max-num-seqs", str(engine["max_num_seqs"]),
-                    "--max-num-batched-tokens", str(engine["max_num_batched_tokens"]), *flags]
-
-    def __enter__(self) -> Server:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"agentrt serve exited ({self.proc.returncode}): {self.proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.proc.kill()
-        raise SystemExit(f"agentrt serve did not become healthy in 300 s: {' '.join(self.cmd)}")
-
-    def __exit__(self, *exc: Any) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 async def _program(client: httpx.AsyncClient, spec: ProgramSpec, start: float, results: list[Any],
@@ -118,12 +79,12 @@ async def _program(client: httpx.AsyncClient, spec: ProgramSpec, start: float, r
         elif isinstance(action, Parallel):
             out: list[Any] = [None] * len(action.calls)
 
-            async def branch(i: int, c: Call) -> None:
+            async def branch(i: int, c: Call, out: list[Any]) -> None:
                 out[i] = await call(c, f"t{i}")
 
             async with anyio.create_task_group() as tg:
                 for i, c in enumerate(action.calls):
-                    tg.start_soon(branch, i, c)
+                    tg.start_soon(branch, i, c, out)
             value = out
         else:
             await anyio.sleep(action.seconds)
@@ -138,11 +99,14 @@ def run_policy_http(name: str, kwargs: dict[str, Any], workload: list[ProgramSpe
     plus the calls' timeline."""
     results: list[dict[str, Any] | None] = [None] * len(workload)
     timeline: list[dict[str, Any]] = []
-    with Server(model, serve_args(name, kwargs), engine) as server:
+    server = argparse.Namespace(model=model, policy=name, dtype=None, kv_cache_gb=None, max_requests=4096, **engine,
+                                extra_flags=["--served-model-name", "m", *serve_args(name, kwargs)])
+    with server_process(server) as (url, proc):
 
         async def main() -> tuple[float, str, str]:
             limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-            async with httpx.AsyncClient(base_url=server.url, timeout=3600, limits=limits) as client:
+            async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+                await wait_healthy(client, proc, 300)
                 warm = await client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
                 warm.raise_for_status()
                 before = (await client.get("/metrics")).text

@@ -36,19 +36,11 @@ import httpx
 
 from agentrt.bench import _common
 from agentrt.bench import workload as wl
+from agentrt.bench.serve import free_port
 from agentrt.bench.workload import AGENT_SMALL, REACT_SMALL, Call
 
 ROUTER_NAMES = ("single", "program", "pow2", "round-robin", "prefix")
-AGENTS = {"react": REACT_SMALL, "small": AGENT_SMALL}
-_SIZE_NAMES = {"react": "REACT_SMALL", "small": "AGENT_SMALL"}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+AGENTS = {"react": ("REACT_SMALL", REACT_SMALL), "small": ("AGENT_SMALL", AGENT_SMALL)}  # --agent: (name, sizes)
 
 
 async def _agent(client: httpx.AsyncClient, pid: str, plan: Any, delay: float, calls: list[dict[str, Any]],
@@ -83,7 +75,7 @@ async def _agent(client: httpx.AsyncClient, pid: str, plan: Any, delay: float, c
 
 def _plans(args: argparse.Namespace, vocab: int) -> list[tuple[str, Any, float]]:
     rng = random.Random(args.seed)
-    size = AGENTS[args.agent]
+    size = AGENTS[args.agent][1]
     system = [rng.randrange(100, vocab) for _ in range(size["system"])]
     out, t = [], 0.0
     for i in range(args.programs):
@@ -107,7 +99,7 @@ def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, A
 
     replicas = 1 if router == "single" else args.replicas
     threads = args.replicas if router == "single" else 1
-    port = _free_port()
+    port = free_port()
     blocks = args.num_blocks * (args.replicas // replicas) if args.num_blocks else None  # single: all the KV
     config = ServerConfig(model=model, served_model_name="m", db="none",
                           engine={"num_blocks": blocks} if blocks else {})
@@ -245,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
               f"calls per replica {row['per_replica']}", flush=True)
         rows.append(row)
     text = (f"Run {started}. {_common.machine()}. {_common.cpu_flags_line()}\n\n"
-            f"`{_common.command()}`: {args.programs} agents ({args.agent}: {_SIZE_NAMES[args.agent]}) at "
+            f"`{_common.command()}`: {args.programs} agents ({args.agent}: {AGENTS[args.agent][0]}) at "
             f"{args.rate}/s per seed, seeds {args.seeds}, "
             f"KV pool {f'{args.num_blocks} blocks of 16 tokens' if args.num_blocks else 'the CPU default'} per replica, "
             f"{args.replicas} replicas with one torch thread each (`single`: one replica, {args.replicas} threads), "

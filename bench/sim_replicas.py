@@ -35,7 +35,7 @@ from agentrt.bench.workload import Parallel, ProgramSpec, Tool
 from agentrt.engine.policy import make_policy
 from agentrt.engine.program_ops import EndProgram
 from agentrt.engine.request import Request
-from agentrt.scale.router import ProgramHomes, ReplicaStats, RouterConfig, route
+from agentrt.scale.router import ProgramHomes, RouterConfig
 
 SIM_ROUTERS = ("program", "least-loaded", "pow2", "round-robin", "prefix")
 BLOCK = 16  # tokens per block of the prefix stand-in's tree
@@ -56,11 +56,8 @@ class _Router:
 
     def choose(self, pid: str, prompt: list[int], loads: list[int], now: float = 0.0) -> int:
         if self.name == "program":
-            home = self.homes.get(pid)
-            live = self.homes.active(now, self.config.active_s) if home is None else {}
-            stats = [ReplicaStats(str(i), load, programs=live.get(str(i), 0)) for i, load in enumerate(loads)]
-            d = route(pid, len(prompt), stats, home, self.config, key=pid)
-            self.homes.set(pid, d.home, now)
+            d = self.homes.route(pid, len(prompt), {str(i): load for i, load in enumerate(loads)}, self.config,
+                                 key=pid, now=now)
             return int(d.ranked[0][0])
         if self.name == "least-loaded":
             low = min(loads)

@@ -7,7 +7,7 @@ pins); given arguments override those settings."""
 from __future__ import annotations
 
 from agentrt.engine.policy import FCFS, register_policy
-from agentrt.policies._multilevel import CallState, MultiLevelPolicy, ProgramState
+from agentrt.policies._multilevel import RUNNING_CAP_FORMS, CallState, MultiLevelPolicy, ProgramState, parse_running_cap
 from agentrt.policies.autellix import ATLAS, PLAS, TTL_SETTINGS
 from agentrt.policies.fastserve import MLFQ
 
@@ -17,4 +17,5 @@ register_policy("plas+ttl", lambda **kw: PLAS(**{**TTL_SETTINGS, **kw}))
 register_policy("atlas+ttl", lambda **kw: ATLAS(**{**TTL_SETTINGS, **kw}))
 POLICY_NAMES = ("plas", "plas+ttl", "atlas", "atlas+ttl", "mlfq", "fcfs")  # for command-line choices
 
-__all__ = ["ATLAS", "FCFS", "MLFQ", "PLAS", "POLICY_NAMES", "CallState", "MultiLevelPolicy", "ProgramState"]
+__all__ = ["ATLAS", "FCFS", "MLFQ", "PLAS", "POLICY_NAMES", "RUNNING_CAP_FORMS", "CallState", "MultiLevelPolicy",
+           "ProgramState", "parse_running_cap"]

@@ -338,6 +338,19 @@ class MultiLevelPolicy(SchedulingPolicy):
         return prog
 
 
+RUNNING_CAP_FORMS = "'auto' or an integer >= 1"
+
+
+def parse_running_cap(text: str) -> int | str:
+    """A running cap as a command line gives it (`--running-cap`, `plas:running_cap=`): "auto" or an integer
+    >= 1; ValueError naming the forms otherwise."""
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"must be {RUNNING_CAP_FORMS}, got {text!r}")
+
+
 class StepFit:
     """A step's time as a + c * tokens, fitted by least squares over the latest `window` steps (refitted
     every `every` steps), and the knee of throughput b / (a + c b): the smallest b with `efficiency` of

@@ -14,6 +14,7 @@ across replicas. No Ray import: `directory` is anything with ProgramDirectory's 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -117,10 +118,8 @@ class ReplicaPeers:
                 self._credit(pid, e["service_s"], e["critical_path_s"])
                 info = self.st.runtime.programs.get(pid)
                 if e["end"] and info is not None and info.state == "running":
-                    try:
+                    with contextlib.suppress(ProgramNotFoundError):  # ended here meanwhile
                         self.st.runtime.end_program(pid)  # as a DELETE here would (its calls aborted)
-                    except ProgramNotFoundError:  # ended here meanwhile
-                        pass
 
     def _credit(self, pid: str, service_s: float, critical_s: float) -> None:
         if self.credited.get(pid, (0.0, 0.0)) != (service_s, critical_s):

@@ -41,7 +41,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from agentrt.scale.directory import ProgramDirectory
-from agentrt.scale.router import ProgramHomes, ReplicaStats, RouterConfig, route
+from agentrt.scale.router import ProgramHomes, RouterConfig
 
 log = logging.getLogger("agentrt.scale")
 
@@ -84,16 +84,12 @@ class ProgramAffinityRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         kw = pending_request.kwargs if pending_request is not None else {}
         pid, tokens = kw.get("program_id"), kw.get("prompt_tokens", 0)
-        home = self.homes.get(pid) or kw.get("home_hint")  # a program started where the front saw it answer
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         cache = self.replica_queue_len_cache
-        now = time.monotonic()
-        placing = pid is not None and home not in by_id  # a new program, or one whose replica is gone
-        live = self.homes.active(now, self.router_config.active_s) if placing else {}
-        stats = [ReplicaStats(rid, cache.get(r.replica_id) or 0, programs=live.get(rid, 0)) for rid, r in by_id.items()]
+        loads = {rid: cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
         key = pending_request.metadata.request_id if pending_request is not None else ""
-        d = route(pid, tokens, stats, home, self.router_config, key=pid or key)
-        self.homes.set(pid, d.home, now)
+        d = self.homes.route(pid, tokens, loads, self.router_config, key=pid or key, now=time.monotonic(),
+                             hint=kw.get("home_hint"))  # hint: a program started where the front saw it answer
         self.decisions[d.reason] += 1
         return [[by_id[i] for i in rank] for rank in d.ranked]
 

@@ -1,8 +1,9 @@
 """Program-affinity routing among replicas: a pure function of (the call, the replicas' stats, where
 each program lives), so a Ray Serve router and the simulator run the same code.
 
-    decision = route(call_program_id, prompt_tokens, replicas, homes.get(pid), config)
-    homes.set(pid, decision.home, now)     # the router remembers; a program's end forgets
+    decision = route(call_program_id, prompt_tokens, replicas, homes.get(pid), config)   # the rule alone
+    decision = homes.route(pid, prompt_tokens, loads, config, now=now)  # with the router's memory: live programs
+                                           # counted, the home remembered (a program's end forgets it)
     decision.ranked                        # [[first choice], [then these], ...] as Ray's routers rank
 
 The rule, after Autellix (arXiv 2502.13965, §4.3), then fitted to agents:
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -157,6 +158,18 @@ class ProgramHomes:
     def counts(self) -> dict[str, int]:
         """Programs per replica."""
         return dict(collections.Counter(r for r, _ in self._homes.values()))
+
+    def route(self, program_id: str | None, prompt_tokens: int, loads: Mapping[str, int], config: RouterConfig,
+              *, key: str = "", now: float = 0.0, hint: str | None = None) -> Decision:
+        """`route` over this memory: the program's home (else `hint`), the live programs per replica when it is
+        placed, the decision remembered. `loads`: replica id -> its load, the live replicas only."""
+        home = self.get(program_id) or hint
+        placing = program_id is not None and home not in loads  # a new program, or one whose replica is gone
+        live = self.active(now, config.active_s) if placing else {}
+        stats = [ReplicaStats(rid, load, programs=live.get(rid, 0)) for rid, load in loads.items()]
+        d = route(program_id, prompt_tokens, stats, home, config, key=key)
+        self.set(program_id, d.home, now)
+        return d
 
     def active(self, now: float, window_s: float) -> collections.Counter[str]:
         """Programs per replica routed within the last `window_s` (walks only those, newest first)."""
