@@ -75,13 +75,20 @@ PROGRAMS = {kind: _program(kind) for kind in wl.PLANS}
 
 
 async def run_policy(
-    policy: str, workload: list[ProgramSpec], model: str | None, engine: dict[str, Any], policy_kwargs: dict[str, Any]
+    policy: str, workload: list[ProgramSpec], model: str | None, engine: dict[str, Any], policy_kwargs: dict[str, Any],
+    breakdown: Any = None,
 ) -> dict[str, Any]:
-    """Serve the workload under one policy; per-program results plus engine counters."""
+    """Serve the workload under one policy; per-program results plus engine counters. `breakdown`: a step-cost
+    model (`bench.costs.StepCost`) to split each program's time into its parts with (bench/breakdown.py)."""
     results: list[dict[str, Any] | None] = [None] * len(workload)
     async with agentrt.Runtime(model, policy=policy, policy_kwargs=policy_kwargs or None, **engine) as rt:
         await agentrt.generate(tokens(random.Random(0), 64), max_tokens=4)  # warm-up, not measured
         core = rt.engine.core
+        log = None
+        if breakdown is not None:
+            from agentrt.bench.breakdown import StepLog
+
+            log = core.on_schedule = StepLog(core)
         busy0, steps0, tokens0 = core.busy_s, core.num_steps, core.num_computed_tokens
         start = time.monotonic()
 
@@ -91,7 +98,7 @@ async def run_policy(
             info = rt.programs[pid]
             latency = time.monotonic() - (start + spec.arrival_s)
             results[spec.index] = {"kind": spec.kind, "latency_s": latency, "calls": info.calls_done,
-                                    "output_tokens": info.num_output_tokens}
+                                    "output_tokens": info.num_output_tokens, "program_id": pid}
 
         async with anyio.create_task_group() as tg:
             for spec in workload:
@@ -100,7 +107,15 @@ async def run_policy(
         busy = core.busy_s - busy0
         steps, computed = core.num_steps - steps0, core.num_computed_tokens - tokens0
         kv = rt.kv_stats()
+        core.on_schedule = None
+    parts = {}
+    if log is not None:
+        from agentrt.bench import breakdown as bd
+
+        done = {r["program_id"]: r for r in results if r is not None}
+        parts = bd.by_class(bd.call_parts(log, breakdown), done, LONG_KINDS)
     return {
+        "breakdown": parts,
         "policy": policy,
         "makespan_s": makespan,
         "utilization": busy / makespan,  # fraction of the run the engine was executing steps
@@ -110,6 +125,30 @@ async def run_policy(
         "prefix_hit_rate": kv.prefix_hit_tokens / max(1, kv.prefix_queries_tokens),
         "programs": [r for r in results if r is not None],
     }
+
+
+def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's runs over several seeds as one result: every program of every run, the makespan and the
+    busy fraction averaged over the runs, counters summed (the first run's timeline kept)."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    out["programs"] = [p for r in runs for p in r["programs"]]
+    out["makespan_s"] = statistics.fmean(r["makespan_s"] for r in runs)
+    out["makespans_s"] = [r["makespan_s"] for r in runs]
+    out["utilization"] = statistics.fmean(r["utilization"] for r in runs)
+    out["prefix_hit_rate"] = statistics.fmean(r["prefix_hit_rate"] for r in runs)
+    for key in ("steps", "computed_tokens", "preemptions"):
+        if key in runs[0]:
+            out[key] = sum(r[key] for r in runs)
+    if runs[0].get("breakdown"):  # each class's parts, weighted by its programs in each run
+        out["breakdown"] = {}
+        for cls in runs[0]["breakdown"]:
+            rows = [r["breakdown"][cls] for r in runs if cls in r.get("breakdown", {})]
+            n = sum(row["programs"] for row in rows)
+            out["breakdown"][cls] = {k: (n if k == "programs" else sum(row[k] * row["programs"] for row in rows) / n)
+                                     for k in rows[0]}
+    return out
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
@@ -190,7 +229,7 @@ def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
             f"- Date: {report['date']}; machine: {report['machine']}",
             f"- Command: `{command}`",
             f"- Workload: {cfg['programs']} programs, Poisson arrivals at {cfg['rate']:.3f} programs/s{load_note(cfg)}, "
-            f"seed {cfg['seed']}: "
+            f"{_seeds_note(cfg)}: "
             f"{wl.describe()}; engine {cfg['engine']}, default policy settings.",
             "- Program latency = planned arrival to program end; per token = latency / tokens the program generated.",
             "",
@@ -209,10 +248,16 @@ def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
     path.write_text(text)
 
 
+def _seeds_note(cfg: dict[str, Any]) -> str:
+    n = cfg.get("seeds", 1)
+    return f"seed {cfg['seed']}" if n == 1 else f"seeds {cfg['seed']}-{cfg['seed'] + n - 1} pooled (makespan averaged)"
+
+
 def load_note(cfg: dict[str, Any]) -> str:
     if cfg.get("load") is None:
         return ""
-    return f" (load {cfg['load']:.2f} of the calibrated saturation, {cfg['capacity_programs_per_s']:.3f} programs/s)"
+    how = "measured" if cfg.get("saturation") else "calibrated"
+    return f" (load {cfg['load']:.2f} of the {how} saturation, {cfg['capacity_programs_per_s']:.3f} programs/s)"
 
 
 def _flag(value: str) -> bool:
@@ -298,19 +343,9 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def setup(args: argparse.Namespace, cost: Any = None) -> tuple[list[ProgramSpec], dict[str, Any]]:
-    """Apply the workload options; the workload and the engine settings they name. With --load, the rate is
-    that fraction of the saturation rate simulated with `cost` (default: this machine's calibrated fit)."""
-    if args.rate is not None and args.load is not None:
-        raise SystemExit("give --rate or --load, not both")
-    if args.rate is None and args.load is None:
-        args.load = 0.9
-    if args.rate is not None and not (isinstance(args.rate, float) and 0 < args.rate < float("inf")):
-        raise SystemExit(f"--rate must be a number of program arrivals per second > 0, got {args.rate!r}")
-    if args.programs < 1:
-        raise SystemExit(f"--programs must be >= 1, got {args.programs!r}")
-    for entry in args.policies.split(","):
-        policy_spec(entry, args)  # unknown names and variants fail here, before anything runs
+def apply_workload_options(args: argparse.Namespace) -> None:
+    """--tree, --react-calls, --step-tokens and --mix applied to bench/workload.py's tables (None: unchanged);
+    a malformed value ends the command, naming it."""
     if args.tree is not None:
         try:
             TREE["width"], TREE["depth"] = (int(x) for x in args.tree.lower().split("x"))
@@ -326,7 +361,7 @@ def setup(args: argparse.Namespace, cost: Any = None) -> tuple[list[ProgramSpec]
             raise SystemExit(f"--react-calls must be N or LO-HI with 1 <= LO <= HI, such as 4 or 2-10, "
                              f"got {args.react_calls!r}") from None
         REACT["calls"] = calls
-    if args.step_tokens is not None:
+    if getattr(args, "step_tokens", None) is not None:
         REACT["max_tokens"] = TREE["max_tokens"] = args.step_tokens
     if args.mix is not None:
         try:
@@ -338,19 +373,41 @@ def setup(args: argparse.Namespace, cost: Any = None) -> tuple[list[ProgramSpec]
                              f"chat=0.7,react=0.2,tree=0.1, got {args.mix!r}") from None
         wl.MIX.clear()
         wl.MIX.update(mix)
+
+
+def setup(args: argparse.Namespace, cost: Any = None,
+          saturation: Callable[[list[ProgramSpec], dict[str, Any]], float] | None = None,
+          ) -> tuple[list[ProgramSpec], dict[str, Any]]:
+    """Apply the workload options; the workload and the engine settings they name. With --load, the rate is
+    that fraction of the saturation rate: `saturation(workload, engine)` programs/s when given (--http: measured
+    on the server), else simulated with `cost` (default: this machine's calibrated fit)."""
+    if args.rate is not None and args.load is not None:
+        raise SystemExit("give --rate or --load, not both")
+    if args.rate is None and args.load is None:
+        args.load = 0.9
+    if args.rate is not None and not (isinstance(args.rate, float) and 0 < args.rate < float("inf")):
+        raise SystemExit(f"--rate must be a number of program arrivals per second > 0, got {args.rate!r}")
+    if args.programs < 1:
+        raise SystemExit(f"--programs must be >= 1, got {args.programs!r}")
+    for entry in args.policies.split(","):
+        policy_spec(entry, args)  # unknown names and variants fail here, before anything runs
+    apply_workload_options(args)
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     args.capacity_programs_per_s = None
     if args.load is not None:
         if not (isinstance(args.load, float) and 0 < args.load < float("inf")):
             raise SystemExit(f"--load must be a fraction of saturation > 0 such as 0.9, got {args.load!r}")
-        from agentrt.bench import costs
-        from agentrt.bench.simulate import capacity
+        if saturation is not None:
+            cap = saturation(make_workload(args.programs, 1.0, args.seed), engine)
+        else:
+            from agentrt.bench import costs
+            from agentrt.bench.simulate import capacity
 
-        if cost is None:
-            cost, line = costs.for_this_machine(getattr(args, "model", None), quiet=True)
-            print(f"agentrt bench programs: {line}", file=sys.stderr)
-        args.capacity_programs_per_s = cap = capacity(make_workload(args.programs, 1.0, args.seed), engine=engine,
-                                                      cost=cost)
+            if cost is None:
+                cost, line = costs.for_this_machine(getattr(args, "model", None), quiet=True)
+                print(f"agentrt bench programs: {line}", file=sys.stderr)
+            cap = capacity(make_workload(args.programs, 1.0, args.seed), engine=engine, cost=cost)
+        args.capacity_programs_per_s = cap
         args.rate = args.load * cap
         print(f"load {args.load:.2f} of saturation {cap:.3f} programs/s: arrival rate {args.rate:.3f} programs/s",
               file=sys.stderr)
@@ -363,7 +420,8 @@ def new_report(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, An
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} {platform.python_version()}",
         "config": {"mix": dict(wl.MIX), "tree": f"{TREE['width']}x{TREE['depth']}", "react_calls": "{}-{}".format(*REACT["calls"]), "step_tokens": REACT["max_tokens"],
                    "first_boundary": args.first_boundary, "quantum": args.quantum, "beta": args.beta,
-                   "programs": args.programs, "rate": args.rate, "seed": args.seed, "engine": engine,
+                   "programs": args.programs, "rate": args.rate, "seed": args.seed,
+                   "seeds": getattr(args, "seeds", 1), "engine": engine,
                    "load": args.load, "capacity_programs_per_s": getattr(args, "capacity_programs_per_s", None),
                    "model": getattr(args, "model", None)},
         "results": {},
@@ -378,25 +436,60 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http", action="store_true",
                     help="the same programs through a fresh `agentrt serve` per policy, over HTTP (bench/programs_http.py)")
     ap.add_argument("--timeline", default=None, metavar="PNG", help="--http: plot every call of the run here")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="in-process runs: split each program's time into queueing, its own compute, the batch's width, "
+                         "others' prefill and the rest, from every step (bench/breakdown.py)")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="workloads of seeds --seed .. --seed + N - 1 at the same arrival rate, every policy on each; "
+                         "statistics over all their programs pooled, makespan averaged")
     args = ap.parse_args(argv)
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds must be >= 1, got {args.seeds!r}")
     model = str(resolve_model(args.model))  # a path that is not a model fails first, in one line
-    workload, engine = setup(args)
+    measured: dict[str, Any] = {}
+
+    def measure(work: list[ProgramSpec], engine: dict[str, Any]) -> float:
+        from agentrt.bench import programs_http
+
+        measured.update(programs_http.measure_saturation(work, model, engine))
+        print(f"measured saturation: {measured['output_tok_s']:.0f} output tok/s over {measured['measured_s']:.0f} s "
+              f"with calls waiting, {measured['tokens_per_program']:.0f} tokens a program", file=sys.stderr)
+        return measured["programs_per_s"]
+
+    workload, engine = setup(args, saturation=measure if args.http else None)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    workloads = [workload] + [make_workload(args.programs, args.rate, seed) for seed in seeds[1:]]
     if args.timeline and not args.http:
         raise SystemExit("--timeline needs --http")
+    if args.breakdown and args.http:
+        raise SystemExit("--breakdown runs in-process (it reads every engine step): drop --http")
+    cost = None
+    if args.breakdown:
+        from agentrt.bench import costs
+
+        cost, line = costs.for_this_machine(args.model, quiet=True)
+        print(f"--breakdown: {line}", file=sys.stderr)
     if args.http:
         from agentrt.bench import programs_http
 
         for policy in args.policies.split(","):  # a knob the server does not take fails before anything runs
             programs_http.serve_args(*policy_spec(policy, args))
     report = new_report(args, engine)
+    if measured:
+        report["config"]["saturation"] = measured
     for policy in args.policies.split(","):
         t0 = time.monotonic()
         name, kwargs = policy_spec(policy, args)
-        if args.http:
-            res = programs_http.run_policy_http(name, kwargs, workload, model, engine)
-        else:
-            res = anyio.run(run_policy, name, workload, args.model, engine, kwargs)
-        report["results"][policy] = summarize(res)
+        runs = []
+        for seed, work in zip(seeds, workloads):
+            if args.http:
+                runs.append(programs_http.run_policy_http(name, kwargs, work, model, engine))
+            else:
+                runs.append(anyio.run(run_policy, name, work, args.model, engine, kwargs, cost))
+            if len(seeds) > 1:
+                print(f"{policy} seed {seed}: mean {statistics.fmean(p['latency_s'] for p in runs[-1]['programs']):.2f} s, "
+                      f"makespan {runs[-1]['makespan_s']:.1f} s", file=sys.stderr, flush=True)
+        report["results"][policy] = summarize(pool(runs))
         print(f"{policy}: done in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     add_ratios(report)
     if args.timeline:
@@ -412,6 +505,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"({vs.get('short.mean', float('nan')):.2f}x fcfs), long programs mean "
                   f"{r['by_class']['long'].get('mean', float('nan')):.2f} s ({vs.get('long.mean', float('nan')):.2f}x), "
                   f"long p99 {vs.get('long.p99', float('nan')):.2f}x, time for all {vs.get('makespan', float('nan')):.2f}x")
+    if args.breakdown and not args.json:
+        from agentrt.bench import breakdown as bd
+
+        print("\nWhere the time goes (mean per program, seconds; parts summed over its calls):")
+        print(bd.table(report["results"]))
     if args.docs is not None:
         cmd = "agentrt bench programs " + " ".join(argv if argv is not None else sys.argv[1:])
         write_docs(report, cmd.strip(), args.docs)

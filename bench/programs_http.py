@@ -20,7 +20,7 @@ import httpx
 
 from agentrt.bench import workload as wl
 from agentrt.bench.serve import server_process, wait_healthy
-from agentrt.bench.workload import Call, Parallel, ProgramSpec
+from agentrt.bench.workload import Call, Parallel, ProgramSpec, make_workload
 
 SERVE_POLICIES = ("fcfs", "mlfq", "plas", "plas+ttl", "atlas", "atlas+ttl")
 
@@ -132,6 +132,61 @@ def run_policy_http(name: str, kwargs: dict[str, Any], workload: list[ProgramSpe
         "programs": [r for r in results if r is not None],
         "timeline": timeline,
     }
+
+
+def measure_saturation(workload: list[ProgramSpec], model: str, engine: dict[str, Any], burst_programs: int = 160,
+                       arrive_within_s: float = 5.0, settle_s: float = 5.0, measure_s: float = 20.0,
+                       poll_s: float = 0.5) -> dict[str, Any]:
+    """This server's saturation on this workload's mix, measured: a fresh FCFS `agentrt serve` given a burst of
+    programs of the same mix (`burst_programs` drawn with the workload's seed, all arriving within
+    `arrive_within_s`), /metrics read every `poll_s`. Once calls have waited for `settle_s` (every seat taken, the
+    first prompts computed), its generated tokens per second over `measure_s` more seconds of waiting calls is the
+    most it computes with this mix of prefill and decode; over a program's mean planned output tokens, the arrival
+    rate it sustains. The burst is then dropped (the server stops)."""
+    seed = workload[0].seed if workload else 0
+    drawn = make_workload(max(burst_programs, len(workload)), 1.0, seed)
+    span = max(s.arrival_s for s in drawn) or 1.0
+    burst = [ProgramSpec(s.index, s.kind, s.arrival_s * arrive_within_s / span, s.seed) for s in drawn]
+    per_program = sum(wl.planned_output_tokens(s) for s in drawn) / len(drawn)
+    server = argparse.Namespace(model=model, policy="fcfs", dtype=None, kv_cache_gb=None, max_requests=4096, **engine,
+                                extra_flags=["--served-model-name", "m"])
+    samples: list[tuple[float, float]] = []  # (time, generated tokens so far) while calls waited, after settling
+    with server_process(server) as (url, proc):
+
+        async def main() -> None:
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+            async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+                await wait_healthy(client, proc, 300)
+                (await client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})).raise_for_status()
+                start, done, timeline = time.monotonic(), [None] * len(burst), []
+                waited_since: float | None = None
+                async with anyio.create_task_group() as tg:
+                    for spec in burst:
+                        tg.start_soon(_program, client, spec, start, done, timeline)
+                    while time.monotonic() - start < 600:
+                        await anyio.sleep(poll_s)
+                        text = (await client.get("/metrics")).text
+                        now = time.monotonic()
+                        if _metric(text, "agentrt:num_requests_waiting") == 0:
+                            if samples:
+                                break  # the backlog cleared before `measure_s`: measure what there was
+                            waited_since = None
+                            continue
+                        waited_since = now if waited_since is None else waited_since
+                        if now - waited_since >= settle_s:
+                            samples.append((now, _metric(text, "agentrt:generation_tokens_total")))
+                            if samples[-1][0] - samples[0][0] >= measure_s:
+                                break
+                    tg.cancel_scope.cancel()
+
+        anyio.run(main)
+    seconds = samples[-1][0] - samples[0][0] if samples else 0.0
+    if seconds < 5.0:
+        raise SystemExit(f"--load with --http: calls waited for only {seconds:.1f} s of the saturation run "
+                         f"({len(burst)} programs at once with engine {engine}): the mix cannot fill the seats")
+    tok_s = (samples[-1][1] - samples[0][1]) / seconds
+    return {"output_tok_s": tok_s, "measured_s": seconds, "burst_programs": len(burst),
+            "tokens_per_program": per_program, "programs_per_s": tok_s / per_program}
 
 
 def plot_timeline(report: dict[str, Any], path: str) -> None:

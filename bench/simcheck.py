@@ -107,7 +107,7 @@ def write_docs(report: dict[str, Any], fit: costs.Fit) -> None:
     fit_lines = calibrate.describe(fit).replace("\n", "\n  ")
     body = "\n".join([
         f"- Step-cost fit (`agentrt simulate --calibrate`): {fit_lines}",
-        f"- Workload: {report['programs']} programs of the default mix ({wl.describe()}) per seed, seeds "
+        f"- Workload: {report['programs']} programs of the mix ({wl.describe()}) per seed, seeds "
         f"{report['seeds']} (programs pooled); "
         f"engine {report['engine']}; mean saturation (simulated, all programs arriving at once): "
         f"{report['capacity_programs_per_s']:.3f} programs/s; each load's arrival rate = load x saturation.",
@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="workloads per load and policy (seeds --seed, --seed + 1, ...), their programs pooled: near "
                          "saturation one 48-program run's mean swings by 2x between repeats (fcfs at 0.95: 2.2-5.9 s)")
     ap.add_argument("--model", default=None, help="model path; default: the default model")
+    ap.add_argument("--max-num-seqs", type=int, default=real.ENGINE["max_num_seqs"])
+    ap.add_argument("--max-num-batched-tokens", type=int, default=real.ENGINE["max_num_batched_tokens"])
+    ap.add_argument("--tree", default=None, metavar="WIDTHxDEPTH", help="tree searches' shape (as bench programs)")
+    ap.add_argument("--react-calls", default=None, metavar="N|LO-HI", help="ReAct loops' calls (as bench programs)")
+    ap.add_argument("--mix", default=None, metavar="KIND=WEIGHT,...", help="the program mix (as bench programs)")
     ap.add_argument("--calibrate", action="store_true", help="calibrate this machine first (and store the fit)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--docs", action="store_true", help="write the section of docs/benchmarks.md")
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--loads must be fractions of saturation > 0 such as 0.6,0.95, got {args.loads!r}") from None
     if args.programs < 1:
         raise SystemExit(f"--programs must be >= 1, got {args.programs!r}")
+    real.apply_workload_options(args)
     policies = args.policies.split(",")
     for p in policies:
         real.policy_spec(p, argparse.Namespace(first_boundary=None, quantum=None, beta=None))
@@ -148,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         fit, _ = calibrate.calibrate(args.model)
         costs.store(fit)
     print(calibrate.describe(fit), file=sys.stderr)
-    engine = dict(real.ENGINE)
+    engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be >= 1, got {args.seeds!r}")
     seeds = list(range(args.seed, args.seed + args.seeds))

@@ -131,6 +131,24 @@ def plan(spec: ProgramSpec) -> Plan:
     return plans[spec.kind](random.Random(spec.seed))
 
 
+def planned_output_tokens(spec: ProgramSpec) -> int:
+    """The tokens a program generates when every call runs to its max_tokens (the benchmarks ignore EOS)."""
+    gen, value, total = plan(spec), None, 0
+    while True:
+        try:
+            action = gen.send(value)
+        except StopIteration:
+            return total
+        if isinstance(action, Call):
+            total += action.max_tokens
+            value = [0] * action.max_tokens
+        elif isinstance(action, Parallel):
+            total += sum(c.max_tokens for c in action.calls)
+            value = [[0] * c.max_tokens for c in action.calls]
+        else:
+            value = action.observation
+
+
 # ---- agents whose KV is worth keeping across tool calls (issue 14: retention) ----------------------
 # A ReAct / coding agent: a system prompt shared by its kind, a task, then turns of (call, tool), the
 # context growing by the call's output and the tool's observation each turn. Sources of the shapes:

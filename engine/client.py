@@ -58,6 +58,7 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...]  # the adapters running requests use, sorted
     waiting_lora_adapters: tuple[str, ...]
     tracked: Mapping[str, int]  # entries of every per-request map (AsyncEngine.num_tracked)
+    running_seats: int = 0  # the latest step's running-set limit: max_num_seqs, or the policy's cap (max_running)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,8 @@ def engine_stats(core: EngineCore, tracked: Mapping[str, int]) -> EngineStats:
         if level is not None:
             levels[level] = levels.get(level, 0) + 1
     return EngineStats(len(running), len(waiting), core.kv_stats(), MappingProxyType(levels),
-                       _adapter_names(running), _adapter_names(waiting), MappingProxyType(dict(tracked)))
+                       _adapter_names(running), _adapter_names(waiting), MappingProxyType(dict(tracked)),
+                       core.scheduler.seats)
 
 
 def request_info(core: EngineCore, request_id: str) -> RequestInfo | None:

@@ -23,6 +23,8 @@ from agentrt.engine.request import Request
 class SchedulingPolicy(ABC):
     name: ClassVar[str]
     preemptive: ClassVar[bool] = False  # may a better waiting request displace a running one
+    displaces_for_seats: bool = False  # without `preemptive`: a better waiting request displaces the worst running
+    # one when the running set is full (a seat, never blocks: a capped running set stays in policy order)
     pinned_first: bool = False  # waiting calls of programs whose KV is pinned go ahead of all others
     # (Continuum's order: a program resuming from a tool call finds its context and keeps it)
     protect_pins: bool = False  # admission control for a KV-bound engine: while others run, a waiting call

@@ -17,14 +17,16 @@ class the policy orders as it would alone. With every request in class 0 (the de
 changes.
 
 Two policy switches concern pins (SchedulingPolicy attributes, False unless a policy sets them):
-`pinned_first` puts waiting calls of programs holding a pin ahead of the others (Continuum's order);
+`pinned_first` puts waiting calls of programs holding a pin ahead of the others (Continuum's order; not
+while a running-set cap binds, when seats go in the policy's order);
 `protect_pins` is admission control for a KV-bound engine: while others run, a waiting call goes in only
 if its whole prompt and output fit, and only a call of a program that holds a pin may make other
 programs' pins give way (an idle engine admits as usual). agentrt's PLAS takes both as arguments.
 
 The running set: `max_num_seqs` seats, or fewer while the policy's `max_running` says so (a running-set
 cap: admission stops at it, and a preemptive policy's better waiting call displaces the worst running
-one there); requests already running above a lowered cap finish as usual.
+one there; a policy that `displaces_for_seats` without being preemptive displaces for a seat only, never
+for blocks); requests already running above a lowered cap finish as usual.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ class Scheduler:
         self.running.append(child)
         self.policy.on_arrival(child, self.clock())
 
+    @property
+    def seats(self) -> int:
+        """The latest step's running-set limit: max_num_seqs, or the policy's cap (`max_running`)."""
+        return self._seats
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -127,11 +134,11 @@ class Scheduler:
             candidates = [r for r in candidates if r.sampling.priority == worst]
         return self.policy.pick_victim(candidates)
 
-    def _displaces(self, waiting: Request, running: Request) -> bool:
+    def _displaces(self, waiting: Request, running: Request, for_seat: bool = False) -> bool:
         a, b = waiting.sampling.priority, running.sampling.priority
         if a != b:
             return a < b
-        return self.policy.preemptive and self.policy.displaces(waiting, running)
+        return (self.policy.preemptive or for_seat) and self.policy.displaces(waiting, running)
 
     def _class_waits(self) -> bool:
         """A waiting request of a smaller class than some running one."""
@@ -163,6 +170,8 @@ class Scheduler:
         out = SchedulerOutput(reqs=[], num_tokens=[], block_copies=[])
         if self.policy.preemptive or self._class_waits():
             self._displace_for_better_waiting(out)
+        elif self.policy.displaces_for_seats and self.waiting and len(self.running) >= self._seats:
+            self._displace_for_better_waiting(out, seats_only=True)
         budget = self.config.max_num_batched_tokens
         out.num_steps = steps = self._multi_steps(budget)
         scheduled: set[int] = set()
@@ -271,36 +280,44 @@ class Scheduler:
 
     def _waiting_key(self) -> Callable[[Request], object]:
         """The order of the waiting queue: by class, then the policy's order, with `pinned_first` calls
-        of programs holding a pin ahead of the rest of their class."""
+        of programs holding a pin ahead of the rest of their class, except while the policy caps the running
+        set: seats, not KV, are short then, and they go in the policy's order."""
         key = self.policy.priority
-        if not self.policy.pinned_first:
+        if not self.policy.pinned_first or self._seats < self.config.max_num_seqs:
             return self._key if self._classes else key
         holds_pin = self.kv.holds_pin
         if not self._classes:
             return lambda r: (not holds_pin(r.program_id), key(r))
         return lambda r: (r.sampling.priority, not holds_pin(r.program_id), key(r))
 
-    def _displace_for_better_waiting(self, out: SchedulerOutput) -> None:
+    def _displace_for_better_waiting(self, out: SchedulerOutput, seats_only: bool = False) -> None:
         """A waiting request that ranks above the worst running one (by class; within a class only
-        under a preemptive policy) takes its place when there is no seat or no blocks for it."""
+        under a preemptive policy) takes its place when there is no seat or no blocks for it. `seats_only`
+        (a policy that `displaces_for_seats` without being preemptive): only for a seat of a capped running
+        set, the victim the worst-ranked running request (not the policy's victim for blocks)."""
         key = self._waiting_key()
         max_seqs, max_tokens = self._seats, self.config.max_num_batched_tokens
         allocatable: dict[str | None, int] = {}  # per owner, until the next preemption changes it
         per_owner = self.kv.num_reserved_blocks > 0  # without reservations every owner may take the same
+        seated = 0  # better waiting requests already given a free seat (admission fills them in this order)
         for w in list(self.waiting):
             if not self.running:
                 return
             need = self.kv.blocks_for(min(w.num_tokens, max_tokens))
             while self.running:
-                if len(self.running) < max_seqs:
+                if len(self.running) + seated < max_seqs:
+                    if seats_only:
+                        seated += 1
+                        break
                     owner = w.program_id if per_owner else None
                     room = allocatable.get(owner)
                     if room is None:
                         room = allocatable[owner] = self.kv.num_allocatable(w.program_id)
                     if need <= room:
+                        seated += 1
                         break
-                worst = self._pick_victim(self.running)
-                if not self._displaces(w, worst):
+                worst = max(self.running, key=self._key) if seats_only else self._pick_victim(self.running)
+                if not self._displaces(w, worst, seats_only):
                     return
                 self._preempt(worst, out)
                 allocatable.clear()

@@ -111,6 +111,7 @@ class MultiLevelPolicy(SchedulingPolicy):
         if not 0 < cap_efficiency < 1:
             raise ConfigError(f"{self.name}: cap_efficiency must be in (0, 1), got {cap_efficiency!r}")
         self.running_cap = running_cap  # the running set while calls wait: see `max_running`
+        self.displaces_for_seats = running_cap is not None  # even without `preempt`: the capped set stays in order
         self.step_fit = StepFit(cap_efficiency)
         self.preemptive = preempt  # False: order waiting calls only, never displace running ones
         self.pinned_first = pinned_first  # calls of programs holding pinned KV go first (engine.scheduler)

@@ -50,6 +50,7 @@ class EngineState:
     ttl_misses: int = 0  # running total: calls admitted after their program's pin expired or gave way
     pin_expiries: int = 0  # running total: pins dropped at their deadline
     recomputed_prefill_tokens: int = 0  # running total: prompt tokens a program had computed before, again
+    running_seats: int = 0  # the running-set limit of the latest step (max_num_seqs unless the policy caps it)
     max_lora: int | None = None  # adapters the engine keeps loaded at most; None: LoRA off (no lora gauge)
     running_lora_adapters: str = ""  # names of the adapters running requests use, sorted, comma-joined
     waiting_lora_adapters: str = ""  # likewise for waiting requests
@@ -74,6 +75,8 @@ class Metrics:
         self.kv_cache_usage_perc = Gauge("agentrt:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.",
                                          registry=r)
         self.programs_active = Gauge("agentrt:programs_active", "Programs running.", registry=r)
+        self.running_seats = Gauge("agentrt:running_seats", "Running-set limit of the latest step: max_num_seqs, "
+                                   "or the policy's running cap while calls wait.", registry=r)
         self.calls_per_queue_level = Gauge("agentrt:calls_per_queue_level", "Calls in each scheduler queue level.",
                                            ["level"], registry=r)
 
@@ -174,6 +177,7 @@ class Metrics:
         self.num_requests_waiting.set(s.waiting)
         self.kv_cache_usage_perc.set(s.kv_usage)
         self.programs_active.set(s.programs_active)
+        self.running_seats.set(s.running_seats)
         self.kv_pinned_blocks.set(s.kv_pinned_blocks)
         self.kv_reserved_blocks.set(s.kv_reserved_blocks)
         totals = (s.prefix_queries_tokens, s.prefix_hit_tokens, s.num_preemptions, s.ttl_hits, s.ttl_misses,

@@ -24,6 +24,59 @@ def test_bench_programs_smoke(tiny_model_path, tmp_path, capsys):
     assert text.count("## Program scheduling") == 1 and "| plas |" in text
 
 
+def test_seeds_pool_and_the_breakdown_adds_up(tiny_model_path, capsys):
+    """--seeds 2: every program of both seeds' runs in one result, the makespan their mean; --breakdown: each
+    class's parts (queue, own compute, width, others' prefill, between steps, tools) add up to its latency."""
+    argv = ["--model", str(tiny_model_path), "--programs", "4", "--rate", "20", "--policies", "fcfs,plas",
+            "--seeds", "2", "--breakdown", "--json"]
+    assert bench.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["seeds"] == 2
+    for r in report["results"].values():
+        assert r["latency_s"]["n"] == 8 and len(r["makespans_s"]) == 2
+        assert r["makespan_s"] == pytest.approx(sum(r["makespans_s"]) / 2)
+        short = r["breakdown"]["short"]
+        assert short["programs"] + r["breakdown"].get("long", {}).get("programs", 0) == 8
+        parts = sum(short[p] for p in ("queue", "own", "width", "prefill", "between", "tools_client"))
+        assert parts == pytest.approx(short["latency"], rel=0.05) and short["own"] > 0 and short["steps"] >= 1
+    with pytest.raises(SystemExit, match="--breakdown runs in-process"):
+        bench.main(["--model", str(tiny_model_path), "--rate", "1", "--breakdown", "--http"])
+
+
+def test_measured_saturation_reads_the_server_while_calls_wait(tiny_model_path):
+    """--http --load: a burst of the mix on a fresh FCFS server, its generated tokens per second while calls
+    waited, over a program's planned tokens."""
+    from agentrt.bench import programs_http
+    from agentrt.bench import workload as wl
+
+    work = wl.make_workload(8, 1.0, 0)
+    sat = programs_http.measure_saturation(work, str(tiny_model_path), dict(bench.ENGINE), burst_programs=40,
+                                           arrive_within_s=0.5, settle_s=0.5, measure_s=2.0, poll_s=0.25)
+    assert sat["measured_s"] >= 2.0 and sat["output_tok_s"] > 0
+    drawn = wl.make_workload(40, 1.0, 0)
+    assert sat["tokens_per_program"] == pytest.approx(sum(wl.planned_output_tokens(s) for s in drawn) / 40)
+    assert sat["programs_per_s"] == pytest.approx(sat["output_tok_s"] / sat["tokens_per_program"])
+
+
+def test_planned_output_tokens_follow_the_plans():
+    """A tree search asks for (root + depth x width + final) calls' tokens, a chat for one call's, a ReAct loop
+    for a whole number of calls' within its range."""
+    from agentrt.bench import workload as wl
+
+    kinds = set()
+    for spec in wl.make_workload(40, 1.0, 3):
+        n = wl.planned_output_tokens(spec)
+        kinds.add(spec.kind)
+        if spec.kind == "tree":
+            assert n == (2 + wl.TREE["depth"] * wl.TREE["width"]) * wl.TREE["max_tokens"]
+        elif spec.kind == "chat":
+            assert n == wl.CHAT["max_tokens"]
+        else:
+            calls, rest = divmod(n, wl.REACT["max_tokens"])
+            assert rest == 0 and wl.REACT["calls"][0] <= calls <= wl.REACT["calls"][1]
+    assert kinds == {"chat", "react", "tree"}
+
+
 def test_bench_programs_over_http(tiny_model_path, tmp_path, capsys, monkeypatch):
     """The same programs through a fresh `agentrt serve` per policy: every program done with its calls, the
     classes' latencies, the server's counters, a timeline of every call and its plot."""

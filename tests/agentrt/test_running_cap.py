@@ -143,3 +143,100 @@ def test_auto_cap_is_the_knee_of_the_measured_step_cost():
         plas(running_cap=0)
     with pytest.raises(Exception, match="cap_efficiency"):
         plas(cap_efficiency=1.0)
+
+
+def test_ttl_settings_displace_for_a_seat_only_and_take_the_worst_ranked_call():
+    """PLAS with the TTL settings (`preempt=False`, `victim="newest"`) and a cap: a short program's call takes the
+    seat of the worst-ranked running call (a long program's, though a newer program's call runs too), within
+    a bounded number of steps; with no cap it waits for a seat as before; no displacement ever for blocks."""
+    from agentrt.policies.autellix import TTL_SETTINGS
+
+    s, clock = make(plas(running_cap=2, **TTL_SETTINGS))
+    assert s.policy.displaces_for_seats and not s.policy.preemptive
+    old = call("L0", "long0", 60, 0.0)
+    s.add_request(old)
+    for _ in range(12):  # long0 gathers service: queue 1 and below
+        step(s, clock)
+    new = call("L1", "long1", 60, clock.t)
+    s.add_request(new)
+    step(s, clock)
+    assert set(s.running) == {old, new} and s.policy.level(new) < s.policy.level(old)
+    short = call("S", "short", 3, clock.t)
+    s.add_request(short)
+    step(s, clock)
+    # the worst-ranked call (long0's, the lowest queue) gave its seat, not the newest program's (long1)
+    assert set(s.running) == {new, short} and old.num_preemptions == 1 and new.num_preemptions == 0
+    while not short.finished:
+        step(s, clock)
+    while s.has_work():
+        step(s, clock)
+    assert_all_blocks_free(s)
+    # no cap: the TTL settings never displace (a seat frees as calls end)
+    s, clock = make(PLAS(**{"num_queues": 4, "first_boundary": 8, "quantum": 4, "service": "tokens", **TTL_SETTINGS}),
+                    max_num_seqs=2)
+    assert not s.policy.displaces_for_seats
+    for i in range(2):
+        s.add_request(call(f"L{i}", f"long{i}", 30, 0.0))
+    for _ in range(12):
+        step(s, clock)
+    s.add_request(call("S", "short", 3, clock.t))
+    for _ in range(5):
+        step(s, clock)
+    assert s.num_preemptions == 0
+    while s.has_work():
+        step(s, clock)
+    assert_all_blocks_free(s)
+
+
+def test_two_better_calls_take_two_seats_in_one_step():
+    """Displacement counts the seats it has already handed out: two short programs arriving together behind a
+    full capped set both run in the next step (the second is not left for a later one)."""
+    s, clock = make(plas(running_cap=3))
+    longs = [call(f"L{i}", f"long{i}", 40, 0.0) for i in range(4)]
+    for r in longs:
+        s.add_request(r)
+    for _ in range(12):
+        step(s, clock)
+    assert len(s.running) == 3
+    shorts = [call(f"S{i}", f"short{i}", 3, clock.t) for i in range(2)]
+    for r in shorts:
+        s.add_request(r)
+    ran = step(s, clock)
+    assert all(r in ran for r in shorts) and len(s.running) == 3
+    while s.has_work():
+        step(s, clock)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in longs + shorts)
+    assert_all_blocks_free(s)
+
+
+def test_a_binding_cap_seats_in_policy_order_before_pinned_programs():
+    """Under the TTL settings a resuming program holding a pin goes first while KV is short (Continuum's order);
+    while the running cap binds, seats are short, not KV, and a short program's call takes the seat ahead of a
+    long pinned program's next call."""
+    from agentrt.engine.program_ops import EndProgram, Pin
+    from agentrt.policies.autellix import TTL_SETTINGS
+
+    s, clock = make(plas(running_cap=1, **TTL_SETTINGS))
+    s.program_op(Pin("P", 100.0))
+    first = call("P0", "P", 40, clock.t)
+    s.add_request(first)
+    while not first.finished:
+        step(s, clock)
+    assert s.kv.holds_pin("P")
+    a = call("A", "A", 60, clock.t)
+    s.add_request(a)
+    for _ in range(45):  # A alone (nobody waits: no cap) gathers service down to the last queue, as P did
+        step(s, clock)
+    assert s.policy.level(a) == 3
+    resumed = Request("P1", [*first.all_token_ids, 5, 6], SamplingParams(max_tokens=3), program_id="P",
+                      arrival_time=clock.t)
+    short = call("S", "short", 3, clock.t)
+    s.add_request(resumed)
+    s.add_request(short)
+    step(s, clock)
+    assert s.running == [short] and a.num_preemptions == 1 and resumed.first_scheduled_time is None
+    while s.has_work():
+        step(s, clock)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in (a, resumed, short))
+    s.program_op(EndProgram("P"))  # its pin goes with it
+    assert_all_blocks_free(s)

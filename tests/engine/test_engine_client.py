@@ -46,6 +46,7 @@ def test_stats_during_a_step_wait_for_it_and_request_info_is_plain_data(tiny_mod
             stats = await eng.stats()
             assert (stats.num_running, stats.num_waiting) == (1, 0)
             assert stats.kv.num_blocks - stats.kv.num_free_blocks >= 5 and stats.tracked["streams"] == 1
+            assert stats.running_seats == eng.core.config.max_num_seqs  # FCFS never caps the running set
             info = eng.request_info("r")
             assert info is not None and info.program_id == "p" and len(info.block_ids) >= 5
             assert info.queue_level is None  # FCFS has no levels

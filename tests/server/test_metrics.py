@@ -12,6 +12,7 @@ NAMES = {
     "agentrt:num_requests_waiting": "gauge",
     "agentrt:kv_cache_usage_perc": "gauge",
     "agentrt:programs_active": "gauge",
+    "agentrt:running_seats": "gauge",
     "agentrt:calls_per_queue_level": "gauge",
     "agentrt:prefix_cache_queries": "counter",
     "agentrt:prefix_cache_hits": "counter",
@@ -102,10 +103,12 @@ def test_engine_totals_advance_counters_by_deltas():
 
 def test_state_fn_refreshes_at_scrape_time():
     totals = iter([10, 25])
-    m = Metrics(state_fn=lambda: state(running=2, prefix_queries_tokens=next(totals), calls_per_level={2: 3}))
+    m = Metrics(state_fn=lambda: state(running=2, prefix_queries_tokens=next(totals), calls_per_level={2: 3},
+                                       running_seats=16))
     m.render()
     body, _ = m.render()
     assert b"agentrt:num_requests_running 2.0" in body
+    assert b"agentrt:running_seats 16.0" in body  # the running-set limit the policy set for the latest step
     assert b"agentrt:prefix_cache_queries_total 25.0" in body
     assert b'agentrt:calls_per_queue_level{level="2"} 3.0' in body
 
