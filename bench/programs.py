@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     def measure(work: list[ProgramSpec], engine: dict[str, Any]) -> float:
         from agentrt.bench import programs_http
 
-        measured.update(programs_http.measure_saturation(work, model, engine))
+        measured.update(programs_http.measure_saturation(work, model, engine, args.seed))
         print(f"measured saturation: {measured['output_tok_s']:.0f} output tok/s over {measured['measured_s']:.0f} s "
               f"with calls waiting, {measured['tokens_per_program']:.0f} tokens a program", file=sys.stderr)
         return measured["programs_per_s"]

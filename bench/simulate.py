@@ -146,6 +146,8 @@ AGENT_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {  # name -> (polic
     "plas+ttl": ("plas", dict(TTL_SETTINGS), True),  # ours: PLAS composed with TTL (agentrt/policies/autellix.py)
     # ablation, not in the default sweep: the Continuum-like order with our admission control
     "fcfs+ttl+guard": ("plas", {"num_queues": 1, "pinned_first": True, "protect_pins": True}, True),
+    # ours with the running-set cap at the knee of the step cost (issue 37), not in the default sweep
+    "plas+ttl+cap": ("plas", {**TTL_SETTINGS, "running_cap": "auto"}, True),
 }
 DEFAULT_AGENT_CONFIGS = ("fcfs", "fcfs+ttl", "plas", "plas+ttl")
 

@@ -229,7 +229,16 @@ def use_kind(kind_name: str) -> Iterator[None]:
         _state["kind"] = previous
 
 
-def describe() -> str:
-    """One line for logs: the kernels in use, e.g. "C++ avx512_bf16" or "torch (no C++ kernels)"."""
+def amx() -> bool:
+    """Whether the bf16 projections of this process run on AMX (a Sapphire Rapids-class CPU, the avx512_bf16
+    kind, Linux granting the tile state, and not `AGENTRT_CPU_AMX=0`); else the AVX512-BF16 or AVX2 tiles."""
     o = ops()
-    return f"C++ {o.isa()}" if o is not None else "torch (no C++ kernels)"
+    return o is not None and bool(o.amx())
+
+
+def describe() -> str:
+    """One line for logs: the kernels in use, e.g. "C++ avx512_bf16 + AMX", "C++ avx2" or "torch (no C++ kernels)"."""
+    o = ops()
+    if o is None:
+        return "torch (no C++ kernels)"
+    return f"C++ {o.isa()}" + (" + AMX" if o.amx() else "")

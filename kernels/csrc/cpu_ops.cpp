@@ -63,6 +63,8 @@ void by_dtype(const at::Tensor& x, const char* op, Fn fn) {
 }
 
 std::string isa() { return agentrt::compiled_isa(); }
+// Whether this process's bf16 projections run on AMX (built for it, granted by Linux, not AGENTRT_CPU_AMX=0).
+bool amx() { return agentrt::amx_linear_applies(32); }
 
 // The packed weight (and fp32 bias) of an [N, K] projection; returns the bias pointer (or null).
 const float* check_packed(const at::Tensor& w_packed, const std::optional<at::Tensor>& bias, int64_t K, int64_t N,
@@ -104,7 +106,8 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& w_packed, c
   const int64_t M = x.size(0), K = x.size(1);
   const float* b = check_packed(w_packed, bias, K, N, true);
   at::Tensor y = at::empty({M, N}, x.options());
-  agentrt::packed_linear_bf16(ptr<bf16>(x), M, K, ptr<bf16>(w_packed), b, ptr<bf16>(y), N, invariant);
+  (void)invariant;  // the packed kernel's output is row-invariant either way (AMX where it applies, else tiles)
+  agentrt::packed_linear_bf16(ptr<bf16>(x), M, K, ptr<bf16>(w_packed), b, ptr<bf16>(y), N);
   return y;
 }
 
@@ -373,7 +376,7 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
       if constexpr (std::is_same_v<E, float>) {
         agentrt::packed_linear_f32(in, T, K, w.data_ptr<float>(), bias, out, N);
       } else {
-        agentrt::packed_linear_bf16(in, T, K, ptr<bf16>(w), bias, out, N, invariant);
+        agentrt::packed_linear_bf16(in, T, K, ptr<bf16>(w), bias, out, N);
       }
     };
     agentrt::run_team([&] {
@@ -611,6 +614,7 @@ std::tuple<at::Tensor, at::Tensor> decode_steps(
 
 AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("isa() -> str", &isa);
+  m.def("amx() -> bool", &amx);
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("logsumexp_rows(Tensor x) -> Tensor");

@@ -18,7 +18,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "team.h"
@@ -291,13 +293,18 @@ inline void linear_rows_widened(const float* xf, int64_t ldx, int64_t M, int64_t
 
 #if defined(AGENTRT_AMX)
 // AMX (Sapphire Rapids on): the same packed panels are the B operand of `tdpbf16ps` as they lie: 16 rows
-// of k pairs x 16 columns, 128 bytes apart. For batch invariance (kernels/linear.py) a weight takes this
-// path at every row count, decode rows too: each output sums its k pairs 32 at a time in k order, in
-// hardware that computes every row alike, so a row's output does not depend on the others in its tile.
+// of k pairs x 16 columns, 128 bytes apart. Where it applies every bf16 projection the packed kernel runs
+// takes this path, decode rows and the LM head included (on a Sapphire Rapids-class Xeon 1.3-5x faster
+// than the AVX512-BF16 tiles from 1 to 64 rows: docs/benchmarks.md), and in batch-invariant mode
+// (kernels/linear.py) prefill rows too: each output sums its k pairs 32 at a time in k order, in hardware
+// that computes every row alike, so a row's output does not depend on the others in its tile.
 
-// Linux grants the tile data state to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+// Linux grants the tile data state to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA);
+// AGENTRT_CPU_AMX=0 keeps the kernels off AMX (the AVX512-BF16 tiles instead).
 inline bool amx_ready() {
   static const bool ok = [] {
+    const char* env = std::getenv("AGENTRT_CPU_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
@@ -351,8 +358,8 @@ inline void linear_rows_amx(const bf16* x, int64_t M, int64_t K, const bf16* pan
 }
 #endif
 
-// Whether packed_linear_bf16(..., amx = true) runs on AMX for a weight of K inputs (else its AVX512-BF16 or
-// AVX2 tiles, at every row count alike).
+// Whether packed_linear_bf16 runs on AMX for a weight of K inputs (else its AVX512-BF16 or AVX2 tiles, which
+// also sum every row alike).
 inline bool amx_linear_applies(int64_t K) {
 #if defined(AGENTRT_AMX)
   return K % 32 == 0 && amx_ready();
@@ -362,13 +369,12 @@ inline bool amx_linear_applies(int64_t K) {
 #endif
 }
 
-// x [M, K] bf16, w packed as above, bias fp32 [N] or null -> y [M, N] bf16. `amx`: on AMX for every row
-// count where amx_linear_applies (batch-invariant mode).
+// x [M, K] bf16, w packed as above, bias fp32 [N] or null -> y [M, N] bf16; on AMX where amx_linear_applies.
 inline void packed_linear_bf16(const bf16* x, int64_t M, int64_t K, const bf16* w, const float* bias, bf16* y,
-                               int64_t N, bool amx = false) {
+                               int64_t N) {
   const int64_t panels = (N + kPanelBf16 - 1) / kPanelBf16, panel_elems = ((K + 1) / 2) * 2 * kPanelBf16;
 #if defined(AGENTRT_AMX)
-  if (amx && amx_linear_applies(K)) {
+  if (amx_linear_applies(K)) {
     agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
       int configured = 0;  // tile configuration is per thread
       for (int64_t p = p0; p < p1; ++p) {
@@ -380,8 +386,6 @@ inline void packed_linear_bf16(const bf16* x, int64_t M, int64_t K, const bf16* 
     });
     return;
   }
-#else
-  (void)amx;
 #endif
 #if !defined(__AVX512BF16__)
   std::vector<float> xf(M * (K + 1), 0.f);  // x in fp32, each row padded with a zero to whole pairs

@@ -328,3 +328,22 @@ def test_every_source_file_ships_with_the_package():
     assert any(s.endswith(".h") for s in sources) and any(s.endswith(".cpp") for s in sources)
     missing = [s for s in sources if not any(fnmatch.fnmatch(s, pat) for pat in patterns)]
     assert not missing, f"kernels/csrc files not shipped with the package: {missing}"
+
+
+def test_amx_is_the_bf16_projection_where_the_cpu_has_it_and_can_be_turned_off(cpu_kind):
+    """The bf16 projections run on AMX by default where it exists (an AMX CPU, the avx512_bf16 kind); the
+    start-up line says so; AGENTRT_CPU_AMX=0 keeps them on the AVX512-BF16 / AVX2 tiles. Each in its own process
+    (the choice is made once per process)."""
+    import os
+
+    code = "from agentrt.kernels import cpu; print(cpu.amx()); print(cpu.describe())"
+    env = {**os.environ, cpu.ISA_ENV_VAR: cpu_kind}
+    runs = {}
+    for amx in ("1", "0"):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              env={**env, "AGENTRT_CPU_AMX": amx}, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[amx] = done.stdout.split("\n")
+    expected = "amx_bf16" in cpu.cpu_flags() and cpu_kind == "avx512_bf16"
+    assert runs["1"][:2] == [str(expected), f"C++ {cpu_kind}" + (" + AMX" if expected else "")]
+    assert runs["0"][:2] == ["False", f"C++ {cpu_kind}"]
