@@ -37,7 +37,8 @@ def test_kind_is_compiled_for(cpu_kind):
     built_as = cpu.ops().isa()
     assert cpu.kind() == cpu_kind and cpu.compiled_isa() == built_as
     assert built_as == cpu_kind or (cpu_kind, built_as) == ("avx512_bf16", "avx512")
-    assert cpu.describe() == f"C++ {built_as}"
+    assert cpu.describe() == f"C++ {built_as}" + (" + AMX" if cpu.amx() else "")
+    assert not cpu.amx() or built_as == "avx512_bf16"  # AMX only in the kind built with AVX512-BF16
 
 
 def test_kinds_of_this_cpu():
