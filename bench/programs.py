@@ -478,20 +478,22 @@ def main(argv: list[str] | None = None) -> int:
     report = new_report(args, engine)
     if measured:
         report["config"]["saturation"] = measured
-    for policy in args.policies.split(","):
-        t0 = time.monotonic()
-        name, kwargs = policy_spec(policy, args)
-        runs = []
-        for seed, work in zip(seeds, workloads):
+    policies = args.policies.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
+    for seed, work in zip(seeds, workloads):  # seed by seed, every policy in turn: a drift of the machine's speed
+        for policy in policies:              # over the run then falls on every policy alike
+            t0 = time.monotonic()
+            name, kwargs = policy_spec(policy, args)
             if args.http:
-                runs.append(programs_http.run_policy_http(name, kwargs, work, model, engine))
+                runs[policy].append(programs_http.run_policy_http(name, kwargs, work, model, engine))
             else:
-                runs.append(anyio.run(run_policy, name, work, args.model, engine, kwargs, cost))
-            if len(seeds) > 1:
-                print(f"{policy} seed {seed}: mean {statistics.fmean(p['latency_s'] for p in runs[-1]['programs']):.2f} s, "
-                      f"makespan {runs[-1]['makespan_s']:.1f} s", file=sys.stderr, flush=True)
-        report["results"][policy] = summarize(pool(runs))
-        print(f"{policy}: done in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+                runs[policy].append(anyio.run(run_policy, name, work, args.model, engine, kwargs, cost))
+            res = runs[policy][-1]
+            print(f"{policy}{f' seed {seed}' if len(seeds) > 1 else ''}: mean "
+                  f"{statistics.fmean(p['latency_s'] for p in res['programs']):.2f} s, makespan {res['makespan_s']:.1f} s, "
+                  f"done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    for policy in policies:
+        report["results"][policy] = summarize(pool(runs[policy]))
     add_ratios(report)
     if args.timeline:
         programs_http.plot_timeline(report, args.timeline)
