@@ -43,19 +43,13 @@ class StepLog:
         self.steps.append((time.monotonic(), self.core.busy_s, rows))
 
 
-def _row_cost(cost: StepCost, n: int, done: int, total: int) -> float:
-    attn = n * done + n * (n + 1) // 2 if n > 1 else 0
-    return (n * cost.token_s + (n == 1) * cost.decode_row_s + (done + n) * cost.context_s + attn * cost.prefill_attn_s
-            + (done + n >= total) * cost.sample_s)
-
-
 def call_parts(log: StepLog, cost: StepCost) -> dict[str, dict[str, float]]:
     """Per request id: its program, latency and the parts above (seconds), from the logged steps. The last
     step (its duration unknown) is left out."""
     calls: dict[str, dict[str, Any]] = {}
     for (t0, busy0, rows), (t1, busy1, _) in zip(log.steps, log.steps[1:]):
         measured = busy1 - busy0
-        costs = [_row_cost(cost, n, done, total) for _, _, n, done, total, _ in rows]
+        costs = [cost.row_cost(n, done, total) for _, _, n, done, total, _ in rows]
         predicted = cost.base_s + sum(costs)
         scale = measured / predicted if predicted > 0 else 0.0
         decode = sum(c for c, row in zip(costs, rows) if row[2] == 1)

@@ -46,6 +46,10 @@ class StepCost:
             return 0.0
         return sum(c * x for c, x in zip(self.coefficients(), step_features(out)))
 
+    def row_cost(self, n: int, done: int, total: int) -> float:
+        """Seconds one row adds to its step (`row_features`; the step's base not included)."""
+        return sum(c * x for c, x in zip(self.coefficients(), row_features(n, done, total)))
+
     def coefficients(self) -> tuple[float, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
 
@@ -62,19 +66,19 @@ class StepCost:
         return cls(*values)
 
 
+def row_features(n: int, done: int, total: int) -> tuple[int, ...]:
+    """One row's share of a step's `FEATURES` (its base is 0): `n` tokens computed after `done`, of a request
+    `total` tokens long (sampled once the step reaches its end)."""
+    return (0, n, int(n == 1), done + n, n * done + n * (n + 1) // 2 if n > 1 else 0, int(done + n >= total))
+
+
 def step_features(out: Any) -> tuple[int, ...]:
-    """The model's inputs for one scheduled step, read before the step is applied (`FEATURES` order)."""
+    """The model's inputs for one scheduled step, read before the step is applied (`FEATURES` order): the base
+    and the sum of its rows' `row_features`."""
     tokens = decode = context = attn = sampled = 0
     for r, n in zip(out.reqs, out.num_tokens):
-        done = r.num_computed_tokens
-        tokens += n
-        context += done + n
-        if n == 1:
-            decode += 1
-        else:
-            attn += n * done + n * (n + 1) // 2
-        if done + n >= r.num_tokens:
-            sampled += 1
+        _, t, d, c, a, s = row_features(n, r.num_computed_tokens, r.num_tokens)
+        tokens, decode, context, attn, sampled = tokens + t, decode + d, context + c, attn + a, sampled + s
     return (1, tokens, decode, context, attn, sampled)
 
 

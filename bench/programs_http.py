@@ -12,7 +12,9 @@ preemptions and prefix hits. Policies are `agentrt serve --policy` names; `runni
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
@@ -44,6 +46,25 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name) and (line[len(name)] in " {"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+@contextlib.contextmanager
+def _server(model: str, engine: dict[str, Any], policy: str, flags: list[str]) -> Iterator[tuple[str, Any]]:
+    """A fresh `agentrt serve` (bench/serve.py's `server_process`) with this policy: (its url, its process)."""
+    args = argparse.Namespace(model=model, policy=policy, dtype=None, kv_cache_gb=None, max_requests=4096, **engine,
+                              extra_flags=["--served-model-name", "m", *flags])
+    with server_process(args) as served:
+        yield served
+
+
+@contextlib.asynccontextmanager
+async def _client(url: str, proc: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of that server once it is healthy and has served one short call (warm-up, not measured)."""
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        await wait_healthy(client, proc, 300)
+        (await client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})).raise_for_status()
+        yield client
 
 
 async def _program(client: httpx.AsyncClient, spec: ProgramSpec, start: float, results: list[Any],
@@ -99,16 +120,10 @@ def run_policy_http(name: str, kwargs: dict[str, Any], workload: list[ProgramSpe
     plus the calls' timeline."""
     results: list[dict[str, Any] | None] = [None] * len(workload)
     timeline: list[dict[str, Any]] = []
-    server = argparse.Namespace(model=model, policy=name, dtype=None, kv_cache_gb=None, max_requests=4096, **engine,
-                                extra_flags=["--served-model-name", "m", *serve_args(name, kwargs)])
-    with server_process(server) as (url, proc):
+    with _server(model, engine, name, serve_args(name, kwargs)) as (url, proc):
 
         async def main() -> tuple[float, str, str]:
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-            async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
-                await wait_healthy(client, proc, 300)
-                warm = await client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
-                warm.raise_for_status()
+            async with _client(url, proc) as client:
                 before = (await client.get("/metrics")).text
                 start = time.monotonic()
                 async with anyio.create_task_group() as tg:
@@ -147,16 +162,11 @@ def measure_saturation(workload: list[ProgramSpec], model: str, engine: dict[str
     span = max(s.arrival_s for s in drawn) or 1.0
     burst = [ProgramSpec(s.index, s.kind, s.arrival_s * arrive_within_s / span, s.seed) for s in drawn]
     per_program = sum(wl.planned_output_tokens(s) for s in drawn) / len(drawn)
-    server = argparse.Namespace(model=model, policy="fcfs", dtype=None, kv_cache_gb=None, max_requests=4096, **engine,
-                                extra_flags=["--served-model-name", "m"])
     samples: list[tuple[float, float]] = []  # (time, generated tokens so far) while calls waited, after settling
-    with server_process(server) as (url, proc):
+    with _server(model, engine, "fcfs", []) as (url, proc):
 
         async def main() -> None:
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-            async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
-                await wait_healthy(client, proc, 300)
-                (await client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})).raise_for_status()
+            async with _client(url, proc) as client:
                 start, done, timeline = time.monotonic(), [None] * len(burst), []
                 waited_since: float | None = None
                 async with anyio.create_task_group() as tg:
