@@ -246,6 +246,11 @@ class AsyncEngine:
         `Runtime` each) closes each, or their idle threads keep OpenMP pools that slow the next one's steps."""
         if self._tg is not None:
             raise EngineError("the engine is serving: leave `async with` before closing it")
+        if self.core.tiers is not None and not self._thread.closed:
+            try:  # the KV cache's blocks to the disk tier (a restarted engine finds them), its writer stopped
+                self._thread.call(self.core.close)
+            except Exception:
+                logger.exception("closing the KV tiers failed")
         self._thread.close()
 
     def call_on_engine_thread(self, fn: Callable[[], T]) -> T:

@@ -19,7 +19,7 @@ Invariants (tests/engine/test_kv_retention*.py):
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -63,6 +63,7 @@ class BlockPool:
         self.reservations: dict[str, Reservation] = {}
         self._unused_reserved = 0  # Σ unused over reservations, kept current
         self._seq = 0
+        self.on_evict: Callable[[int, bytes], None] | None = None  # a cached block is about to be reused (tiers)
 
     @property
     def num_free(self) -> int:
@@ -154,6 +155,8 @@ class BlockPool:
                 del self.cached[h]
                 self.block_hash[block] = None
                 self.stats.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(block, h)
             self._take(block, owner)
             self.ref_cnt[block] = 1
             out.append(block)

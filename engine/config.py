@@ -50,6 +50,11 @@ class EngineConfig:
     override_generation_config: dict | None = None  # {field: value} on top of those, e.g. {"temperature": 0.5}
     deterministic: bool = False  # batch-invariant kernels: a greedy request's tokens do not depend on what else the
     # engine runs, how its prompt is chunked, prefix-cache hits or preemption (CPU with the C++ kernels; README)
+    kv_host_gib: float = 0.0  # T1 of the KV hierarchy (engine.kv_tiers): host memory for cached blocks evicted
+    # from the KV cache, loaded back instead of recomputed; 0 = off
+    kv_disk_dir: str | None = None  # T2: a directory of content-hashed KV chunk files, shared by engines on one
+    # host and across restarts; None = off
+    kv_disk_gib: float | None = None  # T2's bound (least recently used files deleted beyond it); None = 8 GiB
     dtype_reason: str = field(default="", init=False)  # how `dtype` was chosen, for the start-up line
 
     def __post_init__(self) -> None:
@@ -84,6 +89,20 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min!r} "
                              f"and {self.prompt_lookup_max!r}")
+        for name, low in (("kv_host_gib", ">= 0"), ("kv_disk_gib", "> 0")):
+            v = getattr(self, name)
+            if v is None and name == "kv_disk_gib":
+                continue
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1 << 20 or v != v
+                    or (low == "> 0" and v == 0)):
+                raise ValueError(f"{name} must be a number of GiB {low}, got {v!r}")
+        if self.kv_disk_dir is not None and (not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir):
+            raise ValueError(f"kv_disk_dir must be a directory path, got {self.kv_disk_dir!r}")
+        if self.kv_disk_gib is not None and self.kv_disk_dir is None:
+            raise ValueError(f"kv_disk_gib ({self.kv_disk_gib!r}) sizes the disk tier: give kv_disk_dir too")
+        if (self.kv_host_gib or self.kv_disk_dir) and not self.enable_prefix_caching:
+            raise ValueError("the KV tiers (kv_host_gib, kv_disk_dir) find blocks by their content hash: they need "
+                             "enable_prefix_caching")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
         source = "dtype"

@@ -19,7 +19,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ from agentrt.engine.config import EngineConfig, kv_budget
 from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
 from agentrt.engine.generation_config import generation_defaults
 from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.kv_tiers import KVTiers, TierStats, block_key
 from agentrt.engine.loader import load_model, load_tokenizer, resolve_model
 from agentrt.engine.lora import LoRAAdapter, LoRARegistry, LoRARequest
 from agentrt.engine.output_processor import OutputProcessor
@@ -73,6 +74,7 @@ class KVStats:
     pin_expiries: int = 0  # pins dropped at their deadline
     pin_blocks_given_way: int = 0  # pinned blocks released under memory pressure
     recomputed_prefill_tokens: int = 0  # prompt tokens a program had computed in its previous call, again
+    tiers: dict[str, TierStats] = field(default_factory=dict)  # the KV tiers below the cache: "host", "disk"
 
 
 class EngineCore:
@@ -96,7 +98,9 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
         self.eos_token_ids = _eos_ids(self.tokenizer, self.hf_config)
         num_blocks, budget_from = (config.num_blocks, "num_blocks") if config.num_blocks else self._blocks_from_budget()
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, model_key=str(self.model_path))
+        self.tiers = self._make_tiers()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, model_key=str(self.model_path),
+                                 tiers=self.tiers)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, config.device)
         if config.device == "cpu":
             kernels.cpu.ops()  # build (first time, ~30 s) or load the C++ CPU kernels now, not mid-request
@@ -112,7 +116,8 @@ class EngineCore:
                              f"({kv_bytes / 2**20:.0f} MiB, from {budget_from}), policy "
                              f"{getattr(self.policy, 'name', type(self.policy).__name__)}"
                              + (f", kernels: {kernels.cpu.describe()}" if config.device == "cpu" else "")
-                             + (", deterministic (batch-invariant)" if config.deterministic else ""))
+                             + (", deterministic (batch-invariant)" if config.deterministic else "")
+                             + (f", KV tiers: {self.tiers.describe()}" if self.tiers is not None else ""))
         announce(self.startup_line)
         self.scheduler = Scheduler(config, self.kv, self.policy)
         self.requests: dict[str, Request] = {}  # unfinished, by id (forked children included)
@@ -127,6 +132,26 @@ class EngineCore:
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None  # sees each batch before it runs
         self.num_draft_tokens = 0  # speculative drafts scheduled
         self.num_rejected_tokens = 0  # of which rejected
+
+    def _make_tiers(self) -> KVTiers | None:
+        """The KV hierarchy below the pool (engine.kv_tiers), if the config asks for one."""
+        c, a = self.config, self.model.args
+        if not c.kv_host_gib and c.kv_disk_dir is None:
+            return None
+        shape = (a.num_layers, 2, c.block_size, a.num_kv_heads, a.head_dim)
+        disk_gib = 8.0 if c.kv_disk_gib is None else c.kv_disk_gib
+        return KVTiers(shape, c.torch_dtype, block_key(str(self.model_path), c.torch_dtype, shape),
+                       host_bytes=int(c.kv_host_gib * 2**30), disk_dir=c.kv_disk_dir, disk_bytes=int(disk_gib * 2**30),
+                       pin=c.device != "cpu")
+
+    def close(self) -> None:
+        """Write what the KV cache holds to the disk tier (a restarted engine finds it there) and stop its writer;
+        nothing to do without tiers. Call it on the engine's thread once it serves no more."""
+        if self.tiers is None:
+            return
+        hashes, blocks = self.kv.cached_blocks()
+        self.tiers.flush_blocks(hashes, blocks, self.runner.kv_cache)
+        self.tiers.close()
 
     def _blocks_from_budget(self) -> tuple[int, str]:
         c = self.config
@@ -328,12 +353,18 @@ class EngineCore:
         self.num_draft_tokens += sum(len(r.spec_token_ids) for r in out.reqs)
         deltas = self.outputs.unschedulable(out.failed)
         try:
+            if out.kv_moves:
+                self.tiers.apply(out.kv_moves, self.runner.kv_cache)
             result = self.runner.execute(out)
         except Exception as e:
             logger.exception("model step failed: failing its batch of %d requests", len(out.reqs))
             return deltas + self.outputs.fail_batch(out.reqs, e)
         self.busy_s += result.step_time_s
         self.num_computed_tokens += out.total_tokens
+        if self.tiers is not None and out.total_tokens >= 64:  # a prefill step: what recomputing a token costs
+            t = result.step_time_s / out.total_tokens
+            r = self.tiers.recompute_s_per_token
+            self.tiers.recompute_s_per_token = t if r is None else 0.8 * r + 0.2 * t
         self.scheduler.update_from_output(out, result.step_time_s, result.num_rejected)
         if result.num_rejected is not None and out.num_steps == 1:  # drafts (a multi-step's are its tail)
             self.num_rejected_tokens += sum(result.num_rejected)
@@ -351,7 +382,7 @@ class EngineCore:
             self.kv.num_blocks, self.kv.num_free_blocks, self.kv.block_size, self.kv.num_shared_blocks(),
             s.queries_tokens, s.hit_tokens, s.dedup_merges, s.evictions, s.cow_copies, self.scheduler.num_preemptions,
             self.kv.num_pinned_blocks, self.kv.num_reserved_blocks, r.ttl_hits, r.ttl_misses, r.expiries,
-            r.pin_blocks_given_way, r.recomputed_prefill_tokens,
+            r.pin_blocks_given_way, r.recomputed_prefill_tokens, self.tiers.stats() if self.tiers is not None else {},
         )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 
 from agentrt.engine.block_pool import BlockPool, PrefixCacheStats
+from agentrt.engine.kv_tiers import KVTiers, Moves
 from agentrt.engine.ownership import OwnerKV, Ownership, RetentionStats
 from agentrt.engine.program_ops import ProgramOp
 from agentrt.engine.request import Request
@@ -43,7 +44,7 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes) -> byte
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model_key: str = "",
-                 max_reserved_fraction: float = 0.5):
+                 max_reserved_fraction: float = 0.5, tiers: KVTiers | None = None):
         if not 0 <= max_reserved_fraction < 1:
             raise ValueError(f"max_reserved_fraction must be in [0, 1), got {max_reserved_fraction!r}")
         self.block_size = block_size
@@ -56,6 +57,11 @@ class KVCacheManager:
         self.retention = self.ownership.retention
         self.owners = self.ownership.owners  # the same dict: programs started, until they end
         self._pending_copies: list[tuple[int, int]] = []
+        # the KV hierarchy below the pool (engine.kv_tiers): evicted cached blocks are demoted, prefix lookups
+        # go on below T0; only with prefix caching (blocks are found again by their hash)
+        self.tiers = tiers if enable_prefix_caching else None
+        if self.tiers is not None:
+            self.pool.on_evict = self.tiers.demote
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -147,12 +153,41 @@ class KVCacheManager:
             return [], 0  # prompt_logprobs, mean / cls pooling: those prompt positions' rows are needed
         self.ownership.reuse_last_hashes(req)
         hits: list[int] = []
-        for h in self.block_hashes(req, (req.num_tokens - 1) // self.block_size):
+        hashes = self.block_hashes(req, (req.num_tokens - 1) // self.block_size)
+        for h in hashes:
             b = self.pool.lookup(h)
             if b is None:
                 break
             hits.append(b)
+        if self.tiers is not None and len(hits) < len(hashes):
+            self._promote(hashes, hits)
         return hits, len(hits) * self.block_size
+
+    def _promote(self, hashes: list[bytes], hits: list[int]) -> None:
+        """Extend `hits` (T0 hits of `hashes`' head) with the blocks found below T0, each loaded into a free T0
+        block and registered there (a cached, unreferenced block, like any other hit: the caller takes it or the
+        LRU does); blocks of the chain still in T0 past a demoted one are taken as they are. Stops at the first
+        block found nowhere, when no block is free, or when loading would cost more than recomputing."""
+        pool, tiers = self.pool, self.tiers
+        pool.touch(hits)  # the hits must not be evicted to make room for the rest
+        try:
+            for h in hashes[len(hits):]:
+                b = pool.lookup(h)
+                if b is not None:
+                    pool.touch([b])
+                    hits.append(b)
+                    continue
+                where = tiers.lookup(h)
+                if where is None or not pool.num_free or not tiers.worth_loading(where[0]):
+                    break
+                (b,) = pool.allocate(1)
+                if not tiers.load(b, h, where):
+                    pool.release([b])
+                    break
+                pool.register(b, h)
+                hits.append(b)
+        finally:
+            pool.release(reversed(hits))  # the chain's tail first in the LRU, as `free` leaves it
 
     # ---- mutations -----------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = (),
@@ -245,6 +280,16 @@ class KVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         out, self._pending_copies = self._pending_copies, []
         return out
+
+    def take_tier_moves(self) -> Moves | None:
+        """The copies between T0 and the tiers below that this step's scheduling implies (apply them before the
+        forward, ahead of the copy-on-write copies); None without tiers."""
+        return self.tiers.take_moves() if self.tiers is not None else None
+
+    def cached_blocks(self) -> tuple[list[bytes], list[int]]:
+        """Every block T0 holds a hash for (in use or free): (hashes, block ids)."""
+        items = list(self.pool.cached.items())
+        return [h for h, _ in items], [b for _, b in items]
 
     # ---- retention -----------------------------------------------------------------------
 

@@ -49,6 +49,11 @@ class LLM:
     def tokenizer(self):
         return self.core.tokenizer
 
+    def close(self) -> None:
+        """Write the KV cache's blocks to the disk tier (kv_disk_dir; a restarted engine finds them there) and stop
+        its writer; nothing to do without KV tiers."""
+        self.core.close()
+
     def generate(
         self,
         prompts: str | list[int] | Sequence[str | list[int]],

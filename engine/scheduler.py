@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.kv_tiers import Moves
 from agentrt.engine.policy import SchedulingPolicy
 from agentrt.engine.program_ops import EndProgram, ProgramOp
 from agentrt.engine.request import Request, RequestStatus
@@ -51,6 +52,7 @@ class SchedulerOutput:
     failed: list[Request] = field(default_factory=list)  # requests that can never run
     num_steps: int = 1  # > 1: every request is one greedy decode row, run for this many steps in one go
     # (each step's argmax the next input; num_tokens[i] == num_steps slots each)
+    kv_moves: Moves | None = None  # copies between T0 and the KV tiers below, to apply first (engine.kv_tiers)
 
     @property
     def total_tokens(self) -> int:
@@ -247,6 +249,7 @@ class Scheduler:
             if in_flight is not None:
                 in_flight.update(self.kv.hashes_completed(req, n))
         out.block_copies = self.kv.take_pending_copies()
+        out.kv_moves = self.kv.take_tier_moves()
         return out
 
     def _computed_this_step(self, out: SchedulerOutput) -> set[bytes]:

@@ -1,0 +1,527 @@
+"""The KV hierarchy below the engine's block pool: demote instead of drop, load instead of recompute.
+
+Tiers (engine mechanism: they know blocks by content hash, not programs):
+- T0: the engine's block pool (engine.block_pool), the only tier the model reads.
+- T1 (`HostTier`): a second, larger pool of block slots in host memory (pinned beside a GPU), LRU.
+- T2 (`DiskTier`): content-hashed chunk files of up to `chunk_blocks` blocks in a directory that several
+  engines on one host and a restarted engine share (the block hash has no seed; each file's header names the
+  model, dtype and block shape and a CRC of every block, so a truncated, corrupt or foreign file is never
+  served). Bounded by bytes, least recently used files deleted first. Written by a background thread.
+
+Flow (`KVTiers`):
+- Demote: a cached block the pool evicts to reuse (LRU eviction; expired pins and preempted calls leave
+  their blocks cached in the free queue, so they leave T0 this way too) is copied to T1 and queued for T2.
+  Its copy is a `Moves` entry the runner applies before the next forward, ahead of anything that writes
+  the block; the disk write happens on the writer thread, never on the step path.
+- Promote: a prefix lookup that runs out of T0 hits goes on in T1 then T2; blocks found there are loaded
+  into free T0 blocks (a T1 slot at the next `Moves.apply`, a disk block read and checked now) and
+  registered, so the call sees them as ordinary prefix hits. Whether loading beats recomputing is decided
+  from the measured cost of each (`KVTiers.worth_loading`).
+- The hierarchy is inclusive: a promoted block keeps its T1 slot and its file.
+
+Invariants (tests/engine/test_kv_tiers.py): every T1 slot is either free or holds exactly one hash; the
+disk index maps each hash to a file that lists it; the bytes of the files indexed never exceed the bound
+after a write completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("agentrt.engine")
+
+MAGIC = b"AGKVT2\x00\x01"
+_HEADER_LEN = struct.Struct("<I")
+
+
+@dataclass(slots=True)
+class TierStats:
+    """One tier's counters (cumulative unless noted)."""
+
+    blocks: int = 0  # blocks held now
+    bytes: int = 0  # bytes held now
+    hits: int = 0  # blocks a prefix lookup found here (and loaded into T0)
+    demotions: int = 0  # blocks written here
+    evictions: int = 0  # blocks (T1) or files' blocks (T2) dropped to make room
+    load_s: float = 0.0  # time spent loading blocks from here into T0
+    write_s: float = 0.0  # time spent writing blocks here
+    skipped: int = 0  # blocks not written: disk full, writer backlog, write error
+    write_errors: int = 0  # writes that failed (the block is skipped; no call fails)
+    corrupt: int = 0  # files found truncated, corrupt or foreign (never served)
+
+
+def block_key(model_key: str, dtype: torch.dtype, block_shape: tuple[int, ...]) -> str:
+    """What a stored block must match to be loaded: the model, the KV dtype and a block's shape."""
+    return f"{model_key}|{dtype}|{'x'.join(map(str, block_shape))}"
+
+
+class HostTier:
+    """T1: `num_slots` block slots in host memory, an LRU index hash -> slot (head = next victim)."""
+
+    def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False):
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs at least one block slot, got {num_slots}")
+        self.data = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin)
+        self.num_slots = num_slots
+        self.slots: OrderedDict[bytes, int] = OrderedDict()
+        self.free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.block_bytes = self.data[0].numel() * dtype.itemsize
+        self.stats = TierStats()
+
+    def get(self, h: bytes) -> int | None:
+        s = self.slots.get(h)
+        if s is not None:
+            self.slots.move_to_end(h)
+        return s
+
+    def put(self, h: bytes) -> int:
+        """A slot for `h` (its own if it has one), evicting the least recently used entry if none is free."""
+        s = self.slots.get(h)
+        if s is not None:
+            self.slots.move_to_end(h)
+            return s
+        if self.free:
+            s = self.free.pop()
+        else:
+            _, s = self.slots.popitem(last=False)
+            self.stats.evictions += 1
+        self.slots[h] = s
+        self.stats.blocks = len(self.slots)
+        self.stats.bytes = self.stats.blocks * self.block_bytes
+        return s
+
+    def check(self) -> None:
+        """The invariants (tests)."""
+        used = list(self.slots.values())
+        assert len(set(used)) == len(used), "a T1 slot holds two hashes"
+        assert not set(used) & set(self.free), "a T1 slot is both free and used"
+        assert len(used) + len(self.free) == self.num_slots, "a T1 slot is lost"
+
+
+@dataclass(slots=True)
+class _File:
+    size: int
+    hashes: list[bytes]
+    crcs: list[int]
+    offset: int  # of the first block's bytes
+
+
+class DiskTier:
+    """T2: chunk files `<dir>/<key digest>/<chunk digest>.kv` of up to `chunk_blocks` blocks, each file
+    `MAGIC | header length | JSON header {key, hashes, crcs, block_bytes} | blocks`, named by a digest of its
+    block hashes (the same content makes the same name on any engine); written by one background thread
+    (tmp file then rename: a reader never sees half a file); `max_bytes` bounds the files indexed, least
+    recently used deleted first."""
+
+    def __init__(self, root: str | os.PathLike, max_bytes: int, key: str, block_shape: tuple[int, ...],
+                 dtype: torch.dtype, chunk_blocks: int = 8, backlog: int = 64):
+        if max_bytes < 1:
+            raise ValueError(f"the disk tier needs a positive size, got {max_bytes} bytes")
+        self.key = key
+        self.dir = os.path.join(os.fspath(root), hashlib.blake2b(key.encode(), digest_size=8).hexdigest())
+        os.makedirs(self.dir, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.block_shape = block_shape
+        self.dtype = dtype
+        self.block_bytes = int(torch.Size(block_shape).numel()) * dtype.itemsize
+        self.chunk_blocks = chunk_blocks
+        self.stats = TierStats()
+        self.index: dict[bytes, str] = {}  # block hash -> file name
+        self.files: OrderedDict[str, _File] = OrderedDict()  # LRU: head = next to delete
+        self._lock = threading.Lock()  # index, files, stats: the writer thread updates them too
+        self._dir_mtime = -1.0
+        self._queue: queue.Queue = queue.Queue(maxsize=backlog)
+        self._pending = 0  # batches queued or being written
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self.scan()
+        self._thread = threading.Thread(target=self._write_loop, name="agentrt-kv-disk-writer", daemon=True)
+        self._thread.start()
+
+    # ---- the index -----------------------------------------------------------------------
+    def scan(self) -> None:
+        """Index the files in the directory not indexed yet (those another engine wrote, or an earlier run)."""
+        try:
+            mtime = os.stat(self.dir).st_mtime
+            names = [e.name for e in os.scandir(self.dir) if e.name.endswith(".kv")]
+        except OSError:
+            return
+        self._dir_mtime = mtime
+        with self._lock:
+            new = [n for n in names if n not in self.files]
+        for name in new:
+            info = self._read_header(name)
+            if info is not None:
+                with self._lock:
+                    self._add(name, info)
+        with self._lock:
+            self._evict_over(0)
+
+    def maybe_rescan(self) -> None:
+        """Rescan when the directory changed since the last scan (another engine wrote a file)."""
+        try:
+            if os.stat(self.dir).st_mtime != self._dir_mtime:
+                self.scan()
+        except OSError:
+            pass
+
+    def _read_header(self, name: str) -> _File | None:
+        path = os.path.join(self.dir, name)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(len(MAGIC) + _HEADER_LEN.size)
+                if len(head) < len(MAGIC) + _HEADER_LEN.size or head[: len(MAGIC)] != MAGIC:
+                    raise ValueError("not a KV chunk file")
+                (n,) = _HEADER_LEN.unpack(head[len(MAGIC):])
+                header = json.loads(f.read(n))
+                size = os.fstat(f.fileno()).st_size
+            hashes = [bytes.fromhex(h) for h in header["hashes"]]
+            crcs = [int(c) for c in header["crcs"]]
+            offset = len(MAGIC) + _HEADER_LEN.size + n
+            if header["key"] != self.key or header["block_bytes"] != self.block_bytes:
+                raise ValueError(f"foreign file (key {header['key']!r})")
+            if len(crcs) != len(hashes) or size != offset + len(hashes) * self.block_bytes:
+                raise ValueError("truncated")
+            if name != _file_name(hashes):
+                raise ValueError("its name is not its content's")
+            return _File(size, hashes, crcs, offset)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            with self._lock:
+                self.stats.corrupt += 1
+            logger.warning("KV disk tier: ignoring %s: %s", path, e)
+            return None
+
+    def _add(self, name: str, info: _File) -> None:  # under the lock
+        self.files[name] = info
+        for h in info.hashes:
+            self.index[h] = name
+        self._count()
+
+    def _drop(self, name: str, delete: bool) -> None:  # under the lock
+        info = self.files.pop(name, None)
+        if info is None:
+            return
+        for h in info.hashes:
+            if self.index.get(h) == name:
+                del self.index[h]
+        if delete:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(self.dir, name))
+        self._count()
+
+    def _count(self) -> None:  # under the lock
+        self.stats.blocks = len(self.index)
+        self.stats.bytes = sum(f.size for f in self.files.values())
+
+    def _evict_over(self, incoming: int) -> None:  # under the lock
+        total = self.stats.bytes
+        while self.files and total + incoming > self.max_bytes:
+            name, info = next(iter(self.files.items()))
+            total -= info.size
+            self.stats.evictions += len(info.hashes)
+            self._drop(name, delete=True)
+
+    def contains(self, h: bytes) -> bool:
+        with self._lock:
+            return h in self.index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    # ---- reads (engine thread) -----------------------------------------------------------
+    def read(self, h: bytes) -> torch.Tensor | None:
+        """Block `h`'s data, checked against its CRC; None (and the file dropped) if missing or corrupt."""
+        with self._lock:
+            name = self.index.get(h)
+            info = self.files.get(name) if name is not None else None
+            if info is None:
+                return None
+            self.files.move_to_end(name)
+        i = info.hashes.index(h)
+        path = os.path.join(self.dir, name)
+        t0 = time.perf_counter()
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset + i * self.block_bytes)
+                buf = bytearray(self.block_bytes)
+                n = f.readinto(buf)
+            ok = n == self.block_bytes and zlib.crc32(buf) == info.crcs[i]
+        except OSError:
+            ok = False
+            n = -1
+        if not ok:
+            with self._lock:
+                self._drop(name, delete=n != -1 or os.path.exists(path))
+                self.stats.corrupt += 1
+            logger.warning("KV disk tier: %s is truncated or corrupt (block %d): dropped, recomputing", path, i)
+            return None
+        data = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+        with self._lock:
+            self.stats.load_s += time.perf_counter() - t0
+        return data
+
+    # ---- writes (writer thread) ----------------------------------------------------------
+    def submit(self, hashes: list[bytes], data: torch.Tensor) -> None:
+        """Queue blocks (`data[i]` is block `hashes[i]`, a tensor no one writes again) for the writer; when its
+        backlog is full they are skipped and counted, never waited for."""
+        with self._lock:
+            todo = [i for i, h in enumerate(hashes) if h not in self.index]
+            if not todo or self._closed:
+                return
+            self._pending += 1
+        try:
+            self._queue.put_nowait(([hashes[i] for i in todo], data[todo] if len(todo) < len(hashes) else data))
+        except queue.Full:
+            with self._lock:
+                self._pending -= 1
+                self.stats.skipped += len(todo)
+                self._idle.notify_all()
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until everything queued is written (or skipped); False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.flush(timeout_s)
+        with self._lock:
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            hashes, data = item
+            try:
+                for lo in range(0, len(hashes), self.chunk_blocks):
+                    self._write_chunk(hashes[lo : lo + self.chunk_blocks], data[lo : lo + self.chunk_blocks])
+            except Exception:  # never let one bad write stop the writer
+                logger.exception("KV disk tier: writer failed on a batch of %d blocks", len(hashes))
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _write_chunk(self, hashes: list[bytes], data: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        with self._lock:
+            keep = [i for i, h in enumerate(hashes) if h not in self.index]
+        if not keep:
+            return
+        hashes = [hashes[i] for i in keep]
+        blob = data[keep].contiguous().view(torch.uint8).numpy().tobytes() if len(keep) < len(data) else \
+            data.contiguous().view(torch.uint8).numpy().tobytes()
+        bb = self.block_bytes
+        crcs = [zlib.crc32(memoryview(blob)[i * bb : (i + 1) * bb]) for i in range(len(hashes))]
+        header = json.dumps({"key": self.key, "block_bytes": bb, "hashes": [h.hex() for h in hashes],
+                             "crcs": crcs}).encode()
+        name = _file_name(hashes)
+        path = os.path.join(self.dir, name)
+        size = len(MAGIC) + _HEADER_LEN.size + len(header) + len(blob)
+        with self._lock:
+            self._evict_over(size)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + _HEADER_LEN.pack(len(header)) + header)
+                f.write(blob)
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            with self._lock:
+                self.stats.skipped += len(hashes)
+                if e.errno != errno.ENOSPC:
+                    self.stats.write_errors += 1
+            if e.errno == errno.ENOSPC:
+                logger.warning("KV disk tier: disk full, %d blocks not demoted", len(hashes))
+            else:
+                logger.warning("KV disk tier: writing %s failed (%s): %d blocks not demoted", path, e, len(hashes))
+            return
+        with self._lock:
+            self._add(name, _File(size, hashes, crcs, size - len(blob)))
+            self.stats.demotions += len(hashes)
+            self.stats.write_s += time.perf_counter() - t0
+
+    def check(self) -> None:
+        """The invariants (tests): each indexed hash's file lists it; the bytes indexed are within the bound."""
+        with self._lock:
+            for h, name in self.index.items():
+                assert h in self.files[name].hashes, "the disk index names a file that does not hold the block"
+            assert sum(f.size for f in self.files.values()) <= self.max_bytes, "the disk tier is over its bound"
+
+
+def _file_name(hashes: list[bytes]) -> str:
+    return hashlib.blake2b(b"".join(hashes), digest_size=16).hexdigest() + ".kv"
+
+
+@dataclass(slots=True)
+class Moves:
+    """Block copies between T0 and T1 to apply, in order, before the next forward: ("save", blocks, slots)
+    copies T0 blocks into T1 slots (and hands the copies to the disk writer), ("load", blocks, slots) the other
+    way, ("put", blocks, data) writes blocks read from disk."""
+
+    ops: list[tuple[str, list[int], object]] = field(default_factory=list)
+    saved_hashes: list[list[bytes]] = field(default_factory=list)  # per "save" op: the blocks' hashes
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+
+class KVTiers:
+    """T1 and/or T2 under one block pool: the demote / promote bookkeeping and the copies it implies."""
+
+    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, key: str, host_bytes: int = 0,
+                 disk_dir: str | None = None, disk_bytes: int = 0, pin: bool = False):
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.block_bytes = int(torch.Size(block_shape).numel()) * dtype.itemsize
+        self.host = HostTier(host_bytes // self.block_bytes, self.block_shape, dtype, pin) if host_bytes else None
+        self.disk = (DiskTier(disk_dir, disk_bytes, key, self.block_shape, dtype)
+                     if disk_dir is not None else None)
+        self._moves = Moves()
+        self.recompute_s_per_token: float | None = None  # measured by the engine (prefill steps)
+        self.block_size = block_shape[2] if len(block_shape) > 2 else 1
+
+    # ---- bookkeeping (the pool's calls, engine thread) ----------------------------------------
+    def demote(self, block: int, h: bytes) -> None:
+        """The pool evicts cached block `block` (hash `h`) to reuse it: keep a copy below T0."""
+        if self.host is not None:
+            if self.host.get(h) is not None:
+                return  # already there (inclusive)
+            slot = self.host.put(h)
+            self._append("save", block, slot, h)
+        elif self.disk is not None and not self.disk.contains(h):
+            self._append("save", block, None, h)
+
+    def lookup(self, h: bytes) -> tuple[int, int | None] | None:
+        """Where block `h` is below T0: (1, its T1 slot), (2, None) on disk, or None."""
+        if self.host is not None:
+            s = self.host.get(h)
+            if s is not None:
+                return 1, s
+        if self.disk is not None:
+            if not self.disk.contains(h):
+                self.disk.maybe_rescan()  # another engine may have written it
+            if self.disk.contains(h):
+                return 2, None
+        return None
+
+    def load(self, block: int, h: bytes, where: tuple[int, int | None]) -> bool:
+        """Fill T0 block `block` with block `h` from where `lookup` found it, before the next forward (a disk
+        block is read and checked now); False if it cannot be (a corrupt or vanished file: recompute)."""
+        tier, slot = where
+        if tier == 1:
+            self._append("load", block, slot)
+            self.host.stats.hits += 1
+            return True
+        data = self.disk.read(h)
+        if data is None:
+            return False
+        self._append("put", block, data)
+        with self.disk._lock:
+            self.disk.stats.hits += 1
+        return True
+
+    def _append(self, kind: str, block: int, src: object, h: bytes | None = None) -> None:
+        ops = self._moves.ops
+        if ops and ops[-1][0] == kind:
+            ops[-1][1].append(block)
+            ops[-1][2].append(src)
+        else:
+            ops.append((kind, [block], [src]))
+            if kind == "save":
+                self._moves.saved_hashes.append([])
+        if kind == "save":
+            self._moves.saved_hashes[-1].append(h)
+
+    def take_moves(self) -> Moves:
+        out, self._moves = self._moves, Moves()
+        return out
+
+    def worth_loading(self, tier: int) -> bool:
+        """Is loading a block from `tier` cheaper than recomputing it, by what was measured so far?"""
+        st = self.host.stats if tier == 1 else self.disk.stats
+        if self.recompute_s_per_token is None or not st.hits:
+            return True  # nothing measured yet: loads cost microseconds a token, recomputing milliseconds
+        return st.load_s / st.hits < self.recompute_s_per_token * self.block_size
+
+    # ---- the copies (before the forward) ------------------------------------------------------
+    def apply(self, moves: Moves, kv_cache: torch.Tensor) -> None:
+        """Apply `moves` to `kv_cache` ([layers, K/V, blocks, block_size, heads, head_dim]), in order."""
+        saves = iter(moves.saved_hashes)
+        for kind, blocks, srcs in moves.ops:
+            t0 = time.perf_counter()
+            idx = torch.tensor(blocks, dtype=torch.long, device=kv_cache.device)
+            if kind == "save":
+                data = kv_cache.index_select(2, idx).movedim(2, 0).to("cpu").contiguous()  # [n, L, 2, bs, h, d]
+                hashes = next(saves)
+                if self.host is not None:
+                    self.host.data.index_copy_(0, torch.tensor(srcs, dtype=torch.long), data)
+                    self.host.stats.demotions += len(blocks)
+                    self.host.stats.write_s += time.perf_counter() - t0
+                if self.disk is not None:
+                    self.disk.submit(hashes, data)
+            else:
+                if kind == "load":
+                    data = self.host.data.index_select(0, torch.tensor(srcs, dtype=torch.long))
+                else:
+                    data = torch.stack(srcs)
+                kv_cache.index_copy_(2, idx, data.to(kv_cache.device).movedim(0, 2))
+                if kind == "load":
+                    self.host.stats.load_s += time.perf_counter() - t0
+
+    def flush_blocks(self, hashes: list[bytes], blocks: list[int], kv_cache: torch.Tensor, timeout_s: float = 60.0) -> None:
+        """Write T0 blocks straight to disk and wait (a graceful shutdown keeps what T0 cached)."""
+        if self.disk is None:
+            return
+        todo = [(h, b) for h, b in zip(hashes, blocks) if not self.disk.contains(h)]
+        for lo in range(0, len(todo), 64):
+            part = todo[lo : lo + 64]
+            idx = torch.tensor([b for _, b in part], dtype=torch.long, device=kv_cache.device)
+            data = kv_cache.index_select(2, idx).movedim(2, 0).to("cpu").contiguous()
+            self.disk.flush(timeout_s)
+            self.disk.submit([h for h, _ in part], data)
+        self.disk.flush(timeout_s)
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    def describe(self) -> str:
+        """For the start-up line: each tier's size."""
+        parts = []
+        if self.host is not None:
+            parts.append(f"host {self.host.num_slots * self.block_bytes / 2**30:.2f} GiB ({self.host.num_slots} blocks)")
+        if self.disk is not None:
+            parts.append(f"disk {self.disk.max_bytes / 2**30:.2f} GiB in {self.disk.dir} "
+                         f"({len(self.disk)} blocks there)")
+        return ", ".join(parts)
+
+    def stats(self) -> dict[str, TierStats]:
+        out = {}
+        if self.host is not None:
+            out["host"] = self.host.stats
+        if self.disk is not None:
+            with self.disk._lock:
+                out["disk"] = TierStats(**{k: getattr(self.disk.stats, k) for k in TierStats.__slots__})
+        return out
