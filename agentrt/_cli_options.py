@@ -34,6 +34,15 @@ _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
     "--generation-config": (str, ("sampling defaults for unset request fields: auto (the model's "
                                   "generation_config.json; the default), vllm (none) or a directory holding one")),
 }
+# the KV tiers below the cache (engine.kv_tiers; docs/engine.md): `serve`, `run-batch` and `run` take them
+_KV_TIER_FLAGS: dict[str, tuple[type, str]] = {
+    "--kv-host-gib": (float, ("KV tier T1: GiB of host memory keeping cached blocks evicted from the KV cache, "
+                              "loaded back instead of recomputed (default 0: off)")),
+    "--kv-disk-dir": (str, ("KV tier T2: a directory of content-hashed KV chunk files, shared by servers on this "
+                            "host and across restarts (default: off)")),
+    "--kv-disk-gib": (float, "T2's size; least recently used files are deleted beyond it (default 8)"),
+}
+_ENGINE_FLAGS.update(_KV_TIER_FLAGS)
 _SWITCHES = ("enable_prefix_caching", "enable_lora", "deterministic")
 DETERMINISTIC_HELP = ("batch-invariant kernels: a greedy call's tokens do not depend on the other calls, prefix-cache "
                       "hits, chunking or preemption (CPU with the C++ kernels; its speed per CPU kind: docs/engine.md)")
@@ -76,6 +85,19 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help='LoRA adapters served from the start, as name=path or JSON {"name", "path"} (vLLM\'s flag; '
                         "implies --enable-lora; default: none)")
+
+
+def add_kv_tier_options(p: argparse.ArgumentParser) -> None:
+    """The KV tier flags alone (`agentrt run`, whose other engine options are its runtime's defaults)."""
+    g = p.add_argument_group("KV tiers (docs/engine.md)")
+    for flag, (type_, help_) in _KV_TIER_FLAGS.items():
+        g.add_argument(flag, type=type_, default=None, help=help_)
+
+
+def kv_tier_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The KV tier fields given on the command line."""
+    names = [f[2:].replace("-", "_") for f in _KV_TIER_FLAGS]
+    return {n: getattr(a, n) for n in names if getattr(a, n) is not None}
 
 
 def engine_options(a: argparse.Namespace) -> dict[str, Any]:

@@ -12,7 +12,13 @@ import importlib
 import sys
 
 from agentrt import cli as lib_cli
-from agentrt._cli_options import DETERMINISTIC_HELP, one_line_usage_errors, usage_error
+from agentrt._cli_options import (
+    DETERMINISTIC_HELP,
+    add_kv_tier_options,
+    kv_tier_options,
+    one_line_usage_errors,
+    usage_error,
+)
 from agentrt.policies import POLICY_NAMES
 
 BENCHES = {
@@ -33,6 +39,7 @@ BENCHES = {
     "embed": "agentrt.bench.embed",
     "lora": "agentrt.bench.lora",
     "replicas": "agentrt.bench.replicas",
+    "tiers": "agentrt.bench.tiers",
 }
 
 
@@ -43,8 +50,12 @@ def _run(a: argparse.Namespace) -> int:
     if a.deterministic and a.url is not None:
         return usage_error("agentrt run", "--deterministic sets the in-process engine; with --url start the server "
                                           "with agentrt serve --deterministic")
+    tiers = kv_tier_options(a)
+    if tiers and a.url is not None:
+        return usage_error("agentrt run", "the KV tier flags set the in-process engine; with --url give them to "
+                                          "agentrt serve")
     return run_file(a.file, args, url=a.url, api_key=a.api_key, model=a.model, policy=a.policy,
-                    deterministic=a.deterministic)
+                    deterministic=a.deterministic, engine=tiers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +89,7 @@ def _main(argv: list[str]) -> int:
     r.add_argument("--model", default=None, help="in-process: HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     r.add_argument("--policy", default="plas", choices=POLICY_NAMES, help="in-process policy")
     r.add_argument("--deterministic", action="store_true", help=f"in-process: {DETERMINISTIC_HELP}")
+    add_kv_tier_options(r)
     r.add_argument("file")
     r.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the file's main (after --)")
     r.set_defaults(fn=_run)

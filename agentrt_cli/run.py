@@ -29,7 +29,8 @@ def defines_main(source: str) -> bool:
 
 
 def run_file(file: str, args: list[str], *, url: str | None = None, api_key: str | None = None,
-             model: str | None = None, policy: str = "plas", deterministic: bool = False) -> int:
+             model: str | None = None, policy: str = "plas", deterministic: bool = False,
+             engine: dict | None = None) -> int:
     path = Path(file)
     if not path.is_file():
         print(f"agentrt run: error: no such file: {file}", file=sys.stderr)
@@ -60,7 +61,8 @@ def run_file(file: str, args: list[str], *, url: str | None = None, api_key: str
         if url is not None:
             async with agentrt.connect(url, api_key):
                 return await call()
-        async with agentrt.Runtime(model, policy, **({"deterministic": True} if deterministic else {})):
+        options = dict(engine or {}, **({"deterministic": True} if deterministic else {}))
+        async with agentrt.Runtime(model, policy, **options):
             return await call()
 
     try:

@@ -518,10 +518,15 @@ class KVTiers:
         return ", ".join(parts)
 
     def stats(self) -> dict[str, TierStats]:
+        """A copy of each tier's counters."""
         out = {}
         if self.host is not None:
-            out["host"] = self.host.stats
+            out["host"] = _copy(self.host.stats)
         if self.disk is not None:
             with self.disk._lock:
-                out["disk"] = TierStats(**{k: getattr(self.disk.stats, k) for k in TierStats.__slots__})
+                out["disk"] = _copy(self.disk.stats)
         return out
+
+
+def _copy(st: TierStats) -> TierStats:
+    return TierStats(**{k: getattr(st, k) for k in TierStats.__slots__})

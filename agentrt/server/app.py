@@ -182,7 +182,7 @@ async def _engine_state(runtime: Runtime) -> EngineState | None:
         programs_active=len(runtime.programs.running()), calls_per_level=dict(s.calls_per_level),
         kv_pinned_blocks=kv.num_pinned_blocks, kv_reserved_blocks=kv.num_reserved_blocks, ttl_hits=kv.ttl_hits,
         ttl_misses=kv.ttl_misses, pin_expiries=kv.pin_expiries, recomputed_prefill_tokens=kv.recomputed_prefill_tokens,
-        running_seats=s.running_seats,
+        running_seats=s.running_seats, kv_tiers=dict(kv.tiers),
         **lora,
     )
 

@@ -16,6 +16,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -51,6 +52,7 @@ class EngineState:
     pin_expiries: int = 0  # running total: pins dropped at their deadline
     recomputed_prefill_tokens: int = 0  # running total: prompt tokens a program had computed before, again
     running_seats: int = 0  # the running-set limit of the latest step (max_num_seqs unless the policy caps it)
+    kv_tiers: dict[str, Any] = field(default_factory=dict)  # tier name -> its engine.kv_tiers.TierStats
     max_lora: int | None = None  # adapters the engine keeps loaded at most; None: LoRA off (no lora gauge)
     running_lora_adapters: str = ""  # names of the adapters running requests use, sorted, comma-joined
     waiting_lora_adapters: str = ""  # likewise for waiting requests
@@ -111,6 +113,22 @@ class Metrics:
                                              buckets=_E2E_BUCKETS_S, registry=r)
         self.program_latency = Histogram("agentrt:program_latency_seconds", "Program start to end.",
                                          buckets=_PROGRAM_BUCKETS_S, registry=r)
+
+        # the KV tiers below the cache (engine.kv_tiers), labelled by tier: host (T1), disk (T2)
+        self.kv_tier_blocks = Gauge("agentrt:kv_tier_blocks", "KV blocks a tier below the cache holds.", ["tier"],
+                                    registry=r)
+        self.kv_tier_bytes = Gauge("agentrt:kv_tier_bytes", "Bytes a tier below the KV cache holds.", ["tier"],
+                                   registry=r)
+        self._tier_counters = {attr: Counter(f"agentrt:kv_tier_{name}", doc, ["tier"], registry=r) for attr, name, doc in (
+            ("hits", "hits", "KV blocks a prefix lookup found in the tier and loaded instead of recomputing."),
+            ("demotions", "demotions", "KV blocks written to the tier."),
+            ("evictions", "evictions", "KV blocks the tier dropped to make room."),
+            ("skipped", "skipped", "KV blocks not written to the tier (disk full, writer backlog, write error)."),
+            ("corrupt", "corrupt_files", "Truncated, corrupt or foreign files found in the tier (never served)."),
+            ("load_s", "load_seconds", "Seconds spent loading blocks from the tier."),
+            ("write_s", "write_seconds", "Seconds spent writing blocks to the tier."),
+        )}
+        self._tier_totals: dict[tuple[str, str], float] = {}
 
     def observe_call(
         self,
@@ -193,6 +211,14 @@ class Metrics:
         for level, n in s.calls_per_level.items():
             self.calls_per_queue_level.labels(level=str(level)).set(n)
         self._levels_seen.update(s.calls_per_level)
+        for tier, st in s.kv_tiers.items():
+            self.kv_tier_blocks.labels(tier=tier).set(st.blocks)
+            self.kv_tier_bytes.labels(tier=tier).set(st.bytes)
+            for name, counter in self._tier_counters.items():
+                total, last = getattr(st, name), self._tier_totals.get((tier, name), 0)
+                if total > last:
+                    counter.labels(tier=tier).inc(total - last)
+                    self._tier_totals[tier, name] = total
         if s.max_lora is not None:
             self._set_lora_info(str(s.max_lora), s.waiting_lora_adapters, s.running_lora_adapters)
 

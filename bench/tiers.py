@@ -1,0 +1,173 @@
+"""KV tiers benchmark on the real engine: demote instead of drop, load instead of recompute.
+
+    agentrt bench tiers [--programs N] [--rate R] [--num-blocks B] [--ttl-s S] [--configs t0,t1,t1+t2]
+                        [--host-gib G] [--small-host-gib G] [--disk-dir DIR] [--json] [--write-docs]
+
+Agents as `agentrt bench retention`'s (bench/retention.py: a shared system prompt, a task, 4-6 turns of
+call then tool, the context growing by each tool's observation; `REACT_SMALL`'s shape: ~20 prompt tokens
+per output token) under plas with TTL pins, in a KV cache far too small for the active programs' contexts
+even with pins, with tools that outlast the TTL (`--ttl-s`, below the shortest usual tool time): a
+program's context is gone from T0 by its next call. Configurations, each on a fresh engine, one run:
+
+- t0: the engine's pool only (a lost context is recomputed);
+- t1: + a host tier of `--host-gib` (engine.kv_tiers.HostTier);
+- t1+t2: + a small host tier (`--small-host-gib`, too small for the contexts) over a disk tier in a fresh
+  directory (`--disk-dir`, default a temporary one): most loads come from disk;
+- t2: the disk tier alone.
+
+Reported per configuration: recomputed prefill tokens (prompt tokens a program had computed in its
+previous call, computed again) and the share of t0's saved, prefix hit rate with the part each tier
+served, each tier's load cost per token against recomputing one (measured in the same process: a fresh
+512-token prefill alone on the engine), program latency mean and p95 and their ratio to t0's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import anyio
+
+import agentrt
+from agentrt._retention import RetentionConfig
+from agentrt.bench import _common
+from agentrt.bench import workload as wl
+from agentrt.bench.retention import _program, workload
+from agentrt.engine import SamplingParams
+from agentrt.policies.autellix import TTL_SETTINGS
+
+CONFIGS = ("t0", "t1", "t1+t2", "t2")
+ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}  # as bench retention's
+SIZE = {**wl.REACT_SMALL, "tool_median_s": 0.5, "tool_sigma": 0.5, "tool_max_s": 3.0}
+
+
+def tier_options(config: str, host_gib: float, small_host_gib: float, disk_dir: str) -> dict[str, Any]:
+    return {"t0": {}, "t1": {"kv_host_gib": host_gib},
+            "t1+t2": {"kv_host_gib": small_host_gib, "kv_disk_dir": disk_dir},
+            "t2": {"kv_disk_dir": disk_dir}}[config]
+
+
+async def _recompute_s_per_token(rt: agentrt.Runtime, n: int = 512) -> float:
+    """Seconds a token of prefill costs, alone on the engine: the best of 3 fresh n-token prompts."""
+    best = math.inf
+    for i in range(3):
+        prompt = wl.tokens(random.Random(1000 + i), n)
+        t0 = time.perf_counter()
+        call = rt.submit(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        async with call:
+            await call.result()
+        best = min(best, time.perf_counter() - t0)
+    return best / n
+
+
+async def run_one(config: str, specs, model: str | None, num_blocks: int, ttl_s: float, options: dict[str, Any],
+                  size: dict[str, Any] = SIZE) -> dict[str, Any]:
+    retention = RetentionConfig(default_ttl_s=ttl_s, max_ttl_s=ttl_s)
+    kw = {**ENGINE, **options, "num_blocks": num_blocks}
+    async with agentrt.Runtime(model, policy="plas", policy_kwargs=dict(TTL_SETTINGS), retention=retention, **kw) as rt:
+        recompute = await _recompute_s_per_token(rt)
+        kv0 = rt.kv_stats()
+        start = time.monotonic()
+        results: list[dict[str, Any]] = []
+
+        async def launch(spec) -> None:
+            results.append(await _program(rt, spec, start, size))
+
+        async with anyio.create_task_group() as tg:
+            for spec in specs:
+                tg.start_soon(launch, spec)
+        makespan = time.monotonic() - start
+        kv = rt.kv_stats()
+    lat = sorted(r["latency_s"] for r in results)
+    queries = max(1, kv.prefix_queries_tokens - kv0.prefix_queries_tokens)
+    bs = kv.block_size
+    tiers = {}
+    for name, st in kv.tiers.items():
+        before = kv0.tiers.get(name)
+        hits = st.hits - (before.hits if before else 0)
+        load_s = st.load_s - (before.load_s if before else 0.0)
+        tiers[name] = {"hit_tokens": hits * bs, "hit_rate": hits * bs / queries, "blocks": st.blocks,
+                       "demotions": st.demotions, "evictions": st.evictions, "skipped": st.skipped,
+                       "corrupt": st.corrupt, "write_s": st.write_s,
+                       "load_s_per_token": load_s / (hits * bs) if hits else None}
+    return {
+        "config": config, "options": {k: str(v) for k, v in options.items()}, "makespan_s": makespan,
+        "recompute_s_per_token": recompute,
+        "recomputed_prefill_tokens": sum(r["recomputed"] for r in results),
+        "prefix_hit_rate": (kv.prefix_hit_tokens - kv0.prefix_hit_tokens) / queries, "tiers": tiers,
+        "ttl_hits": kv.ttl_hits - kv0.ttl_hits, "ttl_misses": kv.ttl_misses - kv0.ttl_misses,
+        "preemptions": kv.num_preemptions - kv0.num_preemptions,
+        "latency_mean_s": statistics.fmean(lat), "latency_p95_s": lat[min(len(lat) - 1, math.ceil(0.95 * len(lat)) - 1)],
+        "programs": len(results),
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    base = next((r for r in rows if r["config"] == "t0"), None)
+    out = []
+    for r in rows:
+        saved = (f"{1 - r['recomputed_prefill_tokens'] / base['recomputed_prefill_tokens']:.1%}"
+                 if base is not None and r is not base and base["recomputed_prefill_tokens"] else "-")
+        parts = ", ".join(f"{n} {t['hit_rate']:.0%}" for n, t in r["tiers"].items()) or "-"
+        cost = ", ".join(f"{n} {t['load_s_per_token'] * 1e6:.1f} us ({t['load_s_per_token'] / r['recompute_s_per_token']:.1%})"
+                         for n, t in r["tiers"].items() if t["load_s_per_token"] is not None) or "-"
+        vs = (f"{r['latency_mean_s'] / base['latency_mean_s']:.2f}x / {r['latency_p95_s'] / base['latency_p95_s']:.2f}x"
+              if base is not None else "-")
+        out.append([r["config"], r["recomputed_prefill_tokens"], saved, f"{r['prefix_hit_rate']:.0%}", parts,
+                    f"{r['recompute_s_per_token'] * 1e6:.0f} us", cost, r["latency_mean_s"], r["latency_p95_s"], vs,
+                    r["makespan_s"]])
+    return _common.markdown_table(
+        ["config", "recomputed prefill tokens", "saved vs t0", "prefix hit rate", "of which from tier",
+         "recompute / token", "load / token (vs recompute)", "latency mean s", "latency p95 s", "mean / p95 vs t0",
+         "makespan s"], out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="agentrt bench tiers", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--programs", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=2.0, help="program arrivals per second (Poisson)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-blocks", type=int, default=160, help="KV blocks of 16 tokens in T0 (memory pressure)")
+    ap.add_argument("--ttl-s", type=float, default=0.1, help="the programs' pin TTL (tools last longer)")
+    ap.add_argument("--configs", default="t0,t1,t1+t2")
+    ap.add_argument("--host-gib", type=float, default=1.0, help="T1's size in t1")
+    ap.add_argument("--small-host-gib", type=float, default=0.05, help="T1's size in t1+t2")
+    ap.add_argument("--disk-dir", default=None, help="T2's directory (default: a fresh temporary one per run)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    configs = args.configs.split(",")
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        raise SystemExit(f"unknown config {bad[0]!r}; known: {', '.join(CONFIGS)}")
+    if args.programs < 1 or args.num_blocks < 1 or not 0 <= args.ttl_s < math.inf:
+        raise SystemExit(f"--programs and --num-blocks must be >= 1 and --ttl-s >= 0, got {args.programs}, "
+                         f"{args.num_blocks}, {args.ttl_s}")
+    specs = workload(args.programs, args.rate, args.seed)
+    rows = []
+    for config in configs:
+        with tempfile.TemporaryDirectory(prefix="agentrt-kv-") as tmp:
+            options = tier_options(config, args.host_gib, args.small_host_gib, args.disk_dir or tmp)
+            rows.append(anyio.run(run_one, config, specs, args.model, args.num_blocks, args.ttl_s, options))
+        if not args.json:
+            print(f"{config}: done in {rows[-1]['makespan_s']:.0f} s", flush=True)
+    report = {"config": vars(args), "workload": SIZE, "engine": ENGINE, "results": rows}
+    print(json.dumps(report, indent=2) if args.json else table(rows))
+    if args.write_docs:
+        body = (f"{args.programs} agents (`REACT_SMALL` shape, tools {SIZE['tool_median_s']} s median), Poisson arrivals "
+                f"at {args.rate}/s, seed {args.seed}; plas with TTL pins of {args.ttl_s} s (tools outlast them); engine "
+                f"{ENGINE}, {args.num_blocks} KV blocks of 16 tokens in T0; t1: {args.host_gib} GiB host tier; t1+t2: "
+                f"{args.small_host_gib} GiB host tier over a disk tier.\n\n" + table(rows))
+        _common.write_section("KV tiers (bench tiers, real engine)", body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
