@@ -15,6 +15,14 @@ program's context is gone from T0 by its next call. Configurations, each on a fr
   directory (`--disk-dir`, default a temporary one): most loads come from disk;
 - t2: the disk tier alone.
 
+`--restart` measures instead what the disk tier keeps across servers, over HTTP with real `agentrt serve`
+processes: a conversation's first call (a ~`--context-tokens` user message) on a server with `--kv-disk-dir`;
+that server stopped (SIGTERM) and started again on the same directory, the conversation's next call (the
+first call, its reply and a new message); the same call on a fresh server without tiers (cold); and two
+servers on one directory at once, the first call on one and the next on the other. Reported: the share of
+the prompt served from cache (`usage.prompt_tokens_details.cached_tokens`, all from disk on a fresh server:
+its T0 is empty) and the call's latency (one output token: the prefill) against the cold one.
+
 Reported per configuration: recomputed prefill tokens (prompt tokens a program had computed in its
 previous call, computed again) and the share of t0's saved, prefix hit rate with the part each tier
 served, each tier's load cost per token against recomputing one (measured in the same process: a fresh
@@ -128,6 +136,75 @@ def table(rows: list[dict[str, Any]]) -> str:
          "makespan s"], out)
 
 
+_WORDS = ("agent tool call plan search result file code test error fix review memory cache token block program "
+          "latency server engine schedule request reply context prompt model trace step answer question").split()
+
+
+def _conversation(n_words: int) -> list[dict[str, str]]:
+    rng = random.Random(7)
+    text = " ".join(rng.choice(_WORDS) for _ in range(n_words))
+    return [{"role": "system", "content": "You are a careful coding agent."},
+            {"role": "user", "content": f"Here is the log so far:\n{text}\nSummarize it."}]
+
+
+async def _chat(client, messages: list[dict[str, str]], max_tokens: int) -> tuple[dict[str, Any], float]:
+    t0 = time.perf_counter()
+    r = await client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": max_tokens,
+                                                        "temperature": 0})
+    r.raise_for_status()
+    return r.json(), time.perf_counter() - t0
+
+
+def restart_rows(context_tokens: int, model: str | None) -> list[dict[str, Any]]:
+    """The --restart measurements (module docstring): one row per case."""
+    from agentrt.bench.programs_http import _client, _server
+    from agentrt.engine.loader import resolve_model
+
+    model = str(resolve_model(model))
+    engine = {"max_num_seqs": 8, "max_num_batched_tokens": 512}
+    first = _conversation(int(context_tokens / 1.3))
+
+    def nxt(reply: str) -> list[dict[str, str]]:
+        return [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Now fix the first error."}]
+
+    async def call(flags: list[str], messages: list[dict[str, str]], max_tokens: int) -> tuple[dict[str, Any], float]:
+        with _server(model, engine, "plas", flags) as (url, proc):
+            async with _client(url, proc) as client:
+                return await _chat(client, messages, max_tokens)
+
+    async def shared(flags: list[str]) -> tuple[dict[str, Any], float]:
+        with _server(model, engine, "plas", flags) as (url_a, proc_a), _server(model, engine, "plas", flags) as (url_b, proc_b):
+            async with _client(url_a, proc_a) as a, _client(url_b, proc_b) as b:
+                out, _ = await _chat(a, first, 32)
+                await anyio.sleep(0.5)  # the first server's writer puts its blocks on disk (write-through)
+                return await _chat(b, nxt(out["choices"][0]["message"]["content"]), 1)
+
+    def row(case: str, out: dict[str, Any], latency: float, cold: float | None) -> dict[str, Any]:
+        u = out["usage"]
+        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return {"case": case, "prompt_tokens": u["prompt_tokens"], "cached_tokens": cached,
+                "cached_share": cached / u["prompt_tokens"], "latency_s": latency,
+                "speedup_vs_cold": None if cold is None else cold / latency}
+
+    with tempfile.TemporaryDirectory(prefix="agentrt-kv-") as d1, tempfile.TemporaryDirectory(prefix="agentrt-kv-") as d2:
+        disk = ["--kv-disk-dir", d1]
+        out1, _ = anyio.run(call, disk, first, 32)  # the server stops (SIGTERM) when it returns
+        messages = nxt(out1["choices"][0]["message"]["content"])
+        resumed, t_resumed = anyio.run(call, disk, messages, 1)
+        cold, t_cold = anyio.run(call, [], messages, 1)
+        other, t_other = anyio.run(shared, ["--kv-disk-dir", d2])
+    return [row("cold (no tiers, fresh server)", cold, t_cold, None),
+            row("after a restart on the same disk tier", resumed, t_resumed, t_cold),
+            row("on another server sharing the disk tier", other, t_other, t_cold)]
+
+
+def restart_table(rows: list[dict[str, Any]]) -> str:
+    return _common.markdown_table(
+        ["case", "prompt tokens", "cached tokens", "served from cache", "latency s (1 output token)", "vs cold"],
+        [[r["case"], r["prompt_tokens"], r["cached_tokens"], f"{r['cached_share']:.0%}", r["latency_s"],
+          "-" if r["speedup_vs_cold"] is None else f"{r['speedup_vs_cold']:.1f}x faster"] for r in rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="agentrt bench tiers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--programs", type=int, default=16)
@@ -139,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-gib", type=float, default=1.0, help="T1's size in t1")
     ap.add_argument("--small-host-gib", type=float, default=0.05, help="T1's size in t1+t2")
     ap.add_argument("--disk-dir", default=None, help="T2's directory (default: a fresh temporary one per run)")
+    ap.add_argument("--restart", action="store_true", help="measure restart and sharing over HTTP instead")
+    ap.add_argument("--context-tokens", type=int, default=2000, help="--restart: the first call's prompt, roughly")
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks.md")
@@ -150,6 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.programs < 1 or args.num_blocks < 1 or not 0 <= args.ttl_s < math.inf:
         raise SystemExit(f"--programs and --num-blocks must be >= 1 and --ttl-s >= 0, got {args.programs}, "
                          f"{args.num_blocks}, {args.ttl_s}")
+    if args.restart:
+        rows = restart_rows(args.context_tokens, args.model)
+        print(json.dumps(rows, indent=2) if args.json else restart_table(rows))
+        if args.write_docs:
+            _common.write_section("KV disk tier across restarts and servers (bench tiers --restart)",
+                                  f"A ~{args.context_tokens}-token conversation over HTTP (`agentrt serve`, plas).\n\n"
+                                  + restart_table(rows))
+        return 0
     specs = workload(args.programs, args.rate, args.seed)
     rows = []
     for config in configs:

@@ -243,6 +243,8 @@ class KVCacheManager:
             existing = self.pool.lookup(h)
             if existing is None:
                 self.pool.register(block, h)
+                if self.tiers is not None:
+                    self.tiers.cached(block, h)
             elif existing != block:
                 # merging a free cached block takes it from the free queue and gives `block` back: no
                 # net change, unless `block` is shared (then skip: others' reservations must stay whole)

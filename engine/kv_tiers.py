@@ -11,8 +11,11 @@ Tiers (engine mechanism: they know blocks by content hash, not programs):
 Flow (`KVTiers`):
 - Demote: a cached block the pool evicts to reuse (LRU eviction; expired pins and preempted calls leave
   their blocks cached in the free queue, so they leave T0 this way too) is copied to T1 and queued for T2.
-  Its copy is a `Moves` entry the runner applies before the next forward, ahead of anything that writes
+  Its copy is a `Moves` entry the engine applies before the next forward, ahead of anything that writes
   the block; the disk write happens on the writer thread, never on the step path.
+- Write-through to T2: a block T0 registers (full and computed) is queued for the disk at once, so another
+  engine sharing the directory finds it while this one still holds it, and a restart (or a crash) loses
+  only what the writer had not written yet.
 - Promote: a prefix lookup that runs out of T0 hits goes on in T1 then T2; blocks found there are loaded
   into free T0 blocks (a T1 slot at the next `Moves.apply`, a disk block read and checked now) and
   registered, so the call sees them as ordinary prefix hits. Whether loading beats recomputing is decided
@@ -376,9 +379,10 @@ def _file_name(hashes: list[bytes]) -> str:
 
 @dataclass(slots=True)
 class Moves:
-    """Block copies between T0 and T1 to apply, in order, before the next forward: ("save", blocks, slots)
-    copies T0 blocks into T1 slots (and hands the copies to the disk writer), ("load", blocks, slots) the other
-    way, ("put", blocks, data) writes blocks read from disk."""
+    """Block copies between T0 and the tiers below to apply, in order, before the next forward: ("save", blocks,
+    slots) copies T0 blocks into T1 slots (and hands the copies to the disk writer), ("write", blocks, None) hands
+    copies of T0 blocks to the disk writer alone, ("load", blocks, slots) copies T1 slots into T0 blocks, ("put",
+    blocks, data) writes blocks read from disk into T0."""
 
     ops: list[tuple[str, list[int], object]] = field(default_factory=list)
     saved_hashes: list[list[bytes]] = field(default_factory=list)  # per "save" op: the blocks' hashes
@@ -411,7 +415,13 @@ class KVTiers:
             slot = self.host.put(h)
             self._append("save", block, slot, h)
         elif self.disk is not None and not self.disk.contains(h):
-            self._append("save", block, None, h)
+            self._append("write", block, None, h)
+
+    def cached(self, block: int, h: bytes) -> None:
+        """T0 registered a newly computed block: written through to the disk tier (so another engine on this host,
+        or this one after a restart or a crash, finds it while T0 still holds it)."""
+        if self.disk is not None and not self.disk.contains(h):
+            self._append("write", block, None, h)
 
     def lookup(self, h: bytes) -> tuple[int, int | None] | None:
         """Where block `h` is below T0: (1, its T1 slot), (2, None) on disk, or None."""
@@ -449,9 +459,9 @@ class KVTiers:
             ops[-1][2].append(src)
         else:
             ops.append((kind, [block], [src]))
-            if kind == "save":
+            if kind in ("save", "write"):
                 self._moves.saved_hashes.append([])
-        if kind == "save":
+        if kind in ("save", "write"):
             self._moves.saved_hashes[-1].append(h)
 
     def take_moves(self) -> Moves:
@@ -472,10 +482,10 @@ class KVTiers:
         for kind, blocks, srcs in moves.ops:
             t0 = time.perf_counter()
             idx = torch.tensor(blocks, dtype=torch.long, device=kv_cache.device)
-            if kind == "save":
+            if kind in ("save", "write"):
                 data = kv_cache.index_select(2, idx).movedim(2, 0).to("cpu").contiguous()  # [n, L, 2, bs, h, d]
                 hashes = next(saves)
-                if self.host is not None:
+                if kind == "save":
                     self.host.data.index_copy_(0, torch.tensor(srcs, dtype=torch.long), data)
                     self.host.stats.demotions += len(blocks)
                     self.host.stats.write_s += time.perf_counter() - t0
@@ -489,6 +499,9 @@ class KVTiers:
                 kv_cache.index_copy_(2, idx, data.to(kv_cache.device).movedim(0, 2))
                 if kind == "load":
                     self.host.stats.load_s += time.perf_counter() - t0
+                else:
+                    with self.disk._lock:
+                        self.disk.stats.load_s += time.perf_counter() - t0
 
     def flush_blocks(self, hashes: list[bytes], blocks: list[int], kv_cache: torch.Tensor, timeout_s: float = 60.0) -> None:
         """Write T0 blocks straight to disk and wait (a graceful shutdown keeps what T0 cached)."""
