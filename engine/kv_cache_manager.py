@@ -163,6 +163,18 @@ class KVCacheManager:
             self._promote(hashes, hits)
         return hits, len(hits) * self.block_size
 
+    def prefetch(self, req: Request) -> None:
+        """A request arrived: have the tiers read ahead the disk blocks of its prompt past its T0 hits (engine.kv_tiers;
+        nothing without a disk tier)."""
+        if self.tiers is None or self.tiers.disk is None or req.block_ids:
+            return
+        hashes = self.block_hashes(req, (req.num_tokens - 1) // self.block_size)
+        i = 0
+        while i < len(hashes) and self.pool.lookup(hashes[i]) is not None:
+            i += 1
+        if i < len(hashes):
+            self.tiers.prefetch(hashes[i:])
+
     def _promote(self, hashes: list[bytes], hits: list[int]) -> None:
         """Extend `hits` (T0 hits of `hashes`' head) with the blocks found below T0, each loaded into a free T0
         block and registered there (a cached, unreferenced block, like any other hit: the caller takes it or the

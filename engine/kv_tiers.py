@@ -48,6 +48,7 @@ import torch
 logger = logging.getLogger("agentrt.engine")
 
 MAGIC = b"AGKVT2\x00\x01"
+STAGED_BYTES = 256 << 20  # disk blocks read ahead and not loaded yet, at most
 _HEADER_LEN = struct.Struct("<I")
 
 
@@ -65,6 +66,7 @@ class TierStats:
     skipped: int = 0  # blocks not written: disk full, writer backlog, write error
     write_errors: int = 0  # writes that failed (the block is skipped; no call fails)
     corrupt: int = 0  # files found truncated, corrupt or foreign (never served)
+    prefetched: int = 0  # blocks read ahead for a waiting call (T2)
 
 
 def block_key(model_key: str, dtype: torch.dtype, block_shape: tuple[int, ...]) -> str:
@@ -404,6 +406,13 @@ class KVTiers:
                      if disk_dir is not None else None)
         self._moves = Moves()
         self.recompute_s_per_token: float | None = None  # measured by the engine (prefill steps)
+        # disk blocks read ahead for calls that wait (`prefetch`), by hash, oldest first; bounded
+        self._staged: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._staged_lock = threading.Lock()
+        self.max_staged = max(1, STAGED_BYTES // self.block_bytes)
+        self.prefetched = 0  # blocks read ahead
+        self.prefetch_used = 0  # of which loaded from the staging area
+        self._reads: queue.Queue | None = None  # hashes to read ahead (a reader thread, started on first use)
         self.block_size = block_shape[2] if len(block_shape) > 2 else 1
 
     # ---- bookkeeping (the pool's calls, engine thread) ----------------------------------------
@@ -444,13 +453,55 @@ class KVTiers:
             self._append("load", block, slot)
             self.host.stats.hits += 1
             return True
-        data = self.disk.read(h)
+        with self._staged_lock:
+            data = self._staged.pop(h, None)
+        if data is not None:
+            self.prefetch_used += 1
+        else:
+            data = self.disk.read(h)
         if data is None:
             return False
         self._append("put", block, data)
         with self.disk._lock:
             self.disk.stats.hits += 1
         return True
+
+    def prefetch(self, hashes: list[bytes]) -> None:
+        """A call arrived (its program's tool returned): read the disk blocks of its prefix ahead, in the background,
+        while it waits; those in T1 are a memory copy away and are left. Stops at the first block found nowhere."""
+        if self.disk is None:
+            return
+        todo = []
+        for h in hashes:
+            if self.host is not None and h in self.host.slots:
+                continue
+            if not self.disk.contains(h):
+                break
+            todo.append(h)
+        if not todo:
+            return
+        if self._reads is None:
+            self._reads = queue.Queue()
+            threading.Thread(target=self._read_loop, name="agentrt-kv-prefetch", daemon=True).start()
+        self._reads.put(todo)
+
+    def _read_loop(self) -> None:
+        while True:
+            hashes = self._reads.get()
+            if hashes is None:
+                return
+            for h in hashes:
+                with self._staged_lock:
+                    if h in self._staged:
+                        continue
+                data = self.disk.read(h)
+                if data is None:
+                    break
+                with self._staged_lock:
+                    self._staged[h] = data
+                    self.prefetched += 1
+                    while len(self._staged) > self.max_staged:
+                        self._staged.popitem(last=False)
 
     def _append(self, kind: str, block: int, src: object, h: bytes | None = None) -> None:
         ops = self._moves.ops
@@ -517,6 +568,8 @@ class KVTiers:
         self.disk.flush(timeout_s)
 
     def close(self) -> None:
+        if self._reads is not None:
+            self._reads.put(None)
         if self.disk is not None:
             self.disk.close()
 
@@ -538,6 +591,7 @@ class KVTiers:
         if self.disk is not None:
             with self.disk._lock:
                 out["disk"] = _copy(self.disk.stats)
+            out["disk"].prefetched = self.prefetched
         return out
 
 

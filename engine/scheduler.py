@@ -82,6 +82,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
         self.policy.on_arrival(req, self.clock())
+        self.kv.prefetch(req)  # its prefix's disk blocks read ahead while it waits (KV tiers)
 
     def add_forked(self, parent: Request, child: Request) -> None:
         """`child` joins the running batch sharing all of `parent`'s blocks."""

@@ -125,6 +125,7 @@ class Metrics:
             ("evictions", "evictions", "KV blocks the tier dropped to make room."),
             ("skipped", "skipped", "KV blocks not written to the tier (disk full, writer backlog, write error)."),
             ("corrupt", "corrupt_files", "Truncated, corrupt or foreign files found in the tier (never served)."),
+            ("prefetched", "prefetched", "KV blocks read ahead from the tier for a waiting call."),
             ("load_s", "load_seconds", "Seconds spent loading blocks from the tier."),
             ("write_s", "write_seconds", "Seconds spent writing blocks to the tier."),
         )}
