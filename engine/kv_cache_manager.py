@@ -160,7 +160,7 @@ class KVCacheManager:
                 break
             hits.append(b)
         if self.tiers is not None and len(hits) < len(hashes):
-            self._promote(hashes, hits)
+            req.num_tier_loaded_tokens += self._promote(hashes, hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def prefetch(self, req: Request) -> None:
@@ -175,12 +175,14 @@ class KVCacheManager:
         if i < len(hashes):
             self.tiers.prefetch(hashes[i:])
 
-    def _promote(self, hashes: list[bytes], hits: list[int]) -> None:
+    def _promote(self, hashes: list[bytes], hits: list[int]) -> int:
         """Extend `hits` (T0 hits of `hashes`' head) with the blocks found below T0, each loaded into a free T0
         block and registered there (a cached, unreferenced block, like any other hit: the caller takes it or the
         LRU does); blocks of the chain still in T0 past a demoted one are taken as they are. Stops at the first
-        block found nowhere, when no block is free, or when loading would cost more than recomputing."""
+        block found nowhere, when no block is free, or when loading would cost more than recomputing. Returns how
+        many blocks it loaded."""
         pool, tiers = self.pool, self.tiers
+        loaded = 0
         pool.touch(hits)  # the hits must not be evicted to make room for the rest
         try:
             for h in hashes[len(hits):]:
@@ -198,8 +200,10 @@ class KVCacheManager:
                     break
                 pool.register(b, h)
                 hits.append(b)
+                loaded += 1
         finally:
             pool.release(reversed(hits))  # the chain's tail first in the LRU, as `free` leaves it
+        return loaded
 
     # ---- mutations -----------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = (),

@@ -33,6 +33,7 @@ class RetentionStats:
     pin_blocks_given_way: int = 0  # pinned blocks released under pressure
     reserved_blocks_given_way: int = 0  # unused reserved blocks taken by others under pressure
     recomputed_prefill_tokens: int = 0  # prompt tokens a program had computed in its last call, computed again
+    tier_loaded_tokens: int = 0  # prompt tokens loaded from the KV tiers below the cache instead of recomputed
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class OwnerKV:
     ttl_misses: int
     expiries: int
     recomputed_prefill_tokens: int
+    tier_loaded_tokens: int = 0
 
 
 def _common_prefix(prompt: list[int], last: list[int], last_len: int) -> int:
@@ -130,6 +132,7 @@ class Ownership:
         return OwnerKV(
             self.pool.held.get(owner, 0), len(o.pin) if o is not None else 0, r.size if r else 0, r.used if r else 0,
             o.ttl_s if o is not None else 0.0, st.ttl_hits, st.ttl_misses, st.expiries, st.recomputed_prefill_tokens,
+            st.tier_loaded_tokens,
         )
 
     def reuse_last_hashes(self, req: Request) -> None:
@@ -172,6 +175,9 @@ class Ownership:
             o.stats.ttl_misses += 1
             self.retention.ttl_misses += 1
         o.armed = False
+        loaded = min(req.num_tier_loaded_tokens, num_hit_tokens)
+        o.stats.tier_loaded_tokens += loaded
+        self.retention.tier_loaded_tokens += loaded
         if o.last_tokens is not None:
             lost = max(0, self._common_with_last(req, o) - num_hit_tokens)
             o.stats.recomputed_prefill_tokens += lost

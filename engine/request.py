@@ -57,6 +57,7 @@ class Request:
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_recomputed_tokens: int = 0  # tokens computed again after a preemption
+    num_tier_loaded_tokens: int = 0  # prompt tokens the KV tiers loaded for it before its first admission
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

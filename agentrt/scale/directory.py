@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUMMED = ("calls_done", "service_s", "wait_s", "num_prompt_tokens", "num_output_tokens", "num_prefix_hit_tokens",
-          "ttl_hits", "ttl_misses", "ttl_expiries", "recomputed_prefill_tokens")
+          "ttl_hits", "ttl_misses", "ttl_expiries", "recomputed_prefill_tokens", "kv_tier_loaded_tokens")
 LIVE = ("calls_waiting", "calls_running", "kv_blocks", "kv_blocks_pinned", "kv_blocks_reserved")  # what a replica
 # holds now: summed over replicas that are alive and still run the program
 MAXED = ("critical_path_s", "num_threads", "ttl_s")

@@ -35,6 +35,7 @@ def live_view(st: ServerState, info: ProgramInfo) -> Program:
     retention = {} if kv is None else {
         "kv_blocks_pinned": kv.pinned, "kv_blocks_reserved": kv.reserved, "ttl_s": kv.ttl_s, "ttl_hits": kv.ttl_hits,
         "ttl_misses": kv.ttl_misses, "ttl_expiries": kv.expiries, "recomputed_prefill_tokens": kv.recomputed_prefill_tokens,
+        "kv_tier_loaded_tokens": kv.tier_loaded_tokens,
     }
     return Program(
         id=pid, name=info.name, state=info.state, created_at=wall_time(info.start_time),

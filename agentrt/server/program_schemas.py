@@ -40,6 +40,7 @@ class Program(Struct):
     ttl_misses: int = 0  # calls of it admitted after its pin had expired or given way
     ttl_expiries: int = 0  # its pins dropped at their deadline
     recomputed_prefill_tokens: int = 0  # prompt tokens it had computed in an earlier call, computed again
+    kv_tier_loaded_tokens: int = 0  # prompt tokens loaded from the KV tiers below the cache (host, disk), not computed
     error: str | None = None
     live: bool = True  # False: served from the database (a program of an earlier server run)
     priority: int = 0  # its calls' scheduling class

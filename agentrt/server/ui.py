@@ -49,6 +49,7 @@ PAGE = """<!doctype html>
   <span class="stat">KV <span class="kv"><div id="kv-fill"></div></span> <b id="kv-usage">-</b></span>
   <span class="stat">prefix hits <b id="prefix-hits">-</b></span>
   <span class="stat">preemptions <b id="preemptions">-</b></span>
+  <span class="stat" id="tiers-stat" hidden>KV tiers <b id="tiers">-</b></span>
   <span class="muted" id="updated"></span>
   <span id="error"></span>
   <form id="keyform">API key <input id="key" type="password" autocomplete="off"> <button>use</button></form>
@@ -88,6 +89,17 @@ function metrics(text) {  // each name summed over its series (replicas: one per
   for (const name in m) if (name.endsWith("_perc")) m[name] /= n[name];
   return m;
 }
+function tiers(text) {  // the KV tiers' series by tier: {host: {blocks, hits}, disk: {...}}
+  const t = {};
+  for (const line of text.split("\\n")) {
+    const g = /^agentrt:kv_tier_(blocks|hits_total)\\{tier="(\\w+)"[^}]*\\} (\\S+)$/.exec(line);
+    if (!g) continue;
+    const k = g[1] === "blocks" ? "blocks" : "hits";
+    t[g[2]] = t[g[2]] || {blocks: 0, hits: 0};
+    t[g[2]][k] += Number(g[3]);
+  }
+  return t;
+}
 function cell(text, cls) {
   const td = document.createElement("td"); td.textContent = text; if (cls) td.className = cls; return td;
 }
@@ -102,7 +114,7 @@ function render(programs) {
     tr.append(cell(p.id, "l"), cell(p.name, "l"), cell(p.state, "l state"),
       cell(p.calls_waiting + "/" + p.calls_running + "/" + p.calls_done), cell(p.num_threads),
       cell(p.service_s.toFixed(2)), cell(p.wait_s.toFixed(2)), cell(p.queue_level ?? "-"), cell(p.kv_blocks_pinned == null ? p.kv_blocks : p.kv_blocks + " (" + p.kv_blocks_pinned + " pinned)"),
-      cell(p.num_prefix_hit_tokens ?? "-"), cell(p.num_prompt_tokens + "/" + p.num_output_tokens),
+      cell(p.kv_tier_loaded_tokens ? p.num_prefix_hit_tokens + " (" + p.kv_tier_loaded_tokens + " from tiers)" : p.num_prefix_hit_tokens ?? "-"), cell(p.num_prompt_tokens + "/" + p.num_output_tokens),
       cell(((p.ended_at ?? now) - p.created_at).toFixed(1)));
     rows.push(tr);
   }
@@ -115,7 +127,8 @@ async function poll() {
   try {
     const [progs, met] = await Promise.all([get("v1/programs?limit=200"), get("metrics")]);
     render((await progs.json()).data);
-    const m = metrics(await met.text());
+    const text = await met.text();
+    const m = metrics(text);
     const usage = m["agentrt:kv_cache_usage_perc"] || 0;
     $("kv-usage").textContent = (100 * usage).toFixed(1) + "%";
     $("kv-fill").style.width = (100 * usage) + "%";
@@ -124,6 +137,9 @@ async function poll() {
     const q = m["agentrt:prefix_cache_queries_total"] || 0, h = m["agentrt:prefix_cache_hits_total"] || 0;
     $("prefix-hits").textContent = q ? (100 * h / q).toFixed(0) + "% of " + q + " tokens" : "-";
     $("preemptions").textContent = m["agentrt:num_preemptions_total"] ?? "-";
+    const t = tiers(text);
+    $("tiers-stat").hidden = !Object.keys(t).length;
+    $("tiers").textContent = Object.entries(t).map(([name, v]) => name + " " + v.blocks + " blocks, " + v.hits + " hits").join(" · ");
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     $("error").textContent = ""; $("keyform").style.display = key ? "none" : $("keyform").style.display;
   } catch (e) {
