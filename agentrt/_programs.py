@@ -71,7 +71,8 @@ class ProgramManager:
         """The runtime's engine runs: program operations go straight to it."""
         self.engine = engine
         info = engine.info
-        self.retention = RetentionPolicy(retention, engine.program_op, info.num_blocks * info.block_size)
+        self.retention = RetentionPolicy(retention, engine.program_op, info.num_blocks * info.block_size,
+                                         reload_s_per_token=info.kv_reload_s_per_token)
 
     def engine_stopped(self) -> None:
         self.engine = self.retention = None

@@ -107,8 +107,12 @@ class _Program:
 class RetentionPolicy:
     """Decides pins and reservations; sends them to the engine as program operations through `send`."""
 
-    def __init__(self, config: RetentionConfig, send: Callable[[ProgramOp], None], cache_tokens: int):
+    def __init__(self, config: RetentionConfig, send: Callable[[ProgramOp], None], cache_tokens: int,
+                 reload_s_per_token: float | None = None):
         self.config = config
+        # with KV tiers below the cache (engine.kv_tiers) a lost prefix is loaded back, not recomputed: the reload
+        # term of the TTL's gain is the cheaper of the two (Continuum's cost model with offloading)
+        self.reload_s_per_token = reload_s_per_token
         self.send = send
         self.cache_tokens = cache_tokens  # KV cache size in tokens (reservation cap)
         self.durations: dict[str, collections.deque[float]] = {}  # by tool, sorted on use
@@ -133,7 +137,8 @@ class RetentionPolicy:
             samples = self.pooled
         if len(samples) < c.min_pooled_samples:
             return min(c.default_ttl_s, c.max_ttl_s)
-        gain = self.queue_delay_s * self.eta + context_tokens * self.s_per_token
+        per_token = self.s_per_token if self.reload_s_per_token is None else min(self.s_per_token, self.reload_s_per_token)
+        gain = self.queue_delay_s * self.eta + context_tokens * per_token
         return min(choose_ttl(sorted(samples), gain), c.max_ttl_s)
 
     def record_duration(self, tool: str | None, seconds: float) -> None:

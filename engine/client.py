@@ -45,6 +45,8 @@ class EngineInfo:
     dtype: str
     device: str
     tokenizer: Any  # the model's (transformers) tokenizer
+    kv_reload_s_per_token: float | None = None  # getting a token's KV back from the KV tiers (start-up probe of the
+    # fastest tier); None: no tiers (engine.kv_tiers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,7 @@ def engine_info(core: EngineCore) -> EngineInfo:
         model.lm_head is not None or args.tie_word_embeddings, model.score is not None,
         default_pooling(core.model_path), core.loras is not None, c.max_loras, c.max_lora_rank, c.max_num_seqs,
         c.max_num_batched_tokens, core.kv.block_size, core.kv.num_blocks, c.dtype, c.device, core.tokenizer,
+        core.tiers.reload_s_per_token() if core.tiers is not None else None,
     )
 
 

@@ -140,9 +140,11 @@ class EngineCore:
             return None
         shape = (a.num_layers, 2, c.block_size, a.num_kv_heads, a.head_dim)
         disk_gib = 8.0 if c.kv_disk_gib is None else c.kv_disk_gib
-        return KVTiers(shape, c.torch_dtype, block_key(str(self.model_path), c.torch_dtype, shape),
-                       host_bytes=int(c.kv_host_gib * 2**30), disk_dir=c.kv_disk_dir, disk_bytes=int(disk_gib * 2**30),
-                       pin=c.device != "cpu")
+        tiers = KVTiers(shape, c.torch_dtype, block_key(str(self.model_path), c.torch_dtype, shape),
+                        host_bytes=int(c.kv_host_gib * 2**30), disk_dir=c.kv_disk_dir, disk_bytes=int(disk_gib * 2**30),
+                        pin=c.device != "cpu")
+        tiers.probe()
+        return tiers
 
     def close(self) -> None:
         """Write what the KV cache holds to the disk tier (a restarted engine finds it there) and stop its writer;

@@ -34,6 +34,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import struct
@@ -77,14 +78,16 @@ def block_key(model_key: str, dtype: torch.dtype, block_shape: tuple[int, ...]) 
 class HostTier:
     """T1: `num_slots` block slots in host memory, an LRU index hash -> slot (head = next victim)."""
 
-    def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False):
+    def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False,
+                 store: bool = True):
         if num_slots < 1:
             raise ValueError(f"the host tier needs at least one block slot, got {num_slots}")
-        self.data = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin)
+        # `store` False: the bookkeeping alone (the simulator's engine, bench/sim_engine.py)
+        self.data = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin) if store else None
         self.num_slots = num_slots
         self.slots: OrderedDict[bytes, int] = OrderedDict()
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
-        self.block_bytes = self.data[0].numel() * dtype.itemsize
+        self.block_bytes = int(torch.Size(block_shape).numel()) * dtype.itemsize
         self.stats = TierStats()
 
     def get(self, h: bytes) -> int | None:
@@ -397,13 +400,20 @@ class KVTiers:
     """T1 and/or T2 under one block pool: the demote / promote bookkeeping and the copies it implies."""
 
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, key: str, host_bytes: int = 0,
-                 disk_dir: str | None = None, disk_bytes: int = 0, pin: bool = False):
+                 disk_dir: str | None = None, disk_bytes: int = 0, pin: bool = False, *,
+                 host: HostTier | None = None, disk: DiskTier | None = None, prefetch: bool = True):
+        """Tiers of the given sizes; or, for the simulator, the tier objects themselves (`host`, `disk`: a
+        bookkeeping-only HostTier and a DiskTier stand-in) and no read-ahead thread (`prefetch` False)."""
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.block_bytes = int(torch.Size(block_shape).numel()) * dtype.itemsize
-        self.host = HostTier(host_bytes // self.block_bytes, self.block_shape, dtype, pin) if host_bytes else None
-        self.disk = (DiskTier(disk_dir, disk_bytes, key, self.block_shape, dtype)
-                     if disk_dir is not None else None)
+        if host is None and host_bytes:
+            host = HostTier(host_bytes // self.block_bytes, self.block_shape, dtype, pin)
+        if disk is None and disk_dir is not None:
+            disk = DiskTier(disk_dir, disk_bytes, key, self.block_shape, dtype)
+        self.host, self.disk = host, disk
+        self.prefetch_enabled = prefetch
+        self.probe_s_per_block: dict[int, float] = {}  # tier -> load seconds a block, from `probe` (start-up)
         self._moves = Moves()
         self.recompute_s_per_token: float | None = None  # measured by the engine (prefill steps)
         # disk blocks read ahead for calls that wait (`prefetch`), by hash, oldest first; bounded
@@ -469,7 +479,7 @@ class KVTiers:
     def prefetch(self, hashes: list[bytes]) -> None:
         """A call arrived (its program's tool returned): read the disk blocks of its prefix ahead, in the background,
         while it waits; those in T1 are a memory copy away and are left. Stops at the first block found nowhere."""
-        if self.disk is None:
+        if self.disk is None or not self.prefetch_enabled:
             return
         todo = []
         for h in hashes:
@@ -521,10 +531,58 @@ class KVTiers:
 
     def worth_loading(self, tier: int) -> bool:
         """Is loading a block from `tier` cheaper than recomputing it, by what was measured so far?"""
-        st = self.host.stats if tier == 1 else self.disk.stats
-        if self.recompute_s_per_token is None or not st.hits:
+        cost = self.load_s_per_block(tier)
+        if self.recompute_s_per_token is None or cost is None:
             return True  # nothing measured yet: loads cost microseconds a token, recomputing milliseconds
-        return st.load_s / st.hits < self.recompute_s_per_token * self.block_size
+        return cost < self.recompute_s_per_token * self.block_size
+
+    def load_s_per_block(self, tier: int) -> float | None:
+        """What loading a block from `tier` costs: measured over the loads so far, else the start-up probe's."""
+        st = self.host.stats if tier == 1 else self.disk.stats
+        if st.hits >= 8:
+            return st.load_s / st.hits
+        return self.probe_s_per_block.get(tier)
+
+    def reload_s_per_token(self) -> float | None:
+        """What getting a token's KV back from the fastest tier costs (None: no tiers measured): the reload term of
+        the retention TTL's cost model (Continuum: a cheaper reload shortens the best TTL)."""
+        costs = [c for t in (1, 2) if (c := self.load_s_per_block(t)) is not None]
+        return min(costs) / self.block_size if costs else None
+
+    def probe(self) -> dict[int, float]:
+        """Time loading one block from each tier (best of 3; the disk's through the page cache, as a block just
+        written is read), for `worth_loading` before any load is measured."""
+        block = torch.zeros(self.block_shape, dtype=self.dtype)
+        if self.host is not None and self.host.data is not None:
+            best = math.inf
+            for _ in range(3):
+                t0 = time.perf_counter()
+                self.host.data[0].copy_(block)
+                block.copy_(self.host.data[0])
+                best = min(best, time.perf_counter() - t0)
+            self.probe_s_per_block[1] = best
+        if isinstance(self.disk, DiskTier):
+            path = os.path.join(self.disk.dir, f"probe.{os.getpid()}.tmp")
+            raw = block.view(torch.uint8).numpy().tobytes()
+            best = math.inf
+            try:
+                with open(path, "wb") as f:
+                    f.write(raw)
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    with open(path, "rb") as f:
+                        buf = bytearray(len(raw))
+                        f.readinto(buf)
+                    zlib.crc32(buf)
+                    block.view(torch.uint8).view(-1).copy_(torch.frombuffer(buf, dtype=torch.uint8))
+                    best = min(best, time.perf_counter() - t0)
+                self.probe_s_per_block[2] = best
+            except OSError as e:
+                logger.warning("KV disk tier: the start-up probe failed (%s)", e)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+        return self.probe_s_per_block
 
     # ---- the copies (before the forward) ------------------------------------------------------
     def apply(self, moves: Moves, kv_cache: torch.Tensor) -> None:
@@ -576,11 +634,13 @@ class KVTiers:
     def describe(self) -> str:
         """For the start-up line: each tier's size."""
         parts = []
+        probe = {t: f", load {s / self.block_size * 1e6:.1f} us/token" for t, s in self.probe_s_per_block.items()}
         if self.host is not None:
-            parts.append(f"host {self.host.num_slots * self.block_bytes / 2**30:.2f} GiB ({self.host.num_slots} blocks)")
+            parts.append(f"host {self.host.num_slots * self.block_bytes / 2**30:.2f} GiB ({self.host.num_slots} blocks"
+                         f"{probe.get(1, '')})")
         if self.disk is not None:
             parts.append(f"disk {self.disk.max_bytes / 2**30:.2f} GiB in {self.disk.dir} "
-                         f"({len(self.disk)} blocks there)")
+                         f"({len(self.disk)} blocks there{probe.get(2, '')})")
         return ", ".join(parts)
 
     def stats(self) -> dict[str, TierStats]:
