@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from agentrt.bench import workload as wl
 from agentrt.bench.costs import StepCost
+from agentrt.bench.sim_tiers import TierCost, apply_moves, make_tiers
 from agentrt.bench.workload import Call
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.kv_cache_manager import KVCacheManager
@@ -39,12 +40,16 @@ class SimEngine:
 
     def __init__(self, policy: SchedulingPolicy, *, max_num_seqs: int, max_num_batched_tokens: int,
                  num_blocks: int = 4096, block_size: int = 16, cost: StepCost | None = None, seed: int = 0,
-                 fast: bool = True):
+                 fast: bool = True, tiers: TierCost | None = None):
         self.now = 0.0
         self.cost = cost or StepCost()
         config = EngineConfig(device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               num_blocks=num_blocks, block_size=block_size, policy=policy)
-        self.kv = KVCacheManager(num_blocks, block_size, True)
+        # the KV tiers below the cache (bench/sim_tiers.py): the engine's tier code, loads timed by bandwidth
+        self.tier_cost = tiers
+        self.tiers = make_tiers(tiers, block_size, self.cost.token_s) if tiers is not None else None
+        self.kv = KVCacheManager(num_blocks, block_size, True, tiers=self.tiers)
+        self.pinned_block_s = 0.0  # pinned blocks integrated over virtual time
         self.scheduler = Scheduler(config, self.kv, policy, clock=lambda: self.now)
         self.policy = policy
         self.rng = random.Random(seed)
@@ -79,6 +84,9 @@ class SimEngine:
         if out.failed:
             raise RuntimeError(f"simulated request failed: {out.failed[0].error}")
         dt = self.cost(out)
+        if self.tiers is not None:
+            dt += apply_moves(self.tiers, out.kv_moves, self.tier_cost)
+        self.pinned_block_s += self.kv.num_pinned_blocks * dt
         self.now += dt
         self.busy_s += dt
         self.num_steps += 1
@@ -119,6 +127,7 @@ class SimEngine:
         key = policy.priority
         sch.expire_pins()  # as the first step's schedule() would; no pin is due before `stop`
         stop = min(until, kv.next_pin_deadline())
+        pinned = kv.num_pinned_blocks  # no pin is made, dissolved or dropped during plain decode steps
         for i in range(runs):
             if i and self.now >= stop:
                 return
@@ -132,6 +141,7 @@ class SimEngine:
             self.busy_s += dt
             self.num_steps += 1
             self.num_fast_steps += 1
+            self.pinned_block_s += pinned * dt
             self.num_computed_tokens += len(reqs)
             s = dt * 1 / (len(reqs) or 1)
             for req in reqs:

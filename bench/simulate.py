@@ -30,10 +30,11 @@ from typing import Any
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq)
 from agentrt._retention import RetentionConfig, RetentionPolicy
-from agentrt.bench import costs
+from agentrt.bench import costs, sim_tiers
 from agentrt.bench import workload as wl
 from agentrt.bench.costs import StepCost
 from agentrt.bench.sim_engine import SimEngine
+from agentrt.bench.sim_tiers import TierCost
 from agentrt.bench.workload import Parallel, ProgramSpec, Tool
 from agentrt.engine.policy import SchedulingPolicy, make_policy
 from agentrt.engine.program_ops import EndProgram
@@ -43,14 +44,16 @@ from agentrt.policies.autellix import TTL_SETTINGS
 
 def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, policy_kwargs: dict[str, Any] | None = None,
              engine: dict[str, Any] | None = None, cost: StepCost | None = None,
-             retention: RetentionConfig | None = None) -> dict[str, Any]:
+             retention: RetentionConfig | None = None, tiers: TierCost | None = None) -> dict[str, Any]:
     """Run the workload's plans to completion; per-program latencies and engine counters (virtual seconds).
-    `retention`: run agentrt's retention policy (TTL pins, reservations) over the engine's own pin code."""
+    `retention`: run agentrt's retention policy (TTL pins, reservations) over the engine's own pin code.
+    `tiers`: KV tiers below the cache (bench/sim_tiers.py); the retention TTL then weighs their reload cost."""
     pol = make_policy(policy, **(policy_kwargs or {}))
-    eng = SimEngine(pol, **{**_ENGINE, **(engine or {})}, cost=cost)
+    eng = SimEngine(pol, **{**_ENGINE, **(engine or {})}, cost=cost, tiers=tiers)
     ret = None
     if retention is not None:
-        ret = RetentionPolicy(retention, eng.program_op, eng.kv.num_blocks * eng.kv.block_size)
+        reload = eng.tiers.reload_s_per_token() if eng.tiers is not None else None
+        ret = RetentionPolicy(retention, eng.program_op, eng.kv.num_blocks * eng.kv.block_size, reload_s_per_token=reload)
     timers: list[tuple[float, int, Callable[[], None]]] = []
     seq = itertools.count()
     results: list[dict[str, Any] | None] = [None] * len(workload)
@@ -124,6 +127,8 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
         "recomputed_prefill_tokens": eng.kv.retention.recomputed_prefill_tokens,
         "ttl_hits": eng.kv.retention.ttl_hits,
         "ttl_misses": eng.kv.retention.ttl_misses,
+        "pinned_block_s": eng.pinned_block_s,
+        "tier_hits": {name: st.hits for name, st in (eng.tiers.stats() if eng.tiers is not None else {}).items()},
         "programs": done,
     }
 
@@ -148,7 +153,10 @@ AGENT_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {  # name -> (polic
     "fcfs+ttl+guard": ("plas", {"num_queues": 1, "pinned_first": True, "protect_pins": True}, True),
     # ours with the running-set cap at the knee of the step cost (issue 37), not in the default sweep
     "plas+ttl+cap": ("plas", {**TTL_SETTINGS, "running_cap": "auto"}, True),
+    # ours over KV tiers below the cache (host memory, local NVMe: bench/sim_tiers.py H100_TIERS), not in the default
+    "plas+ttl+tiers": ("plas", dict(TTL_SETTINGS), True),
 }
+TIERED = {"plas+ttl+tiers": sim_tiers.H100_TIERS}  # configs run over KV tiers, and their tiers
 DEFAULT_AGENT_CONFIGS = ("fcfs", "fcfs+ttl", "plas", "plas+ttl")
 
 
@@ -179,14 +187,15 @@ def agents_sweep(n: int, rates: list[float], seed: int, configs: list[str], bloc
             policy, kwargs, ttl = AGENT_CONFIGS[name]
             t0, c0 = _time.perf_counter(), _time.process_time()
             res = simulate(policy, work, policy_kwargs=kwargs, engine=engine, cost=cost,
-                           retention=RetentionConfig(ttl=ttl))
+                           retention=RetentionConfig(ttl=ttl), tiers=TIERED.get(name))
             lat = sorted(p["latency_s"] for p in res["programs"])
             rows.append({"config": name, "rate": rate, "programs": n, "wall_s": _time.perf_counter() - t0,
                          "cpu_s": _time.process_time() - c0,  # this process's CPU time: wall less waiting for the CPU
                          "latency_mean_s": sum(lat) / len(lat), "latency_p95_s": lat[int(0.95 * (len(lat) - 1))],
                          "recomputed_prefill_tokens": res["recomputed_prefill_tokens"],
                          "prefix_hit_rate": res["prefix_hit_rate"], "ttl_hits": res["ttl_hits"],
-                         "ttl_misses": res["ttl_misses"], "preemptions": res["preemptions"]})
+                         "ttl_misses": res["ttl_misses"], "preemptions": res["preemptions"],
+                         "pinned_block_s": res["pinned_block_s"], "tier_hits": res["tier_hits"]})
             print(f"rate {rate} {name}: mean {rows[-1]['latency_mean_s']:.0f} s, wall {rows[-1]['wall_s']:.0f} s, "
                   f"CPU {rows[-1]['cpu_s']:.0f} s",
                   file=sys.stderr, flush=True)
@@ -255,12 +264,14 @@ def agents_main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print("| rate (programs/s) | config | mean s | p95 s | recomputed prefill tokens | hit rate | TTL hits / misses "
-          "| preemptions | wall s | CPU s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| rate (programs/s) | config | mean s | p95 s | recomputed prefill tokens | hit rate | tier hits (blocks) "
+          "| TTL hits / misses | pinned block-s | preemptions | wall s | CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        tier_hits = ", ".join(f"{k} {v:,}" for k, v in r["tier_hits"].items()) or "-"
         print(f"| {r['rate']} | {r['config']} | {r['latency_mean_s']:.0f} | {r['latency_p95_s']:.0f} "
-              f"| {r['recomputed_prefill_tokens']:,} | {r['prefix_hit_rate']:.0%} | {r['ttl_hits']} / {r['ttl_misses']} "
+              f"| {r['recomputed_prefill_tokens']:,} | {r['prefix_hit_rate']:.0%} | {tier_hits} "
+              f"| {r['ttl_hits']} / {r['ttl_misses']} | {r['pinned_block_s']:,.0f} "
               f"| {r['preemptions']} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} |")
     return 0
 
