@@ -38,6 +38,8 @@ _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
 _KV_TIER_FLAGS: dict[str, tuple[type, str]] = {
     "--kv-host-gib": (float, ("KV tier T1: GiB of host memory keeping cached blocks evicted from the KV cache, "
                               "loaded back instead of recomputed (default 0: off)")),
+    "--kv-host-quantization": (str, "int8: T1 keeps blocks as int8 with per-head scales (lossy, ~2x the blocks; "
+                                    "default: exact)"),
     "--kv-disk-dir": (str, ("KV tier T2: a directory of content-hashed KV chunk files, shared by servers on this "
                             "host and across restarts (default: off)")),
     "--kv-disk-gib": (float, "T2's size; least recently used files are deleted beyond it (default 8)"),

@@ -198,6 +198,48 @@ def restart_rows(context_tokens: int, model: str | None) -> list[dict[str, Any]]
             row("on another server sharing the disk tier", other, t_other, t_cold)]
 
 
+_TEXT = ("The engine keeps a paged cache of keys and values for every sequence it serves. When memory runs short, the "
+         "least recently used blocks are evicted, and a later request that shares their prefix must compute them "
+         "again. Agents make this the common case: a tool call can outlast the time a program's blocks are pinned, "
+         "and the next call of the program repeats its whole context as its prompt. A hierarchy of memory tiers "
+         "moves such blocks to host memory or to a local disk instead of dropping them, and loads them back when "
+         "the program returns, which costs microseconds per token where recomputing costs milliseconds. ") * 4
+
+
+def ll_delta(model: str | None, n_tokens: int = 48) -> dict[str, Any]:
+    """The int8 host tier's error: the log-likelihood of a fixed text's next `n_tokens` tokens (the exact model's
+    greedy continuation) given its prefix, with the prefix's KV exact (in T0) and loaded back from an int8 T1
+    (its first block and recent window exact, as the tier keeps them); per-token mean delta in nats."""
+    from agentrt.engine.llm import LLM
+
+    def loglik(llm: LLM, prefix: list[int], cont: list[int]) -> list[float]:
+        out = []
+        for k in range(len(cont)):
+            p = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=20)
+            top = dict(llm.generate([prefix + cont[:k]], p, progress=False)[0].outputs[0].top_logprobs[0])
+            out.append(top.get(cont[k], min(top.values())))  # absent from the top 20: at most the 20th's
+        return out
+
+    exact = LLM(model, num_blocks=256)
+    prefix = exact.tokenizer(_TEXT)["input_ids"][:1024]
+    bs = exact.core.kv.block_size
+    prefix = prefix[: len(prefix) // bs * bs]
+    cont = list(exact.generate([prefix], SamplingParams(max_tokens=n_tokens, temperature=0.0), progress=False)[0]
+                .outputs[0].token_ids)
+    ref = loglik(exact, prefix, cont)
+    blocks = len(prefix) // bs + 8
+    lossy = LLM(model, num_blocks=blocks, kv_host_gib=0.5, kv_host_quantization="int8")
+    lossy.generate([prefix], SamplingParams(max_tokens=1), progress=False)  # the prefix's blocks, cached in T0
+    other = [t + 1 for t in prefix]  # a prompt as long as the prefix, sharing none of it: T0 demotes the prefix
+    lossy.generate([other], SamplingParams(max_tokens=1), progress=False)
+    demoted = lossy.core.kv_stats().tiers["host"].demotions
+    got = loglik(lossy, prefix, cont)
+    tier = lossy.core.kv_stats().tiers["host"]
+    return {"prefix_tokens": len(prefix), "tokens": len(cont), "blocks_demoted": demoted, "host_hits": tier.hits,
+            "exact_ll": sum(ref), "int8_ll": sum(got), "delta_per_token": (sum(got) - sum(ref)) / len(cont),
+            "max_abs_delta": max(abs(a - b) for a, b in zip(got, ref))}
+
+
 def restart_table(rows: list[dict[str, Any]]) -> str:
     return _common.markdown_table(
         ["case", "prompt tokens", "cached tokens", "served from cache", "latency s (1 output token)", "vs cold"],
@@ -217,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-host-gib", type=float, default=0.05, help="T1's size in t1+t2")
     ap.add_argument("--disk-dir", default=None, help="T2's directory (default: a fresh temporary one per run)")
     ap.add_argument("--restart", action="store_true", help="measure restart and sharing over HTTP instead")
+    ap.add_argument("--ll", action="store_true", help="measure the int8 host tier's log-likelihood error instead")
     ap.add_argument("--context-tokens", type=int, default=2000, help="--restart: the first call's prompt, roughly")
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", action="store_true")
@@ -229,6 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.programs < 1 or args.num_blocks < 1 or not 0 <= args.ttl_s < math.inf:
         raise SystemExit(f"--programs and --num-blocks must be >= 1 and --ttl-s >= 0, got {args.programs}, "
                          f"{args.num_blocks}, {args.ttl_s}")
+    if args.ll:
+        r = ll_delta(args.model)
+        line = (f"int8 host tier on a fixed text: {r['prefix_tokens']}-token prefix loaded back from T1 "
+                f"({r['host_hits']} blocks), log-likelihood of the next {r['tokens']} tokens {r['int8_ll']:.3f} vs exact "
+                f"{r['exact_ll']:.3f} nats: {r['delta_per_token']:+.4f} nats/token (largest per-token change "
+                f"{r['max_abs_delta']:.4f})")
+        print(json.dumps(r, indent=2) if args.json else line)
+        if args.write_docs:
+            _common.write_section("int8 host tier error (bench tiers --ll)", line)
+        return 0
     if args.restart:
         rows = restart_rows(args.context_tokens, args.model)
         print(json.dumps(rows, indent=2) if args.json else restart_table(rows))

@@ -63,7 +63,8 @@ class BlockPool:
         self.reservations: dict[str, Reservation] = {}
         self._unused_reserved = 0  # Σ unused over reservations, kept current
         self._seq = 0
-        self.on_evict: Callable[[int, bytes], None] | None = None  # a cached block is about to be reused (tiers)
+        self.on_evict: Callable[[int, bytes, bool], None] | None = None  # a cached block is about to be reused (tiers)
+        self.exact = [False] * num_blocks  # free blocks a lossy KV tier must keep exact (set by the KV manager)
 
     @property
     def num_free(self) -> int:
@@ -118,6 +119,7 @@ class BlockPool:
     def _take(self, b: int, owner: str | None) -> None:
         """Block `b` leaves the free queue for `owner`'s request."""
         del self.free_queue[b]
+        self.exact[b] = False
         self.owner[b] = owner
         if owner is None:
             return
@@ -156,7 +158,7 @@ class BlockPool:
                 self.block_hash[block] = None
                 self.stats.evictions += 1
                 if self.on_evict is not None:
-                    self.on_evict(block, h)
+                    self.on_evict(block, h, self.exact[block])
             self._take(block, owner)
             self.ref_cnt[block] = 1
             out.append(block)

@@ -52,6 +52,8 @@ class EngineConfig:
     # engine runs, how its prompt is chunked, prefix-cache hits or preemption (CPU with the C++ kernels; README)
     kv_host_gib: float = 0.0  # T1 of the KV hierarchy (engine.kv_tiers): host memory for cached blocks evicted
     # from the KV cache, loaded back instead of recomputed; 0 = off
+    kv_host_quantization: str | None = None  # "int8": T1 stores blocks as int8 with per-(layer, K/V, head) scales
+    # (lossy, about twice the blocks; sequences' first blocks and recent windows kept exact); None: exact
     kv_disk_dir: str | None = None  # T2: a directory of content-hashed KV chunk files, shared by engines on one
     # host and across restarts; None = off
     kv_disk_gib: float | None = None  # T2's bound (least recently used files deleted beyond it); None = 8 GiB
@@ -98,6 +100,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a number of GiB {low}, got {v!r}")
         if self.kv_disk_dir is not None and (not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir):
             raise ValueError(f"kv_disk_dir must be a directory path, got {self.kv_disk_dir!r}")
+        if self.kv_host_quantization not in (None, "int8"):
+            raise ValueError(f"kv_host_quantization must be None or 'int8', got {self.kv_host_quantization!r}")
+        if self.kv_host_quantization is not None and not self.kv_host_gib:
+            raise ValueError(f"kv_host_quantization ({self.kv_host_quantization!r}) sets the host tier: give kv_host_gib too")
         if self.kv_disk_gib is not None and self.kv_disk_dir is None:
             raise ValueError(f"kv_disk_gib ({self.kv_disk_gib!r}) sizes the disk tier: give kv_disk_dir too")
         if (self.kv_host_gib or self.kv_disk_dir) and not self.enable_prefix_caching:

@@ -142,7 +142,7 @@ class EngineCore:
         disk_gib = 8.0 if c.kv_disk_gib is None else c.kv_disk_gib
         tiers = KVTiers(shape, c.torch_dtype, block_key(str(self.model_path), c.torch_dtype, shape),
                         host_bytes=int(c.kv_host_gib * 2**30), disk_dir=c.kv_disk_dir, disk_bytes=int(disk_gib * 2**30),
-                        pin=c.device != "cpu")
+                        pin=c.device != "cpu", host_int8=c.kv_host_quantization == "int8")
         tiers.probe()
         return tiers
 

@@ -30,6 +30,9 @@ from agentrt.engine.request import Request
 __all__ = ["BlockPool", "KVCacheManager", "OwnerKV", "PrefixCacheStats", "RetentionStats", "hash_block"]
 
 
+EXACT_WINDOW_BLOCKS = 2  # the last full blocks of a call a lossy KV tier keeps exact (the recent window)
+
+
 def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes) -> bytes:
     """Chained content hash of one full block; `extra` (model, cache salt, adapter) enters via the chain root."""
     if parent is None:
@@ -277,6 +280,12 @@ class KVCacheManager:
         (`retain`) of a program with a TTL leaves its full cached blocks pinned until `now + ttl_s`."""
         if retain:
             self.ownership.call_ended(req, now)
+        if self.tiers is not None and self.tiers.lossy and req.num_cached_blocks:
+            # a lossy tier keeps the attention sink (the first block) and the recent window (the last full blocks)
+            # exact; flags that last while the blocks stay free (engine.kv_tiers.HostTier)
+            n = req.num_cached_blocks
+            for b in (req.block_ids[0], *req.block_ids[max(1, n - EXACT_WINDOW_BLOCKS) : n]):
+                self.pool.exact[b] = True
         self.pool.release(reversed(req.block_ids))
         req.block_ids = []
         req.num_cached_blocks = 0

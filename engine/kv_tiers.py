@@ -76,19 +76,83 @@ def block_key(model_key: str, dtype: torch.dtype, block_shape: tuple[int, ...]) 
 
 
 class HostTier:
-    """T1: `num_slots` block slots in host memory, an LRU index hash -> slot (head = next victim)."""
+    """T1: `num_slots` block slots in host memory, an LRU index hash -> slot (head = next victim).
+
+    `int8` (opt-in, lossy): a slot holds the block as int8 with a scale per (layer, K/V, head), absmax over the
+    block's tokens and head dims, about half the bytes of bf16; blocks demoted with `exact` (a sequence's first
+    block, the attention sink, and the last full blocks a call left: the recent window) also keep a full copy
+    in a side area of `exact_slots` full blocks (least recently written dropped first), read instead."""
 
     def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False,
-                 store: bool = True):
+                 store: bool = True, int8: bool = False, exact_slots: int = 0):
         if num_slots < 1:
             raise ValueError(f"the host tier needs at least one block slot, got {num_slots}")
+        if int8 and len(block_shape) != 5:
+            raise ValueError(f"an int8 host tier needs blocks [layers, K/V, tokens, heads, head_dim], got {block_shape}")
         # `store` False: the bookkeeping alone (the simulator's engine, bench/sim_engine.py)
-        self.data = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin) if store else None
+        self.int8 = int8
+        self.dtype = dtype
+        self.data = (torch.empty((num_slots, *block_shape), dtype=torch.int8 if int8 else dtype, pin_memory=pin)
+                     if store else None)
         self.num_slots = num_slots
         self.slots: OrderedDict[bytes, int] = OrderedDict()
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
         self.block_bytes = int(torch.Size(block_shape).numel()) * dtype.itemsize
+        self.slot_bytes = self.block_bytes
+        if int8:
+            layers, kv, _, heads, _ = block_shape
+            self.scale = torch.empty((num_slots, layers, kv, 1, heads, 1), dtype=torch.float32) if store else None
+            self.slot_bytes = int(torch.Size(block_shape).numel()) + layers * kv * heads * 4
+            self.exact_data = torch.empty((max(1, exact_slots), *block_shape), dtype=dtype) if store else None
+            self.exact_of: OrderedDict[int, int] = OrderedDict()  # slot -> its full copy in exact_data (LRU)
+            self.exact_free = list(range(max(1, exact_slots) - 1, -1, -1))
+            self.want_exact = [False] * num_slots  # set by `put`, for the write that follows
         self.stats = TierStats()
+
+    @staticmethod
+    def int8_slots(host_bytes: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+        """(int8 slots, full-precision side slots) for `host_bytes`: 1/8 of the bytes for the exact copies."""
+        layers, kv, _, heads, _ = block_shape
+        numel = int(torch.Size(block_shape).numel())
+        exact = max(1, host_bytes // 8 // (numel * dtype.itemsize))
+        return max(1, (host_bytes - exact * numel * dtype.itemsize) // (numel + layers * kv * heads * 4)), exact
+
+    def write(self, slots: list[int], data: torch.Tensor) -> None:
+        """Store `data[i]` (a block, the KV dtype) in slot `slots[i]`."""
+        idx = torch.tensor(slots, dtype=torch.long)
+        if not self.int8:
+            self.data.index_copy_(0, idx, data)
+            return
+        x = data.float()
+        scale = x.abs().amax(dim=(3, 5), keepdim=True).clamp_min(1e-12) / 127.0
+        self.data.index_copy_(0, idx, (x / scale).round_().clamp_(-127, 127).to(torch.int8))
+        self.scale.index_copy_(0, idx, scale)
+        for i, s in enumerate(slots):
+            e = self.exact_of.pop(s, None)
+            if not self.want_exact[s]:
+                if e is not None:
+                    self.exact_free.append(e)
+                continue
+            if e is None:
+                if self.exact_free:
+                    e = self.exact_free.pop()
+                else:
+                    _, e = self.exact_of.popitem(last=False)
+            self.exact_data[e].copy_(data[i])
+            self.exact_of[s] = e
+
+    def read(self, slots: list[int]) -> torch.Tensor:
+        """The blocks in `slots`, in the KV dtype."""
+        idx = torch.tensor(slots, dtype=torch.long)
+        if not self.int8:
+            return self.data.index_select(0, idx)
+        out = self.data.index_select(0, idx).to(self.dtype)
+        out.mul_(self.scale.index_select(0, idx).to(self.dtype))
+        for i, s in enumerate(slots):
+            e = self.exact_of.get(s)
+            if e is not None:
+                out[i].copy_(self.exact_data[e])
+        return out
 
     def get(self, h: bytes) -> int | None:
         s = self.slots.get(h)
@@ -96,8 +160,9 @@ class HostTier:
             self.slots.move_to_end(h)
         return s
 
-    def put(self, h: bytes) -> int:
-        """A slot for `h` (its own if it has one), evicting the least recently used entry if none is free."""
+    def put(self, h: bytes, exact: bool = False) -> int:
+        """A slot for `h` (its own if it has one), evicting the least recently used entry if none is free; `exact`:
+        an int8 tier keeps a full copy too (the class docstring)."""
         s = self.slots.get(h)
         if s is not None:
             self.slots.move_to_end(h)
@@ -108,8 +173,10 @@ class HostTier:
             _, s = self.slots.popitem(last=False)
             self.stats.evictions += 1
         self.slots[h] = s
+        if self.int8:
+            self.want_exact[s] = exact
         self.stats.blocks = len(self.slots)
-        self.stats.bytes = self.stats.blocks * self.block_bytes
+        self.stats.bytes = self.stats.blocks * self.slot_bytes
         return s
 
     def check(self) -> None:
@@ -400,14 +467,17 @@ class KVTiers:
     """T1 and/or T2 under one block pool: the demote / promote bookkeeping and the copies it implies."""
 
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, key: str, host_bytes: int = 0,
-                 disk_dir: str | None = None, disk_bytes: int = 0, pin: bool = False, *,
+                 disk_dir: str | None = None, disk_bytes: int = 0, pin: bool = False, *, host_int8: bool = False,
                  host: HostTier | None = None, disk: DiskTier | None = None, prefetch: bool = True):
         """Tiers of the given sizes; or, for the simulator, the tier objects themselves (`host`, `disk`: a
         bookkeeping-only HostTier and a DiskTier stand-in) and no read-ahead thread (`prefetch` False)."""
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.block_bytes = int(torch.Size(block_shape).numel()) * dtype.itemsize
-        if host is None and host_bytes:
+        if host is None and host_bytes and host_int8:
+            slots, exact = HostTier.int8_slots(host_bytes, self.block_shape, dtype)
+            host = HostTier(slots, self.block_shape, dtype, pin, int8=True, exact_slots=exact)
+        elif host is None and host_bytes:
             host = HostTier(host_bytes // self.block_bytes, self.block_shape, dtype, pin)
         if disk is None and disk_dir is not None:
             disk = DiskTier(disk_dir, disk_bytes, key, self.block_shape, dtype)
@@ -426,12 +496,18 @@ class KVTiers:
         self.block_size = block_shape[2] if len(block_shape) > 2 else 1
 
     # ---- bookkeeping (the pool's calls, engine thread) ----------------------------------------
-    def demote(self, block: int, h: bytes) -> None:
-        """The pool evicts cached block `block` (hash `h`) to reuse it: keep a copy below T0."""
+    @property
+    def lossy(self) -> bool:
+        """Does a tier store blocks inexactly (an int8 host tier)?"""
+        return self.host is not None and self.host.int8
+
+    def demote(self, block: int, h: bytes, exact: bool = False) -> None:
+        """The pool evicts cached block `block` (hash `h`) to reuse it: keep a copy below T0 (`exact`: at full
+        precision even in a lossy tier)."""
         if self.host is not None:
             if self.host.get(h) is not None:
                 return  # already there (inclusive)
-            slot = self.host.put(h)
+            slot = self.host.put(h, exact)
             self._append("save", block, slot, h)
         elif self.disk is not None and not self.disk.contains(h):
             self._append("write", block, None, h)
@@ -555,10 +631,11 @@ class KVTiers:
         block = torch.zeros(self.block_shape, dtype=self.dtype)
         if self.host is not None and self.host.data is not None:
             best = math.inf
+            slot = self.host.free[-1] if self.host.free else 0
             for _ in range(3):
                 t0 = time.perf_counter()
-                self.host.data[0].copy_(block)
-                block.copy_(self.host.data[0])
+                self.host.write([slot], block[None])
+                block.copy_(self.host.read([slot])[0])
                 best = min(best, time.perf_counter() - t0)
             self.probe_s_per_block[1] = best
         if isinstance(self.disk, DiskTier):
@@ -595,14 +672,14 @@ class KVTiers:
                 data = kv_cache.index_select(2, idx).movedim(2, 0).to("cpu").contiguous()  # [n, L, 2, bs, h, d]
                 hashes = next(saves)
                 if kind == "save":
-                    self.host.data.index_copy_(0, torch.tensor(srcs, dtype=torch.long), data)
+                    self.host.write(srcs, data)
                     self.host.stats.demotions += len(blocks)
                     self.host.stats.write_s += time.perf_counter() - t0
                 if self.disk is not None:
                     self.disk.submit(hashes, data)
             else:
                 if kind == "load":
-                    data = self.host.data.index_select(0, torch.tensor(srcs, dtype=torch.long))
+                    data = self.host.read(srcs)
                 else:
                     data = torch.stack(srcs)
                 kv_cache.index_copy_(2, idx, data.to(kv_cache.device).movedim(0, 2))
@@ -636,8 +713,9 @@ class KVTiers:
         parts = []
         probe = {t: f", load {s / self.block_size * 1e6:.1f} us/token" for t, s in self.probe_s_per_block.items()}
         if self.host is not None:
-            parts.append(f"host {self.host.num_slots * self.block_bytes / 2**30:.2f} GiB ({self.host.num_slots} blocks"
-                         f"{probe.get(1, '')})")
+            h = self.host
+            size = h.num_slots * h.slot_bytes + (len(h.exact_free) + len(h.exact_of)) * h.block_bytes * h.int8
+            parts.append(f"host {size / 2**30:.2f} GiB ({h.num_slots} blocks{', int8' if h.int8 else ''}{probe.get(1, '')})")
         if self.disk is not None:
             parts.append(f"disk {self.disk.max_bytes / 2**30:.2f} GiB in {self.disk.dir} "
                          f"({len(self.disk)} blocks there{probe.get(2, '')})")
