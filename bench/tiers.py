@@ -136,8 +136,7 @@ def table(rows: list[dict[str, Any]]) -> str:
          "makespan s"], out)
 
 
-_WORDS = ("agent tool call plan search result file code test error fix review memory cache token block program "
-          "latency server engine schedule request reply context prompt model trace step answer question").split()
+_WORDS = ["agent", "tool", "call", "plan", "search", "result", "file", "code", "test", "error", "fix", "review", "memory", "cache", "token", "block", "program", "latency", "server", "engine", "schedule", "request", "reply", "context", "prompt", "model", "trace", "step", "answer", "question"]
 
 
 def _conversation(n_words: int) -> list[dict[str, str]]:
