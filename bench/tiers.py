@@ -11,6 +11,7 @@ program's context is gone from T0 by its next call. Configurations, each on a fr
 
 - t0: the engine's pool only (a lost context is recomputed);
 - t1: + a host tier of `--host-gib` (engine.kv_tiers.HostTier);
+- t1-int8: the same host tier storing int8 blocks (lossy; `--ll` measures its error);
 - t1+t2: + a small host tier (`--small-host-gib`, too small for the contexts) over a disk tier in a fresh
   directory (`--disk-dir`, default a temporary one): most loads come from disk;
 - t2: the disk tier alone.
@@ -50,13 +51,14 @@ from agentrt.bench.retention import _program, workload
 from agentrt.engine import SamplingParams
 from agentrt.policies.autellix import TTL_SETTINGS
 
-CONFIGS = ("t0", "t1", "t1+t2", "t2")
+CONFIGS = ("t0", "t1", "t1-int8", "t1+t2", "t2")
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}  # as bench retention's
 SIZE = {**wl.REACT_SMALL, "tool_median_s": 0.5, "tool_sigma": 0.5, "tool_max_s": 3.0}
 
 
 def tier_options(config: str, host_gib: float, small_host_gib: float, disk_dir: str) -> dict[str, Any]:
     return {"t0": {}, "t1": {"kv_host_gib": host_gib},
+            "t1-int8": {"kv_host_gib": host_gib, "kv_host_quantization": "int8"},
             "t1+t2": {"kv_host_gib": small_host_gib, "kv_disk_dir": disk_dir},
             "t2": {"kv_disk_dir": disk_dir}}[config]
 
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-blocks", type=int, default=160, help="KV blocks of 16 tokens in T0 (memory pressure)")
     ap.add_argument("--ttl-s", type=float, default=0.1, help="the programs' pin TTL (tools last longer)")
-    ap.add_argument("--configs", default="t0,t1,t1+t2")
+    ap.add_argument("--configs", default="t0,t1,t1-int8,t1+t2,t2")
     ap.add_argument("--host-gib", type=float, default=1.0, help="T1's size in t1")
     ap.add_argument("--small-host-gib", type=float, default=0.05, help="T1's size in t1+t2")
     ap.add_argument("--disk-dir", default=None, help="T2's directory (default: a fresh temporary one per run)")

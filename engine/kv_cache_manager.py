@@ -197,7 +197,11 @@ class KVCacheManager:
                 where = tiers.lookup(h)
                 if where is None or not pool.num_free or not tiers.worth_loading(where[0]):
                     break
-                (b,) = pool.allocate(1)
+                tiers.loading = h  # the block `allocate` evicts must not take h's T1 slot
+                try:
+                    (b,) = pool.allocate(1)
+                finally:
+                    tiers.loading = None
                 if not tiers.load(b, h, where):
                     pool.release([b])
                     break

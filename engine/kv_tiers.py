@@ -160,9 +160,10 @@ class HostTier:
             self.slots.move_to_end(h)
         return s
 
-    def put(self, h: bytes, exact: bool = False) -> int:
-        """A slot for `h` (its own if it has one), evicting the least recently used entry if none is free; `exact`:
-        an int8 tier keeps a full copy too (the class docstring)."""
+    def put(self, h: bytes, exact: bool = False, keep: bytes | None = None) -> int | None:
+        """A slot for `h` (its own if it has one), evicting the least recently used entry other than `keep` (a block
+        being loaded) if none is free; None if that leaves nothing to evict. `exact`: an int8 tier keeps a full
+        copy too (the class docstring)."""
         s = self.slots.get(h)
         if s is not None:
             self.slots.move_to_end(h)
@@ -170,7 +171,10 @@ class HostTier:
         if self.free:
             s = self.free.pop()
         else:
-            _, s = self.slots.popitem(last=False)
+            victim = next((v for v in self.slots if v != keep), None)
+            if victim is None:
+                return None
+            s = self.slots.pop(victim)
             self.stats.evictions += 1
         self.slots[h] = s
         if self.int8:
@@ -221,6 +225,8 @@ class DiskTier:
         self._dir_mtime = -1.0
         self._queue: queue.Queue = queue.Queue(maxsize=backlog)
         self._pending = 0  # batches queued or being written
+        self._queued: set[bytes] = set()  # hashes queued or being written (each block is written once)
+        self._bad: set[str] = set()  # files found bad at a scan (counted once; forgotten when they go)
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self.scan()
@@ -237,7 +243,8 @@ class DiskTier:
             return
         self._dir_mtime = mtime
         with self._lock:
-            new = [n for n in names if n not in self.files]
+            self._bad.intersection_update(names)
+            new = [n for n in names if n not in self.files and n not in self._bad]
         for name in new:
             info = self._read_header(name)
             if info is not None:
@@ -279,6 +286,7 @@ class DiskTier:
         except (OSError, ValueError, KeyError, TypeError) as e:
             with self._lock:
                 self.stats.corrupt += 1
+                self._bad.add(name)
             logger.warning("KV disk tier: ignoring %s: %s", path, e)
             return None
 
@@ -356,15 +364,23 @@ class DiskTier:
         """Queue blocks (`data[i]` is block `hashes[i]`, a tensor no one writes again) for the writer; when its
         backlog is full they are skipped and counted, never waited for."""
         with self._lock:
-            todo = [i for i, h in enumerate(hashes) if h not in self.index]
-            if not todo or self._closed:
+            if self._closed:
+                return
+            todo, seen = [], set()
+            for i, h in enumerate(hashes):
+                if h not in self.index and h not in self._queued and h not in seen:
+                    seen.add(h)
+                    todo.append(i)
+            if not todo:
                 return
             self._pending += 1
+            self._queued |= seen
         try:
             self._queue.put_nowait(([hashes[i] for i in todo], data[todo] if len(todo) < len(hashes) else data))
         except queue.Full:
             with self._lock:
                 self._pending -= 1
+                self._queued -= seen
                 self.stats.skipped += len(todo)
                 self._idle.notify_all()
 
@@ -394,6 +410,7 @@ class DiskTier:
             finally:
                 with self._lock:
                     self._pending -= 1
+                    self._queued.difference_update(hashes)
                     self._idle.notify_all()
 
     def _write_chunk(self, hashes: list[bytes], data: torch.Tensor) -> None:
@@ -412,6 +429,10 @@ class DiskTier:
         name = _file_name(hashes)
         path = os.path.join(self.dir, name)
         size = len(MAGIC) + _HEADER_LEN.size + len(header) + len(blob)
+        if size > self.max_bytes:  # would not fit even alone
+            with self._lock:
+                self.stats.skipped += len(hashes)
+            return
         with self._lock:
             self._evict_over(size)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -483,6 +504,7 @@ class KVTiers:
             disk = DiskTier(disk_dir, disk_bytes, key, self.block_shape, dtype)
         self.host, self.disk = host, disk
         self.prefetch_enabled = prefetch
+        self.loading: bytes | None = None  # the block a promotion is making room for: its T1 slot is not reused
         self.probe_s_per_block: dict[int, float] = {}  # tier -> load seconds a block, from `probe` (start-up)
         self._moves = Moves()
         self.recompute_s_per_token: float | None = None  # measured by the engine (prefill steps)
@@ -507,8 +529,13 @@ class KVTiers:
         if self.host is not None:
             if self.host.get(h) is not None:
                 return  # already there (inclusive)
-            slot = self.host.put(h, exact)
-            self._append("save", block, slot, h)
+            slot = self.host.put(h, exact, keep=self.loading)
+            if slot is not None:
+                self._append("save", block, slot, h)
+                return
+            self.host.stats.skipped += 1  # its only slot holds the block being loaded
+            if self.disk is not None and not self.disk.contains(h):
+                self._append("write", block, None, h)
         elif self.disk is not None and not self.disk.contains(h):
             self._append("write", block, None, h)
 
@@ -714,7 +741,7 @@ class KVTiers:
         probe = {t: f", load {s / self.block_size * 1e6:.1f} us/token" for t, s in self.probe_s_per_block.items()}
         if self.host is not None:
             h = self.host
-            size = h.num_slots * h.slot_bytes + (len(h.exact_free) + len(h.exact_of)) * h.block_bytes * h.int8
+            size = h.num_slots * h.slot_bytes + ((len(h.exact_free) + len(h.exact_of)) * h.block_bytes if h.int8 else 0)
             parts.append(f"host {size / 2**30:.2f} GiB ({h.num_slots} blocks{', int8' if h.int8 else ''}{probe.get(1, '')})")
         if self.disk is not None:
             parts.append(f"disk {self.disk.max_bytes / 2**30:.2f} GiB in {self.disk.dir} "
