@@ -81,7 +81,7 @@ async def run_one(config: str, specs, model: str | None, num_blocks: int, ttl_s:
     retention = RetentionConfig(default_ttl_s=ttl_s, max_ttl_s=ttl_s)
     kw = {**ENGINE, **options, "num_blocks": num_blocks}
     async with agentrt.Runtime(model, policy="plas", policy_kwargs=dict(TTL_SETTINGS), retention=retention, **kw) as rt:
-        recompute = await _recompute_s_per_token(rt)
+        recompute = await _recompute_s_per_token(rt, min(512, num_blocks // 2 * 16))
         kv0 = rt.kv_stats()
         start = time.monotonic()
         results: list[dict[str, Any]] = []

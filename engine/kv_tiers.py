@@ -641,7 +641,10 @@ class KVTiers:
 
     def load_s_per_block(self, tier: int) -> float | None:
         """What loading a block from `tier` costs: measured over the loads so far, else the start-up probe's."""
-        st = self.host.stats if tier == 1 else self.disk.stats
+        t = self.host if tier == 1 else self.disk
+        if t is None:
+            return None
+        st = t.stats
         if st.hits >= 8:
             return st.load_s / st.hits
         return self.probe_s_per_block.get(tier)

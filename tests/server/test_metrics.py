@@ -175,3 +175,23 @@ def test_lora_info_is_one_series_whose_labels_follow_the_adapters():
         m.render()
         ((labels, _),) = lora_series(m)
         assert labels == {"max_lora": "4", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+
+
+def test_kv_tier_series_per_tier_follow_the_engine_totals():
+    from agentrt.engine.kv_tiers import TierStats
+
+    m = Metrics()
+    m.render(state(kv_tiers={"host": TierStats(blocks=5, bytes=500, hits=3, demotions=7, load_s=0.25),
+                             "disk": TierStats(blocks=9, bytes=900, hits=1, corrupt=1, prefetched=2)}))
+    m.render(state(kv_tiers={"host": TierStats(blocks=4, bytes=400, hits=6, demotions=7, evictions=2, load_s=0.5),
+                             "disk": TierStats(blocks=9, bytes=900, hits=1, corrupt=1, prefetched=2)}))
+    assert sample(m, "agentrt:kv_tier_blocks", tier="host") == 4
+    assert sample(m, "agentrt:kv_tier_bytes", tier="disk") == 900
+    assert sample(m, "agentrt:kv_tier_hits_total", tier="host") == 6
+    assert sample(m, "agentrt:kv_tier_hits_total", tier="disk") == 1
+    assert sample(m, "agentrt:kv_tier_demotions_total", tier="host") == 7
+    assert sample(m, "agentrt:kv_tier_evictions_total", tier="host") == 2
+    assert sample(m, "agentrt:kv_tier_corrupt_files_total", tier="disk") == 1
+    assert sample(m, "agentrt:kv_tier_prefetched_total", tier="disk") == 2
+    assert sample(m, "agentrt:kv_tier_load_seconds_total", tier="host") == 0.5
+    assert sample(m, "agentrt:kv_tier_hits_total", tier="none") is None
