@@ -78,6 +78,12 @@ def test_engine_flags_reach_the_engine_config(served, tmp_path):
     assert engine["max_loras"] == 2 and served["config"].lora_modules == [f"a={tmp_path}"]
     assert cli(["serve", "m"]) == 0  # unset: the engine's defaults
     assert "seed" not in served["config"].engine and "enable_prefix_caching" not in served["config"].engine
+    assert "kv_host_gib" not in served["config"].engine and "kv_disk_dir" not in served["config"].engine
+    assert cli(["serve", "m", "--kv-host-gib", "2", "--kv-host-quantization", "int8", "--kv-disk-dir", str(tmp_path),
+                "--kv-disk-gib", "0.5"]) == 0
+    config = EngineConfig(**served["config"].engine)
+    assert (config.kv_host_gib, config.kv_host_quantization, config.kv_disk_dir, config.kv_disk_gib) == (
+        2.0, "int8", str(tmp_path), 0.5)
 
 
 def test_cors_flags(served):
@@ -130,10 +136,13 @@ def test_uvicorn_flags(served, tmp_path):
     (["--ssl-certfile", __file__], ["ssl_keyfile", "both or neither"]),
     (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", __file__], ["ssl_keyfile", "/no/key.pem"]),
     (["--ssl-keyfile", __file__, "--ssl-certfile", "/no/cert.pem"], ["ssl_certfile", "/no/cert.pem"]),
+    (["--kv-disk-gib", "1"], ["kv_disk_gib", "kv_disk_dir"]),
+    (["--kv-host-gib", "1", "--kv-host-quantization", "fp4"], ["kv_host_quantization", "'fp4'"]),
+    (["--kv-host-gib", "-1"], ["kv_host_gib", "-1"]),
 ], ids=["two-models", "seed", "origins-not-json", "origins-not-list", "methods-not-strings", "headers-bad-json",
         "template-missing-file", "template-unclosed", "template-syntax", "root-path", "genconf-not-object",
         "lora-modules-no-path", "ssl-half", "ssl-no-key",
-        "ssl-no-cert"])
+        "ssl-no-cert", "kv-disk-gib-no-dir", "kv-host-quantization", "kv-host-gib-negative"])
 def test_bad_values_fail_before_the_model_loads(args, needles, no_load, capsys):
     assert cli(["serve", *args]) == 2
     one_line_error(capsys, *needles)
