@@ -146,10 +146,12 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs : (i + 1) * bs], extra))
         return hashes[:num_blocks]
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+    def get_computed_blocks(self, req: Request, may_take_pinned: bool = False) -> tuple[list[int], int]:
         """Longest cached prefix of a request that holds no blocks: (block ids, tokens covered).
 
-        At least the last token is always left to compute (its logits are needed)."""
+        At least the last token is always left to compute (its logits are needed). With KV tiers, blocks found
+        below T0 are loaded into free blocks, and into pinned blocks that give way if `may_take_pinned` (the
+        request would take them for computing anyway)."""
         p = req.sampling
         if (not self.enable_prefix_caching or req.block_ids or p.prompt_logprobs is not None
                 or (p.pooling is not None and not p.pooling.reads_cache)):
@@ -163,7 +165,7 @@ class KVCacheManager:
                 break
             hits.append(b)
         if self.tiers is not None and len(hits) < len(hashes):
-            req.num_tier_loaded_tokens += self._promote(hashes, hits) * self.block_size
+            req.num_tier_loaded_tokens += self._promote(hashes, hits, req.program_id, may_take_pinned) * self.block_size
         return hits, len(hits) * self.block_size
 
     def prefetch(self, req: Request) -> None:
@@ -178,7 +180,8 @@ class KVCacheManager:
         if i < len(hashes):
             self.tiers.prefetch(hashes[i:])
 
-    def _promote(self, hashes: list[bytes], hits: list[int]) -> int:
+    def _promote(self, hashes: list[bytes], hits: list[int], owner: str | None = None,
+                 may_take_pinned: bool = False) -> int:
         """Extend `hits` (T0 hits of `hashes`' head) with the blocks found below T0, each loaded into a free T0
         block and registered there (a cached, unreferenced block, like any other hit: the caller takes it or the
         LRU does); blocks of the chain still in T0 past a demoted one are taken as they are. Stops at the first
@@ -195,7 +198,9 @@ class KVCacheManager:
                     hits.append(b)
                     continue
                 where = tiers.lookup(h)
-                if where is None or not pool.num_free or not tiers.worth_loading(where[0]):
+                if where is None or not tiers.worth_loading(where[0]):
+                    break
+                if not pool.num_free and not (may_take_pinned and self.ownership.give_way(1, owner, hits, False)):
                     break
                 tiers.loading = h  # the block `allocate` evicts must not take h's T1 slot
                 try:

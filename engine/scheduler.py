@@ -217,7 +217,9 @@ class Scheduler:
                 req.error = error
                 self.finish(req, RequestStatus.FINISHED_ERROR, "error")
                 continue
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            idle = not self.running  # nobody would free blocks: reservations must give way
+            take_pins = idle or not protect_pins or self.kv.holds_pin(req.program_id)
+            hits, num_hit = self.kv.get_computed_blocks(req, may_take_pinned=take_pins)
             next_hash = self.kv.next_block_hash(req, len(hits))
             if next_hash is not None:
                 if in_flight is None:
@@ -228,8 +230,6 @@ class Scheduler:
                     j += 1
                     continue
             n = min(req.num_tokens - num_hit, budget)
-            idle = not self.running  # nobody would free blocks: reservations must give way
-            take_pins = idle or not protect_pins or self.kv.holds_pin(req.program_id)
             if not self.kv.allocate_slots(req, n, hits, may_take_reserved=idle, may_take_pinned=take_pins,
                                           whole=protect_pins and not idle):
                 break  # head of line waits for blocks (FCFS fairness; the policy chose the order)

@@ -88,3 +88,35 @@ def test_browser_sees_programs_run_and_end(server, tmp_path):
             browser.close()
             http.delete("/v1/programs/ui-alpha")
             http.close()
+
+
+def test_browser_sees_the_kv_tiers_and_a_program_s_loaded_tokens(tiny_model_path):
+    """A server with a host tier and a pool of 6 blocks: a program's second call with its first prompt finds
+    that prompt's evicted blocks in T1; the page shows the tier's blocks and hits, and the program's tokens
+    loaded from tiers."""
+    if CHROMIUM is None:
+        pytest.skip("no chromium binary on PATH (apt-get install chromium; scripts/setup.sh does it as root)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install playwright)")
+    config = tiny_config(tiny_model_path, engine={"num_blocks": 6, "kv_host_gib": 0.01})
+    prompt = list(range(3, 73))  # 4 full blocks and a partial one
+    with live_server(config) as s, httpx.Client(base_url=s.url, timeout=60) as http:
+        assert http.post("/v1/programs", json={"program_id": "ui-tiers"}).status_code == 201
+        for p in (prompt, [t + 200 for t in prompt], prompt):
+            r = http.post("/v1/completions", json={"prompt": p, "max_tokens": 2, "temperature": 0},
+                          headers={"X-Program-Id": "ui-tiers"})
+            assert r.status_code == 200
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        assert http.get("/v1/programs/ui-tiers").json()["kv_tier_loaded_tokens"] == 48
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--headless", "--disable-gpu"])
+            try:
+                page = browser.new_page()
+                page.goto(f"{s.url}/ui")
+                sync_api.expect(page.locator("#tiers")).to_have_text(re.compile(r"host \d+ blocks, 3 hits"),
+                                                                     timeout=20_000)
+                assert page.locator("#tiers-stat").is_visible()
+                row = page.locator('tr[data-program-id="ui-tiers"]')
+                row.wait_for(timeout=10_000)
+                assert "64 (48 from tiers)" in row.inner_text()
+            finally:
+                browser.close()
