@@ -108,6 +108,21 @@ async def _program(rt: agentrt.Runtime, spec: ProgramSpec, start: float, size: d
             "recomputed": kv.recomputed_prefill_tokens, "ttl_hits": kv.ttl_hits, "ttl_misses": kv.ttl_misses}
 
 
+async def run_programs(rt: agentrt.Runtime, specs: list[ProgramSpec],
+                       size: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
+    """Every program of `specs` at its arrival time on `rt`: each one's `_program` result, and the makespan."""
+    start = time.monotonic()
+    results: list[dict[str, Any]] = []
+
+    async def launch(spec: ProgramSpec) -> None:
+        results.append(await _program(rt, spec, start, size))
+
+    async with anyio.create_task_group() as tg:
+        for spec in specs:
+            tg.start_soon(launch, spec)
+    return results, time.monotonic() - start
+
+
 async def run_one(policy: str, mode: str, specs: list[ProgramSpec], model: str | None, num_blocks: int,
                   size: dict[str, Any] = SIZE) -> dict[str, Any]:
     kw = {**ENGINE, **MODES[mode], "num_blocks": num_blocks}
@@ -115,16 +130,7 @@ async def run_one(policy: str, mode: str, specs: list[ProgramSpec], model: str |
     async with agentrt.Runtime(model, policy=policy, policy_kwargs=policy_kwargs, **kw) as rt:
         await agentrt.generate(wl.tokens(random.Random(0), 64), max_tokens=4)  # warm-up, not measured
         kv0 = rt.kv_stats()
-        start = time.monotonic()
-        results: list[dict[str, Any]] = []
-
-        async def launch(spec: ProgramSpec) -> None:
-            results.append(await _program(rt, spec, start, size))
-
-        async with anyio.create_task_group() as tg:
-            for spec in specs:
-                tg.start_soon(launch, spec)
-        makespan = time.monotonic() - start
+        results, makespan = await run_programs(rt, specs, size)
         kv = rt.kv_stats()
     lat = sorted(r["latency_s"] for r in results)
     queries = kv.prefix_queries_tokens - kv0.prefix_queries_tokens

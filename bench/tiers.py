@@ -47,7 +47,7 @@ import agentrt
 from agentrt._retention import RetentionConfig
 from agentrt.bench import _common
 from agentrt.bench import workload as wl
-from agentrt.bench.retention import _program, workload
+from agentrt.bench.retention import run_programs, workload
 from agentrt.engine import SamplingParams
 from agentrt.policies.autellix import TTL_SETTINGS
 
@@ -83,16 +83,7 @@ async def run_one(config: str, specs, model: str | None, num_blocks: int, ttl_s:
     async with agentrt.Runtime(model, policy="plas", policy_kwargs=dict(TTL_SETTINGS), retention=retention, **kw) as rt:
         recompute = await _recompute_s_per_token(rt, min(512, num_blocks // 2 * 16))
         kv0 = rt.kv_stats()
-        start = time.monotonic()
-        results: list[dict[str, Any]] = []
-
-        async def launch(spec) -> None:
-            results.append(await _program(rt, spec, start, size))
-
-        async with anyio.create_task_group() as tg:
-            for spec in specs:
-                tg.start_soon(launch, spec)
-        makespan = time.monotonic() - start
+        results, makespan = await run_programs(rt, specs, size)
         kv = rt.kv_stats()
     lat = sorted(r["latency_s"] for r in results)
     queries = max(1, kv.prefix_queries_tokens - kv0.prefix_queries_tokens)
