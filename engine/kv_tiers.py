@@ -50,6 +50,7 @@ logger = logging.getLogger("agentrt.engine")
 
 MAGIC = b"AGKVT2\x00\x01"
 STAGED_BYTES = 256 << 20  # disk blocks read ahead and not loaded yet, at most
+RESCAN_INTERVAL_S = 0.25  # a disk tier looks for other engines' new files at most this often
 _HEADER_LEN = struct.Struct("<I")
 
 
@@ -223,6 +224,7 @@ class DiskTier:
         self.files: OrderedDict[str, _File] = OrderedDict()  # LRU: head = next to delete
         self._lock = threading.Lock()  # index, files, stats: the writer thread updates them too
         self._dir_mtime = -1.0
+        self._last_rescan = -math.inf
         self._queue: queue.Queue = queue.Queue(maxsize=backlog)
         self._pending = 0  # batches queued or being written
         self._queued: set[bytes] = set()  # hashes queued or being written (each block is written once)
@@ -254,7 +256,12 @@ class DiskTier:
             self._evict_over(0)
 
     def maybe_rescan(self) -> None:
-        """Rescan when the directory changed since the last scan (another engine wrote a file)."""
+        """Rescan when the directory changed since the last scan (another engine wrote a file), at most every
+        RESCAN_INTERVAL_S (this engine's own writes change it too, and a lookup misses on every step)."""
+        now = time.monotonic()
+        if now - self._last_rescan < RESCAN_INTERVAL_S:
+            return
+        self._last_rescan = now
         try:
             if os.stat(self.dir).st_mtime != self._dir_mtime:
                 self.scan()

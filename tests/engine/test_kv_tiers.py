@@ -439,6 +439,8 @@ def test_two_disk_tiers_share_a_directory(tmp_path):
         t1.disk.flush()
         assert not t2.disk.contains(h)  # not rescanned yet
         bump_mtime(t2.disk.dir)
+        assert t2.lookup(h) is None  # within RESCAN_INTERVAL_S of the last rescan: not looked for yet
+        t2.disk._last_rescan -= kv_tiers.RESCAN_INTERVAL_S
         assert t2.lookup(h) == (2, None)  # the lookup miss rescans the changed directory
         assert torch.equal(t2.disk.read(h), data[0])
         assert t2.disk.stats.corrupt == 0 and t2.disk.stats.demotions == 0
