@@ -24,6 +24,7 @@ import heapq
 import itertools
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -248,6 +249,9 @@ def agents_main(argv: list[str]) -> int:
                     help="the GPU step-cost model (bench/costs.py states each one's figures and sources)")
     ap.add_argument("--plot", default=None, metavar="PNG", help="write the latency / recompute plot here")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--write-docs", default=None, metavar="TITLE",
+                    help="write the table, each config's rate at the first config's latencies and the plot (--plot) "
+                         "into docs/benchmarks.md under this title")
     args = ap.parse_args(argv)
     try:
         rates = [float(x) for x in args.rates.split(",")]
@@ -264,16 +268,52 @@ def agents_main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print("| rate (programs/s) | config | mean s | p95 s | recomputed prefill tokens | hit rate | tier hits (blocks) "
-          "| TTL hits / misses | pinned block-s | preemptions | wall s | CPU s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    text = agents_table(rows) + "\n\n" + rates_at_equal_latency(rows, configs)
+    print(text)
+    if args.write_docs:
+        from agentrt.bench import _common
+
+        plot = f"\n\n![{args.write_docs}]({os.path.relpath(args.plot, 'docs')})" if args.plot else ""
+        _common.write_section(args.write_docs, f"{args.programs} full-size agents (CODING_FULL / REACT_FULL, "
+                              f"bench/workload.py), step costs {args.cost_model} ({costs.named(args.cost_model)[2]}), "
+                              f"blocks of {args.block_size} tokens.\n\n{text}{plot}")
+    return 0
+
+
+def agents_table(rows: list[dict[str, Any]]) -> str:
+    out = []
     for r in rows:
         tier_hits = ", ".join(f"{k} {v:,}" for k, v in r["tier_hits"].items()) or "-"
-        print(f"| {r['rate']} | {r['config']} | {r['latency_mean_s']:.0f} | {r['latency_p95_s']:.0f} "
-              f"| {r['recomputed_prefill_tokens']:,} | {r['prefix_hit_rate']:.0%} | {tier_hits} "
-              f"| {r['ttl_hits']} / {r['ttl_misses']} | {r['pinned_block_s']:,.0f} "
-              f"| {r['preemptions']} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} |")
-    return 0
+        out.append([r["rate"], r["config"], f"{r['latency_mean_s']:.0f}", f"{r['latency_p95_s']:.0f}",
+                    f"{r['recomputed_prefill_tokens']:,}", f"{r['prefix_hit_rate']:.0%}", tier_hits,
+                    f"{r['ttl_hits']} / {r['ttl_misses']}", f"{r['pinned_block_s']:,.0f}", r["preemptions"],
+                    f"{r['wall_s']:.0f}", f"{r['cpu_s']:.0f}"])
+    from agentrt.bench import _common
+
+    return _common.markdown_table(
+        ["rate (programs/s)", "config", "mean s", "p95 s", "recomputed prefill tokens", "hit rate", "tier hits (blocks)",
+         "TTL hits / misses", "pinned block-s", "preemptions", "wall s", "CPU s"], out)
+
+
+def rates_at_equal_latency(rows: list[dict[str, Any]], configs: list[str]) -> str:
+    """For each swept latency of the first config, the rate each other config sustains at that mean latency, and
+    the pinned block-seconds at each rate both ran, as ratios to the first config's."""
+    base = configs[0]
+    lines = []
+    for r in sorted((r for r in rows if r["config"] == base), key=lambda r: r["rate"]):
+        parts = []
+        for name in configs[1:]:
+            rate = rate_at_latency(rows, name, r["latency_mean_s"])
+            got = "beyond the sweep" if rate is None else f"{rate:.3f}/s ({rate / r['rate']:.2f}x)"
+            parts.append(f"{name} {got}")
+        lines.append(f"- at {base}'s mean of {r['latency_mean_s']:.0f} s ({r['rate']}/s): " + ", ".join(parts))
+    for name in configs[1:]:
+        pairs = [(a, b) for a in rows for b in rows if a["config"] == base and b["config"] == name and a["rate"] == b["rate"]]
+        if pairs:
+            ratios = ", ".join(f"{a['rate']}/s {a['pinned_block_s'] / max(b['pinned_block_s'], 1):,.0f}x"
+                               for a, b in pairs)
+            lines.append(f"- pinned block-seconds, {base} / {name}: {ratios}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
