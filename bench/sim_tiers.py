@@ -68,7 +68,7 @@ class SimDisk:
     def maybe_rescan(self) -> None:
         pass
 
-    def read(self, h: bytes) -> object | None:
+    def read(self, h: bytes, timed: bool = True) -> object | None:
         if h not in self.index:
             return None
         self.index.move_to_end(h)

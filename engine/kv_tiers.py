@@ -335,8 +335,9 @@ class DiskTier:
         return len(self.index)
 
     # ---- reads (engine thread) -----------------------------------------------------------
-    def read(self, h: bytes) -> torch.Tensor | None:
-        """Block `h`'s data, checked against its CRC; None (and the file dropped) if missing or corrupt."""
+    def read(self, h: bytes, timed: bool = True) -> torch.Tensor | None:
+        """Block `h`'s data, checked against its CRC; None (and the file dropped) if missing or corrupt. `timed`:
+        its time counts as load time (a read on the engine's thread; read-ahead is not)."""
         with self._lock:
             name = self.index.get(h)
             info = self.files.get(name) if name is not None else None
@@ -362,8 +363,9 @@ class DiskTier:
             logger.warning("KV disk tier: %s is truncated or corrupt (block %d): dropped, recomputing", path, i)
             return None
         data = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).view(self.block_shape)
-        with self._lock:
-            self.stats.load_s += time.perf_counter() - t0
+        if timed:
+            with self._lock:
+                self.stats.load_s += time.perf_counter() - t0
         return data
 
     # ---- writes (writer thread) ----------------------------------------------------------
@@ -614,7 +616,7 @@ class KVTiers:
                 with self._staged_lock:
                     if h in self._staged:
                         continue
-                data = self.disk.read(h)
+                data = self.disk.read(h, timed=False)
                 if data is None:
                     break
                 with self._staged_lock:
