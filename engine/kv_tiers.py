@@ -429,10 +429,10 @@ class DiskTier:
         if not keep:
             return
         hashes = [hashes[i] for i in keep]
-        blob = data[keep].contiguous().view(torch.uint8).numpy().tobytes() if len(keep) < len(data) else \
-            data.contiguous().view(torch.uint8).numpy().tobytes()
+        part = data[keep] if len(keep) < len(data) else data
+        blob = memoryview(part.contiguous().view(torch.uint8).numpy()).cast("B")  # no copy: written as it is
         bb = self.block_bytes
-        crcs = [zlib.crc32(memoryview(blob)[i * bb : (i + 1) * bb]) for i in range(len(hashes))]
+        crcs = [zlib.crc32(blob[i * bb : (i + 1) * bb]) for i in range(len(hashes))]
         header = json.dumps({"key": self.key, "block_bytes": bb, "hashes": [h.hex() for h in hashes],
                              "crcs": crcs}).encode()
         name = _file_name(hashes)
