@@ -406,6 +406,7 @@ class DiskTier:
         self._thread.join(timeout_s)
 
     def _write_loop(self) -> None:
+        _lowest_priority()  # writes wait for idle cores: a step's compute threads are never held up by them
         while True:
             item = self._queue.get()
             if item is None:
@@ -473,6 +474,12 @@ class DiskTier:
             for h, name in self.index.items():
                 assert h in self.files[name].hashes, "the disk index names a file that does not hold the block"
             assert sum(f.size for f in self.files.values()) <= self.max_bytes, "the disk tier is over its bound"
+
+
+def _lowest_priority() -> None:
+    """Run the calling thread at the lowest CPU priority (Linux: a thread's own nice value; elsewhere nothing)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _file_name(hashes: list[bytes]) -> str:
