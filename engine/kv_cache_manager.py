@@ -174,11 +174,10 @@ class KVCacheManager:
         if self.tiers is None or self.tiers.disk is None or req.block_ids:
             return
         hashes = self.block_hashes(req, (req.num_tokens - 1) // self.block_size)
-        i = 0
-        while i < len(hashes) and self.pool.lookup(hashes[i]) is not None:
-            i += 1
-        if i < len(hashes):
-            self.tiers.prefetch(hashes[i:])
+        lookup = self.pool.lookup
+        todo = [h for h in hashes if lookup(h) is None]  # those T0 holds are not read again
+        if todo:
+            self.tiers.prefetch(todo)
 
     def _promote(self, hashes: list[bytes], hits: list[int], owner: str | None = None,
                  may_take_pinned: bool = False) -> int:

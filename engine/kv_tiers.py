@@ -615,6 +615,7 @@ class KVTiers:
         self._reads.put(todo)
 
     def _read_loop(self) -> None:
+        _lowest_priority()  # as the writer: a read it has not done yet, admission does itself
         while True:
             hashes = self._reads.get()
             if hashes is None:
