@@ -348,11 +348,11 @@ class DiskTier:
         path = os.path.join(self.dir, name)
         t0 = time.perf_counter()
         try:
+            buf = torch.empty(self.block_bytes, dtype=torch.uint8)  # read into as it is: no zero fill
             with open(path, "rb") as f:
                 f.seek(info.offset + i * self.block_bytes)
-                buf = bytearray(self.block_bytes)
-                n = f.readinto(buf)
-            ok = n == self.block_bytes and zlib.crc32(buf) == info.crcs[i]
+                n = f.readinto(buf.numpy())
+            ok = n == self.block_bytes and zlib.crc32(buf.numpy()) == info.crcs[i]
         except OSError:
             ok = False
             n = -1
@@ -362,7 +362,7 @@ class DiskTier:
                 self.stats.corrupt += 1
             logger.warning("KV disk tier: %s is truncated or corrupt (block %d): dropped, recomputing", path, i)
             return None
-        data = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+        data = buf.view(self.dtype).view(self.block_shape)
         if timed:
             with self._lock:
                 self.stats.load_s += time.perf_counter() - t0
@@ -476,10 +476,23 @@ class DiskTier:
             assert sum(f.size for f in self.files.values()) <= self.max_bytes, "the disk tier is over its bound"
 
 
+def _gather(kv_cache: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    """Blocks of `kv_cache` ([layers, K/V, blocks, ...]) copied out, [n, layers, K/V, ...] on the CPU: one copy each."""
+    out = torch.empty((len(blocks), *kv_cache.shape[:2], *kv_cache.shape[3:]), dtype=kv_cache.dtype)
+    for i, b in enumerate(blocks):
+        out[i].copy_(kv_cache[:, :, b])
+    return out
+
+
 def _lowest_priority() -> None:
-    """Run the calling thread at the lowest CPU priority (Linux: a thread's own nice value; elsewhere nothing)."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    """Run the calling thread only on otherwise idle cores (Linux SCHED_IDLE; else the lowest nice value; elsewhere
+    nothing)."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
 
 
 def _file_name(hashes: list[bytes]) -> str:
@@ -714,22 +727,28 @@ class KVTiers:
         saves = iter(moves.saved_hashes)
         for kind, blocks, srcs in moves.ops:
             t0 = time.perf_counter()
-            idx = torch.tensor(blocks, dtype=torch.long, device=kv_cache.device)
             if kind in ("save", "write"):
-                data = kv_cache.index_select(2, idx).movedim(2, 0).to("cpu").contiguous()  # [n, L, 2, bs, h, d]
                 hashes = next(saves)
+                if kind == "save" and self.disk is None and not self.host.int8:  # one copy, T0 block -> its slot
+                    for b, s in zip(blocks, srcs):
+                        self.host.data[s].copy_(kv_cache[:, :, b])
+                else:
+                    data = _gather(kv_cache, blocks)  # a copy no one writes again: the disk writer's
+                    if kind == "save":
+                        self.host.write(srcs, data)
+                    if self.disk is not None:
+                        self.disk.submit(hashes, data)
                 if kind == "save":
-                    self.host.write(srcs, data)
                     self.host.stats.demotions += len(blocks)
                     self.host.stats.write_s += time.perf_counter() - t0
-                if self.disk is not None:
-                    self.disk.submit(hashes, data)
             else:
-                if kind == "load":
-                    data = self.host.read(srcs)
+                if kind == "load" and not self.host.int8:  # one copy, slot -> T0 block
+                    for b, s in zip(blocks, srcs):
+                        kv_cache[:, :, b].copy_(self.host.data[s])
                 else:
-                    data = torch.stack(srcs)
-                kv_cache.index_copy_(2, idx, data.to(kv_cache.device).movedim(0, 2))
+                    data = self.host.read(srcs) if kind == "load" else srcs
+                    for i, b in enumerate(blocks):
+                        kv_cache[:, :, b].copy_(data[i])
                 if kind == "load":
                     self.host.stats.load_s += time.perf_counter() - t0
                 else:
@@ -743,8 +762,7 @@ class KVTiers:
         todo = [(h, b) for h, b in zip(hashes, blocks) if not self.disk.contains(h)]
         for lo in range(0, len(todo), 64):
             part = todo[lo : lo + 64]
-            idx = torch.tensor([b for _, b in part], dtype=torch.long, device=kv_cache.device)
-            data = kv_cache.index_select(2, idx).movedim(2, 0).to("cpu").contiguous()
+            data = _gather(kv_cache, [b for _, b in part])
             self.disk.flush(timeout_s)
             self.disk.submit([h for h, _ in part], data)
         self.disk.flush(timeout_s)
