@@ -331,6 +331,11 @@ class DiskTier:
         with self._lock:
             return h in self.index
 
+    def has_all(self, hashes: list[bytes]) -> bool:
+        """Is every block of `hashes` on disk or queued for it?"""
+        with self._lock:
+            return all(h in self.index or h in self._queued for h in hashes)
+
     def __len__(self) -> int:
         return len(self.index)
 
@@ -729,7 +734,10 @@ class KVTiers:
             t0 = time.perf_counter()
             if kind in ("save", "write"):
                 hashes = next(saves)
-                if kind == "save" and self.disk is None and not self.host.int8:  # one copy, T0 block -> its slot
+                on_disk = self.disk is None or self.disk.has_all(hashes)  # written through already: no copy for it
+                if kind == "write" and on_disk:
+                    pass
+                elif kind == "save" and on_disk and not self.host.int8:  # one copy, T0 block -> its slot
                     for b, s in zip(blocks, srcs):
                         self.host.data[s].copy_(kv_cache[:, :, b])
                 else:
