@@ -3,11 +3,11 @@
     agentrt bench tiers [--programs N] [--rate R] [--num-blocks B] [--ttl-s S] [--configs t0,t1,t1+t2]
                         [--host-gib G] [--small-host-gib G] [--disk-dir DIR] [--json] [--write-docs]
 
-Agents as `agentrt bench retention`'s (bench/retention.py: a shared system prompt, a task, 4-6 turns of
-call then tool, the context growing by each tool's observation; `REACT_SMALL`'s shape: ~20 prompt tokens
-per output token) under plas with TTL pins, in a KV cache far too small for the active programs' contexts
-even with pins, with tools that outlast the TTL (`--ttl-s`, below the shortest usual tool time): a
-program's context is gone from T0 by its next call. Configurations, each on a fresh engine, one run:
+Agents as `agentrt bench retention`'s (bench/retention.py: a shared system prompt, a task, turns of call
+then tool, the context growing by each tool's observation; `REACT_SMALL`'s shape, ~20 prompt tokens per
+output token, with 6-10 turns: Autellix's ReAct programs make ~10.8 calls) under plas with TTL pins, in a
+KV cache far too small for the active programs' contexts even with pins, with tools that outlast the TTL
+(`--ttl-s`, below the shortest usual tool time): a program's context is gone from T0 by its next call. Configurations, each on a fresh engine, one run:
 
 - t0: the engine's pool only (a lost context is recomputed);
 - t1: + a host tier of `--host-gib` (engine.kv_tiers.HostTier);
@@ -53,7 +53,7 @@ from agentrt.policies.autellix import TTL_SETTINGS
 
 CONFIGS = ("t0", "t1", "t1-int8", "t1+t2", "t2")
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}  # as bench retention's
-SIZE = {**wl.REACT_SMALL, "tool_median_s": 0.5, "tool_sigma": 0.5, "tool_max_s": 3.0}
+SIZE = {**wl.REACT_SMALL, "turns": (6, 10), "tool_median_s": 0.5, "tool_sigma": 0.5, "tool_max_s": 3.0}
 
 
 def tier_options(config: str, host_gib: float, small_host_gib: float, disk_dir: str) -> dict[str, Any]:
@@ -124,7 +124,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                     f"{r['recompute_s_per_token'] * 1e6:.0f} us", cost, r["latency_mean_s"], r["latency_p95_s"], vs,
                     r["makespan_s"]])
     return _common.markdown_table(
-        ["config", "recomputed prefill tokens", "saved vs t0", "prefix hit rate", "of which from tier",
+        ["config", "recomputed prefill tokens", "saved vs t0", "prefix hit rate", "loaded from tier (per prompt token)",
          "recompute / token", "load / token (vs recompute)", "latency mean s", "latency p95 s", "mean / p95 vs t0",
          "makespan s"], out)
 
@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"config": vars(args), "workload": SIZE, "engine": ENGINE, "results": rows}
     print(json.dumps(report, indent=2) if args.json else table(rows))
     if args.write_docs:
-        body = (f"{args.programs} agents (`REACT_SMALL` shape, tools {SIZE['tool_median_s']} s median), Poisson arrivals "
+        body = (f"{args.programs} agents (`REACT_SMALL` shape, {SIZE['turns'][0]}-{SIZE['turns'][1]} turns, tools "
+                f"{SIZE['tool_median_s']} s median), Poisson arrivals "
                 f"at {args.rate}/s, seed {args.seed}; plas with TTL pins of {args.ttl_s} s (tools outlast them); engine "
                 f"{ENGINE}, {args.num_blocks} KV blocks of 16 tokens in T0; t1: {args.host_gib} GiB host tier; t1+t2: "
                 f"{args.small_host_gib} GiB host tier over a disk tier.\n\n" + table(rows))
