@@ -95,17 +95,44 @@ async def run_one(config: str, specs, model: str | None, num_blocks: int, ttl_s:
         load_s = st.load_s - (before.load_s if before else 0.0)
         tiers[name] = {"hit_tokens": hits * bs, "hit_rate": hits * bs / queries, "blocks": st.blocks,
                        "demotions": st.demotions, "evictions": st.evictions, "skipped": st.skipped,
-                       "corrupt": st.corrupt, "write_s": st.write_s,
+                       "corrupt": st.corrupt, "write_s": st.write_s, "load_s": load_s,
                        "load_s_per_token": load_s / (hits * bs) if hits else None}
     return {
         "config": config, "options": {k: str(v) for k, v in options.items()}, "makespan_s": makespan,
-        "recompute_s_per_token": recompute,
+        "recompute_s_per_token": recompute, "queries": queries, "latencies": lat,
         "recomputed_prefill_tokens": sum(r["recomputed"] for r in results),
         "prefix_hit_rate": (kv.prefix_hit_tokens - kv0.prefix_hit_tokens) / queries, "tiers": tiers,
         "ttl_hits": kv.ttl_hits - kv0.ttl_hits, "ttl_misses": kv.ttl_misses - kv0.ttl_misses,
         "preemptions": kv.num_preemptions - kv0.num_preemptions,
         "latency_mean_s": statistics.fmean(lat), "latency_p95_s": lat[min(len(lat) - 1, math.ceil(0.95 * len(lat)) - 1)],
         "programs": len(results),
+    }
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One config's runs over several seeds as one row: programs pooled (latency mean and p95 over all of them),
+    counts summed, rates and costs weighted by what they are rates of, the makespan and recompute cost averaged."""
+    if len(runs) == 1:
+        return runs[0]
+    lat = sorted(x for r in runs for x in r["latencies"])
+    queries = sum(r["queries"] for r in runs)
+    tiers: dict[str, dict[str, Any]] = {}
+    for name in runs[0]["tiers"]:
+        hit = sum(r["tiers"][name]["hit_tokens"] for r in runs)
+        load_s = sum(r["tiers"][name]["load_s"] for r in runs)
+        tiers[name] = {"hit_tokens": hit, "hit_rate": hit / queries, "load_s": load_s,
+                       "load_s_per_token": load_s / hit if hit else None,
+                       **{k: sum(r["tiers"][name][k] for r in runs) for k in ("demotions", "evictions", "skipped",
+                                                                            "corrupt")}}
+    return {
+        "config": runs[0]["config"], "options": runs[0]["options"], "seeds": len(runs), "queries": queries,
+        "makespan_s": statistics.fmean(r["makespan_s"] for r in runs),
+        "recompute_s_per_token": statistics.fmean(r["recompute_s_per_token"] for r in runs),
+        "recomputed_prefill_tokens": sum(r["recomputed_prefill_tokens"] for r in runs),
+        "prefix_hit_rate": sum(r["prefix_hit_rate"] * r["queries"] for r in runs) / queries, "tiers": tiers,
+        **{k: sum(r[k] for r in runs) for k in ("ttl_hits", "ttl_misses", "preemptions", "programs")},
+        "latency_mean_s": statistics.fmean(lat), "latency_p95_s": lat[min(len(lat) - 1, math.ceil(0.95 * len(lat)) - 1)],
+        "latencies": lat,
     }
 
 
@@ -244,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--programs", type=int, default=16)
     ap.add_argument("--rate", type=float, default=2.0, help="program arrivals per second (Poisson)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=1, help="workload draws, pooled (configs interleaved seed by seed)")
     ap.add_argument("--num-blocks", type=int, default=160, help="KV blocks of 16 tokens in T0 (memory pressure)")
     ap.add_argument("--ttl-s", type=float, default=0.1, help="the programs' pin TTL (tools last longer)")
     ap.add_argument("--configs", default="t0,t1,t1-int8,t1+t2,t2")
@@ -282,20 +310,22 @@ def main(argv: list[str] | None = None) -> int:
                                   f"A ~{args.context_tokens}-token conversation over HTTP (`agentrt serve`, plas).\n\n"
                                   + restart_table(rows))
         return 0
-    specs = workload(args.programs, args.rate, args.seed)
-    rows = []
-    for config in configs:
-        with tempfile.TemporaryDirectory(prefix="agentrt-kv-") as tmp:
-            options = tier_options(config, args.host_gib, args.small_host_gib, args.disk_dir or tmp)
-            rows.append(anyio.run(run_one, config, specs, args.model, args.num_blocks, args.ttl_s, options))
-        if not args.json:
-            print(f"{config}: done in {rows[-1]['makespan_s']:.0f} s", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    for seed in range(args.seed, args.seed + args.seeds):  # seeds outer: a drift of the machine falls on every config
+        specs = workload(args.programs, args.rate, seed)
+        for config in configs:
+            with tempfile.TemporaryDirectory(prefix="agentrt-kv-") as tmp:
+                options = tier_options(config, args.host_gib, args.small_host_gib, args.disk_dir or tmp)
+                runs[config].append(anyio.run(run_one, config, specs, args.model, args.num_blocks, args.ttl_s, options))
+            if not args.json:
+                print(f"seed {seed} {config}: done in {runs[config][-1]['makespan_s']:.0f} s", flush=True)
+    rows = [pooled(runs[c]) for c in configs]
     report = {"config": vars(args), "workload": SIZE, "engine": ENGINE, "results": rows}
     print(json.dumps(report, indent=2) if args.json else table(rows))
     if args.write_docs:
         body = (f"{args.programs} agents (`REACT_SMALL` shape, {SIZE['turns'][0]}-{SIZE['turns'][1]} turns, tools "
                 f"{SIZE['tool_median_s']} s median), Poisson arrivals "
-                f"at {args.rate}/s, seed {args.seed}; plas with TTL pins of {args.ttl_s} s (tools outlast them); engine "
+                f"at {args.rate}/s, seeds {args.seed}-{args.seed + args.seeds - 1} pooled; plas with TTL pins of {args.ttl_s} s (tools outlast them); engine "
                 f"{ENGINE}, {args.num_blocks} KV blocks of 16 tokens in T0; t1: {args.host_gib} GiB host tier; t1+t2: "
                 f"{args.small_host_gib} GiB host tier over a disk tier.\n\n" + table(rows))
         _common.write_section("KV tiers (bench tiers, real engine)", body)

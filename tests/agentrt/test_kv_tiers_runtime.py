@@ -87,3 +87,18 @@ def test_sim_tier_cost_is_bytes_over_bandwidth():
     c = sim_tiers.H100_TIERS
     assert c.load_s_per_block(1, 256) == pytest.approx(131072 * 256 / 50e9)
     assert c.load_s_per_block(2, 256) == pytest.approx(131072 * 256 / 6e9)
+
+
+def test_bench_tiers_pools_seeds_by_what_each_figure_is_a_rate_of():
+    run = {"config": "t1", "options": {}, "makespan_s": 10.0, "recompute_s_per_token": 4e-4, "queries": 100,
+           "latencies": [1.0, 2.0], "recomputed_prefill_tokens": 5, "prefix_hit_rate": 0.5, "ttl_hits": 1,
+           "ttl_misses": 2, "preemptions": 0, "programs": 2,
+           "tiers": {"host": {"hit_tokens": 10, "load_s": 1e-3, "demotions": 3, "evictions": 0, "skipped": 0,
+                              "corrupt": 0}}}
+    other = {**run, "makespan_s": 20.0, "queries": 300, "latencies": [3.0, 10.0], "prefix_hit_rate": 1.0,
+             "tiers": {"host": {**run["tiers"]["host"], "hit_tokens": 30, "load_s": 5e-3}}}
+    p = bench_tiers.pooled([run, other])
+    assert p["latency_mean_s"] == 4.0 and p["latency_p95_s"] == 10.0 and p["programs"] == 4
+    assert p["prefix_hit_rate"] == (50 + 300) / 400 and p["makespan_s"] == 15.0
+    assert p["tiers"]["host"]["hit_rate"] == 40 / 400 and p["tiers"]["host"]["load_s_per_token"] == 6e-3 / 40
+    assert p["tiers"]["host"]["demotions"] == 6 and p["recomputed_prefill_tokens"] == 10
