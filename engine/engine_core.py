@@ -371,7 +371,14 @@ class EngineCore:
         if result.num_rejected is not None and out.num_steps == 1:  # drafts (a multi-step's are its tail)
             self.num_rejected_tokens += sum(result.num_rejected)
         self.num_steps += 1
-        return deltas + self.outputs.process(result)
+        deltas += self.outputs.process(result)
+        if self.tiers is not None and not self.scheduler.has_work():
+            # the engine goes idle: the copies its last step queued (blocks written through to disk) go now, not at
+            # a next step that may be long in coming (another server sharing the disk tier is looking for them)
+            moves = self.kv.take_tier_moves()
+            if moves:
+                self.tiers.apply(moves, self.runner.kv_cache)
+        return deltas
 
     def finished_output(self, req: Request) -> RequestOutput:
         """The full output of a finished request (with its forks); forgets the request."""

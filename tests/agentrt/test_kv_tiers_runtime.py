@@ -102,3 +102,20 @@ def test_bench_tiers_pools_seeds_by_what_each_figure_is_a_rate_of():
     assert p["prefix_hit_rate"] == (50 + 300) / 400 and p["makespan_s"] == 15.0
     assert p["tiers"]["host"]["hit_rate"] == 40 / 400 and p["tiers"]["host"]["load_s_per_token"] == 6e-3 / 40
     assert p["tiers"]["host"]["demotions"] == 6 and p["recomputed_prefill_tokens"] == 10
+
+
+def test_an_engine_going_idle_writes_its_last_blocks_through_to_disk(tiny_model_path, tmp_path):
+    """The blocks the last step completed reach the disk tier when the engine goes idle, not at a next step that
+    may never come (another server sharing the directory looks for them)."""
+    from agentrt.engine.llm import LLM
+
+    llm = LLM(str(tiny_model_path), num_blocks=16, kv_disk_dir=str(tmp_path))
+    try:
+        # 40 prompt tokens + 9 output tokens, the last never computed: 48 computed, 3 full blocks, the third
+        # completed by the last decode step
+        llm.generate([list(range(3, 43))], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+                     progress=False)
+        llm.core.tiers.disk.flush()
+        assert len(llm.core.tiers.disk) == 3
+    finally:
+        llm.close()
