@@ -154,8 +154,8 @@ def test_preemption_resumes_from_cache_with_same_tokens(default_model_path, llms
         resumed_hits = []
         get_computed = small.core.kv.get_computed_blocks
 
-        def spy(req, get_computed=get_computed, resumed_hits=resumed_hits):
-            blocks, num_hit = get_computed(req)
+        def spy(req, *args, get_computed=get_computed, resumed_hits=resumed_hits, **kwargs):
+            blocks, num_hit = get_computed(req, *args, **kwargs)
             if req.num_preemptions:
                 resumed_hits.append(num_hit)
             return blocks, num_hit
