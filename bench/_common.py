@@ -6,6 +6,7 @@ import datetime as _dt
 import os
 import platform
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -51,9 +52,9 @@ def dtype_on_cpu(dtype) -> str:
 def command() -> str:
     """The command line that reproduces this run, as `agentrt bench NAME ARGS`."""
     argv = sys.argv
-    if len(argv) > 1 and argv[1] == "bench":  # agentrt bench NAME ...
-        return " ".join(["agentrt", *argv[1:]])
-    return " ".join(["agentrt bench", Path(argv[0]).stem, *argv[1:]])  # python -m agentrt.bench.NAME ...
+    if Path(argv[0]).stem == "agentrt" or (len(argv) > 1 and argv[1] == "bench"):  # agentrt bench NAME / simulate ...
+        return "agentrt " + shlex.join(argv[1:])
+    return "agentrt bench " + shlex.join([Path(argv[0]).stem, *argv[1:]])  # python -m agentrt.bench.NAME ...
 
 
 def write_section(title: str, body: str, path: Path = DOCS) -> None:
