@@ -298,10 +298,12 @@ class DiskTier:
             return None
 
     def _add(self, name: str, info: _File) -> None:  # under the lock
+        old = self.files.get(name)
         self.files[name] = info
         for h in info.hashes:
             self.index[h] = name
-        self._count()
+        self.stats.bytes += info.size - (old.size if old is not None else 0)
+        self.stats.blocks = len(self.index)
 
     def _drop(self, name: str, delete: bool) -> None:  # under the lock
         info = self.files.pop(name, None)
@@ -313,17 +315,12 @@ class DiskTier:
         if delete:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(self.dir, name))
-        self._count()
-
-    def _count(self) -> None:  # under the lock
+        self.stats.bytes -= info.size
         self.stats.blocks = len(self.index)
-        self.stats.bytes = sum(f.size for f in self.files.values())
 
     def _evict_over(self, incoming: int) -> None:  # under the lock
-        total = self.stats.bytes
-        while self.files and total + incoming > self.max_bytes:
+        while self.files and self.stats.bytes + incoming > self.max_bytes:
             name, info = next(iter(self.files.items()))
-            total -= info.size
             self.stats.evictions += len(info.hashes)
             self._drop(name, delete=True)
 
@@ -478,7 +475,8 @@ class DiskTier:
         with self._lock:
             for h, name in self.index.items():
                 assert h in self.files[name].hashes, "the disk index names a file that does not hold the block"
-            assert sum(f.size for f in self.files.values()) <= self.max_bytes, "the disk tier is over its bound"
+            assert sum(f.size for f in self.files.values()) == self.stats.bytes, "the disk tier's byte count drifted"
+            assert self.stats.bytes <= self.max_bytes, "the disk tier is over its bound"
 
 
 def _gather(kv_cache: torch.Tensor, blocks: list[int]) -> torch.Tensor:
