@@ -53,13 +53,14 @@ async def _agent(client: httpx.AsyncClient, pid: str, plan: Any, delay: float, c
         if isinstance(step, Call):
             body = {"model": "m", "prompt": step.prompt, "max_tokens": step.max_tokens, "temperature": 0,
                     "ignore_eos": True, "return_token_ids": True}
+            sent = time.monotonic()
             r = await client.post("/v1/completions", json=body, headers={"X-Program-Id": pid})
             if r.status_code != 200:
                 raise RuntimeError(f"program {pid} turn {turn}: {r.status_code} {r.text[:300]}")
             out = r.json()
             usage = out["usage"]
             calls.append({"program": pid, "turn": turn, "replica": r.headers.get("x-agentrt-replica", "?"),
-                          "prompt": usage["prompt_tokens"],
+                          "prompt": usage["prompt_tokens"], "start": sent, "end": time.monotonic(),
                           "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0})
             turn += 1
             reply = out["choices"][0]["token_ids"]
@@ -73,9 +74,14 @@ async def _agent(client: httpx.AsyncClient, pid: str, plan: Any, delay: float, c
     latencies.append(time.monotonic() - t0)
 
 
+def _size(args: argparse.Namespace) -> dict[str, Any]:
+    size = AGENTS[args.agent][1]
+    return {**size, "turns": args.turns} if getattr(args, "turns", None) else size
+
+
 def _plans(args: argparse.Namespace, vocab: int) -> list[tuple[str, Any, float]]:
     rng = random.Random(args.seed)
-    size = AGENTS[args.agent][1]
+    size = _size(args)
     system = [rng.randrange(100, vocab) for _ in range(size["system"])]
     out, t = [], 0.0
     for i in range(args.programs):
@@ -106,8 +112,9 @@ def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, A
     init_local_ray(max(replicas, 1), configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        kwargs = args.router_kwargs if router == "program" else None
         serve.run(build_app(config, replicas, "program" if router == "single" else router, num_cpus=1,
-                            torch_threads=threads), name="agentrt", route_prefix="/")
+                            torch_threads=threads, router_kwargs=kwargs), name="agentrt", route_prefix="/")
         calls: list[dict[str, Any]] = []
         latencies: list[float] = []
 
@@ -129,13 +136,42 @@ def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, A
         finally:
             ray.shutdown()
     later = [c for c in calls if c["turn"] > 0]
+    busy = _busy(calls, replicas)
     return {
         "router": router, "replicas": replicas, "seed": args.seed, "latencies": latencies, "wall_s": wall,
         "later_cached": sum(c["cached"] for c in later), "later_prompt": sum(c["prompt"] for c in later),
         "per_replica": sorted(collections.Counter(c["replica"] for c in calls).values(), reverse=True),
+        "skew": busy.pop("skew"), "calls_running": sorted(busy.values(), reverse=True),
         "programs_split": sum(1 for p in {c["program"] for c in calls}
                               if len({c["replica"] for c in calls if c["program"] == p}) > 1),
     }
+
+
+def _busy(calls: list[dict[str, Any]], n: int) -> dict[str, float]:
+    """Per replica, its calls running averaged over the time any call ran (from the client's view: sent ->
+    answered), and "skew": the time-averaged |difference| between the busiest and the idlest replica's calls
+    running, the load imbalance a router left (0: always even). `n`: the replicas (one sent no call counts as 0)."""
+    if not calls:
+        return {"skew": 0.0}
+    replicas = sorted({c["replica"] for c in calls})
+    replicas += [f"(idle {i})" for i in range(n - len(replicas))]
+    events = sorted([(c["start"], 1, c["replica"]) for c in calls] + [(c["end"], -1, c["replica"]) for c in calls])
+    running = dict.fromkeys(replicas, 0)
+    area = dict.fromkeys(replicas, 0.0)
+    skew = span = 0.0
+    last = events[0][0]
+    for t, delta, replica in events:
+        dt = t - last
+        if any(running.values()):
+            span += dt
+            for r in replicas:
+                area[r] += running[r] * dt
+            skew += (max(running.values()) - min(running.values())) * dt
+        running[replica] += delta
+        last = t
+    out = {r: a / span for r, a in area.items()} if span else dict.fromkeys(replicas, 0.0)
+    out["skew"] = skew / span if span else 0.0
+    return out
 
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -151,6 +187,9 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "per_seed_mean_s": [statistics.mean(r["latencies"]) for r in runs],
         "per_replica": [sum(r["per_replica"][i] for r in runs if i < len(r["per_replica"])) for i in range(width)],
         "programs_split": sum(r["programs_split"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs),
+        "calls_running": [statistics.mean(r["calls_running"][i] for r in runs if i < len(r["calls_running"]))
+                          for i in range(width)],
+        "skew": statistics.mean(r["skew"] for r in runs),
     }
 
 
@@ -163,10 +202,14 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         vs_single = f"{r['later_hit_rate'] / base:.2f}x" if base else "-"
         table.append([r["router"], r["replicas"], r["calls"], f"{100 * r['later_hit_rate']:.1f}%", vs_single,
                       f"{r['mean_s']:.2f}", f"{r['p95_s']:.2f}", " / ".join(map(str, r["per_replica"])),
+                      " / ".join(f"{x:.1f}" for x in r["calls_running"]), f"{r['skew']:.2f}",
                       r["programs_split"], f"{r['wall_s']:.0f}"])
     lines = [_common.markdown_table(["router", "replicas", "calls", "later-turn prefix hits", "vs single",
                                      "program mean s", "program p95 s", "calls per replica",
-                                     "programs split over replicas", "wall s"], table)]
+                                     "calls running per replica", "load skew", "programs split over replicas",
+                                     "wall s"], table),
+             ("Calls running per replica: time-averaged over the time any call ran; load skew: the time-averaged "
+              "difference between the busiest and the idlest replica's calls running.")]
     prog = by.get("program")
     if prog:
         ratios = [f"{name} {prog['mean_s'] / by[name]['mean_s']:.2f}x" for name in ("pow2", "round-robin", "prefix")
@@ -192,12 +235,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--agent", choices=sorted(AGENTS), default="react",
                     help="agent shape (bench/workload.py): react = REACT_SMALL, ~20 prompt tokens per output token "
                          "and a context growing by tool observations (default); small = AGENT_SMALL, short contexts")
+    ap.add_argument("--turns", default=None, metavar="LO-HI",
+                    help="calls per agent, uniform in LO-HI (default: the agent shape's, 4-6; Autellix's ReAct "
+                         "programs make ~10.8 calls)")
     ap.add_argument("--programs", type=int, default=16)
     ap.add_argument("--rate", type=float, default=1.0, help="programs per second (Poisson)")
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="KV blocks of 16 tokens per replica (`single`: all replicas' blocks; default: the CPU default "
                          "pool, ~1 GiB, which holds every context here; a smaller pool is a KV-bound replica, as "
                          "on a GPU)")
+    ap.add_argument("--router-kwargs", default=None, metavar="JSON",
+                    help="the program router's RouterConfig fields as a JSON object, e.g. '{\"max_load\": 4}'")
     ap.add_argument("--seeds", default="0", help="comma-separated workload seeds; each router runs each, pooled")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
@@ -211,6 +259,22 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--num-blocks {args.num_blocks} is too small: at least 64 (a context of 1,024 tokens)")
     if args.replicas < 1 or args.programs < 1 or args.rate <= 0:
         ap.error("--replicas and --programs must be >= 1 and --rate > 0")
+    if args.turns is not None:
+        lo, _, hi = args.turns.partition("-")
+        try:
+            args.turns = (int(lo), int(hi or lo))
+        except ValueError:
+            ap.error(f"--turns {args.turns!r} must be N or LO-HI, e.g. 8-12")
+        if not 1 <= args.turns[0] <= args.turns[1]:
+            ap.error(f"--turns {lo}-{hi or lo}: needs 1 <= LO <= HI")
+    if args.router_kwargs is not None:
+        from agentrt.scale.router import RouterConfig
+
+        try:
+            args.router_kwargs = json.loads(args.router_kwargs)
+            RouterConfig(**args.router_kwargs)
+        except (ValueError, TypeError) as e:
+            ap.error(f"--router-kwargs {args.router_kwargs!r}: {e}")
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:
@@ -237,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
               f"calls per replica {row['per_replica']}", flush=True)
         rows.append(row)
     text = (f"Run {started}. {_common.machine()}. {_common.cpu_flags_line()}\n\n"
-            f"`{_common.command()}`: {args.programs} agents ({args.agent}: {AGENTS[args.agent][0]}) at "
+            f"`{_common.command()}`: {args.programs} agents ({args.agent}: {AGENTS[args.agent][0]}, "
+            f"{_size(args)['turns'][0]}-{_size(args)['turns'][1]} calls each) at "
             f"{args.rate}/s per seed, seeds {args.seeds}, "
             f"KV pool {f'{args.num_blocks} blocks of 16 tokens' if args.num_blocks else 'the CPU default'} per replica, "
             f"{args.replicas} replicas with one torch thread each (`single`: one replica, {args.replicas} threads), "

@@ -131,6 +131,7 @@ def simulate_replicas(workload: list[ProgramSpec], *, replicas: int, router: str
             except StopIteration:
                 for i in used.pop(pid, ()):
                     engines[i].program_op(EndProgram(pid))
+                chooser.homes.forget(pid)  # it ended: no longer live anywhere
                 results[spec.index] = {"kind": spec.kind, "latency_s": clock[0] - spec.arrival_s, **stats}
                 return
             if isinstance(action, Tool):
@@ -142,6 +143,7 @@ def simulate_replicas(workload: list[ProgramSpec], *, replicas: int, router: str
             def done(i: int, eng: SimEngine, req: Request) -> None:
                 clock[0] = eng.now
                 outs[i] = ids = list(req.output_token_ids)
+                chooser.homes.call_done(pid, clock[0])
                 stats["calls"] += 1
                 stats["output_tokens"] += len(ids)
                 if all(o is not None for o in outs):
@@ -149,6 +151,7 @@ def simulate_replicas(workload: list[ProgramSpec], *, replicas: int, router: str
 
             for i, call in enumerate(calls):
                 k = chooser.choose(pid, call.prompt, [load(e) for e in engines], clock[0])
+                chooser.homes.call_started(pid, clock[0])
                 eng = engines[k]
                 calls_on[k] += 1
                 used.setdefault(pid, set()).add(k)

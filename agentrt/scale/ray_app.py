@@ -54,6 +54,7 @@ ROUTERS = {
     "prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter",
 }
 _PROGRAM_PATH = re.compile(r"^/v1/programs/([^/]+)")
+_PROGRAM_END = re.compile(r"^/v1/programs/[^/]+/?$")  # DELETE here ends the program
 MAX_CHAINS = 100_000  # Responses ids (and programs) the front remembers the program (the replica) of
 
 
@@ -79,6 +80,8 @@ class ProgramAffinityRouter(FIFOMixin, RequestRouter):
         self.router_config = RouterConfig(**kwargs)
         self.homes = ProgramHomes()
         self.decisions: collections.Counter[str] = collections.Counter()
+        self.sent: collections.OrderedDict[str, str] = collections.OrderedDict()  # internal request id -> its
+        # program, from the call's send to its end (bounded: a lost completion cannot grow it)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -90,8 +93,24 @@ class ProgramAffinityRouter(FIFOMixin, RequestRouter):
         key = pending_request.metadata.request_id if pending_request is not None else ""
         d = self.homes.route(pid, tokens, loads, self.router_config, key=pid or key, now=time.monotonic(),
                              hint=kw.get("home_hint"))  # hint: a program started where the front saw it answer
+        if kw.get("program_ends"):  # DELETE /v1/programs/{id}: it ends everywhere, its home is forgotten
+            self.homes.forget(pid)
         self.decisions[d.reason] += 1
         return [[by_id[i] for i in rank] for rank in d.ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        pid = pending_request.kwargs.get("program_id")
+        if pid is None:
+            return
+        self.sent[pending_request.metadata.internal_request_id] = pid
+        while len(self.sent) > MAX_CHAINS:
+            self.sent.popitem(last=False)
+        self.homes.call_started(pid, time.monotonic())
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        pid = self.sent.pop(internal_request_id, None)
+        if pid is not None:
+            self.homes.call_done(pid, time.monotonic())
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
@@ -156,9 +175,10 @@ class AgentrtReplica:
             self._sync = asyncio.create_task(st.peers.run())
 
     async def handle(self, req: Forwarded, program_id: str | None = None, prompt_tokens: int = 0,
-                     home_hint: str | None = None) -> Any:
+                     home_hint: str | None = None, program_ends: bool = False) -> Any:
         """Run the request through the app: yields (status, headers) first, then the body's chunks.
-        `program_id`, `prompt_tokens`, `home_hint` are for the router; the app reads the request itself."""
+        `program_id`, `prompt_tokens`, `home_hint`, `program_ends` are for the router; the app reads the request
+        itself."""
         sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         gone = asyncio.Event()
         first = [True]
@@ -284,10 +304,11 @@ class AgentrtFront:
                 text = " ".join(map(str, text))  # token ids: a prefix tree over text still sees shared prefixes
         req = Forwarded(scope["method"], scope["path"], scope.get("query_string", b""), headers, body, text)
         pid = self.program_of(dict(headers), scope["path"], parsed)
+        ends = scope["method"] == "DELETE" and _PROGRAM_END.match(scope["path"]) is not None
         started = False
         try:
             stream = self.replicas.handle.remote(req, program_id=pid, prompt_tokens=len(body) // 4,
-                                                 home_hint=self.seen.get(pid))
+                                                 home_hint=self.seen.get(pid), program_ends=ends)
             async for item in stream:
                 if not started:
                     status, out_headers = item

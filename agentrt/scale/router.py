@@ -13,10 +13,13 @@ The rule, after Autellix (arXiv 2502.13965, §4.3), then fitted to agents:
   earlier context, which sits in its home replica's prefix cache and TTL pin, so here every call of
   at least `sticky_tokens` prompt tokens (0 by default: every call) goes to its program's home, and
   the first such call places the program. `sticky_tokens=2048` is Autellix's rule.
-- Placement: where the fewest programs live (those that called within `active_s`, a program in a tool
-  gap included), then by load. Autellix places by load alone, but a replica's queue at the instant a
-  program starts says little about the calls its programs in tool gaps are about to make: placing by
-  live programs spreads the work that will come, not the work that is there.
+- Placement: where the fewest live programs are, then by load. Autellix places by load alone, but a
+  replica's queue at the instant a program starts says little about the calls its programs in tool gaps
+  are about to make: placing by live programs spreads the work that will come, not the work that is
+  there. Live: running a call, or idle for at most the 90th percentile of the tool gaps seen so far
+  (`ProgramHomes.call_started` / `call_done`: what the Ray router hears as calls are sent and end), so a
+  finished program stops counting within a typical tool gap; a caller that reports neither counts the
+  programs routed within `active_s`.
 - The load guard (SGLang's router rebalances only past an absolute and a relative threshold): a
   home whose load is over `max_load` calls and over `max_load_ratio` times the least-loaded
   replica's (+1) is skipped; the call goes to the least-loaded replica and the program moves there
@@ -43,8 +46,8 @@ class ReplicaStats:
     replica_id: str
     load: int  # calls queued or running on it (Ray probes queue lengths per request)
     alive: bool = True  # False: dead or draining, never chosen
-    programs: int = 0  # programs living on it that called within RouterConfig.active_s (those in a tool
-    # gap included: each will call again), what a new program is placed by
+    programs: int = 0  # live programs on it (running a call or in a tool gap: each will call again), what a
+    # new program is placed by (ProgramHomes.active)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +55,7 @@ class RouterConfig:
     sticky_tokens: int = 0  # calls with at least this many prompt tokens go home (Autellix: 2048)
     max_load: int = 8  # the guard's absolute threshold: a home is overloaded only above this load ...
     max_load_ratio: float = 2.0  # ... and above this many times the least-loaded replica's load + 1
-    active_s: float = 30.0  # a program that called within this many seconds counts on its home (placement)
+    active_s: float = 30.0  # the longest a program counts as live on its home after its last call (placement)
 
     def __post_init__(self) -> None:
         if not isinstance(self.sticky_tokens, int) or self.sticky_tokens < 0:
@@ -116,40 +119,97 @@ def _fewest_programs(replicas: list[ReplicaStats], key: str) -> list[ReplicaStat
     return sorted(replicas, key=lambda r: (r.programs, r.load, _tie(key, r.replica_id)))
 
 
+class _Home:
+    __slots__ = ("ended", "inflight", "replica", "routed")
+
+    def __init__(self, replica: str, routed: float) -> None:
+        self.replica, self.routed, self.ended, self.inflight = replica, routed, None, 0
+        # ended: when its last call ended (None: never heard of); inflight: its calls running now
+
+    def last(self) -> float:
+        return self.routed if self.ended is None else max(self.routed, self.ended)
+
+
+GAPS_KEPT = 512  # tool gaps (a call's end -> its program's next call) the live-program window is fitted to
+GAP_QUANTILE = 0.9  # a program idle for longer than this quantile of the gaps seen counts as gone ...
+MIN_GAPS = 16  # ... once this many gaps were seen (before: RouterConfig.active_s)
+
+
 class ProgramHomes:
-    """The router's memory of where each program lives: bounded (least recently routed dropped first),
-    forgotten at the program's end or when its replica goes."""
+    """The router's memory of where each program lives: bounded (least recently active dropped first),
+    forgotten at the program's end or when its replica goes. With `call_started` / `call_done` (what a Ray
+    router hears when it sends a call and when the call ends) it also knows which programs are running a
+    call and how long programs sit in tool gaps, so `active` counts the programs that will call again soon
+    rather than every program routed within `RouterConfig.active_s` (finished ones included)."""
 
     def __init__(self, capacity: int = 100_000) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"ProgramHomes capacity must be an int >= 1, got {capacity!r}")
         self.capacity = capacity
-        self._homes: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()  # program ->
-        # (its replica, when it was last routed), least recently routed first
+        self._homes: collections.OrderedDict[str, _Home] = collections.OrderedDict()  # least recently active first
+        self._running: collections.Counter[str] = collections.Counter()  # replica -> its programs with a call running
+        self._gaps: collections.deque[float] = collections.deque(maxlen=GAPS_KEPT)
 
     def get(self, program_id: str | None) -> str | None:
         found = self._homes.get(program_id) if program_id is not None else None
-        return found[0] if found is not None else None
+        return found.replica if found is not None else None
 
     def set(self, program_id: str | None, replica_id: str | None, now: float = 0.0) -> None:
         if program_id is None:
             return
         if replica_id is None:
-            self._homes.pop(program_id, None)
+            self.forget(program_id)
             return
-        self._homes[program_id] = (replica_id, now)
+        home = self._homes.get(program_id)
+        if home is None:
+            home = self._homes[program_id] = _Home(replica_id, now)
+        elif home.replica != replica_id:
+            if home.inflight:
+                self._running[home.replica] -= 1
+                self._running[replica_id] += 1
+            home.replica = replica_id
+        home.routed = now
         self._homes.move_to_end(program_id)
         while len(self._homes) > self.capacity:
-            self._homes.popitem(last=False)
+            self._drop(*self._homes.popitem(last=False))
+
+    def call_started(self, program_id: str | None, now: float) -> None:
+        """A call of the program was sent (to its home): it is running, and the tool gap it ends is measured."""
+        home = self._homes.get(program_id) if program_id is not None else None
+        if home is None:
+            return
+        if home.inflight == 0:
+            if home.ended is not None:
+                self._gaps.append(max(0.0, now - home.ended))
+            self._running[home.replica] += 1
+        home.inflight += 1
+
+    def call_done(self, program_id: str | None, now: float) -> None:
+        """A call of the program ended (any way)."""
+        home = self._homes.get(program_id) if program_id is not None else None
+        if home is None or home.inflight == 0:
+            return
+        home.inflight -= 1
+        if home.inflight == 0:
+            self._running[home.replica] -= 1
+        home.ended = now
+        self._homes.move_to_end(program_id)
+
+    def _drop(self, program_id: str, home: _Home) -> None:
+        if home.inflight:
+            self._running[home.replica] -= 1
 
     def forget(self, program_id: str) -> None:
-        self._homes.pop(program_id, None)
+        home = self._homes.pop(program_id, None)
+        if home is not None:
+            self._drop(program_id, home)
 
     def replica_gone(self, replica_id: str) -> int:
         """Drop the homes on a replica that is gone (its programs re-home on their next call); how many."""
-        gone = [p for p, (r, _) in self._homes.items() if r == replica_id]
+        gone = [p for p, h in self._homes.items() if h.replica == replica_id]
         for p in gone:
-            del self._homes[p]
+            self.forget(p)
+        self._running.pop(replica_id, None)
         return len(gone)
 
     def __len__(self) -> int:
@@ -157,7 +217,15 @@ class ProgramHomes:
 
     def counts(self) -> dict[str, int]:
         """Programs per replica."""
-        return dict(collections.Counter(r for r, _ in self._homes.values()))
+        return dict(collections.Counter(h.replica for h in self._homes.values()))
+
+    def gap_window(self, window_s: float) -> float:
+        """How long an idle program counts as live: the GAP_QUANTILE of the tool gaps seen (at most `window_s`;
+        `window_s` until MIN_GAPS were seen)."""
+        if len(self._gaps) < MIN_GAPS:
+            return window_s
+        ordered = sorted(self._gaps)
+        return min(window_s, ordered[min(len(ordered) - 1, int(GAP_QUANTILE * len(ordered)))])
 
     def route(self, program_id: str | None, prompt_tokens: int, loads: Mapping[str, int], config: RouterConfig,
               *, key: str = "", now: float = 0.0, hint: str | None = None) -> Decision:
@@ -172,11 +240,22 @@ class ProgramHomes:
         return d
 
     def active(self, now: float, window_s: float) -> collections.Counter[str]:
-        """Programs per replica routed within the last `window_s` (walks only those, newest first)."""
-        out: collections.Counter[str] = collections.Counter()
+        """Live programs per replica: those running a call, those idle for at most `gap_window(window_s)` since
+        their last call ended (in a tool gap: each will call again), and those routed within `window_s` whose
+        calls were never heard to start or end (a caller without `call_started` / `call_done`). Walks only the
+        recently active, newest first."""
+        out = collections.Counter({r: n for r, n in self._running.items() if n > 0})
+        gap = self.gap_window(window_s)
         for pid in reversed(self._homes):
-            replica, t = self._homes[pid]
-            if now - t > window_s:
+            home = self._homes[pid]
+            if now - home.last() > window_s:
                 break
-            out[replica] += 1
+            if home.inflight:
+                continue  # counted above
+            if home.ended is None or home.routed > home.ended:
+                live = now - home.routed <= window_s
+            else:
+                live = now - home.ended <= gap
+            if live:
+                out[home.replica] += 1
         return out

@@ -9,7 +9,8 @@ from agentrt.bench import replicas
 
 def run(router: str, seed: int, latencies: list[float], per_replica: list[int], cached: int, prompt: int) -> dict:
     return {"router": router, "replicas": 2, "seed": seed, "latencies": latencies, "wall_s": 10.0,
-            "later_cached": cached, "later_prompt": prompt, "per_replica": per_replica, "programs_split": seed}
+            "later_cached": cached, "later_prompt": prompt, "per_replica": per_replica, "programs_split": seed,
+            "calls_running": [1.5, 0.5], "skew": 1.0 + seed}
 
 
 def test_pooled_rows_and_the_report():
@@ -23,3 +24,18 @@ def test_pooled_rows_and_the_report():
     text = replicas.report([single, prog, pow2], argparse.Namespace())
     assert "pow2 0.60x" in text and "Per seed, program vs pow2: 0.60x, 0.60x." in text
     assert "1.00x of one engine's" in text  # 85% later-turn hits, as one engine's
+    assert prog["calls_running"] == [1.5, 0.5] and prog["skew"] == 1.5
+    assert "| 1.5 / 0.5 | 1.50 |" in text
+
+
+def test_calls_running_per_replica_and_the_skew():
+    """Two replicas over 4 s of calls: a runs one call over 0-4 s and another over 1-3 s; b one over 2-4 s."""
+    calls = [{"replica": "a", "start": 0.0, "end": 4.0}, {"replica": "a", "start": 1.0, "end": 3.0},
+             {"replica": "b", "start": 2.0, "end": 4.0}]
+    busy = replicas._busy(calls, 2)
+    assert busy["a"] == pytest.approx(6 / 4) and busy["b"] == pytest.approx(2 / 4)
+    # |a - b|: 1 over 0-1, 2 over 1-2, 1 over 2-3, 0 over 3-4
+    assert busy["skew"] == pytest.approx(4 / 4)
+    idle = replicas._busy(calls[:2], 2)  # b sent nothing: it counts, idle
+    assert idle["(idle 0)"] == 0.0 and idle["skew"] == pytest.approx(6 / 4)
+    assert replicas._busy([], 2) == {"skew": 0.0}

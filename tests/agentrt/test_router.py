@@ -81,6 +81,41 @@ def test_live_programs_per_replica_are_those_routed_within_the_window():
     assert homes.active(100.0, 30.0) == {}
 
 
+def test_live_programs_are_those_running_or_in_a_short_tool_gap():
+    """With call starts and ends heard (a Ray router's on_request_routed / on_request_completed): a program
+    running a call counts however long ago it was routed; an idle one counts for the 90th percentile of the
+    tool gaps seen since its call ended, so a finished program stops counting soon instead of for active_s."""
+    from agentrt.scale import router as rt
+
+    homes = ProgramHomes()
+    for i in range(rt.MIN_GAPS):  # tool gaps of 0.1 .. 1.6 s: their 90th percentile is 1.5 s
+        homes.set(f"g{i}", "r9", now=0.0)
+        homes.call_started(f"g{i}", 0.0)
+        homes.call_done(f"g{i}", 1.0)
+        homes.call_started(f"g{i}", 1.0 + 0.1 * (i + 1))
+        homes.call_done(f"g{i}", 2.0)
+        homes.forget(f"g{i}")
+    assert homes.gap_window(30.0) == pytest.approx(1.5) and homes.gap_window(1.0) == 1.0
+    homes.set("long", "r0", now=0.0)
+    homes.call_started("long", 0.0)  # a call running for 100 s: counts throughout
+    homes.set("idle", "r1", now=0.0)
+    homes.call_started("idle", 0.0)
+    homes.call_done("idle", 99.0)  # in a tool gap since 99 s
+    homes.set("new", "r1", now=99.5)  # placed, its call not yet heard to start
+    assert homes.active(100.0, 30.0) == {"r0": 1, "r1": 2}
+    assert homes.active(100.6, 30.0) == {"r0": 1, "r1": 1}  # idle 1.6 s > 1.5 s: gone (or finished)
+    homes.call_done("long", 101.0)
+    homes.call_started("idle", 101.0)  # it called again: running
+    assert homes.active(101.0, 30.0) == {"r0": 1, "r1": 2}
+    assert homes.active(102.8, 30.0) == {"r1": 2}  # (its own gap of 2 s made the window 1.6 s)
+    homes.set("idle", "r0", now=102.0)  # moved while its call runs: counted where it lives now
+    assert homes.active(102.8, 30.0) == {"r0": 1, "r1": 1}
+    homes.call_done("unknown", 1.0)  # a program the router never saw (or forgot): ignored
+    assert homes.replica_gone("r0") == 2 and homes.active(102.8, 30.0) == {"r1": 1}
+    homes.call_done("idle", 103.0)  # its call ends after its replica went: nothing left to count
+    assert homes.active(103.0, 30.0) == {"r1": 1}
+
+
 def test_equal_replicas_share_new_programs():
     homes = {route(f"p{i}", 10, stats(0, 0, 0, 0), None, CFG).home for i in range(64)}
     assert homes == {"r0", "r1", "r2", "r3"}
