@@ -140,7 +140,8 @@ def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, A
     return {
         "router": router, "replicas": replicas, "seed": args.seed, "latencies": latencies, "wall_s": wall,
         "later_cached": sum(c["cached"] for c in later), "later_prompt": sum(c["prompt"] for c in later),
-        "per_replica": sorted(collections.Counter(c["replica"] for c in calls).values(), reverse=True),
+        "per_replica": sorted([*collections.Counter(c["replica"] for c in calls).values(),
+                               *[0] * (replicas - len({c["replica"] for c in calls}))], reverse=True),
         "skew": busy.pop("skew"), "calls_running": sorted(busy.values(), reverse=True),
         "programs_split": sum(1 for p in {c["program"] for c in calls}
                               if len({c["replica"] for c in calls if c["program"] == p}) > 1),
@@ -188,7 +189,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "per_replica": [sum(r["per_replica"][i] for r in runs if i < len(r["per_replica"])) for i in range(width)],
         "programs_split": sum(r["programs_split"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs),
         "calls_running": [statistics.mean(r["calls_running"][i] for r in runs if i < len(r["calls_running"]))
-                          for i in range(width)],
+                          for i in range(max(len(r["calls_running"]) for r in runs))],
         "skew": statistics.mean(r["skew"] for r in runs),
     }
 
