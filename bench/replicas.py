@@ -1,8 +1,8 @@
 """Replicas on Ray Serve: each router over the same agent workload, real engines, one run.
 
     agentrt bench replicas [--replicas 2] [--routers single,program,pow2,round-robin,prefix]
-                           [--agent react|small] [--programs 16] [--rate 1.0] [--seeds 0,1,2]
-                           [--json] [--write-docs]
+                           [--agent react|small] [--turns LO-HI] [--programs 16] [--rate 1.0]
+                           [--seeds 0,1,2] [--num-blocks N] [--router-kwargs JSON] [--json] [--write-docs]
 
 For each router: a local Ray instance (logical CPUs = replicas, one torch thread per replica, no
 dashboard) serves `--replicas` replicas of the default model behind agentrt's front
@@ -16,8 +16,10 @@ holds every program gets.
 
 Reported per router: later-turn prefix hit rate (of calls after a program's first, the share of prompt
 tokens served from the prefix cache: `usage.prompt_tokens_details.cached_tokens`), its ratio to
-`single`, program latency mean and p95 (arrival -> last call's end, tool time included), calls per
-replica, and the ratios of the program router's mean latency to the others'. With several `--seeds`
+`single`, the share of later calls that ran on the replica their program's previous call ran on (where
+its context is: round-robin's falls toward 1/N), program latency mean and p95 (arrival -> last call's
+end, tool time included), calls per replica, calls running per replica (time-averaged) and the load
+skew, and the ratios of the program router's mean latency to the others'. With several `--seeds`
 each router runs every seed and its row pools them (every program's latency, every later call).
 """
 
@@ -145,7 +147,19 @@ def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, A
         "skew": busy.pop("skew"), "calls_running": sorted(busy.values(), reverse=True),
         "programs_split": sum(1 for p in {c["program"] for c in calls}
                               if len({c["replica"] for c in calls if c["program"] == p}) > 1),
+        "later_calls": len(later), "later_same": _same_replica(calls),
     }
+
+
+def _same_replica(calls: list[dict[str, Any]]) -> int:
+    """Later calls that ran on the replica their program's previous call ran on (where its context is)."""
+    last: dict[str, tuple[int, str]] = {}
+    same = 0
+    for c in sorted(calls, key=lambda c: (c["program"], c["turn"])):
+        prev = last.get(c["program"])
+        same += prev is not None and prev[1] == c["replica"]
+        last[c["program"]] = (c["turn"], c["replica"])
+    return same
 
 
 def _busy(calls: list[dict[str, Any]], n: int) -> dict[str, float]:
@@ -191,6 +205,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "calls_running": [statistics.mean(r["calls_running"][i] for r in runs if i < len(r["calls_running"]))
                           for i in range(max(len(r["calls_running"]) for r in runs))],
         "skew": statistics.mean(r["skew"] for r in runs),
+        "same_replica": sum(r.get("later_same", 0) for r in runs) / max(1, sum(r.get("later_calls", 0) for r in runs)),
     }
 
 
@@ -202,11 +217,12 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         base = single["later_hit_rate"] if single else 0.0
         vs_single = f"{r['later_hit_rate'] / base:.2f}x" if base else "-"
         table.append([r["router"], r["replicas"], r["calls"], f"{100 * r['later_hit_rate']:.1f}%", vs_single,
+                      f"{100 * r['same_replica']:.0f}%",
                       f"{r['mean_s']:.2f}", f"{r['p95_s']:.2f}", " / ".join(map(str, r["per_replica"])),
                       " / ".join(f"{x:.1f}" for x in r["calls_running"]), f"{r['skew']:.2f}",
                       r["programs_split"], f"{r['wall_s']:.0f}"])
     lines = [_common.markdown_table(["router", "replicas", "calls", "later-turn prefix hits", "vs single",
-                                     "program mean s", "program p95 s", "calls per replica",
+                                     "later calls on the previous call's replica", "program mean s", "program p95 s", "calls per replica",
                                      "calls running per replica", "load skew", "programs split over replicas",
                                      "wall s"], table),
              ("Calls running per replica: time-averaged over the time any call ran; load skew: the time-averaged "

@@ -10,7 +10,7 @@ from agentrt.bench import replicas
 def run(router: str, seed: int, latencies: list[float], per_replica: list[int], cached: int, prompt: int) -> dict:
     return {"router": router, "replicas": 2, "seed": seed, "latencies": latencies, "wall_s": 10.0,
             "later_cached": cached, "later_prompt": prompt, "per_replica": per_replica, "programs_split": seed,
-            "calls_running": [1.5, 0.5], "skew": 1.0 + seed}
+            "calls_running": [1.5, 0.5], "skew": 1.0 + seed, "later_calls": 4, "later_same": 4 - 2 * seed}
 
 
 def test_pooled_rows_and_the_report():
@@ -26,6 +26,13 @@ def test_pooled_rows_and_the_report():
     assert "1.00x of one engine's" in text  # 85% later-turn hits, as one engine's
     assert prog["calls_running"] == [1.5, 0.5] and prog["skew"] == 1.5
     assert "| 1.5 / 0.5 | 1.50 |" in text
+    assert prog["same_replica"] == pytest.approx(0.75) and "| 75% |" in text
+
+
+def test_later_calls_on_the_previous_calls_replica():
+    calls = [{"program": "p", "turn": t, "replica": r} for t, r in enumerate("aabab")]
+    calls += [{"program": "q", "turn": t, "replica": "b"} for t in (2, 0, 1)]  # order of arrival does not matter
+    assert replicas._same_replica(calls) == 1 + 2  # p: a->a once; q: b->b twice
 
 
 def test_calls_running_per_replica_and_the_skew():
