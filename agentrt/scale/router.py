@@ -171,7 +171,7 @@ class ProgramHomes:
         home.routed = now
         self._homes.move_to_end(program_id)
         while len(self._homes) > self.capacity:
-            self._drop(*self._homes.popitem(last=False))
+            self._drop(self._homes.popitem(last=False)[1])
 
     def call_started(self, program_id: str | None, now: float) -> None:
         """A call of the program was sent (to its home): it is running, and the tool gap it ends is measured."""
@@ -195,14 +195,14 @@ class ProgramHomes:
         home.ended = now
         self._homes.move_to_end(program_id)
 
-    def _drop(self, program_id: str, home: _Home) -> None:
+    def _drop(self, home: _Home) -> None:
         if home.inflight:
             self._running[home.replica] -= 1
 
     def forget(self, program_id: str) -> None:
         home = self._homes.pop(program_id, None)
         if home is not None:
-            self._drop(program_id, home)
+            self._drop(home)
 
     def replica_gone(self, replica_id: str) -> int:
         """Drop the homes on a replica that is gone (its programs re-home on their next call); how many."""

@@ -143,6 +143,14 @@ def test_program_homes_are_bounded_and_forgotten():
     assert len(homes) == 0
     with pytest.raises(ValueError, match="capacity"):
         ProgramHomes(0)
+    small = ProgramHomes(capacity=1)
+    small.set("a", "r0", now=0.0)
+    small.call_started("a", 0.0)
+    assert small.active(1.0, 30.0) == {"r0": 1}
+    small.set("b", "r1", now=1.0)  # a, running, is dropped for b: it no longer counts anywhere
+    assert small.active(1.0, 30.0) == {"r1": 1}
+    small.call_done("a", 2.0)  # its call ends after it was dropped: nothing to count down
+    assert small.active(2.0, 30.0) == {"r1": 1}
 
 
 replica_sets = st.lists(st.tuples(st.integers(0, 40), st.booleans(), st.integers(0, 6)), min_size=1, max_size=8)
