@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from agentrt.engine import LLM, SamplingParams, kv_tiers
+from agentrt.engine import LLM, SamplingParams, kv_disk
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.kv_tiers import MAGIC, DiskTier, HostTier, KVTiers, block_key
@@ -192,7 +192,7 @@ def test_disk_tier_writes_chunks_indexes_every_hash_and_reads_back_exactly(disks
     t.submit(hashes, data)
     assert t.flush()
     chunks = [hashes[0:2], hashes[2:4], hashes[4:5]]
-    names = [kv_tiers._file_name(c) for c in chunks]
+    names = [kv_disk._file_name(c) for c in chunks]
     assert kv_files(t.dir) == sorted(names)
     assert t.index == {h: names[i // 2] for i, h in enumerate(hashes)}
     assert list(t.files) == names  # written in order: the first chunk is the least recently used
@@ -224,7 +224,7 @@ def test_disk_tier_submit_skips_what_it_has(disks):
     t.flush()
     t.submit(hs(1, 2), data[1:])  # hash 1 is on disk already: only block 2 is written
     t.flush()
-    assert kv_files(t.dir) == sorted([kv_tiers._file_name(hs(0, 1)), kv_tiers._file_name(hs(2))])
+    assert kv_files(t.dir) == sorted([kv_disk._file_name(hs(0, 1)), kv_disk._file_name(hs(2))])
     assert t.stats.demotions == 3 and len(t) == 3
     assert torch.equal(t.read(hs(2)[0]), data[2])
 
@@ -236,7 +236,7 @@ def test_disk_tier_bound_evicts_least_recently_used_files(disks):
     for i, h in enumerate((h0, h1)):
         t.submit([h], data[i : i + 1])
         t.flush()
-    n0, n1, n2 = (kv_tiers._file_name([h]) for h in (h0, h1, h2))
+    n0, n1, n2 = (kv_disk._file_name([h]) for h in (h0, h1, h2))
     assert list(t.files) == [n0, n1] and t.stats.evictions == 0
     assert torch.equal(t.read(h0), data[0])  # h0's file becomes the most recently used
     assert list(t.files) == [n1, n0]
@@ -269,7 +269,7 @@ def test_disk_tier_truncated_file_is_detected_on_read(disks):
     data = rand_blocks(2)
     t.submit(hs(0, 1), data)
     t.flush()
-    name = kv_tiers._file_name(hs(0, 1))
+    name = kv_disk._file_name(hs(0, 1))
     path = os.path.join(t.dir, name)
     os.truncate(path, os.path.getsize(path) - 1)  # the last block loses a byte
     assert t.read(hs(1)[0]) is None
@@ -285,7 +285,7 @@ def test_disk_tier_flipped_payload_byte_is_detected_on_read(disks):
     data = rand_blocks(2)
     t.submit(hs(0, 1), data)
     t.flush()
-    name = kv_tiers._file_name(hs(0, 1))
+    name = kv_disk._file_name(hs(0, 1))
     path = os.path.join(t.dir, name)
     _, _, end = read_file(path)
     with open(path, "r+b") as f:
@@ -303,7 +303,7 @@ def test_disk_tier_ignores_foreign_and_truncated_files_at_scan(disks, tmp_path):
     other.submit(hs(0), rand_blocks(1))
     other.flush()
     t = disks(root=tmp_path / "mine")
-    name = kv_tiers._file_name(hs(0))
+    name = kv_disk._file_name(hs(0))
     shutil.copy(os.path.join(other.dir, name), os.path.join(t.dir, name))  # same name, foreign key header
     t.scan()
     assert t.stats.corrupt == 1
@@ -311,14 +311,14 @@ def test_disk_tier_ignores_foreign_and_truncated_files_at_scan(disks, tmp_path):
     # a truncated file an earlier run left: never indexed by a restarted tier
     t.submit(hs(1), rand_blocks(1, seed=1))
     t.flush()
-    path = os.path.join(t.dir, kv_tiers._file_name(hs(1)))
+    path = os.path.join(t.dir, kv_disk._file_name(hs(1)))
     os.truncate(path, os.path.getsize(path) - 3)
     t2 = disks(root=tmp_path / "mine")
     assert t2.stats.corrupt == 2  # the foreign file and the truncated one
     assert t2.index == {} and t2.stats.blocks == 0
     # a file renamed: its name is not its content's
     ok = os.path.join(other.dir, name)
-    os.rename(ok, os.path.join(other.dir, kv_tiers._file_name(hs(7))))
+    os.rename(ok, os.path.join(other.dir, kv_disk._file_name(hs(7))))
     other3 = disks(root=tmp_path / "other", key=block_key("another-model", torch.bfloat16, DSHAPE))
     assert other3.stats.corrupt == 1 and other3.index == {}
 
@@ -330,7 +330,7 @@ def test_disk_tier_counts_a_bad_file_once(disks, tmp_path):
     other.submit(hs(0), rand_blocks(1))
     other.flush()
     t = disks(root=tmp_path / "mine")
-    name = kv_tiers._file_name(hs(0))
+    name = kv_disk._file_name(hs(0))
     shutil.copy(os.path.join(other.dir, name), os.path.join(t.dir, name))
     t.scan()
     t.submit(hs(1), rand_blocks(1))
@@ -364,7 +364,7 @@ def fail_writes(monkeypatch, err: int) -> None:
         f = real_open(path, mode, *args, **kwargs)
         return _FailingWrites(f, err) if "w" in mode else f
 
-    monkeypatch.setattr(kv_tiers, "open", fake_open, raising=False)
+    monkeypatch.setattr(kv_disk, "open", fake_open, raising=False)
 
 
 def test_disk_full_skips_blocks_without_errors(disks, monkeypatch):
@@ -401,7 +401,7 @@ def test_disk_writer_backlog_full_skips_never_waits(disks, monkeypatch):
             assert go.wait(10)
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(kv_tiers, "open", slow_open, raising=False)
+    monkeypatch.setattr(kv_disk, "open", slow_open, raising=False)
     data = rand_blocks(4)
     t.submit(hs(0), data[0:1])  # taken by the writer, which blocks
     assert entered.wait(10)
@@ -440,7 +440,7 @@ def test_two_disk_tiers_share_a_directory(tmp_path):
         assert not t2.disk.contains(h)  # not rescanned yet
         bump_mtime(t2.disk.dir)
         assert t2.lookup(h) is None  # within RESCAN_INTERVAL_S of the last rescan: not looked for yet
-        t2.disk._last_rescan -= kv_tiers.RESCAN_INTERVAL_S
+        t2.disk._last_rescan -= kv_disk.RESCAN_INTERVAL_S
         assert t2.lookup(h) == (2, None)  # the lookup miss rescans the changed directory
         assert torch.equal(t2.disk.read(h), data[0])
         assert t2.disk.stats.corrupt == 0 and t2.disk.stats.demotions == 0
@@ -523,7 +523,7 @@ def test_write_through_then_promote_from_disk_only(tmp_path):
         assert ops_of(moves) == [("write", [0, 1], [None, None])] and moves.saved_hashes == [hA]
         tiers.apply(moves, kv_cache)
         assert tiers.disk.flush()
-        name = kv_tiers._file_name(hA)
+        name = kv_disk._file_name(hA)
         assert kv_files(tiers.disk.dir) == [name]
         assert tiers.disk.index == {hA[0]: name, hA[1]: name}
         assert torch.equal(tiers.disk.read(hA[0]), data_a[0]) and torch.equal(tiers.disk.read(hA[1]), data_a[1])
@@ -579,7 +579,7 @@ def test_a_block_evicted_right_after_it_was_cached_is_written_once(tmp_path):
         assert ops_of(moves) == [("write", [0, 1, 1, 0], [None] * 4)]
         assert moves.saved_hashes == [[hA[0], hA[1], hA[1], hA[0]]]
         assert tiers.disk.flush()
-        name = kv_tiers._file_name(hA)
+        name = kv_disk._file_name(hA)
         assert kv_files(tiers.disk.dir) == [name]
         header, _, _ = read_file(os.path.join(tiers.disk.dir, name))
         assert header["hashes"] == [h.hex() for h in hA]
@@ -605,7 +605,7 @@ def test_demote_to_host_and_disk_then_promote_from_host(tmp_path):
         assert ops_of(moves) == [("write", [0, 1], [None, None]), ("save", [1, 0], [0, 1])]
         assert moves.saved_hashes == [hA, [hA[1], hA[0]]]
         assert tiers.disk.flush()
-        assert kv_files(tiers.disk.dir) == [kv_tiers._file_name(hA)]  # the T1 copies were on disk already
+        assert kv_files(tiers.disk.dir) == [kv_disk._file_name(hA)]  # the T1 copies were on disk already
         assert torch.equal(tiers.disk.read(hA[1]), data_a[1])
         assert torch.equal(tiers.host.data[0], data_a[1]) and torch.equal(tiers.host.data[1], data_a[0])
         kv.free(b)
@@ -695,7 +695,7 @@ def test_corrupt_disk_block_is_recomputed_not_served(tmp_path):
         b = make_req("b", B)
         admit(kv, kv_cache, b, fill=-1.0)  # evicts A's blocks (on disk)
         kv.free(b)
-        path = os.path.join(tiers.disk.dir, kv_tiers._file_name(hA))
+        path = os.path.join(tiers.disk.dir, kv_disk._file_name(hA))
         _, _, end = read_file(path)
         with open(path, "r+b") as f:  # flip a byte of hA0's block
             f.seek(end + 3)
