@@ -153,12 +153,11 @@ def run_router(args: argparse.Namespace, router: str, model: str) -> dict[str, A
 
 def _same_replica(calls: list[dict[str, Any]]) -> int:
     """Later calls that ran on the replica their program's previous call ran on (where its context is)."""
-    last: dict[str, tuple[int, str]] = {}
+    last: dict[str, str] = {}  # program -> the replica of its latest call so far
     same = 0
     for c in sorted(calls, key=lambda c: (c["program"], c["turn"])):
-        prev = last.get(c["program"])
-        same += prev is not None and prev[1] == c["replica"]
-        last[c["program"]] = (c["turn"], c["replica"])
+        same += last.get(c["program"]) == c["replica"]
+        last[c["program"]] = c["replica"]
     return same
 
 
