@@ -1,6 +1,8 @@
 """The replica router as a pure function (agentrt.scale.router): ranked choices, stickiness, the load
 guard, re-homing when a replica goes; hypothesis over random replica stats."""
 
+import collections
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -187,3 +189,36 @@ def test_any_stats(reps, pid, tokens, home, sticky):
         assert [spread[r] for r in chosen] == sorted(spread.values())
         return
     assert [alive[r] for r in chosen[1:]] == sorted(alive[r] for r in chosen[1:])  # the rest by load
+
+
+_ops = st.lists(st.tuples(st.sampled_from(["route", "start", "done", "forget", "gone"]), st.sampled_from("abcdef"),
+                          st.sampled_from(["r0", "r1", "r2"]), st.floats(0.0, 5.0)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ops, st.integers(1, 6))
+def test_program_homes_count_running_programs_exactly(ops, capacity):
+    """Any sequence of routing, call starts and ends, forgetting and replicas going: the running count per
+    replica is exactly the programs with a call running that live there, never negative; nothing outlives
+    its bounds; a program with no call running and no recent activity does not count as live."""
+    homes, now = ProgramHomes(capacity), 0.0
+    for op, pid, replica, dt in ops:
+        now += dt
+        if op == "route":
+            homes.route(pid, 10, {r: 0 for r in ("r0", "r1", "r2")}, RouterConfig(), key=pid, now=now)
+        elif op == "start":
+            homes.call_started(pid, now)
+        elif op == "done":
+            homes.call_done(pid, now)
+        elif op == "forget":
+            homes.forget(pid)
+        else:
+            homes.replica_gone(replica)
+        running = collections.Counter(h.replica for h in homes._homes.values() if h.inflight)
+        assert {r: n for r, n in homes._running.items() if n} == dict(running)
+        assert all(n >= 0 for n in homes._running.values())
+        assert len(homes) <= capacity and all(h.inflight >= 0 for h in homes._homes.values())
+        live = homes.active(now, 30.0)
+        assert sum(live.values()) <= len(homes)
+        assert all(live[r] >= n for r, n in running.items())  # every program running a call is live
+        assert homes.active(now + 31.0, 30.0) == running  # a minute later only running programs count
