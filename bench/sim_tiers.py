@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from agentrt.engine.kv_tiers import HostTier, KVTiers, Moves, TierStats
+from agentrt.engine.kv_host import HostTier, TierStats
+from agentrt.engine.kv_tiers import KVTiers, Moves
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,7 @@ H100_TIERS = TierCost(kv_bytes_per_token=131072, host_tokens=160_000_000_000 // 
 
 class SimDisk:
     """The disk tier's bookkeeping without files: an LRU set of block hashes bounded in blocks, with the
-    interface `KVTiers` uses of `engine.kv_tiers.DiskTier`."""
+    interface `KVTiers` uses of `engine.kv_disk.DiskTier`."""
 
     def __init__(self, max_blocks: int, block_bytes: int):
         self.max_blocks = max_blocks

@@ -10,7 +10,7 @@ KV cache far too small for the active programs' contexts even with pins, with to
 (`--ttl-s`, below the shortest usual tool time): a program's context is gone from T0 by its next call. Configurations, each on a fresh engine, one run:
 
 - t0: the engine's pool only (a lost context is recomputed);
-- t1: + a host tier of `--host-gib` (engine.kv_tiers.HostTier);
+- t1: + a host tier of `--host-gib` (engine.kv_host.HostTier);
 - t1-int8: the same host tier storing int8 blocks (lossy; `--ll` measures its error);
 - t1+t2: + a small host tier (`--small-host-gib`, too small for the contexts) over a disk tier in a fresh
   directory (`--disk-dir`, default a temporary one): most loads come from disk;

@@ -29,7 +29,8 @@ from agentrt.engine.config import EngineConfig, kv_budget
 from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
 from agentrt.engine.generation_config import generation_defaults
 from agentrt.engine.kv_cache_manager import KVCacheManager
-from agentrt.engine.kv_tiers import KVTiers, TierStats, block_key
+from agentrt.engine.kv_host import TierStats, block_key
+from agentrt.engine.kv_tiers import KVTiers
 from agentrt.engine.loader import load_model, load_tokenizer, resolve_model
 from agentrt.engine.lora import LoRAAdapter, LoRARegistry, LoRARequest
 from agentrt.engine.output_processor import OutputProcessor

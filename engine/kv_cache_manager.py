@@ -290,7 +290,7 @@ class KVCacheManager:
             self.ownership.call_ended(req, now)
         if self.tiers is not None and self.tiers.lossy and req.num_cached_blocks:
             # a lossy tier keeps the attention sink (the first block) and the recent window (the last full blocks)
-            # exact; flags that last while the blocks stay free (engine.kv_tiers.HostTier)
+            # exact; flags that last while the blocks stay free (engine.kv_host.HostTier)
             n = req.num_cached_blocks
             for b in (req.block_ids[0], *req.block_ids[max(1, n - EXACT_WINDOW_BLOCKS) : n]):
                 self.pool.exact[b] = True

@@ -43,10 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentrt.engine.kv_disk import MAGIC, RESCAN_INTERVAL_S, DiskTier, lowest_priority
-from agentrt.engine.kv_host import HostTier, TierStats, block_key
-
-__all__ = ["MAGIC", "RESCAN_INTERVAL_S", "DiskTier", "HostTier", "KVTiers", "Moves", "TierStats", "block_key"]
+from agentrt.engine.kv_disk import DiskTier, lowest_priority
+from agentrt.engine.kv_host import HostTier, TierStats
 
 logger = logging.getLogger("agentrt.engine")
 

@@ -52,7 +52,7 @@ class EngineState:
     pin_expiries: int = 0  # running total: pins dropped at their deadline
     recomputed_prefill_tokens: int = 0  # running total: prompt tokens a program had computed before, again
     running_seats: int = 0  # the running-set limit of the latest step (max_num_seqs unless the policy caps it)
-    kv_tiers: dict[str, Any] = field(default_factory=dict)  # tier name -> its engine.kv_tiers.TierStats
+    kv_tiers: dict[str, Any] = field(default_factory=dict)  # tier name -> its engine.kv_host.TierStats
     max_lora: int | None = None  # adapters the engine keeps loaded at most; None: LoRA off (no lora gauge)
     running_lora_adapters: str = ""  # names of the adapters running requests use, sorted, comma-joined
     waiting_lora_adapters: str = ""  # likewise for waiting requests

@@ -28,7 +28,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from agentrt.engine import LLM, SamplingParams, kv_disk
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.kv_cache_manager import KVCacheManager
-from agentrt.engine.kv_tiers import MAGIC, DiskTier, HostTier, KVTiers, block_key
+from agentrt.engine.kv_disk import MAGIC, DiskTier
+from agentrt.engine.kv_host import HostTier, block_key
+from agentrt.engine.kv_tiers import KVTiers
 from agentrt.engine.request import Request
 from tests.conftest import assert_all_blocks_free
 from tests.engine.test_kv_retention import check

@@ -178,7 +178,7 @@ def test_lora_info_is_one_series_whose_labels_follow_the_adapters():
 
 
 def test_kv_tier_series_per_tier_follow_the_engine_totals():
-    from agentrt.engine.kv_tiers import TierStats
+    from agentrt.engine.kv_host import TierStats
 
     m = Metrics()
     m.render(state(kv_tiers={"host": TierStats(blocks=5, bytes=500, hits=3, demotions=7, load_s=0.25),
