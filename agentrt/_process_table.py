@@ -55,13 +55,14 @@ class ProgramInfo:
     # between a call's end and the next call, the latest PROGRAM_HISTORY
     tool_durations: dict[str, collections.deque[float]] = field(default_factory=dict)  # seconds per call, by
     # tool name, the latest PROGRAM_HISTORY of each
-    num_threads: int = 1  # threads (parallel branches) that made calls, the main one included
+    num_threads: int = 1  # threads that made calls (parallel branches, and the main one if it called); 1 before any
     children: list[str] = field(default_factory=list)  # ids of programs it called
     owner: str | None = None  # the client (API-key fingerprint) that started it, for programs started by id
     kv_reserve_tokens: int | None = None  # KV declared for it (`@agentrt.program(kv_reserve_tokens=...)`)
     priority: int = 0  # the scheduling class of its calls (SamplingParams.priority) unless a call names its own
-    kv: Any = None  # engine.kv_cache_manager.OwnerKV at its latest call's end (and at its end): blocks held,
-    # pinned, reserved, TTL hits / misses / expiries, recomputed prefill tokens; Runtime.program_kv for now
+    kv: Any = None  # engine.kv_cache_manager.OwnerKV at its latest call's end: blocks held, pinned, reserved,
+    # TTL hits / misses / expiries, recomputed prefill tokens; Runtime.program_kv for now. Once it ended, its
+    # counts with nothing held (no blocks, pins, reservation or TTL: the end released them)
 
     @property
     def calls_active(self) -> int:

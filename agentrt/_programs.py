@@ -14,6 +14,7 @@ every start, end and call end.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,12 @@ class RuntimeObserver:
     def call_ended(self, summary: CallSummary) -> None: ...
 
 
+def ended_kv(kv: OwnerKV) -> OwnerKV:
+    """An ended program's KV record: what it held (blocks, pins, reservation, TTL) is released with its end, so
+    0; its counts (TTL hits, misses, expiries, recomputed and tier-loaded tokens) stay."""
+    return dataclasses.replace(kv, held=0, pinned=0, reserved=0, reserved_used=0, ttl_s=0.0)
+
+
 class ProgramManager:
     """Programs and their calls in flight; see the module docstring. `engine`: the running engine (None when
     stopped; the runtime sets it); `host`: the runtime, each handle's; `chat`: the runtime's chat prompts,
@@ -60,7 +67,7 @@ class ProgramManager:
         self._host = host
         self._chat = chat
         self._keyed: dict[str, ProgramHandle] = {}  # running programs started by id (`start_program`, the server)
-        self._thread_ids: dict[str, set[str]] = {}  # keyed program id -> thread ids its calls named (num_threads)
+        self._thread_ids: dict[str, set[str]] = {}  # program id -> thread ids its calls named (num_threads)
 
     @property
     def num_waiting(self) -> int:
@@ -109,6 +116,8 @@ class ProgramManager:
                 self.retention.program_ended(pid)  # the engine releases its KV and tells the policy
         else:
             self._policy.end_program(pid)
+        if handle.info.kv is not None:
+            handle.info.kv = ended_kv(handle.info.kv)
         self.table.end(handle.info, state, error)
         for o in self.observers:
             o.program_ended(handle.info)
@@ -208,10 +217,9 @@ class ProgramManager:
         """A call of the program is in the engine now: its record in the process table."""
         pid = handle.info.program_id
         self.inflight.setdefault(pid, set()).add(request_id)
-        if self._keyed.get(pid) is handle:  # a @program counts its threads as it makes them; these name theirs
-            threads = self._thread_ids.setdefault(pid, set())
-            threads.add(thread_id)
-            handle.info.num_threads = max(handle.info.num_threads, len(threads))
+        threads = self._thread_ids.setdefault(pid, set())  # the threads that made calls, the main one if it did
+        threads.add(thread_id)  # (the same count in-process and on a server, which sees only the calls' thread ids)
+        handle.info.num_threads = max(handle.info.num_threads, len(threads))
         return self.table.call_started(handle.info, request_id, thread_id, num_prompt_tokens)
 
     def abort_call(self, request_id: str) -> None:

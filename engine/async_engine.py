@@ -190,6 +190,7 @@ class AsyncEngine:
             self._queued.append(op)
         else:
             self.core.program_op(op)
+            self._wake.set()  # idle, the loop sleeps until the earliest pin deadline: this op may have moved it
 
     async def reset_prefix_cache(self) -> bool:
         """vLLM's reset_prefix_cache, between steps (EngineCore.reset_prefix_cache): cached blocks no one holds

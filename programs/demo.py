@@ -69,12 +69,15 @@ class InProcessView:
 
     async def rows(self) -> list[Row]:
         rt = self.rt
-        pinned = getattr(rt, "program_kv_pinned", None)
-        return [Row(p.program_id, p.name, p.state, f"{p.calls_waiting}/{p.calls_running}/{p.calls_done}", p.num_threads,
-                    p.service_s, p.wait_s, rt.program_queue_level(p.program_id),
-                    rt.program_kv_blocks(p.program_id) if p.state == "running" else 0,
-                    pinned(p.program_id) if pinned is not None else None, p.num_prefix_hit_tokens)
-                for p in rt.programs]
+        rows = []
+        for p in rt.programs:
+            running = p.state == "running"
+            kv = rt.program_kv(p.program_id) if running else p.kv  # an ended program's record holds nothing
+            rows.append(Row(p.program_id, p.name, p.state, f"{p.calls_waiting}/{p.calls_running}/{p.calls_done}",
+                            p.num_threads, p.service_s, p.wait_s, rt.program_queue_level(p.program_id),
+                            rt.program_kv_blocks(p.program_id) if running else 0,
+                            None if kv is None else kv.pinned, p.num_prefix_hit_tokens))
+        return rows
 
     async def totals(self) -> dict[str, float]:
         kv = self.rt.kv_stats()

@@ -33,7 +33,7 @@ class Program(Struct):
     kv_blocks: int  # KV blocks its calls in the engine hold
     num_threads: int
     num_prefix_hit_tokens: int = 0  # prompt tokens of its completed calls served from the prefix cache
-    kv_blocks_pinned: int = 0  # of its KV blocks, those its pin keeps across a tool call
+    kv_blocks_pinned: int = 0  # of its KV blocks, those its pin keeps across a tool call now (0 once expired or ended)
     kv_blocks_reserved: int = 0  # blocks set aside for it (a reservation), used or not
     ttl_s: float = 0.0  # its retention TTL now (0: its KV is not pinned between calls)
     ttl_hits: int = 0  # calls of it admitted while its pin still held its prefix

@@ -147,7 +147,8 @@ async def test_reservation_from_the_decorator_and_release_at_end(tiny_model_path
         info = [p for p in rt.programs if p.name == "reserved"][0]
         assert held["during"].reserved == 5 and held["during"].pinned == 1  # 21 tokens computed: 1 full block
         assert held["during"].reserved_used == 1  # the pinned block was drawn from the reservation
-        assert info.kv_reserve_tokens == 5 * BS and info.kv.reserved == 5
+        assert info.kv_reserve_tokens == 5 * BS
+        assert (info.kv.held, info.kv.pinned, info.kv.reserved) == (0, 0, 0)  # ended: its record holds nothing
         await anyio.sleep(0.05)
         stats = rt.kv_stats()
         assert stats.num_reserved_blocks == 0 and stats.num_pinned_blocks == 0 and stats.num_free_blocks == 24

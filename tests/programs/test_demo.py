@@ -3,8 +3,11 @@ against a server (a live one in this process, or `agentrt serve` started as a ch
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
+import agentrt
+from agentrt.programs.demo import InProcessView, Row
 from agentrt.programs.demo import main as demo
 from tests.server.live import live_server, tiny_config
 
@@ -37,3 +40,49 @@ def test_demo_against_a_server(default_model_path, capsys):
     assert "summary" in out and f"through {s.url}" in out and "(verified)" in out
     assert [p.state for p in programs] == ["finished"] * 3
     assert max(p.num_threads for p in programs) >= 2  # MCTS: threads of one program on the server
+
+
+async def _row(view: InProcessView, program_id: str) -> Row:
+    (row,) = [r for r in await view.rows() if r.id == program_id]
+    return row
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_table_shows_the_pins_a_program_holds_now(tiny_model_path):
+    """The KV pinned column: a program's pins while its tool runs; 0 once they expired, while it still runs;
+    0 once it ended (its record kept the pins it had at its last call's end)."""
+    seen: dict[str, Row] = {}
+
+    @agentrt.tool(ttl=60.0)
+    async def long_tool() -> None:
+        seen["tool"] = await _row(view, agentrt.current_program_id())
+
+    @agentrt.tool(ttl=0.2)
+    async def short_tool() -> None:
+        pid = agentrt.current_program_id()
+        with anyio.fail_after(10):
+            while (await _row(view, pid)).kv_pinned:
+                await anyio.sleep(0.05)
+        seen["expired"] = await _row(view, pid)
+
+    @agentrt.program
+    async def agent() -> str:
+        await agentrt.generate(list(range(1000, 1040)), max_tokens=2, ignore_eos=True)  # 41 computed: 2 full blocks
+        await long_tool()
+        await agentrt.generate(list(range(2000, 2040)), max_tokens=2, ignore_eos=True)
+        await short_tool()
+        await agentrt.generate(list(range(3000, 3040)), max_tokens=2, ignore_eos=True)  # pinned again at its end
+        seen["last"] = await _row(view, agentrt.current_program_id())
+        return agentrt.current_program_id()
+
+    async with agentrt.Runtime(str(tiny_model_path), num_blocks=64) as rt:
+        view = InProcessView(rt)
+        pid = await agent()
+        ended = await _row(view, pid)
+        await anyio.sleep(0.05)
+        pinned_now = rt.kv_stats().num_pinned_blocks
+    assert (seen["tool"].state, seen["tool"].kv_pinned) == ("running", 2)
+    assert (seen["expired"].state, seen["expired"].kv_pinned) == ("running", 0)
+    assert seen["last"].kv_pinned == 2
+    assert (ended.state, ended.kv_pinned, ended.kv_held, pinned_now) == ("finished", 0, 0, 0)
