@@ -19,7 +19,7 @@ from agentrt._cli_options import (
     one_line_usage_errors,
     usage_error,
 )
-from agentrt.policies import POLICY_NAMES
+from agentrt.policies import POLICY_KWARGS_HELP, POLICY_NAMES, policy_options
 
 BENCHES = {
     "throughput": "agentrt.bench.throughput",
@@ -40,6 +40,7 @@ BENCHES = {
     "lora": "agentrt.bench.lora",
     "replicas": "agentrt.bench.replicas",
     "tiers": "agentrt.bench.tiers",
+    "fanout": "agentrt.bench.fanout",
 }
 
 
@@ -54,8 +55,15 @@ def _run(a: argparse.Namespace) -> int:
     if tiers and a.url is not None:
         return usage_error("agentrt run", "the KV tier flags set the in-process engine; with --url give them to "
                                           "agentrt serve")
+    if a.policy_kwargs is not None and a.url is not None:
+        return usage_error("agentrt run", "--policy-kwargs sets the in-process engine's policy; with --url give it "
+                                          "to agentrt serve")
+    try:
+        policy_kwargs = policy_options(a.policy, a.policy_kwargs)
+    except ValueError as e:
+        return usage_error("agentrt run", str(e))
     return run_file(a.file, args, url=a.url, api_key=a.api_key, model=a.model, policy=a.policy,
-                    deterministic=a.deterministic, engine=tiers)
+                    policy_kwargs=policy_kwargs, deterministic=a.deterministic, engine=tiers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +96,7 @@ def _main(argv: list[str]) -> int:
     r.add_argument("--api-key", default=None, help="API key for --url (default: $AGENTRT_API_KEY)")
     r.add_argument("--model", default=None, help="in-process: HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     r.add_argument("--policy", default="plas", choices=POLICY_NAMES, help="in-process policy")
+    r.add_argument("--policy-kwargs", default=None, metavar="JSON", help=f"in-process: {POLICY_KWARGS_HELP}")
     r.add_argument("--deterministic", action="store_true", help=f"in-process: {DETERMINISTIC_HELP}")
     add_kv_tier_options(r)
     r.add_argument("file")

@@ -29,7 +29,8 @@ def defines_main(source: str) -> bool:
 
 
 def run_file(file: str, args: list[str], *, url: str | None = None, api_key: str | None = None,
-             model: str | None = None, policy: str = "plas", deterministic: bool = False,
+             model: str | None = None, policy: str = "plas", policy_kwargs: dict | None = None,
+             deterministic: bool = False,
              engine: dict | None = None) -> int:
     path = Path(file)
     if not path.is_file():
@@ -62,7 +63,7 @@ def run_file(file: str, args: list[str], *, url: str | None = None, api_key: str
             async with agentrt.connect(url, api_key):
                 return await call()
         options = dict(engine or {}, **({"deterministic": True} if deterministic else {}))
-        async with agentrt.Runtime(model, policy, **options):
+        async with agentrt.Runtime(model, policy, policy_kwargs=policy_kwargs, **options):
             return await call()
 
     try:

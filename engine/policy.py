@@ -41,6 +41,12 @@ class SchedulingPolicy(ABC):
     def priority(self, req: Request) -> Any:
         """Sort key: smaller is served first. Must be total and stable (end with arrival, id)."""
 
+    def pinned_key(self, req: Request, pinned: bool) -> Any:
+        """The waiting order under `pinned_first` (`pinned`: the request's program holds pinned KV): pinned
+        programs' calls ahead of all others, then `priority`. A policy with coarse classes may keep its
+        classes first and put pinned calls ahead only within one."""
+        return (not pinned, self.priority(req))
+
     def on_step(self, reqs: Sequence[Request], service_s: Sequence[float], num_tokens: Sequence[int], now: float) -> None:
         """After a model step: the requests it served, the executor time attributed to each, tokens each."""
 

@@ -17,8 +17,9 @@ class the policy orders as it would alone. With every request in class 0 (the de
 changes.
 
 Two policy switches concern pins (SchedulingPolicy attributes, False unless a policy sets them):
-`pinned_first` puts waiting calls of programs holding a pin ahead of the others (Continuum's order; not
-while a running-set cap binds, when seats go in the policy's order);
+`pinned_first` puts waiting calls of programs holding a pin ahead of the others (Continuum's order; the
+policy's `pinned_key` may keep its own classes first, as agentrt's queues do; not while a running-set cap
+binds, when seats go in the policy's order);
 `protect_pins` is admission control for a KV-bound engine: while others run, a waiting call goes in only
 if its whole prompt and output fit, and only a call of a program that holds a pin may make other
 programs' pins give way (an idle engine admits as usual). agentrt's PLAS takes both as arguments.
@@ -286,13 +287,12 @@ class Scheduler:
         """The order of the waiting queue: by class, then the policy's order, with `pinned_first` calls
         of programs holding a pin ahead of the rest of their class, except while the policy caps the running
         set: seats, not KV, are short then, and they go in the policy's order."""
-        key = self.policy.priority
         if not self.policy.pinned_first or self._seats < self.config.max_num_seqs:
-            return self._key if self._classes else key
-        holds_pin = self.kv.holds_pin
+            return self._key if self._classes else self.policy.priority
+        holds_pin, key = self.kv.holds_pin, self.policy.pinned_key
         if not self._classes:
-            return lambda r: (not holds_pin(r.program_id), key(r))
-        return lambda r: (r.sampling.priority, not holds_pin(r.program_id), key(r))
+            return lambda r: key(r, holds_pin(r.program_id))
+        return lambda r: (r.sampling.priority, key(r, holds_pin(r.program_id)))
 
     def _displace_for_better_waiting(self, out: SchedulerOutput, seats_only: bool = False) -> None:
         """A waiting request that ranks above the worst running one (by class; within a class only

@@ -165,6 +165,13 @@ class MultiLevelPolicy(SchedulingPolicy):
             return (st.level, st.program_start, st.entered_at, req.arrival_time, req.request_id)
         return (st.level, st.entered_at, req.arrival_time, req.request_id)
 
+    def pinned_key(self, req: Request, pinned: bool) -> tuple[Any, ...]:
+        """`pinned_first` within a queue only: a program resuming from a tool call with its KV pinned goes
+        ahead of its queue, never ahead of a better queue (a tree search's pinned branches would otherwise
+        keep every newly arrived short program waiting, whatever its service)."""
+        key = self.priority(req)
+        return (key[0], not pinned, *key[1:])
+
     def displaces(self, waiting: Request, running: Request) -> bool:
         """Only a call of a strictly higher queue displaces a running one: within a queue the order
         is FCFS, and preempting for a tie would only trade one recompute for another."""

@@ -34,6 +34,7 @@ from typing import ClassVar
 
 from agentrt._errors import ConfigError
 from agentrt.engine.request import Request
+from agentrt.policies._fit import CallServiceFit
 from agentrt.policies._multilevel import (
     CallState,
     MultiLevelPolicy,
@@ -43,37 +44,37 @@ from agentrt.policies._multilevel import (
     queue_of,
 )
 
-# Defaults, per service unit; chosen on a 2-core CPU, where one decode step of the default model takes
-# 50-150 ms and a call receives ~0.3-1 s of executor time (the reimplementation's 0.02 s boundaries
-# assume ~20 ms GPU steps), with `agentrt bench simulate` sweeps (load x mix x setting, several seeds)
-# confirmed by `agentrt bench programs` (docs/benchmarks.md, "Program scheduling"):
-#   K = 4 queues, first boundary 1 s: queues [0, 1) [1, 2) [2, 4) [4, inf) s. A chat stays in the
-#     top queue, a ReAct loop moves down over its calls, a tree search lands in the last queue, where
-#     programs are served oldest first. With K = 8 the last queue starts at 64 s: tree searches at
-#     different stages sit in different queues and a newer one overtakes an older one, which makes
-#     every tree late. Simulated on the benchmark's earlier mix (70% chats, 4-call ReAct, 2-round trees),
-#     96 programs at 0.8 / 0.9 / 1.0 of saturation, 5 seeds (mean / p99 vs fcfs): these defaults
-#     0.57 / 0.51 / 0.47x, p99 1.13 / 1.11 / 1.20x; K = 8 0.67 / 0.61 / 0.61x, p99 1.40-1.78x;
-#     order="call" 0.63 / 0.58 / 0.55x, p99 1.25-1.41x; live=False 0.69 / 0.65 / 0.63x, p99 1.18-1.31x;
-#     all three as before (K = 8, by call, not live) 0.77-0.81x, p99 1.64-2.11x.
-#   quantum 1 s (= the first boundary): with `live` the program's service moves its calls down; the
-#     quantum only matters for one long call, and 0.5-2 s measured the same.
-#   beta 8 (the reimplementation's): smaller values promote trees into the top queue early and give
-#     back the chats' gain without improving the tail (beta 1-2: mean 0.75-0.84x, p99 1.10-1.22x).
-# On the current mix (bench/workload.py: 2-10-call ReAct, 3-round trees), 160 programs, 5 seeds, the
-# same defaults give PLAS 0.55 / 0.50 / 0.48x, p99 0.95 / 0.91 / 0.85x at 0.8 / 0.9 / 1.0 of saturation.
+# Defaults, per service unit. The first boundary is "auto": `boundary_calls` times the median service of
+# this engine's finished calls (agentrt/policies/_fit.py), and the quantum follows it in the ratio below;
+# the fixed numbers are used until enough calls have finished, and whenever a number is given instead.
+# Why not a constant: the 1 s boundary chosen on an older 2-core CPU (one decode step 50-150 ms, a call
+# 0.3-1 s of executor time) is five to ten calls of the default model on an AVX512-BF16 one: a tree search
+# then never left queue 0, where older programs go first, and PLAS became oldest-program-first (issue 47:
+# `agentrt bench fanout`, short programs 1.66 s against FCFS's 0.65 s; with 0.1 s 0.09 s).
+#   K = 4 queues: a chat stays in the top queue, a ReAct loop moves down over its calls, a tree search lands
+#     in the last queue, where programs are served oldest first. With K = 8 tree searches at different
+#     stages sit in different queues and a newer one overtakes an older one, which makes every tree late
+#     (simulated: mean 0.67 / 0.61 / 0.61x fcfs at 0.8 / 0.9 / 1.0 of saturation against 0.57 / 0.51 / 0.47x,
+#     p99 1.40-1.78x against 1.11-1.20x; `agentrt bench simulate`, docs/benchmarks.md "Program scheduling").
+#   boundary_calls 2 (PLAS): queues [0, 2) [2, 4) [4, 8) [8, inf) calls' worth of service: a one- or two-call
+#     program stays on top, a round of parallel calls moves a tree search two levels down. The fixed 1 s
+#     was about two calls where it was chosen (a call got ~0.3-0.6 s there).
+#   quantum = the first boundary: with `live` the program's service moves its calls down; the quantum only
+#     matters for one long call, and 0.5-2x measured the same.
+#   beta 8 (the reimplementation's): smaller values promote trees into the top queue early and give back the
+#     short programs' gain without improving the tail (beta 1-2: mean 0.75-0.84x, p99 1.10-1.22x).
 DEFAULTS: dict[str, dict[str, float]] = {
-    "time": {"first_boundary": 1.0, "quantum": 1.0, "beta": 8.0},
-    "tokens": {"first_boundary": 128.0, "quantum": 64.0, "beta": 8.0},
+    "time": {"first_boundary": 1.0, "quantum": 1.0, "beta": 8.0, "boundary_calls": 2.0},
+    "tokens": {"first_boundary": 128.0, "quantum": 64.0, "beta": 8.0, "boundary_calls": 2.0},
 }
 # ATLAS ranks by critical path, which grows by one call's service per sequential step however wide the
-# program is (a call gets ~0.3-0.6 s here), so its boundaries sit 4x lower: queues [0, .25) [.25, .5)
-# [.5, 1) [1, inf) s, and a ReAct loop or tree search reaches the last queue after two or three steps.
-# With PLAS's 1 s a 34-call tree search never got there and newer trees kept overtaking older ones
-# (simulated as above: mean 0.75 / 0.69 / 0.69x -> 0.64 / 0.59 / 0.54x fcfs, p99 1.24-1.72x -> 1.06-1.14x).
+# program is, so its boundaries sit 4x lower: half a call, and a ReAct loop or tree search reaches the last
+# queue after two or three steps. With PLAS's boundaries a 34-call tree search never got there and newer
+# trees kept overtaking older ones (simulated as above: mean 0.75 / 0.69 / 0.69x -> 0.64 / 0.59 / 0.54x fcfs,
+# p99 1.24-1.72x -> 1.06-1.14x).
 ATLAS_DEFAULTS: dict[str, dict[str, float]] = {
-    "time": {**DEFAULTS["time"], "first_boundary": 0.25, "quantum": 0.25},
-    "tokens": {**DEFAULTS["tokens"], "first_boundary": 32.0, "quantum": 16.0},
+    "time": {**DEFAULTS["time"], "first_boundary": 0.25, "quantum": 0.25, "boundary_calls": 0.5},
+    "tokens": {**DEFAULTS["tokens"], "first_boundary": 32.0, "quantum": 16.0, "boundary_calls": 0.5},
 }
 DEFAULT_NUM_QUEUES = 4
 # PLAS composed with TTL retention (Continuum's pins, agentrt/_retention.py): `PLAS(**TTL_SETTINGS)`.
@@ -101,7 +102,11 @@ class PLAS(MultiLevelPolicy):
     Arguments (None = the default for the service unit, see `DEFAULTS`):
         num_queues: K.
         first_boundary: upper bound of queue 0 in service units; queue i ends at `first_boundary * 2^i`.
-        quantum: service a call may receive in queue 0 before dropping a level; doubles per level.
+            "auto" (the default, also None): `boundary_calls` times the median service of the engine's
+            finished calls (agentrt/policies/_fit.py), the fixed default until enough calls finished.
+        boundary_calls: with "auto", the first boundary in typical calls' worth of service.
+        quantum: service a call may receive in queue 0 before dropping a level; doubles per level. None:
+            the default, which follows an "auto" first boundary in the defaults' ratio.
         beta: anti-starvation threshold on wait/service; `float("inf")` disables promotion.
         service: "time" (executor seconds) or "tokens" (`token_cost` per computed token).
         preempt: let a call of a higher queue displace a running call of a lower one (recompute).
@@ -124,7 +129,8 @@ class PLAS(MultiLevelPolicy):
         self,
         *,
         num_queues: int = DEFAULT_NUM_QUEUES,
-        first_boundary: float | None = None,
+        first_boundary: float | str | None = None,
+        boundary_calls: float | None = None,
         quantum: float | None = None,
         beta: float | None = None,
         service: ServiceUnit = "time",
@@ -141,7 +147,9 @@ class PLAS(MultiLevelPolicy):
         if service not in self.defaults:
             raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
         d = self.defaults[service]
-        first_boundary = d["first_boundary"] if first_boundary is None else first_boundary
+        self.auto_boundary = first_boundary is None or first_boundary == "auto"
+        first_boundary = d["first_boundary"] if self.auto_boundary else first_boundary
+        boundary_calls = d["boundary_calls"] if boundary_calls is None else boundary_calls
         beta = d["beta"] if beta is None else beta
         super().__init__(
             num_queues=num_queues,
@@ -155,11 +163,16 @@ class PLAS(MultiLevelPolicy):
             running_cap=running_cap,
             cap_efficiency=cap_efficiency,
         )
-        if not first_boundary > 0:
-            raise ConfigError(f"{self.name}: first_boundary must be > 0, got {first_boundary!r}")
+        if isinstance(first_boundary, str) or not first_boundary > 0:
+            raise ConfigError(f"{self.name}: first_boundary must be 'auto' or a number > 0, got {first_boundary!r}")
+        if isinstance(boundary_calls, str) or not boundary_calls > 0:
+            raise ConfigError(f"{self.name}: boundary_calls must be > 0, got {boundary_calls!r}")
         if not beta > 0:
             raise ConfigError(f"{self.name}: beta must be > 0, got {beta!r}")
         self.boundaries = doubling(first_boundary, num_queues - 1)  # finite upper bounds of queues 0..K-2
+        self.boundary_calls = boundary_calls
+        self.quantum_ratio = d["quantum"] / d["first_boundary"] if quantum is None else None  # None: fixed
+        self.call_fit = CallServiceFit() if self.auto_boundary else None
         self.beta = beta
         self.live = live
         if order not in ("call", "program"):
@@ -190,6 +203,15 @@ class PLAS(MultiLevelPolicy):
     def on_call_done(self, prog: ProgramState, st: CallState) -> None:
         prog.attained += st.total_service
         prog.critical = max(prog.critical, st.start_priority + st.total_service)
+        if self.call_fit is not None and self.call_fit.add(st.total_service):
+            self.set_first_boundary(self.boundary_calls * self.call_fit.median)
+
+    def set_first_boundary(self, first: float) -> None:
+        """Queues [0, first) [first, 2 first) ...; the quantum follows unless it was given. Calls move to their
+        new floors at the next schedule (a call above its program's new floor keeps its level until then)."""
+        self.boundaries = doubling(first, self.num_queues - 1)
+        if self.quantum_ratio is not None:
+            self.quanta = doubling(first * self.quantum_ratio, self.num_queues - 1) + [float("inf")]
 
 
 class ATLAS(PLAS):

@@ -1,0 +1,31 @@
+"""The fan-out case of issue 47 (`agentrt bench fanout`): short programs that arrive while two tree searches fan
+out over every seat. A program-level policy serves them ahead of the trees' later calls; FCFS serves them behind
+the calls that came first. Before the queue boundaries were fitted to the calls' service (agentrt/policies/_fit.py),
+a tree's calls never left queue 0 on a fast CPU, where older programs go first, and PLAS lost to FCFS here."""
+
+import anyio
+import pytest
+
+from agentrt.bench import fanout
+
+
+@pytest.mark.parametrize("policy", ["plas", "atlas"])
+def test_short_programs_overtake_a_fan_out(default_model_path, policy):
+    args = fanout.parse_args(["--policies", f"fcfs,{policy}", "--model", str(default_model_path)])
+    report = fanout.run(args)
+    fcfs, mine = report["results"]["fcfs"], report["results"][policy]
+    for r in (fcfs, mine):
+        assert r["programs_done"] == r["programs"] == 8
+    # the contention the case assumes: under FCFS the short programs queue behind the trees' calls
+    assert fcfs["short_queued_s"] > 2 * mine["short_queued_s"]
+    assert mine["short_mean_s"] <= 0.5 * fcfs["short_mean_s"], report["results"]
+    assert mine["makespan_s"] <= 1.5 * fcfs["makespan_s"]  # the trees are not starved for it
+
+
+def test_fanout_rejects_bad_arguments():
+    with pytest.raises(SystemExit):
+        fanout.parse_args(["--rounds", "1"])
+    with pytest.raises(SystemExit):
+        fanout.parse_args(["--policies", "fcfs,nope"])
+    with pytest.raises(SystemExit):
+        fanout.parse_args(["--policy-kwargs", "[1]"])
