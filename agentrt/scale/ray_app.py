@@ -8,10 +8,8 @@ Three deployments:
 - `AgentrtReplica` (N replicas): each owns one engine and runtime, the very app `agentrt serve` runs
   (`agentrt.server.create_app`), entered once and called in-process for every request it is sent:
   the same endpoints, schemas and errors.
-- `AgentrtFront` (the HTTP ingress): reads each request once, finds its program (the `X-Program-Id`
-  header, the body's `program_id`, a Responses chain's `previous_response_id`, or the program in a
-  `/v1/programs/{id}` path) and hands it to a replica through a deployment handle whose router is
-  chosen by name: "program" (`ProgramAffinityRouter`: agentrt.scale.router's rule), or Ray's own
+- `AgentrtFront` (the HTTP ingress, agentrt.scale.front): reads each request once, finds its program
+  and hands it to a replica through a deployment handle whose router is chosen by name: "program" (`ProgramAffinityRouter`: agentrt.scale.router's rule), or Ray's own
   as Ray ships them: "pow2" (power of two choices, Ray's default), "round-robin", "prefix" (Ray's
   `PrefixCacheAffinityRouter`).
 - `AgentrtDirectory` (one replica, no CPU): the program directory (agentrt.scale.directory) every
@@ -23,17 +21,18 @@ The router runs in the front's process, so a program's home is known to the one 
 that dies re-homes its programs (`on_replica_actor_died`). A call whose replica dies fails with a
 503 naming the cause (or an SSE error event once streaming began), never a hang. Only this module
 imports Ray: `agentrt serve` without `--replicas` never loads it.
+
+`serve_replicas` is `agentrt serve --replicas N`'s process: a local Ray instance whose every listener is
+on a loopback `--host` (`init_local_ray`), and on SIGTERM a drain before Serve shuts down (`drain`): Serve's
+own shutdown stops its HTTP proxies at once, cutting the calls they still stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
-import re
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
@@ -41,6 +40,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from agentrt.scale.directory import ProgramDirectory
+from agentrt.scale.front import MAX_CHAINS, AgentrtFront, Forwarded
 from agentrt.scale.router import ProgramHomes, RouterConfig
 
 log = logging.getLogger("agentrt.scale")
@@ -53,22 +53,6 @@ ROUTERS = {
     # ray[llm]'s pyarrow, this one does not)
     "prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter",
 }
-_PROGRAM_PATH = re.compile(r"^/v1/programs/([^/]+)")
-_PROGRAM_END = re.compile(r"^/v1/programs/[^/]+/?$")  # DELETE here ends the program
-MAX_CHAINS = 100_000  # Responses ids (and programs) the front remembers the program (the replica) of
-
-
-@dataclass(slots=True)
-class Forwarded:
-    """One HTTP request as the front hands it to a replica. `messages`: its chat messages or prompt text
-    ("" for other requests), the attribute Ray's prefix-affinity router reads."""
-
-    method: str
-    path: str
-    query: bytes
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    messages: Any = ""
 
 
 class ProgramAffinityRouter(FIFOMixin, RequestRouter):
@@ -118,8 +102,43 @@ class ProgramAffinityRouter(FIFOMixin, RequestRouter):
         log.warning("agentrt replica %s died: %d programs re-home on their next call", replica_id.unique_id, moved)
 
 
+def _replica_grpc_on_loopback() -> None:
+    """Ray Serve 2.60 opens a gRPC server in every replica, for handles that send requests by gRPC (agentrt's
+    do not), on "[::]:0": every interface, whatever the node's address. On a node whose address is loopback
+    (init_local_ray on a loopback host) open it there instead. Each deployment's constructor calls this:
+    Serve opens that server after the constructor returns."""
+    import ipaddress
+
+    import ray
+    from ray.serve._private import replica
+
+    ip = ray.util.get_node_ip_address()
+    if not _is_loopback(ip) or getattr(replica.add_port_to_grpc_server, "agentrt_ip", None) == ip:
+        return
+    add_port = replica.add_port_to_grpc_server
+    bound = f"[{ip}]:0" if ipaddress.ip_address(ip).version == 6 else f"{ip}:0"
+
+    def on_node_ip(server: Any, address: str) -> int:
+        return add_port(server, bound if address == "[::]:0" else address)
+
+    on_node_ip.agentrt_ip = ip  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = on_node_ip
+
+
 class AgentrtDirectory(ProgramDirectory):
     """The program directory (agentrt.scale.directory) as a one-replica Serve deployment."""
+
+    def __init__(self) -> None:
+        _replica_grpc_on_loopback()
+        super().__init__()
+
+
+class RayFront(AgentrtFront):
+    """AgentrtFront as a Serve deployment."""
+
+    def __init__(self, replicas: Any) -> None:
+        _replica_grpc_on_loopback()
+        super().__init__(replicas)
 
 
 class DirectoryHandle:
@@ -142,6 +161,7 @@ class AgentrtReplica:
     records and /metrics joined to the other replicas' through the directory (agentrt.scale.peers)."""
 
     async def __init__(self, config: Any, torch_threads: int | None = None, directory: Any = None) -> None:
+        _replica_grpc_on_loopback()
         if torch_threads:
             import torch
 
@@ -231,109 +251,6 @@ class AgentrtReplica:
         await self._lifespan
 
 
-class AgentrtFront:
-    """The HTTP ingress: finds each request's program and hands it to a replica (see the module docs)."""
-
-    def __init__(self, replicas: Any) -> None:
-        self.replicas = replicas.options(stream=True)
-        self.chains = ProgramHomes(MAX_CHAINS)  # a bounded LRU map too: Responses id -> the program it continued
-        self.seen = ProgramHomes(MAX_CHAINS)  # program -> the replica that answered for it
-
-    def __serve_build_asgi_app__(self) -> Any:
-        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:  # a plain function: uvicorn sees ASGI 3
-            await self.asgi(scope, receive, send)
-
-        return app
-
-    def program_of(self, headers: dict[bytes, bytes], path: str, body: Any) -> str | None:
-        pid = headers.get(b"x-program-id")
-        if pid:
-            return pid.decode("latin-1")
-        m = _PROGRAM_PATH.match(path)
-        if m:
-            return m.group(1)
-        if isinstance(body, dict):
-            if isinstance(body.get("program_id"), str):
-                return body["program_id"]
-            prev = body.get("previous_response_id")
-            if isinstance(prev, str):
-                return self.chains.get(prev)
-        return None
-
-    def learn(self, headers: list[tuple[bytes, bytes]]) -> None:
-        """From a reply's headers: which replica answered for its program (a program a call started, as a
-        new Responses chain's, is placed there) and which program a Responses id continues."""
-        h = dict(headers)
-        rid, pid, replica = h.get(b"x-response-id"), h.get(b"x-program-id"), h.get(b"x-agentrt-replica")
-        if pid and replica:
-            self.seen.set(pid.decode("latin-1"), replica.decode("latin-1"))
-        if rid and pid:
-            self.chains.set(rid.decode("latin-1"), pid.decode("latin-1"))
-
-    async def asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            return
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        parsed: Any = None
-        if body[:1] == b"{":
-            try:
-                parsed = json.loads(body)
-            except ValueError:
-                parsed = None  # the replica answers the 400
-        headers = list(scope.get("headers", []))
-        text: Any = ""
-        if isinstance(parsed, dict):
-            text = parsed.get("messages") or parsed.get("prompt") or parsed.get("input") or ""
-            if isinstance(text, list) and text and all(isinstance(t, int) for t in text):
-                text = " ".join(map(str, text))  # token ids: a prefix tree over text still sees shared prefixes
-        req = Forwarded(scope["method"], scope["path"], scope.get("query_string", b""), headers, body, text)
-        pid = self.program_of(dict(headers), scope["path"], parsed)
-        ends = scope["method"] == "DELETE" and _PROGRAM_END.match(scope["path"]) is not None
-        started = False
-        try:
-            stream = self.replicas.handle.remote(req, program_id=pid, prompt_tokens=len(body) // 4,
-                                                 home_hint=self.seen.get(pid), program_ends=ends)
-            async for item in stream:
-                if not started:
-                    status, out_headers = item
-                    self.learn(out_headers)
-                    await send({"type": "http.response.start", "status": status, "headers": out_headers})
-                    started = True
-                else:
-                    await send({"type": "http.response.body", "body": item, "more_body": True})
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the replica died or failed: this call only
-            cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            error = {"error": {"message": f"the agentrt replica serving this call failed ({cause[:300]})",
-                               "type": "service_unavailable", "param": None, "code": "replica_failed"}}
-            if not started:
-                payload = json.dumps(error).encode()
-                await send({"type": "http.response.start", "status": 503,
-                            "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
-                await send({"type": "http.response.body", "body": payload, "more_body": False})
-                return
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(error).encode() + b"\n\n",
-                        "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
 def build_app(config: Any, replicas: int = 2, router: str = "program", *, num_cpus: float = 1.0,
               torch_threads: int | None = None, router_kwargs: dict[str, Any] | None = None) -> Any:
     """The Ray Serve application: `replicas` AgentrtReplica deployments (`num_cpus` logical CPUs each,
@@ -346,41 +263,116 @@ def build_app(config: Any, replicas: int = 2, router: str = "program", *, num_cp
         raise ValueError("router_kwargs are RouterConfig's fields: only for router 'program'")
     if router_kwargs:
         RouterConfig(**router_kwargs)  # a bad value fails here, naming the field
+    stop = {"graceful_shutdown_wait_loop_s": 0.2}  # Serve stops a replica once it has nothing in flight, checked
+    # this often (2 s by default): after the drain (`drain`) nothing is
     replica = serve.deployment(
         AgentrtReplica, name="agentrt-replica", num_replicas=replicas, max_ongoing_requests=1000,
-        ray_actor_options={"num_cpus": num_cpus},
+        ray_actor_options={"num_cpus": num_cpus}, **stop,
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
                                                   request_router_kwargs=router_kwargs or {}),
     )
     directory = serve.deployment(AgentrtDirectory, name="agentrt-directory", num_replicas=1,
-                                 max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
-    front = serve.deployment(serve.ingress()(AgentrtFront), name="agentrt-front", num_replicas=1,
-                             max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+                                 max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}, **stop)
+    front = serve.deployment(serve.ingress()(RayFront), name="agentrt-front", num_replicas=1,
+                             max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}, **stop)
     return front.bind(replica.bind(config, torch_threads, directory.bind()))
 
 
 # A small machine under load starts Ray Serve's HTTP proxy slower than Ray's 5 s ready check allows, which
 # then kills it and fails the start: give a local instance more time (a value set in the environment wins).
 SLOW_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+# A draining proxy reports itself drained once it has nothing in flight and has drained this long (30 s by
+# default, for load balancers to notice): `drain` asks as soon as the front has nothing in flight.
+DRAIN_ENV = {"RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S": "0.1"}
+# Ray's switch between a node on loopback (its default on macOS and Windows) and a node reachable by other
+# hosts (its default on Linux): "0" puts the node's address, and so its listeners, on loopback.
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+PROXY_FLUSH_S = 2.0  # after the front's last call ended, how long `drain` waits for the proxies to send it
 
 
-def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def init_local_ray(num_cpus: int, host: str = "127.0.0.1", **kwargs: Any) -> None:
     """A local Ray instance for agentrt: `num_cpus` logical CPUs, no dashboard, Serve's start-up checks
-    relaxed (SLOW_START_ENV); the CLI, the benchmark and the tests start theirs with it."""
+    relaxed (SLOW_START_ENV); the CLI, the benchmark and the tests start theirs with it.
+
+    Its listeners follow `host`, the address the app will serve on. A loopback host puts the node on
+    loopback (LOOPBACK_ENV, for the processes Ray starts and for this one): the GCS, the raylet, every
+    worker's gRPC server, the dashboard and runtime-env agents and the metrics ports listen on 127.0.0.1,
+    and Serve replicas' gRPC servers too (`_replica_grpc_on_loopback`). Another address becomes the node's
+    address (the agents listen there), but Ray 2.60 opens its gRPC servers either on loopback or on every
+    interface, so those listen on every interface (docs/serving.md). Ray's dashboard process still runs,
+    with its usage-stats module only: no web UI, no port 8265."""
     import os
 
     import ray
+    from ray._private import ray_constants
 
-    for key, value in SLOW_START_ENV.items():
+    for key, value in {**SLOW_START_ENV, **DRAIN_ENV}.items():
         os.environ.setdefault(key, value)
+    if _is_loopback(host):
+        os.environ[LOOPBACK_ENV] = "0"
+        ray_constants.ENABLE_RAY_CLUSTER = False  # read from the environment when Ray was imported
+    elif host not in ("", "0.0.0.0", "::"):
+        kwargs.setdefault("_node_ip_address", host)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **kwargs)
+
+
+def drain(timeout_s: float, give_up: Any = lambda: False, app_name: str = "agentrt") -> int | None:
+    """SIGTERM's drain, before `serve.shutdown()` (which stops Serve's HTTP proxies at once, cutting what
+    they still send): the front refuses new requests (503 `draining`) and the calls in flight run to their
+    end, for at most `timeout_s` or until `give_up()`; then the proxies finish sending them (Ray's proxy
+    drain, at most PROXY_FLUSH_S). Answers how many calls were still in flight (None: the front did not
+    answer)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    deadline = time.monotonic() + timeout_s
+    front = serve.get_deployment_handle("agentrt-front", app_name=app_name)
+    try:
+        proxies = list(ray.get(_get_global_client()._controller.get_proxies.remote(), timeout=5).values())
+        for proxy in proxies:
+            proxy.update_draining.remote(True)
+    except Exception as e:  # the proxies stop with Serve anyway; the front's drain is what matters
+        log.warning("draining Serve's proxies failed: %s", e)
+        proxies = []
+    left: int | None = None
+    while True:
+        try:
+            left = front.drain.remote().result(timeout_s=max(1.0, min(5.0, deadline - time.monotonic())))
+        except Exception as e:
+            log.warning("draining the front failed: %s", e)
+            return None
+        if left == 0 or give_up() or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    flush_deadline = min(deadline, time.monotonic() + PROXY_FLUSH_S)
+    while left == 0 and proxies and not give_up() and time.monotonic() < flush_deadline:
+        try:
+            if all(ray.get([p.is_drained.remote() for p in proxies], timeout=max(0.1, flush_deadline - time.monotonic()))):
+                break
+        except Exception:
+            break
+        time.sleep(0.05)
+    return left
 
 
 def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str = "program",
                    ray_address: str | None = None) -> int:
     """`agentrt serve --replicas N`: a local Ray instance (or the cluster at `ray_address`) with logical
     CPUs sized so N replicas fit, one replica per logical CPU with this machine's cores shared out as
-    torch threads, the app on `host:port`, until SIGINT / SIGTERM."""
+    torch threads, the app on `host:port`, until SIGINT / SIGTERM. Then, as one server: new requests get a
+    503, the calls in flight get `config.drain_timeout_s` to finish (a second signal stops waiting), Serve
+    and Ray stop (each replica's records are flushed) and the exit status is 0."""
     import os
     import signal
     import sys
@@ -393,10 +385,17 @@ def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str
     if ray_address:
         ray.init(address=ray_address, log_to_driver=False)
     else:
-        init_local_ray(max(replicas, cores))
+        init_local_ray(max(replicas, cores), host)
+    signals: list[int] = []
     stop = threading.Event()
+    signalled = time.monotonic()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        signals.append(signum)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         try:
             serve.start(http_options={"host": host, "port": port})
@@ -407,10 +406,20 @@ def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str
                              "its logs are under /tmp/ray/session_latest/logs/serve") from None
         print(f"agentrt: serving {replicas} replicas of {config.model_id()} on http://{host}:{port} "
               f"(router {router}, Ray {ray.__version__})", file=sys.stderr, flush=True)
+        if not ray_address and not _is_loopback(host):
+            print(f"agentrt: on --host {host}, Ray's GCS, raylet and worker gRPC servers listen on every interface "
+                  "(Ray opens them on loopback or on all; see docs/serving.md)", file=sys.stderr, flush=True)
         stop.wait()
+        signalled = time.monotonic()
+        print(f"agentrt: draining (up to {config.drain_timeout_s:g} s)", file=sys.stderr, flush=True)
+        left = drain(config.drain_timeout_s, give_up=lambda: len(signals) > 1)
+        if left:
+            print(f"agentrt: {left} calls still in flight after the drain are cut", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
+    if signals:
+        print(f"agentrt: stopped {time.monotonic() - signalled:.1f} s after the signal", file=sys.stderr, flush=True)
     return 0
 
 
