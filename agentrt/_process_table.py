@@ -43,6 +43,7 @@ class ProgramInfo:
     calls_waiting: int = 0  # submitted, no token yet
     calls_running: int = 0  # producing tokens
     calls_done: int = 0  # finished (any reason)
+    num_calls: int = 0  # calls given an id (`ProcessTable.new_call_id`), across the records of its id this run
     service_s: float = 0.0  # attained service: Σ executor time of its completed calls
     critical_path_s: float = 0.0  # longest chain of executor time (parallel threads overlap)
     wait_s: float = 0.0  # Σ over completed calls of queueing time, arrival -> first scheduled
@@ -122,6 +123,7 @@ class ProcessTable:
         old = self._programs.get(info.program_id)
         if old is not None:  # an ended program's id, started again: the new record replaces it
             self._finished.remove(info.program_id)
+            info.num_calls = max(info.num_calls, old.num_calls)  # its call ids go on from the old record's
         self._programs[info.program_id] = info
         if info.parent_id is not None and (parent := self._programs.get(info.parent_id)) is not None:
             parent.children.append(info.program_id)
@@ -131,6 +133,12 @@ class ProcessTable:
         self._finished.append(info.program_id)
         while len(self._finished) > self.max_finished:
             self._programs.pop(self._finished.popleft(), None)
+
+    def new_call_id(self, info: ProgramInfo) -> str:
+        """The id of the program's next call: `{program id}-c{n}`, n counting its calls from 1 (an id started
+        again after its program ended goes on counting, so call ids stay unique in this process table)."""
+        info.num_calls += 1
+        return f"{info.program_id}-c{info.num_calls}"
 
     def call_started(self, info: ProgramInfo, request_id: str, thread_id: str, num_prompt_tokens: int) -> CallRecord:
         now = time.monotonic()

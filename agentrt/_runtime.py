@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -126,7 +125,6 @@ class Runtime:
         self.program_manager = ProgramManager(self.policy, self, self._chat)
         self.programs: ProcessTable = self.program_manager.table
         self.observers: list[RuntimeObserver] = self.program_manager.observers  # told of program starts / ends, call ends
-        self._call_ids = itertools.count(1)
         self._token: contextvars.Token | None = None
         self._stack: contextlib.AsyncExitStack | None = None
 
@@ -391,7 +389,7 @@ class Runtime:
         engine = self._engine()
         pid = handle.info.program_id
         thread_id = thread_id or f"{pid}.t0"
-        rid = f"{pid}-c{next(self._call_ids)}"
+        rid = self.programs.new_call_id(handle.info)  # numbered within the program: its first call is {pid}-c1
         if handle.info.priority and not params.priority:  # the program's class, unless the call names its own
             params = dataclasses.replace(params, priority=handle.info.priority)
         try:

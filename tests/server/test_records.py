@@ -183,3 +183,24 @@ def test_interrupt_running_closes_programs_and_unfinished_calls():
 
 def test_the_live_page_counts_only_live_programs_as_running():
     assert 'programs.filter((p) => p.live && p.state === "running")' in PAGE
+
+
+def test_call_ids_number_each_programs_calls(tiny_model_path, tmp_path):
+    """A program's first call is `{id}-c1`, whatever other programs called before; an id started again after
+    its program ended goes on counting, so no two calls share an id (the store keys calls by it)."""
+    with live_server(tiny_config(tiny_model_path, db=f"sqlite:///{tmp_path}/records.db")) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as http:
+        def call(pid: str) -> None:
+            r = http.post("/v1/chat/completions", headers={"X-Program-Id": pid}, json={"messages": HI, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+
+        def ids(pid: str) -> list[str]:
+            return [c["id"] for c in http.get(f"/v1/programs/{pid}/calls").json()["data"]]
+
+        for pid in ("ids-a", "ids-b", "ids-a", "ids-c"):
+            call(pid)
+        assert (ids("ids-a"), ids("ids-b"), ids("ids-c")) == (["ids-a-c1", "ids-a-c2"], ["ids-b-c1"], ["ids-c-c1"])
+        assert http.delete("/v1/programs/ids-a").json()["state"] == "finished"
+        call("ids-a")  # the id again: a new program
+        assert http.get("/v1/programs/ids-a").json()["calls_done"] == 1
+        assert ids("ids-a") == ["ids-a-c1", "ids-a-c2", "ids-a-c3"]
