@@ -29,12 +29,15 @@ def process_table() -> ProcessTable:
 
 
 
-async def chat(messages: Sequence[dict[str, Any]], **sampling: Any) -> str | Result:
+async def chat(messages: Sequence[Any], **sampling: Any) -> str | Result:
     """Chat completion for the current program: the assistant's reply to `messages` (a str), or a
     `Result` with every choice, logprobs and usage when the call asks for more than a text (n > 1,
     logprobs, top_logprobs, prompt_logprobs, tools, tool_choice, response_format, full=True).
+    `messages`: OpenAI's message dicts; a reply's `tool_calls` (ToolCall objects) go back in an assistant
+    message as they are, and a reply (`Result` / `Choice`) as its assistant message (agentrt._messages).
     `sampling`: `engine.SamplingParams` fields (max_tokens, temperature, stop, seed, min_p, ...), and
-    `model`: the name of a LoRA adapter the runtime serves (`Runtime(lora_modules=...)`; None: the base model)."""
+    `model`: the name of a LoRA adapter the runtime serves (`Runtime(lora_modules=...)`), or of the base model
+    (as `agentrt serve` names it, or its path; None: the base model)."""
     rt = current_runtime()
     assert rt is not None
     return await rt.chat(messages, **sampling)

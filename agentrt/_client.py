@@ -32,6 +32,7 @@ from agentrt._errors import (
     NoRuntimeError,
     ProgramNotFoundError,
 )
+from agentrt._messages import chat_messages
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
 from agentrt._program import ProgramHandle, current
 from agentrt._results import Choice, Chunk, Result, TokenLogprob, TopLogprob, Usage, remote_logprobs, wants_result
@@ -102,7 +103,8 @@ class RemoteRuntime:
         self, messages: Sequence[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
         response_format: Any = None, full: bool = False, **sampling: Any,
     ) -> str | Result:
-        body = {"messages": list(messages), **pop_template_options(sampling), **self._sampling(sampling)}
+        body = {"messages": chat_messages(messages, _pid()), **pop_template_options(sampling),
+                **self._sampling(sampling)}
         extra = {"tools": tool_specs(tools), "tool_choice": tool_choice, "response_format": response_format}
         body.update({k: v for k, v in extra.items() if v is not None})
         data = await self._post("/v1/chat/completions", body)
@@ -152,7 +154,7 @@ class RemoteRuntime:
         self, messages: Sequence[dict[str, Any]], *, full: bool = False, **sampling: Any
     ) -> AsyncIterator[str | Chunk]:
         options = pop_template_options(sampling)
-        body = {"messages": list(messages), "stream": True, **options, **self._sampling(sampling)}
+        body = {"messages": chat_messages(messages, _pid()), "stream": True, **options, **self._sampling(sampling)}
         chunks = wants_result(sampling, full)
         async for chunk in self._stream("/v1/chat/completions", body):
             for choice in chunk.get("choices", ()):

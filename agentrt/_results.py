@@ -77,8 +77,7 @@ class Choice:
         reasoning stays out, as reasoning models' templates leave it out of earlier turns)."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.text}
         if self.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in self.tool_calls]
+            msg["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         return msg
 
 

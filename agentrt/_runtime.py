@@ -33,6 +33,7 @@ from agentrt._errors import (
     NoRuntimeError,
 )
 from agentrt._lora import LoRAModules, parse_lora_modules
+from agentrt._messages import chat_messages
 from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
 from agentrt._program import ProgramHandle, calling_program, current
 from agentrt._programs import ANY_OWNER, ProgramManager, RuntimeObserver
@@ -443,9 +444,10 @@ class Runtime:
         (add_generation_prompt, continue_final_message, chat_template_kwargs) go with the sampling ones."""
         options = pop_template_options(sampling)
         plain = tools is None and tool_choice is None and response_format is None
-        prepared = await self.prepare_chat(messages, tools=tool_specs(tools), tool_choice=tool_choice,
-                                           output=response_format_constraint(response_format), program_id=_pid(),
-                                           **options)
+        pid = _pid()
+        prepared = await self.prepare_chat(chat_messages(messages, pid), tools=tool_specs(tools),
+                                           tool_choice=tool_choice, output=response_format_constraint(response_format),
+                                           program_id=pid, **options)
         plan, ids = prepared.plan, prepared.prompt_ids
         if plan.constraint is not None:
             sampling["constraint"] = plan.constraint
@@ -485,7 +487,9 @@ class Runtime:
     ) -> AsyncIterator[str | Chunk]:
         """Text pieces as generated; `Chunk`s (with their choice's index) under `chat`'s rule for a `Result`.
         With a reasoning parser the pieces are the answer's, and chunks carry the thinking's apart."""
-        prepared = await self.prepare_chat(messages, program_id=_pid(), **pop_template_options(sampling))
+        pid = _pid()
+        options = pop_template_options(sampling)
+        prepared = await self.prepare_chat(chat_messages(messages, pid), program_id=pid, **options)
         plan = prepared.plan if self.reasoning is not None else None
         pieces = self._pieces(prepared.prompt_ids, sampling, "chat", wants_result(sampling, full), plan)
         async with contextlib.aclosing(pieces) as gen:

@@ -66,9 +66,58 @@ class ToolCall:
     def args(self) -> Any:
         return json.loads(self.arguments)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The call as an entry of an assistant message's `tool_calls`, in OpenAI's format."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def shown(value: Any, limit: int = 120) -> str:
+    """A value as an error message shows it: its type and a repr cut to `limit` characters."""
+    text = repr(value)
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    name = type(value).__name__
+    plain = text.startswith(name) or isinstance(value, (str, int, float, dict, list, tuple))
+    return text if plain else f"{name} {text}"
+
+
+def tool_call_of(obj: Any, where: str, program_id: str | None = None) -> ToolCall:
+    """A call as a reply's `tool_calls` hands it out (`ToolCall`), in OpenAI's format (`{"id", "type": "function",
+    "function": {"name", "arguments"}}`, also as an SDK object with `model_dump`), or flat (`{"id", "name",
+    "arguments"}`); arguments as JSON text or an object. InvalidCallError naming `where` and the value otherwise."""
+    if isinstance(obj, ToolCall):
+        return obj
+    data = obj.model_dump(exclude_none=True) if callable(getattr(obj, "model_dump", None)) else obj
+    if not isinstance(data, dict):
+        raise InvalidCallError(f"{where} must be a tool call (a ToolCall from a reply's tool_calls, or "
+                               f"{{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}), got {shown(obj)}",
+                               program_id=program_id, param=where)
+    if data.get("type", "function") != "function":
+        raise InvalidCallError(f"{where}.type must be 'function', got {shown(data.get('type'))}", program_id=program_id,
+                               param=f"{where}.type")
+    fn, at = (data["function"], f"{where}.function") if "function" in data else (data, where)
+    if not isinstance(fn, dict):
+        raise InvalidCallError(f"{at} must be an object with a name and arguments, got {shown(fn)}",
+                               program_id=program_id, param=at)
+    call_id, name, arguments = data.get("id"), fn.get("name"), fn.get("arguments")
+    if not isinstance(call_id, str) or not call_id:
+        raise InvalidCallError(f"{where}.id must be the call's id (a non-empty str), got {shown(call_id)}",
+                               program_id=program_id, param=f"{where}.id")
+    if not isinstance(name, str) or not name:
+        raise InvalidCallError(f"{at}.name must be a function name (a non-empty str), got {shown(name)}",
+                               program_id=program_id, param=f"{at}.name")
+    if arguments is None:
+        arguments = "{}"
+    elif not isinstance(arguments, str):
+        try:
+            arguments = json.dumps(arguments)
+        except (TypeError, ValueError):
+            raise InvalidCallError(f"{at}.arguments must be JSON text or a JSON object, got {shown(arguments)}",
+                                   program_id=program_id, param=f"{at}.arguments") from None
+    return ToolCall(call_id, name, arguments)
 
 
 def _bad(message: str, param: str) -> InvalidCallError:
@@ -305,12 +354,17 @@ def tool_specs(tools: Any) -> Any:
     return [t if isinstance(t, dict) else function_spec(t) if callable(t) else t for t in tools]
 
 
-async def run_tool_calls(calls: list[ToolCall], tools: list[Any]) -> list[dict[str, Any]]:
+async def run_tool_calls(calls: Any, tools: list[Any]) -> list[dict[str, Any]]:
     """Run the calls a reply made with the matching Python functions (async or not); one `role: "tool"`
-    message per call, in order. A call that fails (unknown tool, bad arguments, an exception in the
+    message per call, in order. `calls`: a reply's `tool_calls` (or the reply itself), the entries also as
+    OpenAI's dicts (`tool_call_of`). A call that fails (unknown tool, bad arguments, an exception in the
     tool) gets its error as the message content: the model sees it, the program goes on."""
     import inspect
 
+    calls = getattr(calls, "tool_calls", calls)  # a Result or Choice: its calls
+    if isinstance(calls, (str, bytes, dict)) or not isinstance(calls, (list, tuple)):
+        raise InvalidCallError(f"calls must be a reply's tool_calls (a list), got {shown(calls)}", param="calls")
+    calls = [tool_call_of(c, f"calls[{i}]") for i, c in enumerate(calls)]
     by_name = {function_spec(t)["function"]["name"]: t for t in tools if callable(t)}
     out = []
     for c in calls:
