@@ -104,7 +104,7 @@ def submit_beam_search(runtime: Runtime, prompt_ids: list[int], params: BeamSear
                        owner: str | None, cache_salt: str | None, model: str | None, name: str) -> BeamSearchCall:
     """`Runtime.submit_beam_search`: the server's search, its steps calls of the keyed program `program_id`
     (None: a program of its own, ended with the search)."""
-    runtime.loras.resolve(model, program_id)  # an unknown adapter fails before a program starts
+    runtime.resolve_model(model, program_id)  # an unknown adapter fails before a program starts
     own = program_id is None
     if own:
         program_id = runtime.start_program(name=name, owner=owner).program_id
@@ -134,9 +134,9 @@ async def beam_search_in_program(runtime: Runtime, prompt: str | list[int], *, b
         raise InvalidCallError(str(e), program_id=pid) from None
     ids = runtime.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
     with calling_program("beam_search") as (prog, thread_id):
-        lora = runtime.loras.resolve(model, prog.program_id)
+        lora = runtime.resolve_model(model, prog.program_id)
         call = BeamSearchCall(runtime, ids, params,
                               lambda p, sp: runtime.submit_call(prog, thread_id, p, sp, "beam_search", None, lora=lora),
-                              prog.program_id, model=model)
+                              prog.program_id, model=lora.lora_name if lora is not None else None)
         async with call:
             return runtime.result_of(await call.result())

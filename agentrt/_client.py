@@ -55,8 +55,11 @@ class RemoteRuntime:
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s
-        self.programs = ProcessTable()  # this client's view of its programs
+        self.programs = ProcessTable()  # this client's programs, their records as the server keeps them (_copy_record)
         self._remote: set[str] = set()  # programs the server has heard of (they made a call)
+        self._refreshing: set[str] = set()  # programs whose record is being read back from the server
+        self._stale: set[str] = set()  # of those, programs a call of which ended since the read began
+        self._ending: dict[str, anyio.Event] = {}  # ended programs whose final record is on its way back
         self._client: httpx.AsyncClient | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._token: contextvars.Token | None = None
@@ -86,17 +89,59 @@ class RemoteRuntime:
         """Nothing to do here: the server times the gap between a program's calls itself."""
 
     def program_exited(self, handle: ProgramHandle, state: ProgramStatus, error: str | None) -> None:
+        """The program ended here: the server is told (`DELETE /v1/programs/{id}`), and its answer, the final
+        record, is copied into the program's (`program_settled` waits for it)."""
         self.programs.end(handle.info, state, error)
         pid = handle.program_id
         if pid in self._remote and self._tg is not None:
             self._remote.discard(pid)
-            self._tg.start_soon(self._delete_program, pid)
+            self._ending[pid] = done = anyio.Event()
+            self._tg.start_soon(self._end_program, handle.info, done)
 
-    async def _delete_program(self, pid: str) -> None:
+    async def program_settled(self, handle: ProgramHandle) -> None:
+        """Until the ended program's record is final: the server's answer to its end is in (or failed)."""
+        done = self._ending.get(handle.program_id)
+        if done is not None:
+            await done.wait()
+
+    async def _end_program(self, info: ProgramInfo, done: anyio.Event) -> None:
         try:
-            await self._http().delete(f"/v1/programs/{pid}")
-        except httpx.HTTPError:
+            r = await self._http().delete(f"/v1/programs/{info.program_id}")
+            if r.status_code == 200:
+                _copy_record(info, r.json())
+        except (httpx.HTTPError, ValueError):
             pass  # the server ends idle programs by itself
+        finally:
+            self._ending.pop(info.program_id, None)
+            done.set()
+
+    def _call_ended(self, pid: str) -> None:
+        """A call of the program ended: its record is read back from the server, off the caller's path (one
+        read at a time per program; another after it when more calls ended meanwhile)."""
+        if self._tg is None or pid not in self.programs:
+            return
+        if pid in self._refreshing:
+            self._stale.add(pid)
+            return
+        self._refreshing.add(pid)
+        self._tg.start_soon(self._refresh, pid)
+
+    async def _refresh(self, pid: str) -> None:
+        try:
+            while True:
+                self._stale.discard(pid)
+                r = await self._http().get(f"/v1/programs/{pid}")
+                info = self.programs.get(pid)
+                if info is None or info.state != "running":  # ended: its final record comes with its end
+                    return
+                if r.status_code == 200:
+                    _copy_record(info, r.json())
+                if pid not in self._stale:
+                    return
+        except (httpx.HTTPError, ValueError):
+            pass  # the record stays as it was; the next call's end reads it again
+        finally:
+            self._refreshing.discard(pid)
 
     # --- calls --------------------------------------------------------------------------------
     async def chat(
@@ -187,9 +232,10 @@ class RemoteRuntime:
 
     def _sampling(self, sampling: dict[str, Any], completions: bool = False) -> dict[str, Any]:
         sampling = openai_names(sampling)
-        model = sampling.pop("model", None)  # a LoRA adapter's name; the server checks it
+        model = sampling.pop("model", None)  # the served model's name or a LoRA adapter's; the server checks it
         if model is not None and not isinstance(model, str):
-            raise InvalidCallError(f"model must be a LoRA adapter's name (a str) or None, got {model!r}", program_id=_pid())
+            raise InvalidCallError(f"model must be the served model's or a LoRA adapter's name (a str) or None, got "
+                                   f"{model!r}", program_id=_pid(), param="model")
         try:
             params = SamplingParams(**sampling)
         except (TypeError, ValueError) as e:
@@ -225,12 +271,16 @@ class RemoteRuntime:
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         headers = self._headers()
+        pid = headers.get("X-Program-Id")
         try:
             r = await self._http().post(path, json=body, headers=headers)
         except httpx.HTTPError as e:
-            raise CallFailedError(f"request to {self.url}{path} failed: {e!r}", program_id=headers.get("X-Program-Id")) from None
+            raise CallFailedError(f"request to {self.url}{path} failed: {e!r}", program_id=pid) from None
+        finally:
+            if pid is not None:
+                self._call_ended(pid)
         if r.status_code != 200:
-            raise _error(r.status_code, r.content, headers.get("X-Program-Id"))
+            raise _error(r.status_code, r.content, pid)
         return r.json()
 
     async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -252,11 +302,27 @@ class RemoteRuntime:
                     yield chunk
         except httpx.HTTPError as e:
             raise CallFailedError(f"request to {self.url}{path} failed: {e!r}", program_id=pid) from None
+        finally:
+            if pid is not None:
+                self._call_ended(pid)
 
 
 def _pid() -> str | None:
     cur = current()
     return None if cur is None else cur[0].program_id
+
+
+RECORD_FIELDS = ("calls_waiting", "calls_running", "calls_done", "service_s", "critical_path_s", "wait_s",
+                 "num_prompt_tokens", "num_output_tokens", "num_prefix_hit_tokens", "num_threads")
+
+
+def _copy_record(info: ProgramInfo, view: dict[str, Any]) -> None:
+    """The server's record of a program (`/v1/programs/{id}`: calls, service, tokens, threads) into the client's.
+    Its state, times, parent, children and tool durations are the client's own; its KV (`kv`) stays None."""
+    for name in RECORD_FIELDS:
+        value = view.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            setattr(info, name, value)
 
 
 def _usage(data: dict[str, Any]) -> Usage | None:
@@ -278,12 +344,12 @@ def _completion_logprobs(data: dict[str, Any] | None) -> list[TokenLogprob] | No
 def _error(status: int, body: bytes, program_id: str | None) -> AgentrtError:
     try:
         err = json.loads(body)["error"]
-        message, code = err.get("message", ""), err.get("code")
-    except (ValueError, KeyError, TypeError):
-        message, code = body[:200].decode(errors="replace"), None
+        message, code, param = err.get("message", ""), err.get("code"), err.get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, code, param = body[:200].decode(errors="replace"), None, None
     message = f"server answered {status}: {message}"
-    if status == 400:
-        return InvalidCallError(message, program_id=program_id)
+    if status == 400 or code == "model_not_found":  # what the in-process runtime refuses as InvalidCallError
+        return InvalidCallError(message, program_id=program_id, param=param if isinstance(param, str) else None)
     if status == 404 and code == "program_not_found":
         return ProgramNotFoundError(message, program_id=program_id)
     if code == "call_aborted":

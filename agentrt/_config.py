@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agentrt._lora import parse_lora_modules
@@ -46,3 +47,18 @@ class RuntimeConfig:
         reasoning_parser(self.reasoning_parser)  # an unknown name fails here, naming the choices
         tool_call_parser(self.tool_call_parser)  # likewise
         parse_lora_modules(self.lora_modules)  # a malformed entry fails here, naming it
+
+    def model_id(self) -> str:
+        """The model's name as `agentrt serve` serves it: the model file's (or directory's) name, or the default
+        model's (a ServerConfig's `served_model_name` first)."""
+        if self.model is None:
+            from agentrt.engine.loader import DEFAULT_MODEL_NAME
+
+            return DEFAULT_MODEL_NAME
+        path = Path(self.model)
+        return path.stem if path.suffix == ".gguf" else path.name
+
+    def model_names(self) -> tuple[str, ...]:
+        """The names a call's `model` may give the base model (rather than a LoRA adapter): `model_id()`, and the
+        model's path as given. The in-process runtime and the server take the same ones."""
+        return (self.model_id(),) if self.model is None else tuple(dict.fromkeys((self.model_id(), str(self.model))))

@@ -24,6 +24,8 @@ class Host(Protocol):
 
     def program_exited(self, handle: Any, state: ProgramStatus, error: str | None) -> None: ...  # a ProgramHandle
 
+    async def program_settled(self, handle: Any) -> None: ...  # the ended program's record is final
+
     def tool_started(self, info: ProgramInfo | None, tool: str, ttl_s: float | None = None) -> None: ...
 
     async def chat(self, messages: Sequence[dict[str, Any]], **sampling: Any) -> str: ...

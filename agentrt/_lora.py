@@ -62,16 +62,18 @@ class LoRAModules:
         with self._lock:
             return list(self._by_name.values())
 
-    def resolve(self, model: Any, program_id: str | None = None) -> LoRARequest | None:
-        """The adapter a call's `model` names (None: the base model); InvalidCallError naming it when no
-        adapter has that name."""
-        if model is None:
+    def resolve(self, model: Any, program_id: str | None = None, base: tuple[str, ...] = ()) -> LoRARequest | None:
+        """The adapter a call's `model` names; None for the base model: no model, "", or one of its names
+        `base` (RuntimeConfig.model_names). InvalidCallError naming `model` for any other name."""
+        if model is None or model == "" or model in base:
             return None
         req = self._by_name.get(model) if isinstance(model, str) else None
         if req is None:
             names = ", ".join(repr(n) for n in self._by_name) or "none"
-            raise InvalidCallError(f"model {model!r} is no LoRA adapter of this runtime (adapters: {names}); "
-                                   "leave model out for the base model", param="model", program_id=program_id)
+            served = f"the model {base[0]!r} nor " if base else ""
+            raise InvalidCallError(f"model {model!r} is neither {served}a LoRA adapter of this runtime (adapters: "
+                                   f"{names}); leave model out for the base model", param="model",
+                                   program_id=program_id)
         return req
 
 

@@ -8,6 +8,8 @@ Identity travels in context variables, so `agentrt.chat` inside the function (or
 awaits) knows whose call it is. Threads are tasks: the task that entered the program is thread 0;
 any other task that makes a call for it (an anyio task-group child, a `gather` branch, an
 `asyncio.gather` / `create_task` child) gets the next thread id the first time it calls.
+A program's `num_threads` counts the threads that made calls, as a server counts the thread ids its
+calls name (agentrt._programs): a `gather` of 3 branches is 3 threads, 4 when the main one called too.
 """
 
 from __future__ import annotations
@@ -50,9 +52,7 @@ class ProgramHandle:
         return self.info.program_id
 
     def new_thread_id(self) -> str:
-        n = next(self._threads)
-        self.info.num_threads = max(self.info.num_threads, n + 1)
-        return f"{self.info.program_id}.t{n}"
+        return f"{self.info.program_id}.t{next(self._threads)}"
 
 
 # (program, thread id, id of the task the thread id belongs to)
@@ -131,6 +131,13 @@ def exit_program(handle: ProgramHandle, token: contextvars.Token | None, exc: Ba
         handle.info.state, handle.info.end_time, handle.info.error = state, time.monotonic(), error
 
 
+async def _settled(handle: ProgramHandle) -> None:
+    """Until the ended program's record is final (through `agentrt.connect`, once the server's is in), so the
+    caller of a program reads the same record in the process table in-process and through a server."""
+    if handle.runtime is not None:
+        await handle.runtime.program_settled(handle)
+
+
 @contextlib.contextmanager
 def calling_program(kind: str) -> Iterator[tuple[ProgramHandle, str]]:
     """The program and thread a call belongs to: the current ones, or outside any program a one-call program
@@ -195,8 +202,11 @@ def program(
                 result = await f(*args, **kwargs)
             except BaseException as exc:
                 exit_program(handle, token, exc)
+                if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                    await _settled(handle)
                 raise
             exit_program(handle, token, None)
+            await _settled(handle)
             return result
 
         return run_program

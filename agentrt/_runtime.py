@@ -100,6 +100,7 @@ class Runtime:
                     raise
                 raise ConfigError(f"bad runtime configuration: {e}") from None
         self.config = config
+        self.model_names = config.model_names()  # what a call's `model` may name the base model by (as `serve` does)
         self.loras = LoRAModules()  # adapter name -> engine.LoRARequest
         for name, path, base in parse_lora_modules(config.lora_modules):
             try:
@@ -216,6 +217,11 @@ class Runtime:
             raise InvalidCallError(f"the served model {self.engine_info.model_name!r} has no classification head")
         return await self._engine().classify([str(i) for i in range(len(pooled))], pooled)
 
+    def resolve_model(self, model: Any, program_id: str | None = None) -> LoRARequest | None:
+        """The LoRA adapter a call's `model` names; None for the base model: no model, or one of `model_names`
+        (its name as `agentrt serve` serves it, its path). InvalidCallError naming any other."""
+        return self.loras.resolve(model, program_id, self.model_names)
+
     def kv_stats(self) -> Any:
         return self._engine().kv_stats()
 
@@ -237,6 +243,9 @@ class Runtime:
     def program_exited(self, handle: ProgramHandle, state: ProgramStatus, error: str | None) -> None:
         """A program ends: its calls in flight are aborted, all it holds released (agentrt._context.Host)."""
         self.program_manager.program_exited(handle, state, error)
+
+    async def program_settled(self, handle: ProgramHandle) -> None:
+        """Nothing to wait for: an ended program's record is final when it exits (agentrt._context.Host)."""
 
     def abort_program(self, program_id: str) -> int:
         """Abort every in-flight call of a program (its awaiting `chat`s raise `CallAbortedError`)."""
@@ -357,7 +366,7 @@ class Runtime:
         program). Bad input raises `InvalidCallError` here; see `agentrt._call.Call`. `last_call`: the
         program makes no more calls, so nothing of it is pinned when this one ends. `name`: the name of
         a program this call starts. `model`: a LoRA adapter's name (None: the base model)."""
-        lora = self.loras.resolve(model, program_id)
+        lora = self.resolve_model(model, program_id)
         pm = self.program_manager
         if program_id is None:
             handle = pm.start_program(name=kind, owner=owner, one_call=True)
@@ -425,7 +434,7 @@ class Runtime:
         append the final output to `out`."""
         self._engine()
         with calling_program(kind) as (prog, thread_id):
-            lora = self.loras.resolve(sampling.pop("model", None), prog.program_id)
+            lora = self.resolve_model(sampling.pop("model", None), prog.program_id)
             params = _sampling_params(merge_sampling(self.engine_info.generation_defaults, openai_names(sampling)),
                                       prog.program_id)
             async with self.submit_call(prog, thread_id, prompt, params, kind, None, lora=lora) as call:

@@ -79,14 +79,7 @@ class ServerConfig(RuntimeConfig):
 
     def model_id(self) -> str:
         """The model id clients use: `served_model_name`, else the model file's (or directory's) name."""
-        if self.served_model_name:
-            return self.served_model_name
-        if self.model is None:
-            from agentrt.engine.loader import DEFAULT_MODEL_NAME
-
-            return DEFAULT_MODEL_NAME
-        path = Path(self.model)
-        return path.stem if path.suffix == ".gguf" else path.name
+        return self.served_model_name or RuntimeConfig.model_id(self)
 
 
 def load_chat_template(value: str) -> str:

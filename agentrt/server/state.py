@@ -64,8 +64,9 @@ class ServerState:
                        "authentication_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
     def check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names, None for the base model; 404 for any other name."""
-        if model is None or model in (self.model_name, ""):
+        """The LoRA adapter a request's `model` names, None for the base model (any of the names the in-process
+        runtime takes for it: RuntimeConfig.model_names); 404 for any other name."""
+        if model is None or model == "" or model in self.runtime.model_names:
             return None
         if model in self.runtime.loras:
             return model
