@@ -8,7 +8,9 @@ import argparse
 import contextlib
 import json
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 # flag -> (type, help); each the EngineConfig field of its name
@@ -97,15 +99,41 @@ def add_kv_tier_options(p: argparse.ArgumentParser) -> None:
 
 
 def kv_tier_options(a: argparse.Namespace) -> dict[str, Any]:
-    """The KV tier fields given on the command line."""
+    """The KV tier fields given on the command line; ValueError naming the flag if `--kv-disk-dir` is not a
+    directory this process can write (the disk tier would find that only once the model loaded)."""
     names = [f[2:].replace("-", "_") for f in _KV_TIER_FLAGS]
+    if a.kv_disk_dir is not None:
+        check_kv_disk_dir(a.kv_disk_dir)
     return {n: getattr(a, n) for n in names if getattr(a, n) is not None}
 
 
+def check_kv_disk_dir(path: str) -> None:
+    """`--kv-disk-dir`: a directory this process can write, made (with its parents) if missing, as the disk
+    tier makes it (engine.kv_disk)."""
+    if not path:
+        raise ValueError("--kv-disk-dir must be a directory path, got ''")
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror or str(e)
+        raise ValueError(f"--kv-disk-dir {path!r}: cannot make the directory: {why}") from None
+    try:
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ValueError(f"--kv-disk-dir {path!r}: cannot write files there: {e.strerror or e}") from None
+
+
 def engine_options(a: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields given on the command line (the others keep the engine's defaults)."""
+    """The EngineConfig fields given on the command line (the others keep the engine's defaults); ValueError
+    naming the flag for what the engine would find only once the model loaded."""
     if a.seed is not None and not 0 <= a.seed < 2**63:
         raise ValueError(f"--seed must be an int in [0, 2**63 - 1], got {a.seed}")
+    if a.max_model_len is not None and a.max_model_len < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {a.max_model_len}")
+    if a.kv_disk_dir is not None:
+        check_kv_disk_dir(a.kv_disk_dir)
     names = [f[2:].replace("-", "_") for f in _ENGINE_FLAGS] + list(_SWITCHES)
     options = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     if a.override_generation_config is not None:

@@ -117,9 +117,9 @@ def _serve_replicas(a: argparse.Namespace, config: ServerConfig) -> int:
     except ImportError as e:
         raise ValueError(f"--replicas needs Ray Serve ({e.name or e} is not installed): pip install 'agentrt[ray]'") \
             from None
-    from agentrt.engine.loader import resolve_model
+    from agentrt.server.startup import check_startup
 
-    resolve_model(config.model)  # a path that is not a model fails here, before Ray starts
+    check_startup(config, host=a.host, port=a.port)  # the model, the database, the address: before Ray starts
     return ray_app.serve_replicas(config, a.host, a.port, replicas, a.router, a.ray_address)
 
 

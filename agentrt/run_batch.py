@@ -247,8 +247,8 @@ def _open(path: str, mode: str) -> IO[bytes]:
 
 
 def _command(a: argparse.Namespace) -> int:
-    from agentrt.engine.loader import resolve_model
     from agentrt.server import ServerConfig
+    from agentrt.server.startup import check_startup
 
     # everything is checked, and the input opened, before the model loads
     if a.max_concurrency is not None and a.max_concurrency < 1:
@@ -275,7 +275,7 @@ def _command(a: argparse.Namespace) -> int:
             if os.path.isdir(a.input_file):
                 raise ValueError(f"cannot read the input file {a.input_file!r}: it is a directory")
             source = stack.enter_context(_open(a.input_file, "rb"))
-        resolve_model(a.model)  # an unknown model fails here, before the load
+        check_startup(config)  # the model, its sampling defaults, the database: before the load, naming the flag
         sys.stdout.flush()
         out = sys.stdout.buffer
         # with `-o -` stdout carries the records alone: anything else printed goes to stderr

@@ -4,10 +4,13 @@ command reads no file or takes no model, that case does not apply."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
 import pytest
+
+import agentrt
 
 from agentrt.command import BENCHES
 from agentrt.command import main as cli
@@ -76,6 +79,90 @@ CASES = [  # (argv, what the line names); FILE is a program file that exists
 @pytest.mark.parametrize("argv, needle", CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_every_command_fails_in_one_line(argv, needle, program_file, capsys):
     assert_one_line([program_file if a == "FILE" else a for a in argv], capsys, needle)
+
+
+@pytest.fixture
+def port_in_use():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield str(s.getsockname()[1])
+
+
+STARTUP_CASES = [  # (argv after `serve --model TINY`, what the line names); FILE: a file, BUSY: a port in use
+    (["--kv-disk-dir", "/proc/nope"], "--kv-disk-dir '/proc/nope': cannot make the directory"),
+    (["--kv-disk-dir", "FILE"], "--kv-disk-dir"),
+    (["--db", "bogus://x"], "--db 'bogus://x': SQLAlchemy has no dialect 'bogus'"),
+    (["--db", "sqlite:////proc/nope/records.db"], "--db 'sqlite:////proc/nope/records.db': cannot make"),
+    (["--db", "/tmp/records.db"], "--db '/tmp/records.db': not a SQLAlchemy URL"),
+    (["--db", "postgresql://agentrt@127.0.0.1:1/none"], "--db 'postgresql://agentrt@127.0.0.1:1/none': cannot connect"),
+    (["--db", "mssql+nosuchdriver://x/y"], "--db"),
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--port", "-1"], "--port must be in [0, 65535]"),
+    (["--port", "BUSY"], "cannot listen there"),
+    (["--host", "no.such.host.invalid"], "--host 'no.such.host.invalid' does not resolve"),
+    (["--host", "192.0.2.1"], "--host '192.0.2.1'"),  # TEST-NET-1: no interface of this machine has it
+    (["--ssl-keyfile", "FILE", "--ssl-certfile", "FILE"], "--ssl-certfile"),
+    (["--ssl-keyfile", "FILE"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["--root-path", "/x/"], "--root-path must start with '/' and not end with one"),
+    (["--generation-config", "/no/such/dir"], "--generation-config '/no/such/dir' is not a directory"),
+    (["--generation-config", "FILE"], "--generation-config"),
+    (["--override-generation-config", '{"temperature": -1}'], "--override-generation-config"),
+    (["--override-generation-config", '{"no_such_field": 1}'], "--override-generation-config"),
+    (["--max-model-len", "0"], "--max-model-len must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", STARTUP_CASES, ids=[" ".join(c[0]) for c in STARTUP_CASES])
+def test_serve_start_up_failures_are_one_line_before_the_model_loads(argv, needle, tiny_model_path, program_file,
+                                                                     port_in_use, monkeypatch, tmp_path, capsys):
+    """Each flag that names a path, a URL or an address: a bad value is one line naming the flag, exit 2, and
+    nothing loads first (the app, which loads the model, is never made)."""
+    import agentrt.server.app
+
+    monkeypatch.setenv("AGENTRT_DB", str(tmp_path / "records.db"))  # the default database, checked too
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the server started loading")
+
+    monkeypatch.setattr(agentrt.server.app, "create_app", no_load)
+    given = [{"FILE": program_file, "BUSY": port_in_use}.get(a, a) for a in argv]
+    assert_one_line(["serve", "--model", str(tiny_model_path), *given], capsys, needle.replace("FILE", program_file))
+
+
+SHARED_CASES = [  # the same flags where run-batch, run and demo take them
+    (["run-batch", "-i", "FILE", "-o", "-", "--db", "bogus://x"], "--db 'bogus://x'"),
+    (["run-batch", "-i", "FILE", "-o", "-", "--kv-disk-dir", "/proc/nope"], "--kv-disk-dir '/proc/nope'"),
+    (["run-batch", "-i", "FILE", "-o", "-", "--generation-config", "/no/such/dir"], "--generation-config"),
+    (["run", "--kv-disk-dir", "/proc/nope", "FILE"], "--kv-disk-dir '/proc/nope'"),
+    (["demo", "--url", "nope"], "--url 'nope': not an http(s) URL"),
+    (["demo", "--url", "http://127.0.0.1:1"], "--url 'http://127.0.0.1:1': no server answers there"),
+    (["demo", "--url", "http://127.0.0.1:1", "--keep"], "--keep keeps the server the demo starts"),
+    (["demo", "--in-process", "--keep"], "--keep"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", SHARED_CASES, ids=[" ".join(c[0]) for c in SHARED_CASES])
+def test_shared_flags_fail_in_one_line_before_the_model_loads(argv, needle, tiny_model_path, program_file, monkeypatch,
+                                                              capsys):
+    import agentrt.server.app
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model started loading")
+
+    monkeypatch.setattr(agentrt.server.app, "create_app", no_load)
+    monkeypatch.setattr(agentrt.Runtime, "__aenter__", no_load)
+    given = [program_file if a == "FILE" else a for a in argv]
+    assert_one_line([*given[:1], "--model", str(tiny_model_path), *given[1:]], capsys, needle)
+
+
+@pytest.mark.parametrize("flag, value", [("--kv-disk-dir", "/proc/nope"), ("--db", "bogus://x")])
+def test_the_issues_start_up_failures_as_a_process(flag, value, tiny_model_path):
+    """As reported: 76 and 80 lines of traceback, exit 1, the model loaded first; now one line and exit 2."""
+    p = subprocess.run([sys.executable, "-m", "agentrt.command", "serve", "--model", str(tiny_model_path), flag, value],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and f"{flag} {value!r}" in p.stderr, p.stderr
+    assert p.stdout == ""  # not even "loading the model"
 
 
 @pytest.mark.parametrize("name", sorted(BENCHES))

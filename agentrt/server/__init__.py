@@ -41,26 +41,19 @@ def serve(
     records are flushed, and the process exits 0.
 
     `root_path`: the path prefix a proxy serves this server under; `ssl_keyfile` and `ssl_certfile`:
-    HTTPS (both or neither); `access_log`: uvicorn's line per request. Checked before the model loads,
-    as is the model's path (ModelNotFoundError, a ValueError). An error while the model loads is raised
-    here as itself, once uvicorn has stopped, instead of uvicorn's lifespan traceback and exit 3."""
+    HTTPS (both or neither); `access_log`: uvicorn's line per request. Checked before the model loads
+    (`startup.check_startup`: the address, HTTPS pair, model, sampling defaults and database; a ValueError
+    naming the flag). An error while the model loads is raised here as itself, once uvicorn has stopped,
+    instead of uvicorn's lifespan traceback and exit 3."""
     import signal
     import threading
-    from pathlib import Path
 
     import uvicorn
 
-    if root_path and (not root_path.startswith("/") or root_path.endswith("/")):
-        raise ValueError(f"root_path must start with '/' and not end with one, got {root_path!r}")
-    if (ssl_keyfile is None) != (ssl_certfile is None):
-        raise ValueError("ssl_keyfile and ssl_certfile go together: give both or neither, got "
-                         f"ssl_keyfile={ssl_keyfile!r} and ssl_certfile={ssl_certfile!r}")
-    for name, path in (("ssl_keyfile", ssl_keyfile), ("ssl_certfile", ssl_certfile)):
-        if path is not None and not Path(path).is_file():
-            raise ValueError(f"{name} {path!r} is not a file")
-    from agentrt.engine.loader import resolve_model
+    from agentrt.server.startup import check_startup
 
-    resolve_model(config.model)  # a path that is not a model fails here, before uvicorn says anything
+    check_startup(config, host=host, port=port, root_path=root_path, ssl_keyfile=ssl_keyfile,
+                  ssl_certfile=ssl_certfile)  # before uvicorn says anything
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager

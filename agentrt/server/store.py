@@ -30,7 +30,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import ArgumentError, InterfaceError, NoSuchModuleError, OperationalError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
 from agentrt.server.records import (  # noqa: F401  (the store's API types, re-exported)
@@ -105,6 +105,33 @@ def _make_engine(url: str) -> tuple[Engine, bool]:
         cur.close()
 
     return engine, False
+
+
+def check_url(url: str) -> None:
+    """Connect once to the database at `url` (a SQLite file's directory made, as `Store` makes it): ValueError
+    saying why records cannot be kept there (a malformed URL, a dialect or driver not installed, a directory
+    that cannot be made, a database that refuses the connection). Blocking."""
+    try:
+        engine, _ = _make_engine(url)
+    except NoSuchModuleError:  # an ArgumentError: first
+        raise ValueError(f"SQLAlchemy has no dialect {make_url(url).drivername!r} (sqlite, postgresql, "
+                         "mysql, ...)") from None
+    except ArgumentError:
+        raise ValueError("not a SQLAlchemy URL (a SQLite file is sqlite:///relative/path.db or "
+                         "sqlite:////absolute/path.db)") from None
+    except ImportError as e:
+        raise ValueError(f"its database driver is not installed (no module {e.name or str(e)!r})") from None
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror or str(e)
+        raise ValueError(f"cannot make the database's directory {e.filename!r}: {why}") from None
+    try:
+        with engine.connect():
+            pass
+    except SQLAlchemyError as e:
+        reason = str(getattr(e, "orig", None) or e).strip().splitlines()
+        raise ValueError(f"cannot connect: {reason[0] if reason else type(e).__name__}") from None
+    finally:
+        engine.dispose()
 
 
 class Store(StoreReads):

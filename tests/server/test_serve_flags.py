@@ -130,12 +130,12 @@ def test_uvicorn_flags(served, tmp_path):
     (["--chat-template", "/no/such/template.jinja"], ["/no/such/template.jinja"]),
     (["--chat-template", "{% for m in messages %}{{ m }}"], ["does not compile", "endfor"]),
     (["--chat-template", "{{ messages[0] }"], ["does not compile", "'}'"]),
-    (["--root-path", "llm"], ["root_path", "'llm'"]),
+    (["--root-path", "llm"], ["--root-path", "'llm'"]),
     (["--override-generation-config", "[1]"], ["--override-generation-config", "[1]"]),
     (["--lora-modules", "plain"], ["--lora-modules", "'plain'"]),
-    (["--ssl-certfile", __file__], ["ssl_keyfile", "both or neither"]),
-    (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", __file__], ["ssl_keyfile", "/no/key.pem"]),
-    (["--ssl-keyfile", __file__, "--ssl-certfile", "/no/cert.pem"], ["ssl_certfile", "/no/cert.pem"]),
+    (["--ssl-certfile", __file__], ["--ssl-keyfile", "both or neither"]),
+    (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", __file__], ["--ssl-keyfile", "/no/key.pem"]),
+    (["--ssl-keyfile", __file__, "--ssl-certfile", "/no/cert.pem"], ["--ssl-certfile", "/no/cert.pem"]),
     (["--kv-disk-gib", "1"], ["kv_disk_gib", "kv_disk_dir"]),
     (["--kv-host-gib", "1", "--kv-host-quantization", "fp4"], ["kv_host_quantization", "'fp4'"]),
     (["--kv-host-gib", "-1"], ["kv_host_gib", "-1"]),
@@ -164,20 +164,58 @@ def test_server_config_reads_templates_as_transformers_does():
     assert ServerConfig(chat_template=loop).chat_template == loop  # transformers allows loop controls
 
 
-def test_serve_hands_its_options_to_uvicorn(monkeypatch, tmp_path):
+def key_and_cert(folder, password: bytes | None = None) -> tuple[str, str]:
+    """A self-signed certificate and its private key (encrypted with `password`), as PEM files in `folder`."""
+    pytest.importorskip("cryptography")
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    crypt = serialization.BestAvailableEncryption(password) if password else serialization.NoEncryption()
+    tag = "encrypted-" if password else ""
+    key_file, cert_file = folder / f"{tag}key.pem", folder / f"{tag}cert.pem"
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, crypt))
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(key_file), str(cert_file)
+
+
+def test_serve_hands_its_options_to_uvicorn(monkeypatch, tmp_path, tiny_model_path):
     configs: list[uvicorn.Config] = []
     monkeypatch.setattr(agentrt.server, "create_app", lambda config: object())
     monkeypatch.setattr(uvicorn.Server, "run", lambda self: configs.append(self.config))
-    assert agentrt.server.serve(ServerConfig(), "127.0.0.1", 8123) == 0
+    config = ServerConfig(model=str(tiny_model_path), db="none")
+    assert agentrt.server.serve(config, "127.0.0.1", 0) == 0
     c = configs[-1]
     assert (c.root_path, c.ssl_keyfile, c.ssl_certfile, c.access_log) == ("", None, None, True)
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    key.touch()
-    cert.touch()
-    assert agentrt.server.serve(ServerConfig(), "127.0.0.1", 8123, root_path="/llm", ssl_keyfile=str(key),
-                                ssl_certfile=str(cert), access_log=False) == 0
+    key, cert = key_and_cert(tmp_path)
+    assert agentrt.server.serve(config, "127.0.0.1", 0, root_path="/llm", ssl_keyfile=key, ssl_certfile=cert,
+                                access_log=False) == 0
     c = configs[-1]
-    assert (c.root_path, c.ssl_keyfile, c.ssl_certfile, c.access_log) == ("/llm", str(key), str(cert), False)
+    assert (c.root_path, c.ssl_keyfile, c.ssl_certfile, c.access_log) == ("/llm", key, cert, False)
+
+
+def test_https_files_that_do_not_load_fail_before_the_model_loads(tmp_path, no_load, capsys):
+    """uvicorn loads the pair once the model has loaded (a bad pair was a traceback then; an encrypted key, a
+    password prompt on the terminal): they are loaded first."""
+    key, cert = key_and_cert(tmp_path)
+    locked_key, locked_cert = key_and_cert(tmp_path, password=b"secret")
+    for args, needles in [
+        ([key, cert.replace("cert", "nothing")], ["--ssl-certfile", "is not a file"]),
+        ([cert, cert], ["--ssl-certfile", "--ssl-keyfile", "do not load as a certificate and its private key"]),
+        ([key, locked_cert], ["--ssl-certfile", "do not load"]),  # the key is not the certificate's
+        ([locked_key, locked_cert], ["--ssl-keyfile", "is encrypted"]),
+    ]:
+        assert cli(["serve", "--ssl-keyfile", args[0], "--ssl-certfile", args[1]]) == 2
+        one_line_error(capsys, *needles)
 
 
 # --- CORS -------------------------------------------------------------------------------------
