@@ -4,8 +4,9 @@ live table of the runtime's programs, then a summary.
 By default it starts `agentrt serve` on a free loopback port, runs the programs through
 `agentrt.connect` (the same code that runs in-process) and reads the table from the server
 (`GET /v1/programs`, `GET /metrics`); at the end it stops the server with SIGTERM (it drains and
-exits 0). `--url` uses a server that is already running; `--in-process` runs on an in-process
-engine and reads the runtime's process table directly.
+exits 0), or with `--keep` leaves it and its live page (`/ui`) up until Ctrl-C. `--url` uses a server
+that is already running; `--in-process` runs on an in-process engine and reads the runtime's process
+table directly.
 
 Columns: state, calls (waiting / running / done), threads, attained service (executor seconds),
 queueing time, queue level (PLAS), KV blocks held now (and pinned, where the runtime reports pins),
@@ -245,9 +246,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class Served:
+    """The demo's `agentrt serve` child: its URL and process."""
+
+    url: str
+    proc: subprocess.Popen
+
+    def wait_for_ctrl_c(self) -> None:
+        """Until Ctrl-C (or the server exits by itself): `--keep`."""
+        print(f"the server stays up: live page {self.url}/ui, API {self.url}/v1; Ctrl-C stops it", file=sys.stderr,
+              flush=True)
+        try:
+            while self.proc.poll() is None:
+                time.sleep(0.25)
+        except KeyboardInterrupt:  # the terminal's Ctrl-C reaches the server too: it drains and exits 0
+            pass
+
+
 @contextlib.contextmanager
-def server(model: str | None, policy: str, timeout_s: float = 600.0) -> Iterator[str]:
-    """`agentrt serve` in a child process; yields its URL; SIGTERM at the end (it must exit 0)."""
+def server(model: str | None, policy: str, timeout_s: float = 600.0) -> Iterator[Served]:
+    """`agentrt serve` in a child process, ready; SIGTERM at the end unless it stopped already (it must exit 0)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "agentrt.cli", "serve", "--port", str(port), "--policy", policy, "--db", "none",
            "--log-level", "warning"]
@@ -270,16 +289,16 @@ def server(model: str | None, policy: str, timeout_s: float = 600.0) -> Iterator
             if time.monotonic() > deadline:
                 raise RuntimeError(f"agentrt serve did not become ready within {timeout_s:.0f}s")
             time.sleep(0.25)
-        yield url
+        yield Served(url, proc)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-            print(f"server stopped (exit code {code})", file=sys.stderr)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        print(f"server stopped (exit code {code})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,11 +317,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat-tokens", type=int, default=32, help="tokens per chat answer at most")
     ap.add_argument("--refresh", type=float, default=0.5, help="seconds between table updates")
     ap.add_argument("--no-live", dest="live", action="store_false", help="print the table once, at the end")
+    ap.add_argument("--keep", action="store_true",
+                    help="at the end, keep the server it started and its live page (/ui) up until Ctrl-C")
     a = ap.parse_args(argv)
     if min(a.mcts, a.react, a.chat) < 0 or a.mcts + a.react + a.chat == 0:
         ap.error("give at least one program (--mcts, --react, --chat are counts >= 0)")
     if a.url is None and a.model is not None and not os.path.exists(a.model):
         ap.error(f"--model {a.model!r}: no such file or directory (a HF model directory or a .gguf file)")
+    if a.keep and (a.url or a.in_process):
+        ap.error(f"--keep keeps the server the demo starts; with {'--url' if a.url else '--in-process'} it starts none")
+    if a.url is not None:
+        problem = _server_problem(a.url, a.api_key)
+        if problem is not None:
+            ap.error(f"--url {a.url!r}: {problem}")
     console = Console()
     if not console.is_terminal:
         console = Console(width=150)  # a log or a pipe: room for every column
@@ -310,5 +337,24 @@ def main(argv: list[str] | None = None) -> int:
         return anyio.run(_in_process, a, console)
     if a.url:
         return anyio.run(_remote, a, a.url, console)
-    with server(a.model, a.policy) as url:
-        return anyio.run(_remote, a, url, console)
+    with server(a.model, a.policy) as served:
+        code = anyio.run(_remote, a, served.url, console)
+        if a.keep:
+            served.wait_for_ctrl_c()
+        return code
+
+
+def _server_problem(url: str, api_key: str | None) -> str | None:
+    """Why `url` is not an agentrt server this key may use (None: it is): checked before any program starts."""
+    if not url.startswith(("http://", "https://")):
+        return "not an http(s) URL"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/programs", params={"limit": 1}, headers=headers, timeout=10.0)
+    except httpx.HTTPError as e:
+        return f"no server answers there ({type(e).__name__}: {e})"
+    if r.status_code == 401:
+        return "the server wants an API key: give --api-key (or $AGENTRT_API_KEY)"
+    if r.status_code != 200:
+        return f"GET /v1/programs answered {r.status_code}: not an agentrt server?"
+    return None

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from agentrt.server.errors import APIError
+from agentrt.server.schemas import decode
 
 
 def _version() -> str:
@@ -40,8 +41,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def decode_body(request: Request, type_: type, limit: int) -> Any:
-    """The request body (`read_body`) decoded into `type_` (msgspec.ValidationError / DecodeError: a 400)."""
-    return msgspec.json.decode(await read_body(request, limit), type=type_)
+    """The request body (`read_body`) decoded into `type_` by `schemas.decode` (msgspec.ValidationError /
+    DecodeError: a 400)."""
+    return decode(await read_body(request, limit), type_)
 
 
 def json_response(obj: object, status: int = 200) -> Response:

@@ -44,18 +44,26 @@ MIN_LOGPROB = -9999.0  # what a masked token's -inf log-prob is shown as (vLLM's
 
 
 # --- shared -----------------------------------------------------------------------------------
+def max_tokens_flag(st: ServerState) -> str:
+    """The flag that sets the server's max_tokens limit: --max-tokens-limit, or the context's."""
+    limit = st.config.max_tokens_limit
+    return "--max-tokens-limit" if limit is not None and limit <= st.max_model_len else "the context, --max-model-len"
+
+
 def sampling_params(
     st: ServerState, *, max_tokens: int | None, prompt_len: int, temperature: float | None, top_p: float | None,
     top_k: int | None, n: int, stop: str | list[str] | None, stop_token_ids: list[int] | None, seed: int | None,
     ignore_eos: bool, logprobs: bool, top_logprobs: int, constraint: Constraint | None = None,
-    extras: GenerationExtras | None = None, prompt_logprobs: int | None = None,
+    extras: GenerationExtras | None = None, prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens",
 ) -> SamplingParams:
     """`extras`: the request whose penalties, min_p, min_tokens, logit_bias, allowed_token_ids, bad_words,
-    truncate_prompt_tokens and output-text options apply (`prompt_len`: after the truncation)."""
+    truncate_prompt_tokens and output-text options apply (`prompt_len`: after the truncation). `max_tokens_param`:
+    the request's name for `max_tokens` (the Responses API's max_output_tokens), which an error names."""
     if n > st.config.max_n:
         raise bad_request(f"n={n} is over the server's limit of {st.config.max_n} (--max-n)", "n")
     if max_tokens is not None and max_tokens > st.max_tokens_limit:
-        raise bad_request(f"max_tokens={max_tokens} is over the limit of {st.max_tokens_limit}", "max_tokens")
+        raise bad_request(f"{max_tokens_param}={max_tokens} is over the server's limit of {st.max_tokens_limit} "
+                          f"({max_tokens_flag(st)})", max_tokens_param)
     d = st.sampling_defaults  # the model's generation config, for what the request leaves unset
     room = max(1, min(st.max_tokens_limit, st.max_model_len - prompt_len, d.get("max_tokens", 1 << 62)))
     given = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
@@ -324,7 +332,8 @@ async def prepare_openai_chat(st: ServerState, who: Caller, req: ChatCompletionR
             st, max_tokens=req.max_completion_tokens or req.max_tokens, prompt_len=prompt_len,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop,
             stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs or 0, constraint=constraint, extras=req, prompt_logprobs=req.prompt_logprobs)
+            top_logprobs=req.top_logprobs or 0, constraint=constraint, extras=req, prompt_logprobs=req.prompt_logprobs,
+            max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens")
 
     return await st.runtime.prepare_chat(
         message_dicts(req.messages), tools=tools, tool_choice=choice, output=constraint,

@@ -194,7 +194,7 @@ async def create_response(request: Request) -> Response:
     params = sampling_params(
         st, max_tokens=req.max_output_tokens, prompt_len=len(prompt_ids), temperature=req.temperature,
         top_p=req.top_p, top_k=None, n=1, stop=None, stop_token_ids=None, seed=None, ignore_eos=False,
-        logprobs=False, top_logprobs=0, constraint=plan.constraint,
+        logprobs=False, top_logprobs=0, constraint=plan.constraint, max_tokens_param="max_output_tokens",
     )
     check_capacity(st)
     if pid is None:  # a new chain: its own program, ended by the idle timeout or DELETE

@@ -1,8 +1,11 @@
 """The HTTP API's contract: msgspec Structs mirroring OpenAI's API field for field.
 
 Validation happens once, when a body is decoded into these types (constraints live in the types);
-the OpenAPI document at `/openapi.json` is generated from the same types (`openapi.py`). Unknown
-fields are ignored, as OpenAI's API does; a wrong type is a 400 naming the field.
+the OpenAPI document at `/openapi.json` is generated from the same types (`openapi.py`). A wrong type
+is a 400 naming the field. Unknown top-level fields are ignored, as vLLM ignores them (its request models
+allow extra fields and log their names): clients send fields of their own (the SDKs' `extra_body`, newer
+OpenAI fields such as `store`, `metadata`, `service_tier`), and a client written for vLLM must keep working.
+Each unknown field's name is logged once per request type (`decode`), so a misspelt one is not silent.
 Extra fields agentrt understands as vLLM has them (`GenerationExtras`: logits processors, output-text
 options, structured outputs, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`, `cache_salt`,
 `return_tokens_as_token_ids`; `ignore_eos`, `top_k`, `stop_token_ids`, `prompt_logprobs`; on chat the
@@ -12,6 +15,7 @@ template's options, `continue_final_message` among them) and the program keys `p
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -31,6 +35,7 @@ TruncatePromptTokens = Annotated[int, Meta(ge=-1)]  # keep the prompt's last k t
 Priority = Annotated[int, Meta(ge=-(2**31 - 1), le=2**31 - 1)]  # a scheduling class (engine.SamplingParams.priority)
 CacheSalt = Annotated[str, Meta(min_length=1, max_length=256)]  # vLLM's cache_salt (calls.engine_salt)
 Stop = str | list[str]
+logger = logging.getLogger("agentrt.server")
 
 
 # --- shared ---------------------------------------------------------------------------------
@@ -419,6 +424,32 @@ class Health(Struct):
     status: str  # "ok" | "draining"
 
 
-def decode(body: bytes, type_: type) -> object:
-    """Decode a request body (raises msgspec.ValidationError / DecodeError)."""
-    return msgspec.json.decode(body, type=type_)
+def decode(body: bytes, type_: type) -> Any:
+    """Decode a request body (raises msgspec.ValidationError / DecodeError); its top-level fields that `type_`
+    does not define are ignored, each logged the first time a request of `type_` brings it."""
+    obj = msgspec.json.decode(body, type=type_)
+    unknown = [k for k in unknown_fields(body, type_) if (type_, k) not in _logged]
+    if unknown and len(_logged) < _MAX_LOGGED:
+        _logged.update((type_, k) for k in unknown)
+        logger.warning("request fields ignored, not part of %s: %s (vLLM ignores them too; logged once each)",
+                       type_.__name__, ", ".join(unknown))
+    return obj
+
+
+_MAX_LOGGED = 10_000  # (type, field) pairs remembered as logged; beyond, new ones go unlogged
+_logged: set[tuple[type, str]] = set()
+_known: dict[type, frozenset[str]] = {}
+
+
+def unknown_fields(body: bytes, type_: type) -> list[str]:
+    """The top-level fields of a JSON object `body` that the Struct `type_` does not define, in body order."""
+    known = _known.get(type_)
+    if known is None:
+        if not (isinstance(type_, type) and issubclass(type_, Struct)):
+            return []
+        known = _known[type_] = frozenset(f.encode_name for f in msgspec.structs.fields(type_))
+    try:
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])  # values skipped, not built
+    except msgspec.MsgspecError:
+        return []
+    return [k for k in fields if k not in known]

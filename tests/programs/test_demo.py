@@ -3,7 +3,15 @@ against a server (a live one in this process, or `agentrt serve` started as a ch
 
 from __future__ import annotations
 
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+
 import anyio
+import httpx
 import pytest
 
 import agentrt
@@ -20,6 +28,31 @@ def test_demo_starts_a_server_and_stops_it(tiny_model_path, capfd):
     out, err = capfd.readouterr()
     assert "summary" in out and "3 programs" in out and "through http://127.0.0.1:" in out
     assert "/ui" in err and "server stopped (exit code 0)" in err
+
+
+def test_demo_keep_leaves_the_server_and_its_page_up_until_ctrl_c(tiny_model_path):
+    proc = subprocess.Popen([sys.executable, "-m", "agentrt.command", "demo", "--model", str(tiny_model_path), *SMALL,
+                             "--keep"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stderr], daemon=True).start()
+    try:
+        seen = []
+        while not any("stays up" in ln for ln in seen):
+            seen.append(lines.get(timeout=300))
+        (url,) = re.findall(r"live page (http://127\.0\.0\.1:\d+)/ui", seen[-1])
+        page = httpx.get(f"{url}/ui", timeout=30)
+        assert page.status_code == 200 and "agentrt" in page.text
+        programs = httpx.get(f"{url}/v1/programs", timeout=30).json()["data"]
+        assert len(programs) == 3 and {p["state"] for p in programs} == {"finished"}  # the demo's, kept
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rest = "".join(iter(lambda: lines.get(timeout=10), "server stopped (exit code 0)\n"))  # up to that line
+    assert "Traceback" not in rest
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=5)
 
 
 @pytest.mark.slow

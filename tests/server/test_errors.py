@@ -75,7 +75,7 @@ BAD_BODIES = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
     (CHAT, {"messages": HI, "n": MAX_N + 1}, "n"),
     (CHAT, {"messages": HI, "max_tokens": MAX_TOKENS + 1}, "max_tokens"),
-    (CHAT, {"messages": HI, "max_completion_tokens": MAX_TOKENS + 1}, "max_tokens"),
+    (CHAT, {"messages": HI, "max_completion_tokens": MAX_TOKENS + 1}, "max_completion_tokens"),
     (CHAT, {"messages": HI, "stop": ""}, "stop"),
     (CHAT, {"messages": HI, "stop": ["x", ""]}, "stop"),
     (CHAT, {"messages": HI, "program_id": "bad id"}, "program_id"),
@@ -101,6 +101,57 @@ BAD_BODIES = [
 def test_bad_field_is_a_400_naming_it(http, path, body, param, stream):
     err = assert_error(http.post(path, json={**body, "stream": stream} if "stream" not in body else body), 400, param)
     assert err["type"] == "invalid_request_error"
+
+
+OVER_LIMITS = [  # (path, body, param, the flag that sets the limit)
+    (CHAT, {"messages": HI, "max_tokens": MAX_TOKENS + 1}, "max_tokens", "--max-tokens-limit"),
+    (CHAT, {"messages": HI, "max_completion_tokens": MAX_TOKENS + 1}, "max_completion_tokens", "--max-tokens-limit"),
+    (CHAT, {"messages": HI, "n": MAX_N + 1}, "n", "--max-n"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": MAX_TOKENS + 1}, "max_tokens", "--max-tokens-limit"),
+    (COMPLETIONS, {"prompt": ["a", "b", "c"], "n": 2}, "n", "--max-n"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": MAX_TOKENS + 1}, "max_output_tokens", "--max-tokens-limit"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,flag", OVER_LIMITS, ids=[f"{p[0]}-{p[2]}" for p in OVER_LIMITS])
+def test_over_a_limit_names_the_flag_that_sets_it(http, path, body, param, flag):
+    err = assert_error(http.post(path, json={"model": "tiny", **body}), 400, param)
+    assert flag in err["message"] and str(body[param] if param in body else MAX_N) in err["message"], err
+
+
+def test_anthropic_max_tokens_over_the_limit_names_the_flag(http):
+    r = http.post("/v1/messages", json={"model": "tiny", "messages": HI, "max_tokens": MAX_TOKENS + 1})
+    assert r.status_code == 400 and "--max-tokens-limit" in r.text and str(MAX_TOKENS + 1) in r.text, r.text
+
+
+def test_without_a_max_tokens_limit_the_context_is_the_limit():
+    from types import SimpleNamespace
+
+    from agentrt.server.calls import max_tokens_flag
+
+    def state(limit):
+        return SimpleNamespace(config=SimpleNamespace(max_tokens_limit=limit), max_model_len=2048)
+
+    assert max_tokens_flag(state(None)) == max_tokens_flag(state(4096)) == "the context, --max-model-len"
+    assert max_tokens_flag(state(2048)) == max_tokens_flag(state(16)) == "--max-tokens-limit"
+
+
+@pytest.mark.parametrize("path,body", [
+    (CHAT, {"messages": HI, "max_tokens": 1}),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 1}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+    ("/v1/messages", {"messages": HI, "max_tokens": 1}),
+    ("/v1/embeddings", {"input": "hi"}),
+])
+def test_unknown_body_fields_are_ignored_and_logged_once(http, path, body, caplog):
+    """As vLLM: a field the API does not define is ignored (clients send their own), its name logged once."""
+    field = f"no_such_field_{path.rsplit('/', 1)[-1]}"
+    with caplog.at_level("WARNING", logger="agentrt.server"):
+        for _ in range(2):
+            r = http.post(path, json={"model": "tiny", **body, field: 1, "misspelt_temprature": 0.5})
+            assert r.status_code == 200, r.text
+    logged = [rec.getMessage() for rec in caplog.records if field in rec.getMessage()]
+    assert len(logged) == 1 and "ignored" in logged[0] and "misspelt_temprature" in logged[0], logged
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"", b"[1, 2]", b'{"messages": [', b"\xff\xfe"])
