@@ -6,9 +6,10 @@ A request's program: the `X-Program-Id` header, the body's `program_id`, a Respo
 `previous_response_id` (the front remembers which program each response id continued, from the reply's
 `X-Response-Id`), or the program in a `/v1/programs/{id}` path.
 
-On SIGTERM the process that serves the app (ray_app.serve_replicas) calls `drain()` until it answers 0:
+On SIGTERM the process that serves the app (ray_app.Drain) calls `drain()` until it answers 0:
 from the first call on, new requests get the 503 `draining` one server answers while it drains, and the
-calls in flight run to their end.
+calls in flight run to their end. Past the drain's timeout `cut()` ends those still running: each gets
+the 503 (or, once its stream began, an SSE error event and the stream's end) and its replica aborts it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ _PROGRAM_END = re.compile(r"^/v1/programs/[^/]+/?$")  # DELETE here ends the pro
 MAX_CHAINS = 100_000  # Responses ids (and programs) the front remembers the program (the replica) of
 DRAINING = {"error": {"message": "the server is shutting down", "type": "service_unavailable", "param": None,
                       "code": "draining"}}  # as one server's 503 while it drains (agentrt.server.calls)
+CUT = {"error": {"message": "the server shut down before this call ended (its drain timeout passed)",
+                 "type": "service_unavailable", "param": None, "code": "draining"}}
 
 
 @dataclass(slots=True)
@@ -49,12 +52,24 @@ class AgentrtFront:
         self.chains = ProgramHomes(MAX_CHAINS)  # a bounded LRU map too: Responses id -> the program it continued
         self.seen = ProgramHomes(MAX_CHAINS)  # program -> the replica that answered for it
         self.draining = False  # set by drain(): new requests get a 503
-        self.in_flight = 0  # HTTP requests being answered
+        self.cutting = False  # set by cut(): the requests in flight end now
+        self.in_flight: set[asyncio.Task] = set()  # HTTP requests being answered, each forwarded in its task
 
     def drain(self) -> int:
         """Refuse new requests from now on; answer how many are still in flight."""
         self.draining = True
-        return self.in_flight
+        return len(self.in_flight)
+
+    def cut(self) -> int:
+        """End the requests still in flight (after drain()); answer how many there were."""
+        self.cutting = True
+        for task in self.in_flight:
+            task.cancel()
+        return len(self.in_flight)
+
+    def calls(self) -> int:
+        """How many requests are in flight."""
+        return len(self.in_flight)
 
     def __serve_build_asgi_app__(self) -> Any:
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:  # a plain function: uvicorn sees ASGI 3
@@ -102,13 +117,24 @@ class AgentrtFront:
             body = {"status": "draining"} if scope["path"] == "/health" else DRAINING  # /health as one server's
             await _send_json(send, 503, body, [(b"retry-after", b"5"), (b"connection", b"close")])
             return
-        self.in_flight += 1
+        started = [False]  # whether the response began
+        task = asyncio.ensure_future(self.forward(scope, receive, send, started))
+        self.in_flight.add(task)
         try:
-            await self.forward(scope, receive, send)
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not self.cutting or (current is not None and current.cancelling()):  # not cut(): Serve cancels it
+                raise
+            if started[0]:
+                await send({"type": "http.response.body", "body": b"data: " + json.dumps(CUT).encode() + b"\n\n",
+                            "more_body": False})
+            else:
+                await _send_json(send, 503, CUT, [(b"connection", b"close")])
         finally:
-            self.in_flight -= 1
+            self.in_flight.discard(task)
 
-    async def forward(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def forward(self, scope: dict[str, Any], receive: Any, send: Any, started: list[bool]) -> None:
         chunks = []
         while True:
             message = await receive()
@@ -133,25 +159,27 @@ class AgentrtFront:
         req = Forwarded(scope["method"], scope["path"], scope.get("query_string", b""), headers, body, text)
         pid = self.program_of(dict(headers), scope["path"], parsed)
         ends = scope["method"] == "DELETE" and _PROGRAM_END.match(scope["path"]) is not None
-        started = False
+        stream = None
         try:
             stream = self.replicas.handle.remote(req, program_id=pid, prompt_tokens=len(body) // 4,
                                                  home_hint=self.seen.get(pid), program_ends=ends)
             async for item in stream:
-                if not started:
+                if not started[0]:
                     status, out_headers = item
                     self.learn(out_headers)
+                    started[0] = True
                     await send({"type": "http.response.start", "status": status, "headers": out_headers})
-                    started = True
                 else:
                     await send({"type": "http.response.body", "body": item, "more_body": True})
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # cut(), or Serve's cancel when the client left: the replica aborts the
+            if stream is not None:  # call (a stream's consumer going away alone leaves it running)
+                stream.cancel()
             raise
         except Exception as e:  # the replica died or failed: this call only
             cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             error = {"error": {"message": f"the agentrt replica serving this call failed ({cause[:300]})",
                                "type": "service_unavailable", "param": None, "code": "replica_failed"}}
-            if not started:
+            if not started[0]:
                 await _send_json(send, 503, error, [(b"retry-after", b"1")])
                 return
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(error).encode() + b"\n\n",

@@ -23,7 +23,7 @@ that dies re-homes its programs (`on_replica_actor_died`). A call whose replica 
 imports Ray: `agentrt serve` without `--replicas` never loads it.
 
 `serve_replicas` is `agentrt serve --replicas N`'s process: a local Ray instance whose every listener is
-on a loopback `--host` (`init_local_ray`), and on SIGTERM a drain before Serve shuts down (`drain`): Serve's
+on a loopback `--host` (`init_local_ray`), and on SIGTERM a drain before Serve shuts down (`Drain`): Serve's
 own shutdown stops its HTTP proxies at once, cutting the calls they still stream.
 """
 
@@ -264,7 +264,7 @@ def build_app(config: Any, replicas: int = 2, router: str = "program", *, num_cp
     if router_kwargs:
         RouterConfig(**router_kwargs)  # a bad value fails here, naming the field
     stop = {"graceful_shutdown_wait_loop_s": 0.2}  # Serve stops a replica once it has nothing in flight, checked
-    # this often (2 s by default): after the drain (`drain`) nothing is
+    # this often (2 s by default): after the drain (`Drain`) nothing is
     replica = serve.deployment(
         AgentrtReplica, name="agentrt-replica", num_replicas=replicas, max_ongoing_requests=1000,
         ray_actor_options={"num_cpus": num_cpus}, **stop,
@@ -327,43 +327,62 @@ def init_local_ray(num_cpus: int, host: str = "127.0.0.1", **kwargs: Any) -> Non
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **kwargs)
 
 
-def drain(timeout_s: float, give_up: Any = lambda: False, app_name: str = "agentrt") -> int | None:
+class Drain:
     """SIGTERM's drain, before `serve.shutdown()` (which stops Serve's HTTP proxies at once, cutting what
-    they still send): the front refuses new requests (503 `draining`) and the calls in flight run to their
-    end, for at most `timeout_s` or until `give_up()`; then the proxies finish sending them (Ray's proxy
-    drain, at most PROXY_FLUSH_S). Answers how many calls were still in flight (None: the front did not
-    answer)."""
-    import ray
-    from ray.serve.context import _get_global_client
+    they still send). Made once the app runs, so that the handles have found the front and the proxies by
+    the time the signal comes; `drain(timeout_s, give_up)` then makes the front refuse new requests (503
+    `draining`) and lets the calls in flight run to their end, for at most `timeout_s` or until
+    `give_up()`; the front ends those still running (`AgentrtFront.cut`: an error event, the replica
+    aborts the call) and the proxies finish sending it all (Ray's proxy drain), each within PROXY_FLUSH_S.
+    It answers how many calls were still in flight at the timeout (None: the front did not answer)."""
 
-    deadline = time.monotonic() + timeout_s
-    front = serve.get_deployment_handle("agentrt-front", app_name=app_name)
-    try:
-        proxies = list(ray.get(_get_global_client()._controller.get_proxies.remote(), timeout=5).values())
-        for proxy in proxies:
+    def __init__(self, app_name: str = "agentrt") -> None:
+        import ray
+        from ray.serve.context import _get_global_client
+
+        self.front = serve.get_deployment_handle("agentrt-front", app_name=app_name)
+        self.front.calls.remote().result(timeout_s=60)
+        try:
+            self.proxies = list(ray.get(_get_global_client()._controller.get_proxies.remote(), timeout=60).values())
+        except Exception as e:  # the proxies stop with Serve anyway; the front's drain is what matters
+            log.warning("Serve's proxies were not found (they will not be drained): %s", e)
+            self.proxies = []
+
+    def __call__(self, timeout_s: float, give_up: Any = lambda: False) -> int | None:
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        for proxy in self.proxies:
             proxy.update_draining.remote(True)
-    except Exception as e:  # the proxies stop with Serve anyway; the front's drain is what matters
-        log.warning("draining Serve's proxies failed: %s", e)
-        proxies = []
-    left: int | None = None
-    while True:
-        try:
-            left = front.drain.remote().result(timeout_s=max(1.0, min(5.0, deadline - time.monotonic())))
-        except Exception as e:
-            log.warning("draining the front failed: %s", e)
-            return None
-        if left == 0 or give_up() or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    flush_deadline = min(deadline, time.monotonic() + PROXY_FLUSH_S)
-    while left == 0 and proxies and not give_up() and time.monotonic() < flush_deadline:
-        try:
-            if all(ray.get([p.is_drained.remote() for p in proxies], timeout=max(0.1, flush_deadline - time.monotonic()))):
+        left: int | None = None
+        while True:
+            try:
+                left = self.front.drain.remote().result(timeout_s=max(1.0, min(5.0, deadline - time.monotonic())))
+            except Exception as e:
+                log.warning("draining the front failed: %s", e)
+                return None
+            if left == 0 or give_up() or time.monotonic() >= deadline:
                 break
-        except Exception:
-            break
-        time.sleep(0.05)
-    return left
+            time.sleep(0.1)
+        if left:  # past the timeout: those calls end now (an error event), rather than run on in their replica
+            try:
+                self.front.cut.remote().result(timeout_s=5)
+                cut_deadline = time.monotonic() + PROXY_FLUSH_S
+                while self.front.calls.remote().result(timeout_s=5) and time.monotonic() < cut_deadline:
+                    time.sleep(0.05)
+            except Exception as e:
+                log.warning("ending the front's calls failed: %s", e)
+        flush_deadline = time.monotonic() + PROXY_FLUSH_S
+        while self.proxies and not give_up() and time.monotonic() < flush_deadline:
+            try:
+                drained = ray.get([p.is_drained.remote() for p in self.proxies],
+                                  timeout=max(0.1, flush_deadline - time.monotonic()))
+            except Exception:
+                break
+            if all(drained):
+                break
+            time.sleep(0.05)
+        return left
 
 
 def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str = "program",
@@ -388,7 +407,7 @@ def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str
         init_local_ray(max(replicas, cores), host)
     signals: list[int] = []
     stop = threading.Event()
-    signalled = time.monotonic()
+    signalled = drained = time.monotonic()
 
     def on_signal(signum: int, _frame: Any) -> None:
         signals.append(signum)
@@ -400,6 +419,7 @@ def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str
         try:
             serve.start(http_options={"host": host, "port": port})
             serve.run(app, name="agentrt", route_prefix="/")
+            drain = Drain("agentrt")
         except Exception as e:  # Ray's own failure (a busy port, a proxy or replica that did not start): one line
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ValueError(f"Ray Serve did not start the app on {host}:{port} ({type(e).__name__}: {first}); "
@@ -413,13 +433,16 @@ def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str
         signalled = time.monotonic()
         print(f"agentrt: draining (up to {config.drain_timeout_s:g} s)", file=sys.stderr, flush=True)
         left = drain(config.drain_timeout_s, give_up=lambda: len(signals) > 1)
+        drained = time.monotonic()
         if left:
             print(f"agentrt: {left} calls still in flight after the drain are cut", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
     if signals:
-        print(f"agentrt: stopped {time.monotonic() - signalled:.1f} s after the signal", file=sys.stderr, flush=True)
+        now = time.monotonic()
+        print(f"agentrt: stopped {now - signalled:.1f} s after the signal (drain {drained - signalled:.1f} s, "
+              f"Serve and Ray {now - drained:.1f} s)", file=sys.stderr, flush=True)
     return 0
 
 

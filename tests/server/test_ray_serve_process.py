@@ -137,11 +137,12 @@ def test_replicas_listen_on_loopback_only_and_sigterm_drains(tiny_model_path, tm
 
 
 class _Replicas:
-    """A deployment handle's stand-in: each call streams (status, headers), then `chunks` body chunks, one
+    """A deployment handle's stand-in: each call streams (status, headers), then three body chunks, one
     whenever `step` is set."""
 
     def __init__(self) -> None:
         self.step = asyncio.Event()
+        self.cancelled = 0
 
     def options(self, **_: object) -> _Replicas:
         return self
@@ -150,12 +151,30 @@ class _Replicas:
     def handle(self) -> _Replicas:
         return self
 
-    async def remote(self, *_: object, **__: object):
+    def remote(self, *_: object, **__: object) -> _Stream:
+        return _Stream(self)
+
+
+class _Stream:
+    def __init__(self, replicas: _Replicas) -> None:
+        self.replicas = replicas
+        self.items = self.chunks()
+
+    async def chunks(self):
         yield 200, [(b"content-type", b"text/event-stream")]
         for i in range(3):
-            await self.step.wait()
-            self.step.clear()
+            await self.replicas.step.wait()
+            self.replicas.step.clear()
             yield f"data: {i}\n\n".encode()
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self):
+        return await self.items.__anext__()
+
+    def cancel(self) -> None:  # as DeploymentResponseGenerator.cancel: the replica's call is cancelled
+        self.replicas.cancelled += 1
 
 
 async def _call(front: AgentrtFront, path: str = "/v1/chat/completions") -> tuple[int, bytes]:
@@ -178,7 +197,7 @@ def test_the_fronts_drain_refuses_new_requests_and_lets_calls_in_flight_end():
         front = AgentrtFront(replicas)
         call = asyncio.create_task(_call(front))
         await asyncio.sleep(0.01)
-        assert front.in_flight == 1 and front.drain() == 1
+        assert front.calls() == 1 and front.drain() == 1
         status, body = await _call(front)  # refused while the first one still streams
         assert status == 503 and json.loads(body)["error"]["code"] == "draining"
         status, body = await _call(front, "/health")
@@ -188,5 +207,22 @@ def test_the_fronts_drain_refuses_new_requests_and_lets_calls_in_flight_end():
             await asyncio.sleep(0.01)
         assert await call == (200, b"data: 0\n\ndata: 1\n\ndata: 2\n\n")
         assert front.drain() == 0
+
+    asyncio.run(main())
+
+
+def test_past_the_drain_timeout_the_front_ends_its_calls_with_an_error_event():
+    async def main() -> None:
+        replicas = _Replicas()
+        front = AgentrtFront(replicas)
+        call = asyncio.create_task(_call(front))
+        replicas.step.set()
+        await asyncio.sleep(0.01)
+        assert front.drain() == 1 and front.cut() == 1
+        status, body = await call
+        first, error = body.split(b"\n\n", 1)
+        assert status == 200 and first == b"data: 0"  # the stream so far, then why it ends
+        assert json.loads(error.removeprefix(b"data: "))["error"]["code"] == "draining"
+        assert front.calls() == 0 and replicas.cancelled == 1  # its replica aborts the call
 
     asyncio.run(main())
