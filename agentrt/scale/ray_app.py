@@ -429,7 +429,8 @@ def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str
         if not ray_address and not _is_loopback(host):
             print(f"agentrt: on --host {host}, Ray's GCS, raylet and worker gRPC servers listen on every interface "
                   "(Ray opens them on loopback or on all; see docs/serving.md)", file=sys.stderr, flush=True)
-        stop.wait()
+        while not stop.wait(0.1):  # a timeout: Python runs a signal handler when this thread next runs, and the
+            pass  # kernel may deliver the signal to one of Ray's threads, which does not wake this one
         signalled = time.monotonic()
         print(f"agentrt: draining (up to {config.drain_timeout_s:g} s)", file=sys.stderr, flush=True)
         left = drain(config.drain_timeout_s, give_up=lambda: len(signals) > 1)
