@@ -9,9 +9,9 @@ Three deployments:
   (`agentrt.server.create_app`), entered once and called in-process for every request it is sent:
   the same endpoints, schemas and errors.
 - `AgentrtFront` (the HTTP ingress, agentrt.scale.front): reads each request once, finds its program
-  and hands it to a replica through a deployment handle whose router is chosen by name: "program" (`ProgramAffinityRouter`: agentrt.scale.router's rule), or Ray's own
-  as Ray ships them: "pow2" (power of two choices, Ray's default), "round-robin", "prefix" (Ray's
-  `PrefixCacheAffinityRouter`).
+  and hands it to a replica through a deployment handle whose router is chosen by name: "program"
+  (`ProgramAffinityRouter`: agentrt.scale.router's rule), or Ray's own as Ray ships them: "pow2"
+  (power of two choices, Ray's default), "round-robin", "prefix" (Ray's `PrefixCacheAffinityRouter`).
 - `AgentrtDirectory` (one replica, no CPU): the program directory (agentrt.scale.directory) every
   replica syncs with (agentrt.scale.peers), so a program is one record across replicas: its attained
   service (PLAS orders by the global figure), the program endpoints, DELETE, and /metrics labelled
