@@ -18,7 +18,7 @@ from agentrt._cli_options import DETERMINISTIC_HELP, add_engine_options, engine_
 from agentrt._reasoning import REASONING_PARSERS
 from agentrt._toolparsers import PARSER_CHOICES
 from agentrt.engine.pooling import POOLING_METHODS
-from agentrt.policies import POLICY_NAMES, parse_running_cap
+from agentrt.policies import POLICY_KWARGS_HELP, POLICY_NAMES, parse_running_cap, policy_options
 
 if TYPE_CHECKING:
     from agentrt.server import ServerConfig
@@ -79,12 +79,12 @@ def _serve(a: argparse.Namespace) -> int:
         ("allowed_origins", "--allowed-origins", a.allowed_origins),
         ("allowed_methods", "--allowed-methods", a.allowed_methods),
         ("allowed_headers", "--allowed-headers", a.allowed_headers)) if text is not None}
-    policy_kwargs = None
+    policy_kwargs = policy_options(a.policy, a.policy_kwargs)
     if a.running_cap is not None:
         if a.policy not in ("plas", "plas+ttl", "atlas", "atlas+ttl"):
             raise ValueError(f"--running-cap needs a program-level policy (plas, atlas, +ttl), not --policy {a.policy}")
         try:
-            policy_kwargs = {"running_cap": parse_running_cap(a.running_cap)}
+            policy_kwargs = {**(policy_kwargs or {}), "running_cap": parse_running_cap(a.running_cap)}
         except ValueError as e:
             raise ValueError(f"--running-cap {e}") from None
     config = ServerConfig(
@@ -167,6 +167,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="HTTPS: the certificate (with --ssl-keyfile; default: plain HTTP)")
     s.add_argument("--policy", default="plas", choices=POLICY_NAMES, help="how waiting calls are ordered: "
                    f"{', '.join(POLICY_NAMES)} (default: plas, least attained service of the program first)")
+    s.add_argument("--policy-kwargs", default=None, metavar="JSON", help=POLICY_KWARGS_HELP)
     s.add_argument("--running-cap", default=None, metavar="auto|N",
                    help="plas / atlas: while calls wait, run at most N calls at once, in program order, a better "
                    "waiting call displacing the worst running one; 'auto': the knee of this engine's measured step "
