@@ -139,9 +139,12 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["makespans_s"] = [r["makespan_s"] for r in runs]
     out["utilization"] = statistics.fmean(r["utilization"] for r in runs)
     out["prefix_hit_rate"] = statistics.fmean(r["prefix_hit_rate"] for r in runs)
-    for key in ("steps", "computed_tokens", "preemptions"):
+    for key in ("steps", "computed_tokens", "preemptions", "recomputed_prefill_tokens"):
         if key in runs[0]:
             out[key] = sum(r[key] for r in runs)
+    if "engine_samples" in runs[0]:  # --http: the sampled running / waiting / KV figures, averaged over the runs
+        out["engine_samples"] = {k: statistics.fmean(r["engine_samples"][k] for r in runs)
+                                 for k in runs[0]["engine_samples"]}
     if runs[0].get("breakdown"):  # each class's parts, weighted by its programs in each run
         out["breakdown"] = {}
         for cls in runs[0]["breakdown"]:
@@ -272,22 +275,31 @@ def _flag(value: str) -> bool:
 _flag.__name__ = "a flag (1/0, true/false)"
 
 
+def _preempt(value: str) -> bool | str:
+    return "seats" if value == "seats" else _flag(value)
+
+
+_preempt.__name__ = "a flag (1/0, true/false) or 'seats'"
+
+
 def _cap(value: str) -> int | str:
     return parse_running_cap(value)
 
 
 _cap.__name__ = RUNNING_CAP_FORMS
-_KNOBS: dict[str, Any] = {"first_boundary": float, "quantum": float, "beta": float, "num_queues": int, "order": str,
-                          "live": _flag, "running_cap": _cap}
+_KNOBS: dict[str, Any] = {"first_boundary": float, "boundary_calls": float, "quantum": float, "beta": float,
+                          "num_queues": int, "order": str, "live": _flag, "running_cap": _cap, "preempt": _preempt,
+                          "victim": str, "pinned_first": _flag, "protect_pins": _flag}
 
 
 _POLICIES = ("fcfs", "mlfq", "plas", "atlas", "plas+ttl", "atlas+ttl")
-LONG_KINDS = ("tree",)  # the long class of programs (many calls, fan-out); the others are short
+LONG_KINDS = ("tree", "steps")  # the long class of programs (many calls, fan-out); the others are short
 
 
 def policy_spec(policy: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """"NAME[:np][:KEY=VALUE...]" -> (name, policy kwargs): `np` = without preemption; KEY is one of
-    first_boundary, quantum, beta, num_queues, order, live, running_cap (plas/atlas; quantum also mlfq),
+    first_boundary, boundary_calls, quantum, beta, num_queues, order, live, running_cap, preempt, victim,
+    pinned_first, protect_pins (plas/atlas; quantum also mlfq),
     overriding the command-line value for this entry only, e.g. `plas:beta=2`, `plas:order=call:live=0`
     or `plas:running_cap=auto`."""
     name, *variants = policy.split(":")
@@ -328,6 +340,10 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
                     help="comma-separated NAME[:np][:KEY=VALUE...], e.g. fcfs,plas,plas:beta=2,atlas:np")
     ap.add_argument("--max-num-seqs", type=int, default=ENGINE["max_num_seqs"])
     ap.add_argument("--max-num-batched-tokens", type=int, default=ENGINE["max_num_batched_tokens"])
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="the engine's KV cache in blocks of 16 tokens (default: the engine's): a memory-bound engine")
+    ap.add_argument("--kv-host-gib", type=float, default=None,
+                    help="KV tier T1 below the cache, GiB of host memory (default: none; real runs only)")
     ap.add_argument("--first-boundary", type=float, default=None, help="plas/atlas: override the default (s)")
     ap.add_argument("--quantum", type=float, default=None, help="plas/atlas/mlfq: override the default (s)")
     ap.add_argument("--beta", type=float, default=None, help="plas/atlas: override the default")
@@ -394,6 +410,9 @@ def setup(args: argparse.Namespace, cost: Any = None,
         policy_spec(entry, args)  # unknown names and variants fail here, before anything runs
     apply_workload_options(args)
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    for key in ("num_blocks", "kv_host_gib"):  # a memory-bound engine, and the host tier below it
+        if getattr(args, key, None) is not None:
+            engine[key] = getattr(args, key)
     args.capacity_programs_per_s = None
     if args.load is not None:
         if not (isinstance(args.load, float) and 0 < args.load < float("inf")):
@@ -494,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     for policy in policies:
         report["results"][policy] = summarize(pool(runs[policy]))
+        if args.http:
+            report["results"][policy]["http_breakdown"] = programs_http.breakdown(
+                report["results"][policy]["programs"], LONG_KINDS)
     add_ratios(report)
     if args.timeline:
         programs_http.plot_timeline(report, args.timeline)
@@ -508,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"({vs.get('short.mean', float('nan')):.2f}x fcfs), long programs mean "
                   f"{r['by_class']['long'].get('mean', float('nan')):.2f} s ({vs.get('long.mean', float('nan')):.2f}x), "
                   f"long p99 {vs.get('long.p99', float('nan')):.2f}x, time for all {vs.get('makespan', float('nan')):.2f}x")
+    if args.http and not args.json:
+        print("\nWhere the time goes (mean per program; from the server's program records and /metrics samples):")
+        print(programs_http.breakdown_table(report["results"]))
     if args.breakdown and not args.json:
         from agentrt.bench import breakdown as bd
 

@@ -5,14 +5,15 @@ runs the engine; the programs of bench/workload.py arrive as a Poisson process a
 HTTP (`/v1/completions`, token-id prompts, greedy, EOS ignored, `X-Program-Id`, parallel branches with `X-Thread-Id`), tool gaps as sleeps,
 every call's generated ids feeding the next prompt as in the in-process run. Recorded per call: its
 program, kind, start and end (the timeline), per program its latency; from the server's /metrics its
-preemptions and prefix hits. Policies are `agentrt serve --policy` names; `running_cap` is its
-`--running-cap`, the one policy argument the server takes.
+preemptions and prefix hits. Policies are `agentrt serve --policy` names, their arguments `--policy-kwargs`;
+engine settings beyond the seats (`--num-blocks`, `--kv-host-gib`) go to the server as its flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -28,15 +29,11 @@ SERVE_POLICIES = ("fcfs", "mlfq", "plas", "plas+ttl", "atlas", "atlas+ttl")
 
 
 def serve_args(name: str, kwargs: dict[str, Any]) -> list[str]:
-    """`agentrt serve` flags for a policy entry beyond `--policy`; a knob the server does not take fails here,
-    naming it."""
+    """`agentrt serve` flags for a policy entry beyond `--policy`: its arguments as `--policy-kwargs`; a policy the
+    server does not take fails here, naming it."""
     if name not in SERVE_POLICIES:
         raise SystemExit(f"--http: policy {name!r} is not one `agentrt serve --policy` takes ({', '.join(SERVE_POLICIES)})")
-    other = sorted(set(kwargs) - {"running_cap"})
-    if other:
-        raise SystemExit(f"--http: the server takes --policy and --running-cap only, not {other[0]!r} "
-                         f"(policy {name!r}); run it in-process, without --http")
-    return ["--running-cap", str(kwargs["running_cap"])] if "running_cap" in kwargs else []
+    return ["--policy-kwargs", json.dumps(kwargs)] if kwargs else []
 
 
 def _metric(text: str, name: str) -> float:
@@ -51,8 +48,10 @@ def _metric(text: str, name: str) -> float:
 @contextlib.contextmanager
 def _server(model: str, engine: dict[str, Any], policy: str, flags: list[str]) -> Iterator[tuple[str, Any]]:
     """A fresh `agentrt serve` (bench/serve.py's `server_process`) with this policy: (its url, its process)."""
-    args = argparse.Namespace(model=model, policy=policy, dtype=None, kv_cache_gb=None, max_requests=4096, **engine,
-                              extra_flags=["--served-model-name", "m", *flags])
+    seats = {k: engine[k] for k in ("max_num_seqs", "max_num_batched_tokens")}
+    more = [x for k, v in engine.items() if k not in seats and v is not None for x in (f"--{k.replace('_', '-')}", str(v))]
+    args = argparse.Namespace(model=model, policy=policy, dtype=None, kv_cache_gb=None, max_requests=4096, **seats,
+                              extra_flags=["--served-model-name", "m", *more, *flags])
     with server_process(args) as served:
         yield served
 
@@ -73,9 +72,11 @@ async def _program(client: httpx.AsyncClient, spec: ProgramSpec, start: float, r
     pid = f"{spec.kind}-{spec.index}"
     calls = 0
     tokens = 0
+    in_calls = 0.0  # seconds its calls took, client-side, summed over parallel branches
+    tools = 0.0
 
     async def call(c: Call, thread: str | None = None) -> list[int]:
-        nonlocal calls, tokens
+        nonlocal calls, tokens, in_calls
         body = {"model": "m", "prompt": c.prompt, "max_tokens": c.max_tokens, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True}
         headers = {"X-Program-Id": pid, **({"X-Thread-Id": thread} if thread else {})}
@@ -85,6 +86,7 @@ async def _program(client: httpx.AsyncClient, spec: ProgramSpec, start: float, r
             raise RuntimeError(f"program {pid}: {r.status_code} {r.text[:300]}")
         ids = r.json()["choices"][0]["token_ids"]
         timeline.append({"program": spec.index, "kind": spec.kind, "start": t0 - start, "end": time.monotonic() - start})
+        in_calls += time.monotonic() - t0
         calls += 1
         tokens += len(ids)
         return ids
@@ -109,9 +111,17 @@ async def _program(client: httpx.AsyncClient, spec: ProgramSpec, start: float, r
             value = out
         else:
             await anyio.sleep(action.seconds)
+            tools += action.seconds
             value = action.observation
-    results[spec.index] = {"kind": spec.kind, "latency_s": time.monotonic() - (start + spec.arrival_s),
-                           "calls": calls, "output_tokens": tokens}
+    latency = time.monotonic() - (start + spec.arrival_s)
+    r = await client.get(f"/v1/programs/{pid}")  # the server's record: queueing, recompute, tier loads
+    rec = r.json() if r.status_code == 200 else {}
+    results[spec.index] = {"kind": spec.kind, "latency_s": latency, "calls": calls, "output_tokens": tokens,
+                           "parts": {"tools_s": tools, "calls_s": in_calls, "queue_s": rec.get("wait_s", float("nan")),
+                                     "service_s": rec.get("service_s", float("nan")),
+                                     "recomputed_tokens": rec.get("recomputed_prefill_tokens", 0),
+                                     "tier_loaded_tokens": rec.get("kv_tier_loaded_tokens", 0),
+                                     "prefix_hit_tokens": rec.get("num_prefix_hit_tokens", 0)}}
 
 
 def run_policy_http(name: str, kwargs: dict[str, Any], workload: list[ProgramSpec], model: str,
@@ -129,9 +139,14 @@ def run_policy_http(name: str, kwargs: dict[str, Any], workload: list[ProgramSpe
                 async with anyio.create_task_group() as tg:
                     for spec in workload:
                         tg.start_soon(_program, client, spec, start, results, timeline)
+                    watch = anyio.CancelScope()
+                    tg.start_soon(_sample_engine, client, samples, watch)
+                    await _all_done(results)
+                    watch.cancel()
                 makespan = time.monotonic() - start
                 return makespan, before, (await client.get("/metrics")).text
 
+        samples: list[tuple[float, float, float]] = []
         makespan, before, after = anyio.run(main)
 
     def grew(metric: str) -> float:
@@ -144,9 +159,66 @@ def run_policy_http(name: str, kwargs: dict[str, Any], workload: list[ProgramSpe
         "steps": 0,
         "preemptions": int(grew("agentrt:num_preemptions_total")),
         "prefix_hit_rate": grew("agentrt:prefix_cache_hits_total") / max(1.0, grew("agentrt:prefix_cache_queries_total")),
+        "recomputed_prefill_tokens": int(grew("agentrt:recomputed_prefill_tokens_total")),
+        # the contention the run assumes, sampled from /metrics every SAMPLE_S: calls running (the batch's width),
+        # calls waiting (the queue), and the share of the KV cache in use
+        "engine_samples": {"running": _mean(x[0] for x in samples), "waiting": _mean(x[1] for x in samples),
+                           "kv_usage": _mean(x[2] for x in samples), "n": len(samples)},
         "programs": [r for r in results if r is not None],
         "timeline": timeline,
     }
+
+
+SAMPLE_S = 0.5
+
+
+def _mean(xs: Any) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+async def _all_done(results: list[Any]) -> None:
+    while any(r is None for r in results):
+        await anyio.sleep(0.1)
+
+
+async def _sample_engine(client: httpx.AsyncClient, samples: list[tuple[float, float, float]],
+                         scope: anyio.CancelScope) -> None:
+    with scope:
+        while True:
+            await anyio.sleep(SAMPLE_S)
+            text = (await client.get("/metrics")).text
+            samples.append((_metric(text, "agentrt:num_requests_running"), _metric(text, "agentrt:num_requests_waiting"),
+                            _metric(text, "agentrt:kv_cache_usage_perc")))
+
+
+PARTS = ("tools_s", "queue_s", "calls_s", "service_s", "recomputed_tokens", "tier_loaded_tokens")
+
+
+def breakdown(programs: list[dict[str, Any]], long_kinds: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Per class (short, long): mean program latency and the mean of each part over its programs. Calls and
+    queueing are summed over a program's calls, parallel branches each counted (they overlap in time)."""
+    out = {}
+    for cls, members in (("short", [p for p in programs if p["kind"] not in long_kinds]),
+                         ("long", [p for p in programs if p["kind"] in long_kinds])):
+        if members and all("parts" in p for p in members):
+            out[cls] = {"programs": len(members), "latency_s": _mean(p["latency_s"] for p in members),
+                        **{k: _mean(p["parts"][k] for p in members) for k in PARTS}}
+    return out
+
+
+def breakdown_table(results: dict[str, dict[str, Any]]) -> str:
+    lines = ["| policy | class | programs | latency s | tools s | queued s (sum of calls) | in calls s (sum) | service s "
+             "| recomputed tokens | tier-loaded tokens | calls running (mean) | calls waiting (mean) | KV in use |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        eng = r.get("engine_samples", {})
+        for cls, b in r.get("http_breakdown", {}).items():
+            lines.append(f"| {name} | {cls} | {b['programs']} | {b['latency_s']:.2f} | {b['tools_s']:.2f} | {b['queue_s']:.2f} "
+                         f"| {b['calls_s']:.2f} | {b['service_s']:.2f} | {b['recomputed_tokens']:.0f} "
+                         f"| {b['tier_loaded_tokens']:.0f} | {eng.get('running', float('nan')):.1f} "
+                         f"| {eng.get('waiting', float('nan')):.1f} | {eng.get('kv_usage', float('nan')):.0%} |")
+    return "\n".join(lines)
 
 
 def measure_saturation(workload: list[ProgramSpec], model: str, engine: dict[str, Any], seed: int = 0,

@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 
+from agentrt._retention import RetentionConfig
 from agentrt.bench import calibrate, costs
 from agentrt.bench import programs as real
 from agentrt.bench import workload as wl
@@ -49,7 +50,8 @@ def run(loads: list[float], policies: list[str], n: int, seeds: list[int], cost:
                 t0 = time.monotonic()
                 measured = anyio.run(real.run_policy, name, work, model, engine, kwargs)
                 wall += time.monotonic() - t0
-                predicted = simulate(name, work, policy_kwargs=kwargs, engine=engine, cost=cost)
+                # the real runtime pins programs' KV across their tool gaps (retention on by default): so does the simulator
+                predicted = simulate(name, work, policy_kwargs=kwargs, engine=engine, cost=cost, retention=RetentionConfig())
                 for side, res in (("real", measured), ("sim", predicted)):
                     pooled[side] += [p["latency_s"] for p in res["programs"]]
                     busy[side].append(res["utilization"])
@@ -100,8 +102,8 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_docs(report: dict[str, Any], fit: costs.Fit) -> None:
-    """Replace (or append) the `## Simulator calibration` section of docs/benchmarks.md."""
+def write_docs(report: dict[str, Any], fit: costs.Fit, title: str = "Simulator calibration") -> None:
+    """Replace (or append) the `## {title}` section of docs/benchmarks.md."""
     from agentrt.bench import _common
 
     fit_lines = calibrate.describe(fit).replace("\n", "\n  ")
@@ -112,7 +114,7 @@ def write_docs(report: dict[str, Any], fit: costs.Fit) -> None:
         f"engine {report['engine']}; mean saturation (simulated, all programs arriving at once): "
         f"{report['capacity_programs_per_s']:.3f} programs/s; each load's arrival rate = load x saturation.",
         "", table(report)])
-    _common.write_section("Simulator calibration", body)
+    _common.write_section(title, body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model path; default: the default model")
     ap.add_argument("--max-num-seqs", type=int, default=real.ENGINE["max_num_seqs"])
     ap.add_argument("--max-num-batched-tokens", type=int, default=real.ENGINE["max_num_batched_tokens"])
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="the KV cache in 16-token blocks (default: the engine's): a KV-bound engine, real and simulated")
     ap.add_argument("--tree", default=None, metavar="WIDTHxDEPTH", help="tree searches' shape (as bench programs)")
     ap.add_argument("--react-calls", default=None, metavar="N|LO-HI", help="ReAct loops' calls (as bench programs)")
     ap.add_argument("--mix", default=None, metavar="KIND=WEIGHT,...", help="the program mix (as bench programs)")
@@ -155,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         costs.store(fit)
     print(calibrate.describe(fit), file=sys.stderr)
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.num_blocks is not None:
+        if args.num_blocks < 1:
+            raise SystemExit(f"--num-blocks must be >= 1, got {args.num_blocks!r}")
+        engine["num_blocks"] = args.num_blocks
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be >= 1, got {args.seeds!r}")
     seeds = list(range(args.seed, args.seed + args.seeds))
@@ -162,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update(programs=args.programs, seeds=seeds, engine=engine, fit=fit.key)
     print(json.dumps(report, indent=2) if args.json else table(report))
     if args.docs:
-        write_docs(report, fit)
+        write_docs(report, fit, "Simulator calibration" + (", KV-bound" if args.num_blocks is not None else ""))
     return 0
 
 

@@ -64,7 +64,7 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
 
     def start(spec: ProgramSpec) -> None:
         pid, gen = f"prog-{spec.index}", wl.plan(spec)
-        stats = {"calls": 0, "output_tokens": 0}
+        stats = {"calls": 0, "output_tokens": 0, "queue_s": 0.0, "run_s": 0.0, "preemptions": 0, "recomputed_tokens": 0}
         if ret is not None:
             ret.program_started(pid, None)
 
@@ -90,6 +90,11 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
                 outs[i] = ids = list(req.output_token_ids)
                 stats["calls"] += 1
                 stats["output_tokens"] += len(ids)
+                first = req.first_scheduled_time if req.first_scheduled_time is not None else eng.now
+                stats["queue_s"] += first - req.arrival_time  # waiting for a seat or blocks, behind the order
+                stats["run_s"] += eng.now - first  # first step to the end: steps, preempted spells, recompute
+                stats["preemptions"] += req.num_preemptions
+                stats["recomputed_tokens"] += req.num_recomputed_tokens
                 if ret is not None:
                     wait = (req.first_scheduled_time or eng.now) - req.arrival_time
                     ret.call_ended(pid, eng.now, tokens=req.num_tokens, computed_tokens=req.num_tokens,
@@ -346,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cost, cost_line = resolve_cost(args)
     workload, engine = real.setup(args, cost)  # bad arguments end here, before anything is said
+    if "kv_host_gib" in engine:
+        raise SystemExit("--kv-host-gib: the real engine's host tier; `agentrt simulate agents --configs "
+                         "plas+ttl+tiers` simulates tiers")
     print(cost_line, file=sys.stderr)
     if args.loads is not None:
         try:

@@ -123,7 +123,35 @@ def tree_plan(rng: random.Random) -> Plan:
     yield Call(path, TREE["max_tokens"])
 
 
-PLANS = {"chat": chat_plan, "react": react_plan, "tree": tree_plan}
+# Agent traffic where calls wait for memory (issue 47): most programs are short ReAct loops (2-4 sequential
+# calls over a growing context), about a quarter are long "step" programs that run 8-12 steps of 4 parallel
+# calls on one shared, growing conversation (a planner sampling 4 candidates a step and keeping one). Contexts
+# of 600 to 2,000 tokens, so an engine with a few hundred KV blocks holds a fraction of them.
+# Tool gaps log-normal around 0.2 s. `--mix react_few=0.73,steps=0.27` (AGENT_WAIT_MIX).
+REACT_FEW = {"calls": (2, 4), "task": 480, "max_tokens": 24, "observation": (96, 192), "tool_median_s": 0.2,
+             "tool_sigma": 0.8, "tool_max_s": 3.0}
+STEPS = {"steps": (8, 12), "width": 4, "task": 480, "max_tokens": 24, "observation": (48, 96), "tool_median_s": 0.2,
+         "tool_sigma": 0.8, "tool_max_s": 3.0}
+AGENT_WAIT_MIX = {"react_few": 0.73, "steps": 0.27}
+_WAIT_PREFIX = {kind: tokens(random.Random(100 + k), 64) for k, kind in enumerate(AGENT_WAIT_MIX)}
+
+
+def react_few_plan(rng: random.Random) -> Plan:
+    yield from agent_plan(rng, {**REACT_FEW, "turns": REACT_FEW["calls"]}, lambda n: tokens(rng, n),
+                          _WAIT_PREFIX["react_few"])
+
+
+def steps_plan(rng: random.Random) -> Plan:
+    history = _WAIT_PREFIX["steps"] + tokens(rng, STEPS["task"])
+    steps = rng.randint(*STEPS["steps"])
+    for i in range(steps):
+        replies = yield Parallel(tuple(Call(history + tokens(rng, 8), STEPS["max_tokens"]) for _ in range(STEPS["width"])))
+        history = history + replies[0]
+        if i + 1 < steps:
+            history = history + (yield Tool(tool_seconds(rng, STEPS), tokens(rng, rng.randint(*STEPS["observation"]))))
+
+
+PLANS = {"chat": chat_plan, "react": react_plan, "tree": tree_plan, "react_few": react_few_plan, "steps": steps_plan}
 
 
 def plan(spec: ProgramSpec) -> Plan:

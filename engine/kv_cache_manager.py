@@ -98,10 +98,12 @@ class KVCacheManager:
     def owner_kv(self, owner: str) -> OwnerKV:
         return self.ownership.owner_kv(owner)
 
-    def fits_whole(self, req: Request, hits: list[int], may_take_pinned: bool) -> bool:
-        """Would a waiting request's whole prompt and output (`sampling.max_tokens`) fit, with the given
-        hit blocks, in what its owner may take now (pins that would give way counted if `may_take_pinned`)?"""
-        total = min(req.num_tokens + req.sampling.max_tokens, req.max_model_len)
+    def fits_whole(self, req: Request, hits: list[int], may_take_pinned: bool, output_tokens: int | None = None) -> bool:
+        """Would a waiting request's whole prompt and output (`sampling.max_tokens`, at most `output_tokens` of it
+        when given) fit, with the given hit blocks, in what its owner may take now (pins that would give way
+        counted if `may_take_pinned`)?"""
+        output = req.sampling.max_tokens if output_tokens is None else min(req.sampling.max_tokens, output_tokens)
+        total = min(req.num_tokens + output, req.max_model_len)
         owner = req.program_id
         reclaimable = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
         room = self.num_allocatable(owner, hits) if may_take_pinned else self.pool.available_to(owner)
@@ -218,13 +220,14 @@ class KVCacheManager:
 
     # ---- mutations -----------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = (),
-                       may_take_reserved: bool = False, may_take_pinned: bool = True, whole: bool = False) -> bool:
+                       may_take_reserved: bool = False, may_take_pinned: bool = True, whole: bool = False,
+                       whole_output: int | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the given hit
         blocks, for a request being admitted). Pins give way if needed (unless not `may_take_pinned`);
         others' unused reservations too when `may_take_reserved` (module docstring); with `whole`, only
-        if the request's whole prompt and output would fit (`fits_whole`). False = does not fit; then
-        nothing changed."""
-        if whole and not self.fits_whole(req, new_computed_blocks, may_take_pinned):
+        if the request's whole prompt and output (at most `whole_output` output tokens) would fit
+        (`fits_whole`). False = does not fit; then nothing changed."""
+        if whole and not self.fits_whole(req, new_computed_blocks, may_take_pinned, whole_output):
             return False
         bs = self.block_size
         num_hit_tokens = len(new_computed_blocks) * bs

@@ -30,6 +30,8 @@ class SchedulingPolicy(ABC):
     protect_pins: bool = False  # admission control for a KV-bound engine: while others run, a waiting call
     # is admitted only if its whole prompt and output fit, and only a call of a program holding a pin may
     # make others' pins give way (a new program waits instead of evicting a paused one's context)
+    admit_output_tokens: int | None = None  # with protect_pins: the output that must fit at admission, at most
+    # this many tokens of max_tokens (None: all of it; a call without max_tokens would then need the whole context)
 
     def on_arrival(self, req: Request, now: float) -> None:
         """A request entered the waiting queue for the first time."""

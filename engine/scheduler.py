@@ -21,7 +21,7 @@ Two policy switches concern pins (SchedulingPolicy attributes, False unless a po
 policy's `pinned_key` may keep its own classes first, as agentrt's queues do; not while a running-set cap
 binds, when seats go in the policy's order);
 `protect_pins` is admission control for a KV-bound engine: while others run, a waiting call goes in only
-if its whole prompt and output fit, and only a call of a program that holds a pin may make other
+if its whole prompt and output fit (at most the policy's `admit_output_tokens` of the output), and only a call of a program that holds a pin may make other
 programs' pins give way (an idle engine admits as usual). agentrt's PLAS takes both as arguments.
 
 The running set: `max_num_seqs` seats, or fewer while the policy's `max_running` says so (a running-set
@@ -232,7 +232,8 @@ class Scheduler:
                     continue
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hits, may_take_reserved=idle, may_take_pinned=take_pins,
-                                          whole=protect_pins and not idle):
+                                          whole=protect_pins and not idle,
+                                          whole_output=self.policy.admit_output_tokens):
                 break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
             self.waiting.pop(j)
             if req.num_preemptions:

@@ -93,7 +93,7 @@ class MultiLevelPolicy(SchedulingPolicy):
     max_idle_programs: int = 10_000  # idle programs whose state is kept at most (least recently active go first)
 
     def __init__(self, *, num_queues: int, quantum: float, service: ServiceUnit, token_cost: float,
-                 preempt: bool = True, pinned_first: bool = False, victim: str = "priority",
+                 preempt: bool | str = True, pinned_first: bool = False, victim: str = "priority",
                  protect_pins: bool = False, running_cap: int | str | None = None,
                  cap_efficiency: float = 0.9) -> None:
         if not isinstance(num_queues, int) or num_queues < 1:
@@ -104,6 +104,8 @@ class MultiLevelPolicy(SchedulingPolicy):
             raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
         if not token_cost > 0:
             raise ConfigError(f"{self.name}: token_cost must be > 0, got {token_cost!r}")
+        if preempt not in (True, False, "seats"):
+            raise ConfigError(f"{self.name}: preempt must be true, false or 'seats', got {preempt!r}")
         if victim not in ("priority", "newest"):
             raise ConfigError(f"{self.name}: victim must be 'priority' or 'newest', got {victim!r}")
         if not (running_cap is None or running_cap == "auto" or (isinstance(running_cap, int) and running_cap >= 1)):
@@ -111,9 +113,12 @@ class MultiLevelPolicy(SchedulingPolicy):
         if not 0 < cap_efficiency < 1:
             raise ConfigError(f"{self.name}: cap_efficiency must be in (0, 1), got {cap_efficiency!r}")
         self.running_cap = running_cap  # the running set while calls wait: see `max_running`
-        self.displaces_for_seats = running_cap is not None  # even without `preempt`: the capped set stays in order
+        # a better waiting call displaces the worst running one for a seat, never for blocks: with a cap (the capped
+        # set stays in order), or with preempt="seats" (the displaced call's blocks stay cached, so it resumes with a
+        # prefix hit; taking blocks from it instead would evict them and recompute them)
+        self.displaces_for_seats = running_cap is not None or preempt == "seats"
         self.step_fit = StepFit(cap_efficiency)
-        self.preemptive = preempt  # False: order waiting calls only, never displace running ones
+        self.preemptive = preempt is True  # False: order waiting calls only, never displace running ones for blocks
         self.pinned_first = pinned_first  # calls of programs holding pinned KV go first (engine.scheduler)
         self.protect_pins = protect_pins  # admission keeps paused programs' pinned KV (engine.scheduler)
         self.victim = victim  # "newest": preempt a call of the latest-started program, whatever its queue

@@ -61,11 +61,25 @@ from agentrt.policies._multilevel import (
 #     was about two calls where it was chosen (a call got ~0.3-0.6 s there).
 #   quantum = the first boundary: with `live` the program's service moves its calls down; the quantum only
 #     matters for one long call, and 0.5-2x measured the same.
-#   beta 8 (the reimplementation's): smaller values promote trees into the top queue early and give back the
-#     short programs' gain without improving the tail (beta 1-2: mean 0.75-0.84x, p99 1.10-1.22x).
+#   beta 32: smaller values promote long programs into the top queue early and give back the short programs'
+#     gain (beta 1-2: mean 0.75-0.84x, p99 1.10-1.22x on the mix above). The reimplementation's 8 collapses
+#     a KV-bound engine in overload: the long programs' wait reaches 8x their service, one promoted call after
+#     another goes ahead of the new short programs (in the top queue by program age) and PLAS turns into
+#     oldest-first round robin. Simulated (issue 47's agent mix: 73% 2-4-call ReAct, 27% 8-12 steps of 4
+#     parallel calls; 300 KV blocks, 64 seats, pins on; 80 programs at 0.6 / 0.7 per s, seeds 0-1; mean vs
+#     fcfs): beta 8 1.99 / 1.84x and 2.10 / 1.79x, beta 32 0.70 / 0.94x and 0.82 / 0.86x; 32, 128 and no
+#     promotion at all measured the same there, and 32 still lifts a program starved for 32x its service.
+#   preempt "seats": a waiting call of a better queue displaces a running one for a seat (the displaced call
+#     keeps its blocks cached and resumes from them), never for blocks: displacing for blocks evicts the
+#     victim's context and recomputes it, and on a KV-bound engine PLAS then spent its time recomputing
+#     (same runs, preempt=True: 2.9 / 2.4x at 0.6 per s, 75-250k tokens recomputed against fcfs's 10-40k).
+#   protect_pins: admission takes a call only if its prompt and the first 256 tokens of its output fit
+#     (`admit_output_tokens`: a watermark against admitting calls whose growth preempts others within a few
+#     steps), and a new program does not take a paused program's pinned KV (engine.scheduler); without it,
+#     same runs: 0.89 / 0.98x at 0.6 per s.
 DEFAULTS: dict[str, dict[str, float]] = {
-    "time": {"first_boundary": 1.0, "quantum": 1.0, "beta": 8.0, "boundary_calls": 2.0},
-    "tokens": {"first_boundary": 128.0, "quantum": 64.0, "beta": 8.0, "boundary_calls": 2.0},
+    "time": {"first_boundary": 1.0, "quantum": 1.0, "beta": 32.0, "boundary_calls": 2.0},
+    "tokens": {"first_boundary": 128.0, "quantum": 64.0, "beta": 32.0, "boundary_calls": 2.0},
 }
 # ATLAS ranks by critical path, which grows by one call's service per sequential step however wide the
 # program is, so its boundaries sit 4x lower: half a call, and a ReAct loop or tree search reaches the last
@@ -109,13 +123,17 @@ class PLAS(MultiLevelPolicy):
             the default, which follows an "auto" first boundary in the defaults' ratio.
         beta: anti-starvation threshold on wait/service; `float("inf")` disables promotion.
         service: "time" (executor seconds) or "tokens" (`token_cost` per computed token).
-        preempt: let a call of a higher queue displace a running call of a lower one (recompute).
+        preempt: let a call of a higher queue displace a running call of a lower one (recompute): True, for a
+            seat or for blocks; "seats", for a seat only (the displaced call keeps its cached blocks); False, never.
         live: count the service of the program's calls still in the engine (see the module docstring).
         order: "program" (older programs first within a queue) or "call" (FCFS by call, the paper's).
         pinned_first: calls of programs whose KV is pinned across a tool call go ahead of every queue
             (Continuum's order, composed with PLAS; see `TTL_SETTINGS`).
         victim: "priority" (preempt from the lowest queue) or "newest" (a call of the latest-started program).
-        protect_pins: admission control that keeps paused programs' pinned KV (engine.scheduler).
+        protect_pins: admission control that keeps paused programs' pinned KV (engine.scheduler): while others
+            run, a call goes in only if its prompt and the first `admit_output_tokens` of its output fit.
+        admit_output_tokens: that horizon (None: its whole max_tokens, which for a call without max_tokens is
+            the whole context, so such a call would wait until the engine is idle).
         running_cap: the running set while calls wait: None (max_num_seqs), an int, or "auto" (the knee
             of the measured step cost, where `cap_efficiency` of a full batch's throughput is reached;
             see MultiLevelPolicy.max_running). Admission in program order stops there, and with
@@ -135,12 +153,13 @@ class PLAS(MultiLevelPolicy):
         beta: float | None = None,
         service: ServiceUnit = "time",
         token_cost: float = 1.0,
-        preempt: bool = True,
+        preempt: bool | str = "seats",
         live: bool = True,
         order: str = "program",
         pinned_first: bool = False,
         victim: str = "priority",
-        protect_pins: bool = False,
+        protect_pins: bool = True,
+        admit_output_tokens: int | None = 256,
         running_cap: int | str | None = None,
         cap_efficiency: float = 0.9,
     ) -> None:
@@ -169,6 +188,9 @@ class PLAS(MultiLevelPolicy):
             raise ConfigError(f"{self.name}: boundary_calls must be > 0, got {boundary_calls!r}")
         if not beta > 0:
             raise ConfigError(f"{self.name}: beta must be > 0, got {beta!r}")
+        if admit_output_tokens is not None and (not isinstance(admit_output_tokens, int) or admit_output_tokens < 1):
+            raise ConfigError(f"{self.name}: admit_output_tokens must be None or an int >= 1, got {admit_output_tokens!r}")
+        self.admit_output_tokens = admit_output_tokens
         self.boundaries = doubling(first_boundary, num_queues - 1)  # finite upper bounds of queues 0..K-2
         self.boundary_calls = boundary_calls
         self.quantum_ratio = d["quantum"] / d["first_boundary"] if quantum is None else None  # None: fixed

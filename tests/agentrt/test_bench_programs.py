@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -98,8 +99,12 @@ def test_bench_programs_over_http(tiny_model_path, tmp_path, capsys, monkeypatch
         assert r["by_class"]["long"]["n"] + r["by_class"]["short"]["n"] == 6 and 0 <= r["prefix_hit_rate"] <= 1
     assert report["results"]["plas+ttl:running_cap=2"]["vs_fcfs"]["makespan"] > 0
     assert plot.stat().st_size > 10_000
-    with pytest.raises(SystemExit, match="--policy and --running-cap only, not 'beta'"):
-        bench.main(["--model", str(tiny_model_path), "--rate", "1", "--policies", "plas:beta=2", "--http"])
+    from agentrt.bench import programs_http
+
+    args = argparse.Namespace(first_boundary=None, quantum=None, beta=None)
+    assert programs_http.serve_args(*bench.policy_spec("plas:beta=2:victim=newest", args)) == [
+        "--policy-kwargs", '{"beta": 2.0, "victim": "newest"}']
+    assert programs_http.serve_args(*bench.policy_spec("fcfs", args)) == []
 
 
 def test_workload_is_seeded():

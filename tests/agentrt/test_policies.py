@@ -8,6 +8,7 @@ import agentrt
 from agentrt.engine.policy import make_policy
 from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import SamplingParams
+from agentrt._errors import ConfigError
 from agentrt.policies import ATLAS, MLFQ, PLAS
 
 
@@ -267,7 +268,13 @@ def test_displacement_only_across_queues_and_can_be_switched_off():
     assert pol.priority(waiting) < pol.priority(running_same)  # same queue, entered earlier ...
     assert not pol.displaces(waiting, running_same)  # ... still no preemption for a tie
     assert pol.displaces(waiting, running_low)
-    assert pol.preemptive and not plas(preempt=False).preemptive
+    # by default a better call displaces a worse one for a seat only (its blocks stay cached), never for blocks
+    assert not pol.preemptive and pol.displaces_for_seats
+    assert plas(preempt=True).preemptive and plas(preempt=True).displaces_for_seats is False
+    off = plas(preempt=False)
+    assert not off.preemptive and not off.displaces_for_seats
+    with pytest.raises(ConfigError, match="preempt must be"):
+        plas(preempt="blocks")
 
 
 def test_live_service_moves_a_fan_out_down_together():

@@ -36,7 +36,8 @@ def test_victim_newest_preempts_the_latest_started_program_whatever_its_queue():
 def test_ttl_settings_are_plas_kwargs():
     p = PLAS(**TTL_SETTINGS)
     assert p.pinned_first and p.protect_pins and not p.preemptive and p.victim == "newest"
-    assert not PLAS().pinned_first and not PLAS().protect_pins
+    # plain PLAS has the admission control too (a KV-bound engine otherwise thrashes: issue 47), within a horizon
+    assert not PLAS().pinned_first and PLAS().protect_pins and PLAS().admit_output_tokens == 256
 
 
 def _choose_ttl_loop(durations: list[float], gain_s: float) -> float:
@@ -73,4 +74,4 @@ def test_ttl_compositions_are_registered_by_name(name):
     q = make_policy(name, protect_pins=False, num_queues=2)
     assert type(q) is cls and q.protect_pins is False and q.pinned_first is True and q.num_queues == 2
     plain = make_policy(name.removesuffix("+ttl"))
-    assert (plain.pinned_first, plain.protect_pins) == (False, False)
+    assert (plain.pinned_first, plain.protect_pins, plain.preemptive, plain.displaces_for_seats) == (False, True, False, True)

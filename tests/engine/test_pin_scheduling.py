@@ -89,3 +89,25 @@ def test_pin_settings_are_part_of_the_policy_seam():
     assert FCFS().pinned_first is False and FCFS().protect_pins is False
     pol = make_policy("fcfs", pinned_first=True, protect_pins=True)
     assert isinstance(pol, FCFS) and pol.pinned_first and pol.protect_pins
+
+
+def test_admission_horizon_bounds_the_output_that_must_fit():
+    # 8 blocks of 4: r runs on 2 (7 prompt + 3 output); q (8 prompt tokens) asks for 24 output tokens, all 8
+    # blocks. Whole-fit admission waits for the whole call, which cannot fit while r runs; with a horizon of
+    # 4 output tokens q needs 3 blocks and goes in at once. Neither is ever stuck, and every block comes back
+    for horizon, admitted_early in ((None, False), (4, True)):
+        pol = FCFS(protect_pins=True)
+        pol.admit_output_tokens = horizon
+        s = make_scheduler(8, pol, max_num_batched_tokens=16, max_model_len=32)
+        r = make_req("r", range(200, 207), "r", max_tokens=3)
+        s.add_request(r)
+        run_step(s)
+        q = make_req("q", range(100, 108), "q", max_tokens=24, arrival=1.0)
+        s.add_request(q)
+        assert s.kv.fits_whole(q, [], True, 4) and not s.kv.fits_whole(q, [], True, None)
+        out = run_step(s)
+        assert (q in out.reqs) == admitted_early
+        while s.has_work():
+            run_step(s)
+        assert r.status == q.status == RequestStatus.FINISHED_LENGTH
+        assert s.kv.num_free_blocks == 8

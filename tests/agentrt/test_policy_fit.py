@@ -1,0 +1,69 @@
+"""Queue boundaries fitted to the calls' service (agentrt/policies/_fit.py) and the pinned order within a queue."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrt.engine.request import Request
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.policies import ATLAS, PLAS
+from agentrt.policies._fit import CallServiceFit
+
+
+def call(rid: str, program: str, arrival: float = 0.0) -> Request:
+    return Request(rid, [1] * 4, SamplingParams(), program_id=program, arrival_time=arrival)
+
+
+def serve(pol: PLAS, req: Request, units: int, now: float) -> None:
+    pol.on_arrival(req, now)
+    pol.on_step([req], [0.0], [units], now)
+    pol.on_finish(req, now)
+
+
+def test_median_of_the_latest_calls_refitted_every_few():
+    fit = CallServiceFit(window=4, every=2, min_calls=3)
+    assert [fit.add(x) for x in (5.0, 1.0)] == [False, False] and fit.median is None
+    assert fit.add(3.0) and fit.median == 3.0  # first fit at min_calls
+    assert not fit.add(100.0) and fit.median == 3.0  # refitted every 2 calls only
+    assert fit.add(100.0) and fit.median == 51.5  # window of 4: 1, 3, 100, 100
+    assert not fit.add(0.0)  # a call that received nothing teaches nothing
+    assert len(fit.samples) == 4
+
+
+def test_plas_boundaries_follow_the_median_call():
+    pol = PLAS(service="tokens")  # "auto": 128 tokens until 8 calls finished, then 2 median calls
+    assert pol.boundaries == [128.0, 256.0, 512.0] and pol.quanta[0] == 64.0
+    for i in range(8):
+        serve(pol, call(f"c{i}", f"p{i}"), 10, now=float(i))
+    assert pol.boundaries == [20.0, 40.0, 80.0] and pol.quanta[:3] == [10.0, 20.0, 40.0]
+    # a program that received six calls' worth sits below one that received nothing
+    for i in range(6):
+        serve(pol, call(f"t{i}", "tree"), 10, now=10.0)
+    tree, new = call("t6", "tree", 11.0), call("n0", "new", 11.0)
+    pol.on_arrival(tree, 11.0)
+    pol.on_arrival(new, 11.0)
+    assert pol.level(new) == 0 and pol.level(tree) == 2
+    # a fixed boundary stays fixed; a given quantum stays given
+    fixed = PLAS(service="tokens", first_boundary=50)
+    given = PLAS(service="tokens", quantum=7)
+    for i in range(8):
+        serve(fixed, call(f"c{i}", f"p{i}"), 10, now=float(i))
+        serve(given, call(f"c{i}", f"p{i}"), 10, now=float(i))
+    assert fixed.boundaries == [50, 100, 200] and given.quanta[0] == 7 and given.boundaries[0] == 20.0
+    assert ATLAS(service="tokens").boundary_calls == 0.5
+    with pytest.raises(ValueError, match="first_boundary"):
+        PLAS(first_boundary="sometimes")
+    with pytest.raises(ValueError, match="boundary_calls"):
+        PLAS(boundary_calls=0)
+
+
+def test_pinned_calls_go_first_within_their_queue_only():
+    pol = PLAS(service="tokens", first_boundary=10, num_queues=4)
+    serve(pol, call("old0", "old"), 30, now=0.0)  # "old" received 30: queue 2
+    pinned, fresh, peer = call("old1", "old", 5.0), call("new0", "new", 6.0), call("mid0", "mid", 4.0)
+    serve(pol, call("mid-1", "mid"), 35, now=1.0)  # "mid" in queue 2 as well, older than "new"
+    for r in (pinned, fresh, peer):
+        pol.on_arrival(r, r.arrival_time)
+    order = sorted([pinned, fresh, peer], key=lambda r: pol.pinned_key(r, r.program_id == "old"))
+    # the new program (queue 0) before the pinned one (queue 2), which goes ahead of its queue's peer
+    assert [r.request_id for r in order] == ["new0", "old1", "mid0"]
