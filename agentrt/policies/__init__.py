@@ -1,8 +1,8 @@
 """agentrt's scheduling policies, registered into the engine's policy seam by name on import:
 `plas`, `atlas` (Autellix) and `mlfq` (FastServe); `fcfs` is the engine's own. `plas+ttl` and
 `atlas+ttl` are PLAS / ATLAS composed with TTL retention (`TTL_SETTINGS`, agentrt/policies/autellix.py:
-pinned programs first, no displacement, newest victims, admission control that keeps paused programs'
-pins); given arguments override those settings."""
+pinned programs first within their queue, no displacement at all, newest victims; plain PLAS has the admission
+control that keeps paused programs' pins too); given arguments override those settings."""
 
 from __future__ import annotations
 

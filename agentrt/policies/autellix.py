@@ -65,18 +65,21 @@ from agentrt.policies._multilevel import (
 #     gain (beta 1-2: mean 0.75-0.84x, p99 1.10-1.22x on the mix above). The reimplementation's 8 collapses
 #     a KV-bound engine in overload: the long programs' wait reaches 8x their service, one promoted call after
 #     another goes ahead of the new short programs (in the top queue by program age) and PLAS turns into
-#     oldest-first round robin. Simulated (issue 47's agent mix: 73% 2-4-call ReAct, 27% 8-12 steps of 4
-#     parallel calls; 300 KV blocks, 64 seats, pins on; 80 programs at 0.6 / 0.7 per s, seeds 0-1; mean vs
-#     fcfs): beta 8 1.99 / 1.84x and 2.10 / 1.79x, beta 32 0.70 / 0.94x and 0.82 / 0.86x; 32, 128 and no
-#     promotion at all measured the same there, and 32 still lifts a program starved for 32x its service.
+#     oldest-first round robin; 32, 128 and no promotion at all measured the same below, and 32 still lifts a
+#     program starved for 32x its service.
 #   preempt "seats": a waiting call of a better queue displaces a running one for a seat (the displaced call
 #     keeps its blocks cached and resumes from them), never for blocks: displacing for blocks evicts the
-#     victim's context and recomputes it, and on a KV-bound engine PLAS then spent its time recomputing
-#     (same runs, preempt=True: 2.9 / 2.4x at 0.6 per s, 75-250k tokens recomputed against fcfs's 10-40k).
+#     victim's context and recomputes it, and on a KV-bound engine PLAS then spends its time recomputing.
 #   protect_pins: admission takes a call only if its prompt and the first 256 tokens of its output fit
 #     (`admit_output_tokens`: a watermark against admitting calls whose growth preempts others within a few
-#     steps), and a new program does not take a paused program's pinned KV (engine.scheduler); without it,
-#     same runs: 0.89 / 0.98x at 0.6 per s.
+#     steps), and a new program does not take a paused program's pinned KV (engine.scheduler).
+# Simulated (issue 47's agent mix, bench/workload.py AGENT_WAIT_MIX: 73% 2-4-call ReAct, 27% 8-12 steps of 4
+# parallel calls; 300 KV blocks, 64 seats, TTL pins on; 80 programs at 0.6 / 0.7 programs/s, seeds 0-1, an AMX
+# Xeon's step costs; mean vs fcfs): these defaults 0.70 / 0.94x and 0.82 / 0.86x; the old ones (beta 8,
+# preempt=True, no admission control) 2.93 / 2.39x and 2.59 / 2.61x, recomputing 56-290k prompt tokens against
+# fcfs's 10-42k; beta 32 with preempt=True 1.08 / 1.11x at 0.6; without protect_pins 0.89 / 0.98x at 0.6. On the
+# real engine over HTTP, 150 blocks, 0.9 of the measured saturation, seeds 0-2: 0.85x, short programs 0.65x
+# (docs/benchmarks.md "Program scheduling, KV-bound"); with 64 seats and no KV pressure 0.95x.
 DEFAULTS: dict[str, dict[str, float]] = {
     "time": {"first_boundary": 1.0, "quantum": 1.0, "beta": 32.0, "boundary_calls": 2.0},
     "tokens": {"first_boundary": 128.0, "quantum": 64.0, "beta": 32.0, "boundary_calls": 2.0},
@@ -97,7 +100,7 @@ DEFAULT_NUM_QUEUES = 4
 # program's 4k-token first call above a long agent's next call, lets it displace running calls and takes
 # its victims from the lowest queue, i.e. the longest contexts, so every preemption and every pin given
 # way is tens of thousands of tokens recomputed, and the engine collapses into recompute. With TTL:
-# - pinned_first: a program resuming from a tool call with its KV pinned goes first (Continuum);
+# - pinned_first: a program resuming from a tool call with its KV pinned goes first in its queue (Continuum);
 # - preempt=False: no displacement for a higher queue (a recompute costs more than the wait it saves);
 # - victim="newest": when blocks run out, the latest-started program's call is preempted (least invested);
 # - protect_pins: admission control; a call goes in only if its whole prompt and output fit, and only a
@@ -127,8 +130,8 @@ class PLAS(MultiLevelPolicy):
             seat or for blocks; "seats", for a seat only (the displaced call keeps its cached blocks); False, never.
         live: count the service of the program's calls still in the engine (see the module docstring).
         order: "program" (older programs first within a queue) or "call" (FCFS by call, the paper's).
-        pinned_first: calls of programs whose KV is pinned across a tool call go ahead of every queue
-            (Continuum's order, composed with PLAS; see `TTL_SETTINGS`).
+        pinned_first: calls of programs whose KV is pinned across a tool call go first within their queue
+            (Continuum's order, composed with PLAS; see `TTL_SETTINGS` and MultiLevelPolicy.pinned_key).
         victim: "priority" (preempt from the lowest queue) or "newest" (a call of the latest-started program).
         protect_pins: admission control that keeps paused programs' pinned KV (engine.scheduler): while others
             run, a call goes in only if its prompt and the first `admit_output_tokens` of its output fit.

@@ -186,3 +186,61 @@ def _calls(plan):
         value = [1, 2] if not hasattr(action, "seconds") else action.observation
         if hasattr(action, "prompt"):
             yield action
+
+
+def test_agent_wait_mix_plans():
+    """Issue 47's mix: 2-4 sequential ReAct calls over a growing context; 8-12 steps of 4 parallel calls on one
+    shared, growing conversation, a tool gap between steps."""
+    from agentrt.bench import workload as wl
+
+    for seed in range(20):
+        spec = wl.ProgramSpec(0, "react_few", 0.0, seed)
+        gen, value, calls, tools, prompts = wl.plan(spec), None, 0, 0, []
+        while True:
+            try:
+                action = gen.send(value)
+            except StopIteration:
+                break
+            if isinstance(action, wl.Call):
+                calls += 1
+                prompts.append(action.prompt)
+                value = [7] * action.max_tokens
+            else:
+                tools += 1
+                assert 0 < action.seconds <= wl.REACT_FEW["tool_max_s"]
+                value = action.observation
+        assert 2 <= calls <= 4 and tools == calls - 1
+        assert all(b[: len(a)] == a and len(b) > len(a) for a, b in zip(prompts, prompts[1:]))  # context grows
+        spec = wl.ProgramSpec(0, "steps", 0.0, seed)
+        gen, value, steps, history = wl.plan(spec), None, 0, None
+        while True:
+            try:
+                action = gen.send(value)
+            except StopIteration:
+                break
+            if isinstance(action, wl.Parallel):
+                steps += 1
+                assert len(action.calls) == wl.STEPS["width"]
+                shared = action.calls[0].prompt[:-8]
+                assert all(c.prompt[:-8] == shared for c in action.calls)  # one conversation, 4 candidates
+                assert history is None or shared[: len(history)] == history
+                history = shared
+                value = [[i] * c.max_tokens for i, c in enumerate(action.calls)]
+            else:
+                value = action.observation
+        assert 8 <= steps <= 12
+
+
+def test_http_breakdown_by_class():
+    from agentrt.bench import programs_http
+
+    def prog(kind, latency, queue):
+        return {"kind": kind, "latency_s": latency, "parts": {"tools_s": 1.0, "calls_s": latency - 1.0, "queue_s": queue,
+                                                              "service_s": 0.5, "recomputed_tokens": 10,
+                                                              "tier_loaded_tokens": 0}}
+
+    out = programs_http.breakdown([prog("react_few", 4.0, 1.0), prog("react_few", 6.0, 3.0), prog("steps", 20.0, 9.0)],
+                                  ("steps",))
+    assert out["short"]["programs"] == 2 and out["short"]["latency_s"] == 5.0 and out["short"]["queue_s"] == 2.0
+    assert out["long"]["programs"] == 1 and out["long"]["calls_s"] == 19.0
+    assert "| plas | short | 2 | 5.00 | 1.00 | 2.00 | 4.00 |" in programs_http.breakdown_table({"plas": {"http_breakdown": out}})

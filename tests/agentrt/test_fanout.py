@@ -12,6 +12,7 @@ from agentrt.bench import fanout
 @pytest.mark.parametrize("policy", ["plas", "atlas"])
 def test_short_programs_overtake_a_fan_out(default_model_path, policy):
     args = fanout.parse_args(["--policies", f"fcfs,{policy}", "--model", str(default_model_path)])
+    args.engine = {"dtype": "auto"}  # the machine's fastest (the suite's float32 makes each short call's own steps slow)
     report = fanout.run(args)
     fcfs, mine = report["results"]["fcfs"], report["results"][policy]
     for r in (fcfs, mine):
