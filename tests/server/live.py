@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import uvicorn
 from starlette.applications import Starlette
 
@@ -88,3 +90,35 @@ def wait_healthy(proc, url: str, log, timeout_s: float = 120) -> None:
                 return
         except httpx.HTTPError:
             time.sleep(0.1)
+
+
+class Stream(threading.Thread):
+    """One streaming chat call of `num_tokens` tokens (EOS ignored), read to its end in a thread of its own;
+    `started` is set once a few tokens arrived (or it failed: `error`)."""
+
+    def __init__(self, url: str, program_id: str, num_tokens: int, timeout_s: float = 60) -> None:
+        super().__init__(daemon=True)
+        self.url, self.program_id, self.num_tokens, self.timeout_s = url, program_id, num_tokens, timeout_s
+        self.started = threading.Event()
+        self.events: list[str] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": self.num_tokens, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=self.timeout_s,
+                              headers={"X-Program-Id": self.program_id}) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+                        if len(self.events) > 5:
+                            self.started.set()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.started.set()
+
+    def chunks(self) -> list[dict]:
+        return [json.loads(e) for e in self.events[:-1]]

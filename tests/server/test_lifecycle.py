@@ -2,11 +2,9 @@
 record and exits 0; programs outlive a restart in the database (SQLite and PostgreSQL), with their
 owner."""
 
-import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -14,43 +12,12 @@ import httpx
 import pytest
 
 from agentrt.server.store import Store
-from tests.server.live import free_port, live_server, tiny_config, wait_healthy
+from tests.server.live import Stream, free_port, live_server, tiny_config, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 HI = [{"role": "user", "content": "hi"}]
 DRAIN_TIMEOUT_S = 20
 NUM_TOKENS = 256
-
-
-class Stream(threading.Thread):
-    """One streaming chat call, read to its end; `started` is set once a few tokens arrived."""
-
-    def __init__(self, url: str, program_id: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.program_id = url, program_id
-        self.started = threading.Event()
-        self.events: list[str] = []
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        body = {"messages": HI, "max_tokens": NUM_TOKENS, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=60,
-                              headers={"X-Program-Id": self.program_id}) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        self.events.append(line[6:])
-                        if len(self.events) > 5:
-                            self.started.set()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-        finally:
-            self.started.set()
-
-    def chunks(self) -> list[dict]:
-        return [json.loads(e) for e in self.events[:-1]]
 
 
 def _refused(url: str) -> bool:
@@ -72,7 +39,7 @@ def test_sigterm_drains_in_flight_streams_and_flushes_records(tiny_model_path, t
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_healthy(proc, url, log)
-        streams = [Stream(url, f"drain-{i}") for i in range(3)]
+        streams = [Stream(url, f"drain-{i}", NUM_TOKENS) for i in range(3)]
         for s in streams:
             s.start()
         for s in streams:

@@ -14,7 +14,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,39 +23,11 @@ import pytest
 
 from agentrt.scale.front import AgentrtFront
 from agentrt.server.store import Store
-from tests.server.live import free_port, wait_healthy
+from tests.server.live import Stream, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 DRAIN_TIMEOUT_S = 30
 NUM_TOKENS = 1500  # the stream outlasts the signal by seconds on any machine
-
-
-class Stream(threading.Thread):
-    """One streaming chat call, read to its end; `started` is set once a few tokens arrived."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url = url
-        self.started = threading.Event()
-        self.events: list[str] = []
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": NUM_TOKENS, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=120,
-                              headers={"X-Program-Id": "drained"}) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        self.events.append(line[6:])
-                        if len(self.events) > 5:
-                            self.started.set()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-        finally:
-            self.started.set()
 
 
 def _listeners(procs: list[psutil.Process]) -> list[tuple[str, int, str]]:
@@ -102,7 +73,7 @@ def test_replicas_listen_on_loopback_only_and_sigterm_drains(tiny_model_path, tm
         assert [x for x in listening if not _loopback(x[0])] == [], listening
         assert 8265 not in {p for _, p, _ in listening}, listening  # no dashboard web UI
 
-        stream = Stream(url)
+        stream = Stream(url, "drained", NUM_TOKENS, timeout_s=120)
         stream.start()
         assert stream.started.wait(120) and stream.error is None, stream.error
         proc.send_signal(signal.SIGTERM)
