@@ -2,7 +2,7 @@
 
     agentrt bench fanout [--trees 2] [--width 6] [--rounds 3] [--tree-tokens 24] [--shorts 6] [--short-tokens 8]
                          [--max-num-seqs 4] [--policies fcfs,mlfq,plas,atlas,plas+ttl] [--repeats 1]
-                         [--model M] [--json]
+                         [--model M] [--json] [--docs]
 
 Tree programs start together, each making `--rounds` rounds of `--width` parallel calls of `--tree-tokens`
 output tokens (a round waits for the previous one, as an MCTS expansion does), on an engine with
@@ -138,6 +138,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--docs", action="store_true", help='write the table to docs/benchmarks.md ("The fan-out case")')
     args = ap.parse_args(argv)
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in args.policies:
@@ -165,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(table(report))
+    if args.docs:
+        from agentrt.bench import _common
+
+        _common.write_section("The fan-out case (bench fanout)", table(report) + "\n\nShort-program latency is arrival to "
+                              "end, `short queued` arrival to first step (the process table's wait); means of the repeats.")
     if any(r["programs_done"] < r["programs"] for r in report["results"].values()):
         print("agentrt bench fanout: some programs did not finish", file=sys.stderr)
         return 1

@@ -149,11 +149,14 @@ def capacity(workload: list[ProgramSpec], *, engine: dict[str, Any] | None = Non
     return len(burst) / simulate("fcfs", burst, engine=engine, cost=cost)["makespan_s"]
 
 
+# PLAS as Autellix describes it (and as agentrt's defaults were before issue 47): displacement for blocks too,
+# no admission control, the reimplementation's beta 8
+AUTELLIX: dict[str, Any] = {"preempt": True, "protect_pins": False, "beta": 8.0}
 AGENT_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {  # name -> (policy, its kwargs, TTL pins)
     "fcfs": ("fcfs", {}, False),  # vLLM-like: call-level FCFS, LRU prefix cache
     # Continuum-like: pins; program-level FCFS (a one-queue PLAS orders by program start), pinned programs first
-    "fcfs+ttl": ("plas", {"num_queues": 1, "pinned_first": True}, True),
-    "plas": ("plas", {}, False),  # Autellix-like
+    "fcfs+ttl": ("plas", {"num_queues": 1, "pinned_first": True, "protect_pins": False}, True),
+    "plas": ("plas", dict(AUTELLIX), False),  # Autellix-like: the paper's PLAS, before agentrt's defaults
     "plas+ttl": ("plas", dict(TTL_SETTINGS), True),  # ours: PLAS composed with TTL (agentrt/policies/autellix.py)
     # ablation, not in the default sweep: the Continuum-like order with our admission control
     "fcfs+ttl+guard": ("plas", {"num_queues": 1, "pinned_first": True, "protect_pins": True}, True),

@@ -171,7 +171,7 @@ def test_mix_option(monkeypatch):
     work, _ = bench.setup(ap.parse_args(["--programs", "30", "--mix", "chat=1,tree=0"]))
     assert wl.MIX == {"chat": 1.0, "tree": 0.0} and {s.kind for s in work} == {"chat"}
     for bad in ("chat=1,poem=2", "chat=-1", "chat", "chat=0"):
-        with pytest.raises(SystemExit, match=f"--mix must be KIND=WEIGHT pairs of chat, react, tree .* got '{bad}'"):
+        with pytest.raises(SystemExit, match=f"--mix must be KIND=WEIGHT pairs of chat, react, tree, react_few, steps .* got '{bad}'"):
             bench.setup(ap.parse_args(["--programs", "2", "--mix", bad]))
 
 
