@@ -137,12 +137,11 @@ def run_policy_http(name: str, kwargs: dict[str, Any], workload: list[ProgramSpe
                 before = (await client.get("/metrics")).text
                 start = time.monotonic()
                 async with anyio.create_task_group() as tg:
-                    for spec in workload:
-                        tg.start_soon(_program, client, spec, start, results, timeline)
-                    watch = anyio.CancelScope()
-                    tg.start_soon(_sample_engine, client, samples, watch)
-                    await _all_done(results)
-                    watch.cancel()
+                    tg.start_soon(_sample_engine, client, samples)
+                    async with anyio.create_task_group() as programs:
+                        for spec in workload:
+                            programs.start_soon(_program, client, spec, start, results, timeline)
+                    tg.cancel_scope.cancel()  # the sampling ends with the last program
                 makespan = time.monotonic() - start
                 return makespan, before, (await client.get("/metrics")).text
 
@@ -177,19 +176,12 @@ def _mean(xs: Any) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-async def _all_done(results: list[Any]) -> None:
-    while any(r is None for r in results):
-        await anyio.sleep(0.1)
-
-
-async def _sample_engine(client: httpx.AsyncClient, samples: list[tuple[float, float, float]],
-                         scope: anyio.CancelScope) -> None:
-    with scope:
-        while True:
-            await anyio.sleep(SAMPLE_S)
-            text = (await client.get("/metrics")).text
-            samples.append((_metric(text, "agentrt:num_requests_running"), _metric(text, "agentrt:num_requests_waiting"),
-                            _metric(text, "agentrt:kv_cache_usage_perc")))
+async def _sample_engine(client: httpx.AsyncClient, samples: list[tuple[float, float, float]]) -> None:
+    while True:
+        await anyio.sleep(SAMPLE_S)
+        text = (await client.get("/metrics")).text
+        samples.append((_metric(text, "agentrt:num_requests_running"), _metric(text, "agentrt:num_requests_waiting"),
+                        _metric(text, "agentrt:kv_cache_usage_perc")))
 
 
 PARTS = ("tools_s", "queue_s", "calls_s", "service_s", "recomputed_tokens", "tier_loaded_tokens")
