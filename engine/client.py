@@ -71,6 +71,8 @@ class RequestInfo:
     program_id: str | None
     block_ids: tuple[int, ...]  # the KV blocks it holds
     queue_level: int | None  # its queue under a policy with levels, once ranked; None otherwise
+    first_scheduled_time: float | None = None  # when it was first scheduled (monotonic); None while queued
+    num_preemptions: int = 0
 
 
 def engine_info(core: EngineCore) -> EngineInfo:
@@ -102,7 +104,8 @@ def request_info(core: EngineCore, request_id: str) -> RequestInfo | None:
     req = core.requests.get(request_id)
     if req is None:
         return None
-    return RequestInfo(request_id, req.program_id, tuple(req.block_ids), _level(core, req))
+    return RequestInfo(request_id, req.program_id, tuple(req.block_ids), _level(core, req), req.first_scheduled_time,
+                       req.num_preemptions)
 
 
 def _level(core: EngineCore, req: Request) -> int | None:

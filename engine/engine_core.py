@@ -123,6 +123,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv, self.policy)
         self.requests: dict[str, Request] = {}  # unfinished, by id (forked children included)
         self._families: dict[str, Request] = {}  # root requests by id, until their output is taken
+        self._preempted: dict[str, Request] = {}  # preempted requests not yet scheduled again (_note_preemptions)
         self._detok: dict[str, Detokenizer] = {}
         self.outputs = OutputProcessor(self.scheduler, self.model.args.vocab_size, self.requests, self._detok)
         self.checks = RequestChecks(config, self.tokenizer, self.model.args, self.max_model_len, self.eos_token_ids)
@@ -340,6 +341,20 @@ class EngineCore:
         return {"requests": len(self.requests), "families": len(self._families), "detok": len(self._detok),
                 "waiting": len(s.waiting), "running": len(s.running)}
 
+    def _note_preemptions(self, preempted: list[Request]) -> None:
+        """Each preemption's time and the time its request was scheduled again, on the request (its
+        RequestMetrics.preemptions): what a program's timeline marks. Costs nothing while none happen."""
+        now = self.scheduler.clock()
+        for req in preempted:
+            req.preemptions.append([now, None])
+            self._preempted[req.request_id] = req
+        for rid, req in list(self._preempted.items()):
+            if req.status == RequestStatus.RUNNING:
+                req.preemptions[-1][1] = now
+            elif not req.finished:
+                continue
+            del self._preempted[rid]
+
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
         """One model step; the deltas it produced. An error while serving one request fails that
@@ -351,6 +366,8 @@ class EngineCore:
             for req in self.scheduler.running:  # k = 0 also clears drafts of a step that skipped the request
                 propose(req, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
         out = self.scheduler.schedule()
+        if out.preempted or self._preempted:
+            self._note_preemptions(out.preempted)
         if self.on_schedule is not None:
             self.on_schedule(out)
         self.num_draft_tokens += sum(len(r.spec_token_ids) for r in out.reqs)

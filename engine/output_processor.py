@@ -216,6 +216,7 @@ class OutputProcessor:
         metrics = RequestMetrics(
             req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finish_time,
             sum(r.service_s for r in [req, *req.children]), req.num_prefix_hit_tokens, req.num_preemptions,
+            req.num_tier_loaded_tokens, [(at, back) for at, back in req.preemptions],
         )
         out = RequestOutput(req.request_id, list(req.prompt_token_ids), comps, metrics, embedding=req.embedding)
         if req.sampling.prompt_logprobs is not None:

@@ -14,6 +14,9 @@ class RequestMetrics:
     service_s: float  # executor time attributed to the request
     num_prefix_hit_tokens: int  # prompt tokens served from the prefix cache
     num_preemptions: int
+    num_tier_loaded_tokens: int = 0  # prompt tokens the KV tiers loaded for it instead of recomputing them
+    preemptions: list[tuple[float, float | None]] = field(default_factory=list)  # (preempted at, rescheduled
+    # at, None if it never was), the engine's clock like the times above
 
 
 @dataclass(slots=True)

@@ -58,6 +58,8 @@ class Request:
     num_prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_recomputed_tokens: int = 0  # tokens computed again after a preemption
     num_tier_loaded_tokens: int = 0  # prompt tokens the KV tiers loaded for it before its first admission
+    preemptions: list[list[float | None]] = field(default_factory=list)  # [preempted at, rescheduled at or None]
+    # per preemption (EngineCore notes them around the schedule)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
