@@ -1,6 +1,6 @@
 """The runtime library's own commands: `python -m agentrt.cli serve | generate | run-batch`.
 
-The `agentrt` command (`agentrt_cli`, the top floor) adds `run`, `demo`, `bench` and `simulate`,
+The `agentrt` command (`agentrt/command/`, the top floor) adds `run`, `demo`, `bench` and `simulate`,
 which start example programs and benchmarks; this module, like the rest of `agentrt`, imports
 neither `programs` nor `bench`.
 """

@@ -45,7 +45,7 @@ class HostTier:
             raise ValueError(f"the host tier needs at least one block slot, got {num_slots}")
         if int8 and len(block_shape) != 5:
             raise ValueError(f"an int8 host tier needs blocks [layers, K/V, tokens, heads, head_dim], got {block_shape}")
-        # `store` False: the bookkeeping alone (the simulator's engine, bench/sim_engine.py)
+        # `store` False: the bookkeeping alone (the simulator's engine, agentrt/bench/sim_engine.py)
         self.int8 = int8
         self.dtype = dtype
         self.data = (torch.empty((num_slots, *block_shape), dtype=torch.int8 if int8 else dtype, pin_memory=pin)

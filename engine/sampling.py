@@ -143,7 +143,7 @@ def _wide(x: torch.Tensor):
 def _row_ops(x: torch.Tensor):
     """The C++ CPU kernels when x is a 2-D contiguous fp32 CPU tensor (their argmax_rows, topk_rows,
     logsumexp_rows and penalize_rows apply), else None. Over [32, 49152] logits on one thread they measured argmax 0.7 ms
-    vs torch's 3.7, top-256 1.7 ms vs 6-10 (bench/sampling.py's shape)."""
+    vs torch's 3.7, top-256 1.7 ms vs 6-10 (agentrt/bench/sampling.py's shape)."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
         return kernels.cpu.ops()
     return None

@@ -73,7 +73,7 @@ from agentrt.policies._multilevel import (
 #   protect_pins: admission takes a call only if its prompt and the first 256 tokens of its output fit
 #     (`admit_output_tokens`: a watermark against admitting calls whose growth preempts others within a few
 #     steps), and a new program does not take a paused program's pinned KV (engine.scheduler).
-# Simulated (issue 47's agent mix, bench/workload.py AGENT_WAIT_MIX: 73% 2-4-call ReAct, 27% 8-12 steps of 4
+# Simulated (issue 47's agent mix, agentrt/bench/workload.py AGENT_WAIT_MIX: 73% 2-4-call ReAct, 27% 8-12 steps of 4
 # parallel calls; 300 KV blocks, 64 seats, TTL pins on; 80 programs at 0.6 / 0.7 programs/s, seeds 0-1, an AMX
 # Xeon's step costs; mean vs fcfs): these defaults 0.70 / 0.94x and 0.82 / 0.86x; the old ones (beta 8,
 # preempt=True, no admission control) 2.93 / 2.39x and 2.59 / 2.61x, recomputing 56-290k prompt tokens against

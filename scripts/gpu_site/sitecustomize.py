@@ -1,8 +1,9 @@
 """Imports from a source checkout that is not installed (scripts/gpu_check.sh installs nothing).
 
 Every floor imports under `agentrt` (pyproject.toml, [tool.setuptools.package-dir]); an install maps
-the names to the folders. Here a finder does the same from that table: with this folder on
-PYTHONPATH, `agentrt.engine` is the checkout's engine/, `agentrt.command` its agentrt_cli/, and so on.
+the three mapped names to their folders. Here a finder does the same from that table: with this folder
+on PYTHONPATH, `agentrt.engine` is the checkout's engine/, `agentrt.kernels` its kernels/ and
+`agentrt.programs` its programs/ (every other folder is named as it is imported).
 """
 
 import importlib.util

@@ -1,4 +1,4 @@
-"""bench/breakdown.py on a hand-made step log: each call's parts add up to its latency and land where they belong."""
+"""agentrt/bench/breakdown.py on a hand-made step log: each call's parts add up to its latency and land where they belong."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Replicas in the simulator (bench/sim_replicas.py): every router runs the same programs to the end with
+"""Replicas in the simulator (agentrt/bench/sim_replicas.py): every router runs the same programs to the end with
 every block back, the program router keeps programs on one replica and reuses more of their prefixes
 than round-robin, and the runs are deterministic."""
 

@@ -1,4 +1,4 @@
-"""The full-size agents simulator (bench/simulate.py agents, bench/sim_engine.py): the four configs and
+"""The full-size agents simulator (agentrt/bench/simulate.py agents, agentrt/bench/sim_engine.py): the four configs and
 the exactness of the decode-run fast path."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_rate_at_latency_interpolates_each_config():
 
 @pytest.mark.parametrize("config", ["fcfs", "fcfs+ttl", "plas", "plas+ttl"])
 def test_decode_runs_give_exactly_the_single_step_results(config):
-    """bench/sim_engine.py's fast path for plain decode steps changes nothing but the wall time."""
+    """agentrt/bench/sim_engine.py's fast path for plain decode steps changes nothing but the wall time."""
     cost, _, _ = costs.named("h100-llama-3.1-8b")
     policy, kwargs, ttl = sim.AGENT_CONFIGS[config]
     work = wl.make_agent_workload(10, 0.3, seed=5)

@@ -1,4 +1,4 @@
-"""bench/kernels.py: the no-GPU exit, and its measuring code run on CPU with a tiny shape and a fake clock."""
+"""agentrt/bench/kernels.py: the no-GPU exit, and its measuring code run on CPU with a tiny shape and a fake clock."""
 
 import json
 

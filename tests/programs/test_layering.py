@@ -2,11 +2,13 @@
 
 Every floor imports under the one name `agentrt` (docs/architecture.md); a floor is its folder:
 
-    agentrt_cli/  agentrt.command    the `agentrt` command: may import everything
-    bench/        agentrt.bench      benchmarks: everything but the command
-    programs/     agentrt.programs   examples: agentrt's public API (and each other)
-    agentrt/      agentrt            the runtime library: engine, never programs / bench / command
-    engine/       agentrt.engine     never the runtime;  kernels/ agentrt.kernels: never engine
+    agentrt/command/  agentrt.command    the `agentrt` command: may import everything
+    agentrt/bench/    agentrt.bench      benchmarks: everything but the command
+    programs/         agentrt.programs   examples: agentrt's public API (and each other)
+    agentrt/          agentrt            the runtime library: engine, never programs / bench / command
+    engine/           agentrt.engine     never the runtime;  kernels/ agentrt.kernels: never engine
+
+Import names and paths, and the absence of import circles, are checked in tests/test_house.py.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def imports(path: Path) -> list[str]:
 
 
 FOLDERS = {"agentrt.kernels": "kernels", "agentrt.engine": "engine", "agentrt.programs": "programs",
-           "agentrt.bench": "bench", "agentrt.command": "agentrt_cli"}
+           "agentrt.bench": "agentrt/bench", "agentrt.command": "agentrt/command"}
 OLD_NAMES = {"kernels", "engine", "programs", "bench", "agentrt_cli"}  # before one package name
 
 
@@ -47,12 +49,19 @@ def floor(name: str) -> str | None:
     return "agentrt" if name.startswith("agentrt.") else None
 
 
+def files(folder: str) -> list[Path]:
+    """A floor's source files: its folder's, less those of a floor inside it (agentrt/bench/ in agentrt/)."""
+    inner = [ROOT / f for f in FOLDERS.values() if f.startswith(folder + "/")]
+    return [f for f in sorted((ROOT / folder).rglob("*.py")) if not any(f.is_relative_to(d) for d in inner)]
+
+
+BENCH, COMMAND = FOLDERS["agentrt.bench"], FOLDERS["agentrt.command"]
 FORBIDDEN = {
-    "agentrt": {"programs", "bench", "agentrt_cli"},
-    "engine": {"agentrt", "programs", "bench", "agentrt_cli"},
-    "kernels": {"engine", "agentrt", "programs", "bench", "agentrt_cli"},
-    "programs": {"bench", "agentrt_cli", "engine", "kernels"},
-    "bench": {"agentrt_cli"},
+    "agentrt": {"programs", BENCH, COMMAND},
+    "engine": {"agentrt", "programs", BENCH, COMMAND},
+    "kernels": {"engine", "agentrt", "programs", BENCH, COMMAND},
+    "programs": {BENCH, COMMAND, "engine", "kernels"},
+    BENCH: {COMMAND},
 }
 
 
@@ -60,21 +69,23 @@ def test_floors_map_to_folders():
     assert floor("agentrt.engine.scheduler") == "engine" and floor("agentrt.engineering") == "agentrt"
     assert floor("agentrt.kernels") == "kernels" and floor("agentrt._runtime") == "agentrt"
     assert floor("agentrt") is None and floor("kernels") is None
+    assert floor("agentrt.bench.programs") == "agentrt/bench" and floor("agentrt.command") == "agentrt/command"
+    assert ROOT / "agentrt" / "bench" / "programs.py" not in files("agentrt")
+    assert ROOT / "agentrt" / "bench" / "programs.py" in files("agentrt/bench")
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_imports_point_down(package):
-    bad = [(str(f.relative_to(ROOT)), m) for f in sorted((ROOT / package).rglob("*.py"))
-           for m in imports(f) if floor(m) in FORBIDDEN[package]]
+    bad = [(str(f.relative_to(ROOT)), m) for f in files(package) for m in imports(f) if floor(m) in FORBIDDEN[package]]
     assert not bad, f"{package}/ imports a higher floor: {bad}"
 
 
 def test_no_floor_is_imported_by_its_folder_name():
     """`import engine` would load a second copy of the floor beside `agentrt.engine` (and `kernels` is
     Hugging Face's package): every import names the floor under `agentrt`."""
-    files = [f for d in (*FOLDERS.values(), "agentrt", "tests") for f in sorted((ROOT / d).rglob("*.py"))
-             if f.name != "test_package.py"]  # that one imports Hugging Face's `kernels` on purpose
-    bad = [(str(f.relative_to(ROOT)), m) for f in files for m in imports(f) if m.split(".", 1)[0] in OLD_NAMES]
+    found = [f for d in (*FOLDERS.values(), "agentrt", "tests") for f in files(d)
+             if f.name not in ("test_package.py", "test_house.py")]  # those import HF's `kernels` on purpose
+    bad = [(str(f.relative_to(ROOT)), m) for f in found for m in imports(f) if m.split(".", 1)[0] in OLD_NAMES]
     assert not bad, bad
 
 
@@ -109,7 +120,7 @@ def test_importing_the_engine_loads_no_runtime():
     assert out.stdout.strip() == "[]"
 
 
-ABOVE_ENGINE = ("agentrt", "agentrt_cli", "programs")  # bench/ aside: benchmarks drive the core directly
+ABOVE_ENGINE = ("agentrt", COMMAND, "programs")  # agentrt/bench/ aside: benchmarks drive the core directly
 RUNTIME_NAMES = {"runtime", "rt"}  # what code above the engine calls a Runtime
 
 
@@ -138,7 +149,7 @@ def test_reaching_below_is_caught():
 def test_nothing_above_the_engine_reaches_into_its_core_or_the_runtime_privates():
     """Above `engine/`, the engine is reached through `AsyncEngine` (info, stats, operations), never its core;
     and the runtime through its public methods (DESIGN.md §5, "the engine client")."""
-    bad = [b for d in ABOVE_ENGINE for f in sorted((ROOT / d).rglob("*.py"))
+    bad = [b for d in ABOVE_ENGINE for f in files(d)
            for b in reaches_below(f.read_text(), str(f.relative_to(ROOT)))]
     assert not bad, bad
 

@@ -3,7 +3,7 @@
     agentrt bench tiers [--programs N] [--rate R] [--num-blocks B] [--ttl-s S] [--configs t0,t1,t1+t2]
                         [--host-gib G] [--small-host-gib G] [--disk-dir DIR] [--json] [--write-docs]
 
-Agents as `agentrt bench retention`'s (bench/retention.py: a shared system prompt, a task, turns of call
+Agents as `agentrt bench retention`'s (agentrt/bench/retention.py: a shared system prompt, a task, turns of call
 then tool, the context growing by each tool's observation; `REACT_SMALL`'s shape, ~20 prompt tokens per
 output token, with 6-10 turns: Autellix's ReAct programs make ~10.8 calls) under plas with TTL pins, in a
 KV cache far too small for the active programs' contexts even with pins, with tools that outlast the TTL

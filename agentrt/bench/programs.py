@@ -5,7 +5,7 @@
     python -m agentrt.bench.programs ...
 
 The mix (chat, ReAct, tree search after Autellix) is defined once, as plans, in
-`bench/workload.py`; `agentrt bench simulate` runs the same plans in virtual time.
+`agentrt/bench/workload.py`; `agentrt bench simulate` runs the same plans in virtual time.
 
 Outputs ignore EOS so every policy does the same work. Program latency runs from its planned arrival
 to its end; FCFS is the peer, measured in the same run, and every other policy is reported as a
@@ -54,7 +54,7 @@ async def _tool(seconds: float, observation: list[int]) -> list[int]:
 
 def _program(kind: str):
     async def run(spec: ProgramSpec) -> str | None:
-        """Drive the kind's plan (bench/workload.py): calls, parallel branches, tool gaps."""
+        """Drive the kind's plan (agentrt/bench/workload.py): calls, parallel branches, tool gaps."""
         gen, value = wl.plan(spec), None
         while True:
             try:
@@ -80,7 +80,7 @@ async def run_policy(
     breakdown: Any = None,
 ) -> dict[str, Any]:
     """Serve the workload under one policy; per-program results plus engine counters. `breakdown`: a step-cost
-    model (`bench.costs.StepCost`) to split each program's time into its parts with (bench/breakdown.py)."""
+    model (`agentrt.bench.costs.StepCost`) to split each program's time into its parts with (agentrt/bench/breakdown.py)."""
     results: list[dict[str, Any] | None] = [None] * len(workload)
     async with agentrt.Runtime(model, policy=policy, policy_kwargs=policy_kwargs or None, **engine) as rt:
         await agentrt.generate(tokens(random.Random(0), 64), max_tokens=4)  # warm-up, not measured
@@ -361,7 +361,7 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
 
 
 def apply_workload_options(args: argparse.Namespace) -> None:
-    """--tree, --react-calls, --step-tokens and --mix applied to bench/workload.py's tables (None: unchanged);
+    """--tree, --react-calls, --step-tokens and --mix applied to agentrt/bench/workload.py's tables (None: unchanged);
     a malformed value ends the command, naming it."""
     if args.tree is not None:
         try:
@@ -454,11 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model path; default: the default model")
     ap.add_argument("--docs", type=Path, default=None, help="write the table to this markdown file (docs/benchmarks.md)")
     ap.add_argument("--http", action="store_true",
-                    help="the same programs through a fresh `agentrt serve` per policy, over HTTP (bench/programs_http.py)")
+                    help="the same programs through a fresh `agentrt serve` per policy, over HTTP (agentrt/bench/programs_http.py)")
     ap.add_argument("--timeline", default=None, metavar="PNG", help="--http: plot every call of the run here")
     ap.add_argument("--breakdown", action="store_true",
                     help="in-process runs: split each program's time into queueing, its own compute, the batch's width, "
-                         "others' prefill and the rest, from every step (bench/breakdown.py)")
+                         "others' prefill and the rest, from every step (agentrt/bench/breakdown.py)")
     ap.add_argument("--seeds", type=int, default=1,
                     help="workloads of seeds --seed .. --seed + N - 1 at the same arrival rate, every policy on each; "
                          "statistics over all their programs pooled, makespan averaged")

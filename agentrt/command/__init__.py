@@ -1,6 +1,6 @@
 """The `agentrt` command: serve | generate | run FILE | demo | bench NAME | simulate (= bench simulate).
 
-The top floor of the house: it may start example programs (`programs/`) and benchmarks (`bench/`),
+The top floor of the house: it may start example programs (`programs/`) and benchmarks (`agentrt/bench/`),
 which the runtime library `agentrt` never imports. `serve` and `generate` are the library's own
 commands (`agentrt.cli`, also `python -m agentrt.cli`).
 """

@@ -1,7 +1,7 @@
 """`agentrt bench programs --http`: the same programs, through `agentrt serve`, as a user's client sends them.
 
-For each policy a fresh `agentrt serve` (its own process, no records: bench/serve.py's `server_process`)
-runs the engine; the programs of bench/workload.py arrive as a Poisson process and each call goes over
+For each policy a fresh `agentrt serve` (its own process, no records: agentrt/bench/serve.py's `server_process`)
+runs the engine; the programs of agentrt/bench/workload.py arrive as a Poisson process and each call goes over
 HTTP (`/v1/completions`, token-id prompts, greedy, EOS ignored, `X-Program-Id`, parallel branches with `X-Thread-Id`), tool gaps as sleeps,
 every call's generated ids feeding the next prompt as in the in-process run. Recorded per call: its
 program, kind, start and end (the timeline), per program its latency; from the server's /metrics its
@@ -47,7 +47,7 @@ def _metric(text: str, name: str) -> float:
 
 @contextlib.contextmanager
 def _server(model: str, engine: dict[str, Any], policy: str, flags: list[str]) -> Iterator[tuple[str, Any]]:
-    """A fresh `agentrt serve` (bench/serve.py's `server_process`) with this policy: (its url, its process)."""
+    """A fresh `agentrt serve` (agentrt/bench/serve.py's `server_process`) with this policy: (its url, its process)."""
     seats = {k: engine[k] for k in ("max_num_seqs", "max_num_batched_tokens")}
     more = [x for k, v in engine.items() if k not in seats and v is not None for x in (f"--{k.replace('_', '-')}", str(v))]
     args = argparse.Namespace(model=model, policy=policy, dtype=None, kv_cache_gb=None, max_requests=4096, **seats,

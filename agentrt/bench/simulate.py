@@ -7,10 +7,10 @@
 What is real: `engine.scheduler.Scheduler`, `engine.kv_cache_manager.KVCacheManager`, `Request` and
 the policies, exactly as the engine runs them (admission, chunked prefill, prefix hits, preemption,
 service attribution). What is modeled: the forward pass, by a linear step-cost model over the step's
-tokens, decode rows, context, prefill attention pairs and sampled rows (`bench/costs.py`): by default the
+tokens, decode rows, context, prefill attention pairs and sampled rows (`agentrt/bench/costs.py`): by default the
 fit `agentrt simulate --calibrate` stored for this machine, model and dtype (a warning and a built-in
 model without one), or a named model (`--cost-model`), or `--cost`. Every request that reaches the end of
-its known tokens samples a random token. Programs are the plans of `bench/workload.py`; tool calls take their planned time.
+its known tokens samples a random token. Programs are the plans of `agentrt/bench/workload.py`; tool calls take their planned time.
 
 It runs the default 96-program mix in a few seconds per policy (the real engine: six minutes), so load
 sweeps, mixes and policy settings can be explored before the real run, which is what
@@ -48,7 +48,7 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
              retention: RetentionConfig | None = None, tiers: TierCost | None = None) -> dict[str, Any]:
     """Run the workload's plans to completion; per-program latencies and engine counters (virtual seconds).
     `retention`: run agentrt's retention policy (TTL pins, reservations) over the engine's own pin code.
-    `tiers`: KV tiers below the cache (bench/sim_tiers.py); the retention TTL then weighs their reload cost."""
+    `tiers`: KV tiers below the cache (agentrt/bench/sim_tiers.py); the retention TTL then weighs their reload cost."""
     pol = make_policy(policy, **(policy_kwargs or {}))
     eng = SimEngine(pol, **{**_ENGINE, **(engine or {})}, cost=cost, tiers=tiers)
     ret = None
@@ -162,7 +162,7 @@ AGENT_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {  # name -> (polic
     "fcfs+ttl+guard": ("plas", {"num_queues": 1, "pinned_first": True, "protect_pins": True}, True),
     # ours with the running-set cap at the knee of the step cost (issue 37), not in the default sweep
     "plas+ttl+cap": ("plas", {**TTL_SETTINGS, "running_cap": "auto"}, True),
-    # ours over KV tiers below the cache (host memory, local NVMe: bench/sim_tiers.py H100_TIERS), not in the default
+    # ours over KV tiers below the cache (host memory, local NVMe: agentrt/bench/sim_tiers.py H100_TIERS), not in the default
     "plas+ttl+tiers": ("plas", dict(TTL_SETTINGS), True),
 }
 TIERED = {"plas+ttl+tiers": sim_tiers.H100_TIERS}  # configs run over KV tiers, and their tiers
@@ -183,7 +183,7 @@ def agent_engine(cost_model: str, block_size: int, max_num_seqs: int,
 def agents_sweep(n: int, rates: list[float], seed: int, configs: list[str], block_size: int = 256,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  cost_model: str = "h100-llama-3.1-8b") -> list[dict[str, Any]]:
-    """Full-size agents (bench/workload.py CODING_FULL / REACT_FULL) on a named GPU cost model (bench/costs.py):
+    """Full-size agents (agentrt/bench/workload.py CODING_FULL / REACT_FULL) on a named GPU cost model (agentrt/bench/costs.py):
     each config at each arrival rate. Blocks of `block_size` tokens (coarser than the engine's 16, so a
     thousand programs of tens of thousands of tokens simulate in minutes; hits are at that granularity)."""
     import time as _time
@@ -254,7 +254,7 @@ def agents_main(argv: list[str]) -> int:
     ap.add_argument("--configs", default=",".join(DEFAULT_AGENT_CONFIGS), help=f"of {', '.join(AGENT_CONFIGS)}")
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--cost-model", default="h100-llama-3.1-8b", choices=[k for k, v in costs.NAMED.items() if v[1]],
-                    help="the GPU step-cost model (bench/costs.py states each one's figures and sources)")
+                    help="the GPU step-cost model (agentrt/bench/costs.py states each one's figures and sources)")
     ap.add_argument("--plot", default=None, metavar="PNG", help="write the latency / recompute plot here")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--write-docs", default=None, metavar="TITLE",
@@ -283,7 +283,7 @@ def agents_main(argv: list[str]) -> int:
 
         plot = f"\n\n![{args.write_docs}]({os.path.relpath(args.plot, 'docs')})" if args.plot else ""
         _common.write_section(args.write_docs, f"{args.programs} full-size agents (CODING_FULL / REACT_FULL, "
-                              f"bench/workload.py), step costs {args.cost_model} ({costs.named(args.cost_model)[2]}), "
+                              f"agentrt/bench/workload.py), step costs {args.cost_model} ({costs.named(args.cost_model)[2]}), "
                               f"blocks of {args.block_size} tokens.\n\n{text}{plot}")
     return 0
 
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost", default=None, metavar="BASE,TOKEN,DECODE_ROW,CONTEXT[,PREFILL_ATTN[,SAMPLE]]",
                     help="step-cost model in seconds (default: this machine's calibrated fit, see --calibrate)")
     ap.add_argument("--cost-model", default=None, choices=list(costs.NAMED),
-                    help="a named step-cost model instead of this machine's fit (bench/costs.py states their sources)")
+                    help="a named step-cost model instead of this machine's fit (agentrt/bench/costs.py states their sources)")
     ap.add_argument("--capacity", action="store_true",
                     help="also print the saturation rate: programs/s completed when all arrive at once")
     ap.add_argument("--loads", default=None, metavar="U1,U2,...",

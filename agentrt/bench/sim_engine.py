@@ -1,5 +1,5 @@
 """The simulator's engine: the engine's own `Scheduler` and `KVCacheManager` on a virtual clock, with the
-forward pass replaced by a step-cost model (`bench/costs.py`) and sampling by a seeded RNG.
+forward pass replaced by a step-cost model (`agentrt/bench/costs.py`) and sampling by a seeded RNG.
 
 Decode runs: most steps of a lightly loaded engine only decode (every running call computes its one new
 token, nobody waits). While nothing can change but the counters, `step` runs such steps without the
@@ -45,7 +45,7 @@ class SimEngine:
         self.cost = cost or StepCost()
         config = EngineConfig(device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               num_blocks=num_blocks, block_size=block_size, policy=policy)
-        # the KV tiers below the cache (bench/sim_tiers.py): the engine's tier code, loads timed by bandwidth
+        # the KV tiers below the cache (agentrt/bench/sim_tiers.py): the engine's tier code, loads timed by bandwidth
         self.tier_cost = tiers
         self.tiers = make_tiers(tiers, block_size, self.cost.token_s) if tiers is not None else None
         self.kv = KVCacheManager(num_blocks, block_size, True, tiers=self.tiers)

@@ -1,5 +1,5 @@
 """Calibrate the simulator's step costs on this machine: time the real engine over a designed set of
-batches, fit `bench.costs.StepCost`, store the fit for this model, dtype and CPU kind.
+batches, fit `agentrt.bench.costs.StepCost`, store the fit for this model, dtype and CPU kind.
 
     agentrt simulate --calibrate [--model M] [--dtype auto] [--repeats 2] [--json]
     agentrt bench calibrate ...                                   (the same)

@@ -4,7 +4,7 @@
                             [--modes nocache,lru,lru+admission,ttl,ttl+reserve]
                             [--task-tokens N] [--tool-median-s S] [--json] [--write-docs]
 
-Agents follow `bench/workload.py`'s `agent_plan` at `AGENT_SMALL` size (ReAct / coding-agent shapes
+Agents follow `agentrt/bench/workload.py`'s `agent_plan` at `AGENT_SMALL` size (ReAct / coding-agent shapes
 scaled to a 2-core CPU: a shared system prompt, a task, 4-6 turns of call then tool, log-normal tool
 times with a heavy tail). The KV cache (`--num-blocks`) holds only part of the active programs'
 contexts, so what survives a tool call depends on the mode:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"config": vars(args), "workload": size, "results": rows}
     print(json.dumps(report, indent=2) if args.json else table(rows))
     if args.write_docs:
-        body = (f"{args.programs} agents (`AGENT_SMALL` in bench/workload.py, task and tool median as given: {size}), Poisson arrivals at "
+        body = (f"{args.programs} agents (`AGENT_SMALL` in agentrt/bench/workload.py, task and tool median as given: {size}), Poisson arrivals at "
                 f"{args.rate}/s, seed {args.seed}; engine {ENGINE}, {args.num_blocks} KV blocks of 16 tokens "
                 "(the cache holds only part of the active programs' contexts).\n\n" + table(rows))
         _common.write_section("KV retention (real engine)", body)

@@ -9,7 +9,7 @@ computed tokens plus its new ones), A the (query, key) pairs of prefill chunks (
 with the chunk times its context) and S the rows that sample a token (the LM head, the sampler).
 
 Where a model comes from:
-- `agentrt simulate --calibrate` times the real engine on this machine (`bench/calibrate.py`), fits the
+- `agentrt simulate --calibrate` times the real engine on this machine (`agentrt/bench/calibrate.py`), fits the
   coefficients and stores the fit under `$AGENTRT_CACHE_DIR/calibration/`, keyed by model, dtype and CPU
   kind (instruction set, core count, torch threads). `for_this_machine()` finds it again; without one it
   warns and falls back to `DEFAULT_CPU` (a 2-core AVX2 CPU, fp32, fitted by hand in an earlier session).

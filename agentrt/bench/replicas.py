@@ -6,7 +6,7 @@
 
 For each router: a local Ray instance (logical CPUs = replicas, one torch thread per replica, no
 dashboard) serves `--replicas` replicas of the default model behind agentrt's front
-(agentrt.scale.ray_app), and the same agents (bench/workload.py's `agent_plan`: a shared system prompt,
+(agentrt.scale.ray_app), and the same agents (agentrt/bench/workload.py's `agent_plan`: a shared system prompt,
 a task, 4-6 turns of call then tool, log-normal tool times; `--agent react` = REACT_SMALL, ReAct's ~20
 prompt tokens per output token with tool observations growing the context, or `small` = AGENT_SMALL,
 short contexts) arrive as a Poisson process, the same for every router of a seed. Each agent's calls carry its program id (`X-Program-Id`) and feed the generated token ids into
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--routers", default=",".join(ROUTER_NAMES), help=f"comma-separated: {', '.join(ROUTER_NAMES)}")
     ap.add_argument("--agent", choices=sorted(AGENTS), default="react",
-                    help="agent shape (bench/workload.py): react = REACT_SMALL, ~20 prompt tokens per output token "
+                    help="agent shape (agentrt/bench/workload.py): react = REACT_SMALL, ~20 prompt tokens per output token "
                          "and a context growing by tool observations (default); small = AGENT_SMALL, short contexts")
     ap.add_argument("--turns", default=None, metavar="LO-HI",
                     help="calls per agent, uniform in LO-HI (default: the agent shape's, 4-6; Autellix's ReAct "

@@ -11,7 +11,7 @@ end of its last step) into:
 - others' prefill: the other calls' prefill chunks in those steps;
 - between steps: the rest (waiting again after a preemption, and the engine's work between steps).
 
-A step's parts come from this machine's calibrated step-cost model (`bench.costs.StepCost`: the fixed cost and each
+A step's parts come from this machine's calibrated step-cost model (`agentrt.bench.costs.StepCost`: the fixed cost and each
 row's cost from its features), scaled so that they add up to the step's measured time. Per program class, the
 mean over programs of the sums over its calls, and the program's remaining time (tool gaps, the client's work)
 are reported; for a program with parallel calls the sums count each branch (its calls overlap).

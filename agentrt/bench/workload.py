@@ -6,8 +6,8 @@ A plan is a generator that yields what the program does next and receives the re
     Parallel((Call, ...))      -> a list of output token ids, one per call (threads of the program)
     Tool(seconds, observation) -> the observation tokens, after the tool ran for `seconds`
 
-`bench/programs.py` drives plans on the real engine through `@agentrt.program` functions
-(`agentrt.generate`, `agentrt.gather`, an `@agentrt.tool`); `bench/simulate.py` drives the same plans
+`agentrt/bench/programs.py` drives plans on the real engine through `@agentrt.program` functions
+(`agentrt.generate`, `agentrt.gather`, an `@agentrt.tool`); `agentrt/bench/simulate.py` drives the same plans
 against the engine's scheduler and KV-cache manager in virtual time. The kinds follow Autellix's
 evaluation (DESIGN.md §6), scaled down for a 2-core CPU:
 

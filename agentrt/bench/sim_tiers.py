@@ -36,7 +36,7 @@ class TierCost:
         return self.kv_bytes_per_token * block_size / (gb_s * 1e9)
 
 
-# One H100 SXM of a DGX H100 serving Llama-3.1-8B (KV 128 KiB/token, bench/costs.py), from the spec sheets, not
+# One H100 SXM of a DGX H100 serving Llama-3.1-8B (KV 128 KiB/token, agentrt/bench/costs.py), from the spec sheets, not
 # measured: T1 = 160 GB of the node's 2 TB host memory per GPU (pinned), loaded over PCIe 5.0 x16 (63 GB/s per
 # direction, PCI-SIG) at ~80%: 50 GB/s; T2 = the GPU's share of the node's 8 x 3.84 TB U.2 NVMe data drives
 # (one drive, 3.84 TB), read at 6 GB/s (PCIe 4.0 x4 NVMe drives' sequential read, ~7 GB/s on their sheets, less

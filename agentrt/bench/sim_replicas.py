@@ -1,4 +1,4 @@
-"""Replicas in the simulator: N simulated engines (bench/sim_engine.py, each the engine's own scheduler and
+"""Replicas in the simulator: N simulated engines (agentrt/bench/sim_engine.py, each the engine's own scheduler and
 KV-cache manager on a virtual clock) behind a router, the program router being the very function the Ray
 router runs (agentrt.scale.router.route).
 
@@ -193,7 +193,7 @@ def replicas_sweep(n: int, rates: list[float], replicas: int, routers: list[str]
                    policy: str = "plas", block_size: int = 256, cost_model: str = "h100-llama-3.1-8b",
                    max_num_seqs: int = 256, max_num_batched_tokens: int = 8192) -> list[dict[str, Any]]:
     """Full-size agents over `replicas` engines of a named GPU cost model, each router at each total
-    arrival rate (bench/simulate.py agents_sweep's engine, one per replica)."""
+    arrival rate (agentrt/bench/simulate.py agents_sweep's engine, one per replica)."""
     import time
 
     from agentrt.bench.simulate import agent_engine
