@@ -48,6 +48,14 @@ class CallSummary:
     service_s: float = 0.0  # executor time of the call
     wait_s: float = 0.0  # queueing time, arrival -> first scheduled
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_tier_loaded_tokens: int = 0  # of the prompt, tokens the KV tiers loaded instead of recomputing them
+    preemptions: list[tuple[float, float | None]] = field(default_factory=list)  # (preempted, scheduled again or
+    # None), seconds from arrival
+    priority: int = 0  # its scheduling class (SamplingParams.priority)
+    tool: str | None = None  # the tool its program ran between its previous call and this one, if told
+    pin_ttl_s: float | None = None  # the TTL its program's KV was pinned for at its end (None: no retention)
+    scheduled: bool = False  # it reached the engine's running set (wait_s is then its queueing time)
 
 
 class Call:
@@ -154,8 +162,16 @@ class Call:
             self._error = self._error or next((o.error for o in out.outputs if o.error), None)
         elif out is None:
             reason = "error" if self._error else "abort"
-        self._programs.call_ended(self, CallSummary(
+        rec = self.record
+        summary = CallSummary(
             self.request_id, self.program_id, self.thread_id, self.kind, self._wall0, self.num_prompt_tokens,
             self._generated, reason, self._ttft, time.monotonic() - self._t0, self._gaps, service, wait,
-            self._error,
-        ), m.num_prefix_hit_tokens if m is not None else 0)
+            self._error, priority=rec.priority, tool=rec.tool, pin_ttl_s=rec.pin_ttl_s,
+        )
+        if m is not None:
+            summary.num_cached_tokens, summary.num_tier_loaded_tokens = m.num_prefix_hit_tokens, m.num_tier_loaded_tokens
+            summary.scheduled = m.first_scheduled_time is not None
+            if m.preemptions:
+                summary.preemptions = [(at - m.arrival_time, None if back is None else back - m.arrival_time)
+                                       for at, back in m.preemptions]
+        self._programs.call_ended(self, summary, summary.num_cached_tokens)

@@ -33,6 +33,8 @@ class RuntimeConfig:
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat replies' thinking apart from the answer
     tool_call_parser: str | None = "auto"  # vLLM's --tool-call-parser: the format tool calls are read in
     lora_modules: Any = None  # LoRA adapters served by name: {name: directory}, `name=path` strings or JSON objects
+    trace: bool | str = False  # True: keep each program's call records for `Runtime.timeline`; an http(s) URL:
+    # that too, and export a span per program and call to that OTLP/HTTP traces endpoint (agentrt._tracing)
 
     def __post_init__(self) -> None:
         if isinstance(self.retention, bool):
@@ -47,6 +49,10 @@ class RuntimeConfig:
         reasoning_parser(self.reasoning_parser)  # an unknown name fails here, naming the choices
         tool_call_parser(self.tool_call_parser)  # likewise
         parse_lora_modules(self.lora_modules)  # a malformed entry fails here, naming it
+        if not isinstance(self.trace, (bool, str)) or (
+                isinstance(self.trace, str) and not self.trace.startswith(("http://", "https://"))):
+            raise ValueError(f"trace must be True, False or an OTLP/HTTP traces endpoint URL (http://...), "
+                             f"got {self.trace!r}")
 
     def model_id(self) -> str:
         """The model's name as `agentrt serve` serves it: the model file's (or directory's) name, or the default

@@ -61,6 +61,9 @@ class ProgramInfo:
     owner: str | None = None  # the client (API-key fingerprint) that started it, for programs started by id
     kv_reserve_tokens: int | None = None  # KV declared for it (`@agentrt.program(kv_reserve_tokens=...)`)
     priority: int = 0  # the scheduling class of its calls (SamplingParams.priority) unless a call names its own
+    last_tool: str | None = None  # the tool it ran since its latest call (Runtime.tool_started), for its next call
+    live_calls: dict[str, CallRecord] = field(default_factory=dict)  # its calls in flight, by request id
+    traceparent: str | None = None  # W3C trace context its first call came with: its trace joins the caller's
     kv: Any = None  # engine.kv_cache_manager.OwnerKV at its latest call's end: blocks held, pinned, reserved,
     # TTL hits / misses / expiries, recomputed prefill tokens; Runtime.program_kv for now. Once it ended, its
     # counts with nothing held (no blocks, pins, reservation or TTL: the end released them)
@@ -83,6 +86,10 @@ class CallRecord:
     arrival: float
     start_critical_path_s: float  # the program's critical path when the call was made
     running: bool = False
+    first_token: float | None = None  # time.monotonic() of its first token
+    tool: str | None = None  # the tool the program ran between its previous call and this one, if told
+    pin_ttl_s: float | None = None  # the TTL its program's KV is pinned for when it ends (None: no retention)
+    priority: int = 0  # its scheduling class (SamplingParams.priority)
 
 
 class ProcessTable:
@@ -148,11 +155,15 @@ class ProcessTable:
         self.num_waiting += 1
         info.last_call_arrival = now
         info.num_prompt_tokens += num_prompt_tokens
-        return CallRecord(request_id, thread_id, now, info.critical_path_s)
+        call = info.live_calls[request_id] = CallRecord(request_id, thread_id, now, info.critical_path_s,
+                                                        tool=info.last_tool)
+        info.last_tool = None
+        return call
 
     def call_running(self, info: ProgramInfo, call: CallRecord) -> None:
         if not call.running:
             call.running = True
+            call.first_token = time.monotonic()
             info.calls_waiting -= 1
             self.num_waiting -= 1
             info.calls_running += 1
@@ -173,6 +184,7 @@ class ProcessTable:
             info.calls_waiting -= 1
             self.num_waiting -= 1
         info.calls_done += 1
+        info.live_calls.pop(call.request_id, None)
         info.service_s += service_s
         info.critical_path_s = max(info.critical_path_s, call.start_critical_path_s + service_s)
         info.wait_s += wait_s

@@ -156,20 +156,22 @@ class RetentionPolicy:
         if reserve_tokens:
             self._reserve(program_id, p, reserve_tokens)
 
-    def call_submitted(self, program_id: str, now: float, last: bool = False) -> None:
-        """Before the call reaches the engine: learn the gap it ends, and set the TTL its end will pin."""
+    def call_submitted(self, program_id: str, now: float, last: bool = False) -> float | None:
+        """Before the call reaches the engine: learn the gap it ends, and set the TTL its end will pin; that TTL
+        (0: none; None: the program is not retained)."""
         p = self._programs.get(program_id)
         if p is None:
-            return
+            return None
         if p.last_call_end is not None:
             self.continued += 1
             self.record_duration(p.last_tool, max(0.0, now - p.last_call_end))
             p.last_call_end = None
         if last or not self.config.ttl:
-            self.send(Pin(program_id, 0.0))
+            ttl = 0.0
         else:
             ttl = p.tool_ttl_s if p.tool_ttl_s is not None else self.ttl_for(p.last_tool, p.context_tokens)
-            self.send(Pin(program_id, ttl))
+        self.send(Pin(program_id, ttl))
+        return ttl
 
     def tool_started(self, program_id: str, tool: str, ttl_s: float | None) -> None:
         """The program runs `tool` now (in-process `@agentrt.tool`, or named over HTTP): re-time its pin."""

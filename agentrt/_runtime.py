@@ -31,6 +31,7 @@ from agentrt._errors import (
     ConfigError,
     InvalidCallError,
     NoRuntimeError,
+    UsageError,
 )
 from agentrt._lora import LoRAModules, parse_lora_modules
 from agentrt._messages import chat_messages
@@ -40,6 +41,7 @@ from agentrt._programs import ANY_OWNER, ProgramManager, RuntimeObserver
 from agentrt._reasoning import reasoning_parser as make_reasoning_parser
 from agentrt._results import Choice, Chunk, Result, Usage, token_logprobs, wants_result
 from agentrt._retention import RetentionConfig, RetentionPolicy
+from agentrt._timeline import Timeline, TimelineKeeper, build_timeline, in_flight
 from agentrt._toolcalls import response_format_constraint, tool_specs
 from agentrt._toolparsers import tool_call_parser as make_tool_parser
 from agentrt.engine import AsyncEngine, EngineConfig, SamplingParams, SchedulingPolicy, make_policy
@@ -83,18 +85,19 @@ class Runtime:
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = "auto",
         lora_modules: Any = None,
+        trace: bool | str = False,
         **engine_config: Any,
     ) -> None:
         if isinstance(model, RuntimeConfig):
             given = (policy != "plas", policy_kwargs, program_idle_timeout_s, retention is not True, reasoning_parser,
-                     tool_call_parser != "auto", lora_modules, engine_config)
+                     tool_call_parser != "auto", lora_modules, trace, engine_config)
             if any(given):
                 raise ConfigError("give a RuntimeConfig or keyword arguments, not both")
             config = model
         else:
             try:
                 config = RuntimeConfig(model, policy, policy_kwargs, dict(engine_config), program_idle_timeout_s,
-                                       retention, reasoning_parser, tool_call_parser, lora_modules)
+                                       retention, reasoning_parser, tool_call_parser, lora_modules, trace)
             except (TypeError, ValueError) as e:
                 if isinstance(e, ConfigError):
                     raise
@@ -127,6 +130,10 @@ class Runtime:
         self.program_manager = ProgramManager(self.policy, self, self._chat)
         self.programs: ProcessTable = self.program_manager.table
         self.observers: list[RuntimeObserver] = self.program_manager.observers  # told of program starts / ends, call ends
+        self.timelines = TimelineKeeper() if config.trace else None  # `timeline`'s records (trace=True)
+        if self.timelines is not None:
+            self.observers.append(self.timelines)
+        self.tracer: Any = None  # agentrt._tracing.OtlpTracer while it runs with trace=URL
         self._token: contextvars.Token | None = None
         self._stack: contextlib.AsyncExitStack | None = None
 
@@ -143,6 +150,9 @@ class Runtime:
                     raise ConfigError(str(e)) from None
             pm = self.program_manager
             pm.engine_started(engine, self.retention_config)
+            if isinstance(self.config.trace, str):
+                self.start_tracing(self.config.trace)
+                stack.callback(self.stop_tracing)  # after the programs still running ended
             self._chat.tokenizer = engine.tokenizer
             if self.program_idle_timeout_s is not None:
                 tg = await stack.enter_async_context(anyio.create_task_group())
@@ -164,6 +174,33 @@ class Runtime:
         finally:
             self.program_manager.engine_stopped()
             self._stack = self._token = None
+
+    def start_tracing(self, endpoint: str) -> None:
+        """Export a span per program and call to the OTLP/HTTP traces `endpoint` from now on (agentrt._tracing)."""
+        from agentrt._tracing import OtlpTracer
+
+        if self.tracer is None:
+            self.tracer = OtlpTracer(endpoint, self.programs, model=self.model_names[0],
+                                     policy=getattr(self.policy, "name", str(self.config.policy)))
+            self.observers.append(self.tracer)
+
+    def stop_tracing(self) -> None:
+        """End the open program spans and flush them."""
+        tracer, self.tracer = self.tracer, None
+        if tracer is not None:
+            self.observers.remove(tracer)
+            tracer.shutdown()
+
+    def timeline(self, program_id: str, *, owner: Any = ANY_OWNER) -> Timeline:
+        """The program's timeline (agentrt._timeline): its calls in flight now, and its ended calls when this
+        runtime keeps them (`Runtime(trace=True)`; UsageError otherwise)."""
+        if self.timelines is None:
+            raise UsageError("program timelines are kept with Runtime(trace=True); this runtime has trace=False")
+        info = self.program(program_id, owner=owner)
+        to_wall = time.time() - time.monotonic()
+        calls = [*self.timelines.calls.get(program_id, ()), *in_flight(info, self.engine, to_wall)]
+        return build_timeline(program_id, info.name, info.state, info.start_time + to_wall,
+                              None if info.end_time is None else info.end_time + to_wall, calls)
 
     @property
     def tokenizer(self) -> Any:
@@ -288,6 +325,8 @@ class Runtime:
 
     def tool_started(self, info: ProgramInfo | None, tool: str, ttl_s: float | None = None) -> None:
         """The program runs `tool` now: its KV is pinned for the tool's TTL (`ttl_s` if given)."""
+        if info is not None:
+            info.last_tool = tool  # its next call's record names it (program timelines)
         retention = self.program_manager.retention
         if info is not None and retention is not None and info.state == "running":
             retention.tool_started(info.program_id, tool, ttl_s)
@@ -407,9 +446,9 @@ class Runtime:
                 prompt = self.tokenizer(prompt)["input_ids"]
             if params.truncate_prompt_tokens is not None:  # as counted
                 prompt = truncate_prompt(prompt, params.truncate_prompt_tokens, engine.info.max_model_len)
-            retention = self.program_manager.retention
+            retention, ttl = self.program_manager.retention, None
             if retention is not None and not one_call:  # before the add: the TTL its end pins for is in place first
-                retention.call_submitted(pid, time.monotonic(), last=last_call)
+                ttl = retention.call_submitted(pid, time.monotonic(), last=last_call)
             stream = engine.add_request(prompt, params, request_id=rid, program_id=pid, thread_id=thread_id,
                                         cache_salt=cache_salt, lora_request=lora)
         except (TypeError, ValueError, UnicodeError) as e:
@@ -417,6 +456,7 @@ class Runtime:
                 self.program_exited(handle, "failed", repr(e))
             raise InvalidCallError(str(e), program_id=pid, request_id=rid, param=getattr(e, "parameter", None)) from None
         record = self.program_manager.call_submitted(handle, rid, thread_id, len(prompt))
+        record.pin_ttl_s, record.priority = ttl, params.priority
         call = Call(self.program_manager, handle.info, thread_id, rid, kind, stream, record, len(prompt))
         call.one_call = handle if one_call else None
         call.model = lora.lora_name if lora is not None else None
