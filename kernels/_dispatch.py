@@ -76,14 +76,19 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+                    scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None,
+                    softcap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged cache. q: [T, H, D] -> [T, H, D].
 
+    A layer's features: `window` (a row at position p sees the last `window` positions, p included; None =
+    all), `sinks` ([H] logits, one value-less key per head in the softmax's denominator, gpt-oss),
+    `softcap` (scores c * tanh(score / c), Gemma 2).
     `num_splits` (Triton only): None = automatic split-K choice, 1 = never split, n = n splits.
     """
     if _use_triton(q):
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits)
-    return paged_attention_cpu(q, k_cache, v_cache, meta, scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window=window, sinks=sinks, softcap=softcap,
+                                      num_splits=num_splits)
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, window=window, sinks=sinks, softcap=softcap)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:

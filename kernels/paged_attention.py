@@ -22,6 +22,12 @@ Memory traffic: each K/V element of a sequence is read once per (query tile, kv 
 it: once for decode, ceil(q_len * GROUP / BLOCK_M) times for a prefill chunk. Split-K adds
 2 * num_splits * T * H * (D + 1) fp32 of partial results.
 
+Layer features (every path: Triton, the C++ CPU kernels, torch): `window` W (a row at position p sees
+positions p - W + 1 .. p, HF's sliding-window convention: `kv > q - W`), `sinks` (one learned logit per
+query head added to the softmax's denominator as an extra, value-less key, gpt-oss), `softcap` c (scores
+become c * tanh(score / c) before masking, Gemma 2). A windowed Triton tile starts its KV walk at the
+window of its first row, so a sliding-window layer reads O(W) positions per query whatever the context.
+
 Limits: head_dim <= 256 (any, padded to a power of two); q/out unit stride along head_dim; cache
 unit stride along head_dim; `query_start_loc[-1] == q.shape[0]` (rows outside any sequence are left
 unwritten); up to ~B programs per kv head find no tile and exit at once.
@@ -109,6 +115,21 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     assert meta.query_start_loc.shape == (meta.num_seqs + 1,) and meta.block_tables.shape[0] == meta.num_seqs
 
 
+def check_features(q: torch.Tensor, window: int | None, sinks: torch.Tensor | None,
+                   softcap: float | None) -> tuple[int, torch.Tensor | None, float]:
+    """Validate a layer's attention features; returns (window, 0 = none; sinks as [H] fp32 contiguous or None;
+    softcap, 0.0 = none)."""
+    if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
+        raise ValueError(f"window must be a positive number of positions or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(f"sinks must be [num_heads={q.shape[1]}], got {tuple(sinks.shape)}")
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
+    return int(window or 0), sinks, float(softcap or 0.0)
+
+
 
 # ---------------------------------------------------------------------------------------------- Triton
 
@@ -118,7 +139,10 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     tile_start_loc_ptr,  # [B+1] int32, prefix sum of cdiv(q_len * GROUP, BLOCK_M)
+    sinks_ptr,  # [H] fp32 sink logits (HAS_SINKS only)
     qk_scale,  # softmax scale * log2(e)
+    softcap,  # SOFTCAP only: scores become softcap * tanh(score / softcap), in natural-log units
+    window,  # > 0: a row at position p sees positions p - window + 1 .. p
     num_seqs,
     num_splits,
     stride_qt, stride_qh,
@@ -137,6 +161,8 @@ def _paged_attention_kernel(
     SPLIT_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # matmul operand dtype: the input dtype, except bf16 in the interpreter
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     tl.static_assert(HEAD_DIM_P2 >= HEAD_DIM)
@@ -171,11 +197,14 @@ def _paged_attention_kernel(
 
     # Keys past the tile's last query position are masked for every row: never visit them.
     kv_end = tl.minimum(seq_len, context_len + (row0 + BLOCK_M - 1) // GROUP + 1)
-    kv_lo = 0
+    win_lo = 0  # first position any row of the tile sees
+    if window > 0:
+        win_lo = tl.maximum(context_len + row0 // GROUP - window + 1, 0)
+    kv_lo = win_lo
     kv_hi = kv_end
     if SPLIT_K:
-        per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-        kv_lo = split * per_split
+        per_split = tl.cdiv(tl.cdiv(kv_end - win_lo, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = win_lo + split * per_split
         kv_hi = tl.minimum(kv_end, kv_lo + per_split)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -193,7 +222,11 @@ def _paged_attention_kernel(
         k = tl.load(k_head + block[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :],
                     mask=kv_mask, other=0.0)
         qk = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:  # c * tanh(x / c) in log2 units, tanh(y) = 1 - 2 / (e^2y + 1) (saturates, no nan)
+            qk = softcap * _LOG2E * (1.0 - 2.0 / (tl.exp2(qk * (2.0 / softcap)) + 1.0))
         attend = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if window > 0:
+            attend = attend & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(attend, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -206,6 +239,12 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_SINKS and not SPLIT_K:  # the sink: a key of logit sinks[head] and no value (merged later when split)
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0) * 1.4426950408889634
+        m_all = tl.maximum(m_i, sink)
+        rescale = tl.exp2(m_i - m_all)
+        acc = acc * rescale[:, None]
+        l_i = l_i * rescale + tl.exp2(sink - m_all)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     out_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -220,7 +259,7 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr,
+    part_ptr, lse_ptr, out_ptr, sinks_ptr,
     num_splits,
     stride_ps, stride_pt, stride_ph,
     stride_ls, stride_lt,
@@ -228,6 +267,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -237,10 +277,17 @@ def _merge_splits_kernel(
     dim_mask = dims < HEAD_DIM
     lse = tl.load(lse_ptr + splits * stride_ls + token * stride_lt + head, mask=split_mask, other=float("-inf"))
     # Split 0 always sees position 0, so the max is finite and empty splits get weight exp2(-inf) = 0.
-    weight = tl.exp2(lse - tl.max(lse, 0))
+    top = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(lse - top)
     part = tl.load(part_ptr + splits[:, None] * stride_ps + token * stride_pt + head * stride_ph + dims[None, :],
                    mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
-    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    total = tl.sum(weight, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
+    out = tl.sum(part * weight[:, None], 0) / total
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
@@ -297,9 +344,13 @@ def _tile_start_loc(meta: AttentionMetadata, group: int, block_m: int) -> torch.
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float, *, num_splits: int | None = None) -> torch.Tensor:
-    """Triton launcher. q: [T, H, D] -> out [T, H, D]. `num_splits`: None = auto, 1 = off, n = force n."""
+                           meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                           sinks: torch.Tensor | None = None, softcap: float | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Triton launcher. q: [T, H, D] -> out [T, H, D]. `num_splits`: None = auto, 1 = off, n = force n.
+    `window`, `sinks` [H], `softcap`: the layer's features (module docstring)."""
     _check(q, k_cache, v_cache, meta)
+    window, sinks, softcap = check_features(q, window, sinks, softcap)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be unit-stride"
     assert meta.block_tables.stride(1) == 1, "block_tables rows must be contiguous"
     num_tokens, num_heads, head_dim = q.shape
@@ -338,8 +389,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     grid = (num_tiles * num_splits, num_kv_heads)
     launchable(_paged_attention_kernel, q.device)[grid](
         q, k_cache, v_cache, target, lse,
-        meta.query_start_loc, meta.seq_lens, meta.block_tables, tile_start_loc,
-        scale * _LOG2E, meta.num_seqs, num_splits,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables, tile_start_loc, sinks if sinks is not None else q,
+        scale * _LOG2E, softcap, window, meta.num_seqs, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -356,12 +407,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SPLIT_K=split_k,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        SOFTCAP=softcap > 0,
+        HAS_SINKS=sinks is not None,
         num_warps=_launch_override.get("num_warps", 4),
         num_stages=_launch_override.get("num_stages", 1 if wide else 2),
     )
     if split_k:
         launchable(_merge_splits_kernel, q.device)[(num_tokens, num_heads)](
-            target, lse, out,
+            target, lse, out, sinks if sinks is not None else lse,
             num_splits,
             target.stride(0), target.stride(1), target.stride(2),
             lse.stride(0), lse.stride(1),
@@ -369,6 +422,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             HEAD_DIM=head_dim,
             HEAD_DIM_P2=head_dim_p2,
             SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+            HAS_SINKS=sinks is not None,
             num_warps=1 if head_dim_p2 <= 64 else 2,
         )
     return out
@@ -378,10 +432,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The reference: per sequence, gather its blocks and run SDPA with the causal offset, in q's dtype.
+                        meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                        sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The reference: per sequence, gather its blocks and run SDPA with the causal offset, in q's dtype; with
+    a layer feature (`window`, `sinks`, `softcap`), the softmax written out in fp32 instead.
     q: [T, H, D] -> out [T, H, D]. Rows outside any sequence are left zero."""
     _check(q, k_cache, v_cache, meta)
+    window, sinks, softcap = check_features(q, window, sinks, softcap)
+    featured = window > 0 or sinks is not None or softcap > 0
     num_heads, block_size, num_kv_heads = q.shape[1], k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros_like(q)
     qsl, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
@@ -390,20 +448,27 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if q1 == q0:
             continue
         blocks = meta.block_tables[b, : triton.cdiv(seq_len, block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)  # [KVH, L, D]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+        k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [L, KVH, D]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len]
+        if featured:
+            out[q0:q1] = dense_causal_attention_ref(q[q0:q1], k, v, scale, window=window, sinks=sinks, softcap=softcap)
+            continue
         q_pos = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
-                                           scale=scale, enable_gqa=num_heads != num_kv_heads)
+        o = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
         out[q0:q1] = o[0].transpose(0, 1)
     return out
 
 
-def dense_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def dense_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                               window: int = 0, sinks: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of one sequence, softmax materialized in fp32.
 
     q: [Lq, H, D] are the last Lq positions of k, v: [Lk, KVH, D]. Returns [Lq, H, D] in q's dtype.
+    `window` > 0: a row at position p sees p - window + 1 .. p; `sinks` [H]: a value-less key of that logit
+    per head; `softcap` > 0: scores c * tanh(score / c).
     """
     q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads, _ = k.shape
@@ -411,7 +476,15 @@ def dense_causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-    visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    kv_pos = torch.arange(kv_len, device=q.device)[None, :]
+    visible = kv_pos <= q_pos[:, None]
+    if window:
+        visible &= kv_pos > q_pos[:, None] - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :kv_len]
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

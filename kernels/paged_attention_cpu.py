@@ -18,6 +18,13 @@ rows and a query head is zero outside its kv head's slice of width D, so two pla
 (`q @ K.T`, `p @ V`) cover all heads at once and the wanted `[H, D]` blocks are read off the result.
 It does KVH times the needed FLOPs but reads K/V once, contiguously: ~1.6x faster than SDPA for 32
 sequences of ~400 tokens (9 / 3 heads, D 64) on 2 cores.
+
+A layer with features (sliding `window`, attention `sinks`, `softcap`): sequences with up to
+`CPP_MAX_QUERY_ROWS` rows go to `paged_attention_small_q`, which takes all three (its walk starts at the
+window's first block); longer runs, and every row without the C++ kernels, go one sequence at a time to
+SDPA over the positions the window can see (a sink is one more key of zeros whose additive mask is its
+logit), or, with a softcap, to the fp32 softmax written out in chunks of query rows. The tiled bf16 kernel
+does not take them yet.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch.nn.functional as F
 import triton
 
 from agentrt.kernels import cpu
-from agentrt.kernels.paged_attention import AttentionMetadata, _check
+from agentrt.kernels.paged_attention import AttentionMetadata, _check, check_features, dense_causal_attention_ref
 
 
 @dataclass(slots=True)
@@ -242,8 +249,69 @@ def _cpp_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
             and cpu.ops() is not None)
 
 
+_SOFTCAP_ROWS = 256  # query rows per chunk of the written-out softmax (softcap): [H, 256, L] fp32 scores
+
+
+def _attend_one_featured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                         seq_len: int, scale: float, window: int, sinks: torch.Tensor | None,
+                         softcap: float) -> torch.Tensor:
+    """One sequence's rows q [R, H, D] (the last R of its seq_len positions) with a layer's features, over
+    the positions its window can see. -> [R, H, D]"""
+    R, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    lo = max(0, seq_len - R - window + 1) // block_size * block_size if window else 0
+    blocks = table[lo // block_size : triton.cdiv(seq_len, block_size)].long()
+    k = k_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - lo]  # [L', KVH, D]
+    v = v_cache.index_select(0, blocks).flatten(0, 1)[: seq_len - lo]
+    if softcap:  # not expressible in SDPA: the softmax written out, a chunk of rows at a time
+        out = torch.empty_like(q)
+        for a in range(0, R, _SOFTCAP_ROWS):
+            e = min(a + _SOFTCAP_ROWS, R)
+            n = k.shape[0] - (R - e)
+            out[a:e] = dense_causal_attention_ref(q[a:e], k[:n], v[:n], scale, window=window, sinks=sinks,
+                                                  softcap=softcap)
+        return out
+    L = k.shape[0]
+    q_pos = torch.arange(L - R, L, device=q.device)[:, None]
+    kv_pos = torch.arange(L, device=q.device)[None, :]
+    visible = kv_pos <= q_pos
+    if window:
+        visible &= kv_pos > q_pos - window
+    kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    mask = visible
+    if sinks is not None:  # one more key, all zeros (score 0, value 0), whose additive mask is the sink logit
+        zero = k.new_zeros(1, num_kv_heads, 1, head_dim)
+        kt, vt = torch.cat([kt, zero], dim=2), torch.cat([vt, zero], dim=2)
+        bias = torch.zeros(R, L, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+        mask = torch.cat([bias.expand(num_heads, R, L), sinks.to(q.dtype).view(num_heads, 1, 1).expand(num_heads, R, 1)],
+                         dim=2)[None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kt, vt, attn_mask=mask, scale=scale,
+                                       enable_gqa=num_heads != num_kv_heads)
+    return o[0].transpose(0, 1)
+
+
+def _paged_attention_featured(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                              scale: float, window: int, sinks: torch.Tensor | None, softcap: float,
+                              out: torch.Tensor) -> torch.Tensor:
+    use_cpp = _cpp_applies(q, k_cache, v_cache)
+    qsl, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    small = [b for b in range(meta.num_seqs) if 1 <= qsl[b + 1] - qsl[b] <= CPP_MAX_QUERY_ROWS] if use_cpp else []
+    if small:
+        seqs = torch.tensor(small, dtype=torch.long, device=q.device)
+        cpu.ops().paged_attention_small_q(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                          seqs, scale, out, meta.batch_invariant, window, sinks, softcap)
+    done = set(small)
+    for b, seq_len in enumerate(lens):
+        if b in done or qsl[b + 1] == qsl[b]:
+            continue
+        out[qsl[b] : qsl[b + 1]] = _attend_one_featured(q[qsl[b] : qsl[b + 1]], k_cache, v_cache, meta.block_tables[b],
+                                                        seq_len, scale, window, sinks, softcap)
+    return out
+
+
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                        sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Paged attention without Triton (the production CPU path). q: [T, H, D] -> out [T, H, D].
 
     On CPU in bf16 on AVX512-BF16 every sequence goes to the tiled C++ kernel (`paged_attention_bf16`);
@@ -251,14 +319,18 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     query rows go to `paged_attention_small_q` and longer ones to SDPA over gathered blocks; without
     them, pure torch. With `meta.batch_invariant` the C++ kernels take every row (longer runs cut in
     pieces for `paged_attention_small_q`), never splitting a sequence's positions, so a row's output is
-    the same whatever else the step holds; the torch path makes no such promise."""
+    the same whatever else the step holds; the torch path makes no such promise. A layer's features
+    (`window`, `sinks`, `softcap`) take the path of the module docstring."""
     _check(q, k_cache, v_cache, meta)
+    window, sinks, softcap = check_features(q, window, sinks, softcap)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
+    if window or sinks is not None or softcap:
+        return _paged_attention_featured(q, k_cache, v_cache, meta, scale, window, sinks, softcap, out)
     use_cpp = _cpp_applies(q, k_cache, v_cache)
     plan = _cpu_plan(meta, k_cache.shape[1], use_cpp, use_cpp and q.dtype == torch.bfloat16
                      and cpu.compiled_isa() == "avx512_bf16")

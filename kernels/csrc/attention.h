@@ -1,12 +1,16 @@
 // Attention of sequences with a few query rows (decode, draft verification) straight from the paged
 // KV cache: each sequence's K and V blocks are read once, through the block table, for all its query
 // heads. No gathered copy. fp32 or bf16 cache (converted on load); fp32 scores, softmax and sums.
+// A layer's features: a sliding window (a row at position p sees p - window + 1 .. p; the walk starts at
+// the block of the first row's window), sinks (a logit per query head counted in the softmax's
+// denominator, no value) and a soft cap (scores c tanh(s / c), before the mask).
 
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -138,13 +142,14 @@ struct SeqPart {
 };
 
 // One item's R query rows x G heads each: row r sits at position L - R + r and sees positions
-// [0, L - R + r] (causal). Blocks outer, kv heads and their queries inner: a block's K (then V) is
+// [0, L - R + r] (causal), or its last `window` of them. Blocks outer, kv heads and their queries inner: a block's K (then V) is
 // read from memory once, converted to fp32 once (bf16), and stays in L1 for all the query heads
 // reading it; the next block is prefetched meanwhile. ND = head_dim / 8.
 template <typename T, int ND>
 void attend_one(const T* q, int64_t q_row_stride, T* out, const T* k_cache, const T* v_cache, const int32_t* table,
                 int64_t q0, int64_t R, int64_t L, const SeqPart& it, int64_t H, int64_t KVH, int64_t G,
-                int64_t block_size, float scale, std::vector<float>& buf) {
+                int64_t block_size, float scale, std::vector<float>& buf, int64_t window, const float* sinks,
+                float softcap) {
   constexpr int64_t D = ND * 8;
   const int64_t kvh0 = it.kvh0, kvh1 = it.kvh1, begin = it.begin, end = it.end, span = end - begin;
   const int64_t nq = R * G * (kvh1 - kvh0);  // query i: head h0 + i / R, row i % R; kv head kvh0 + i / (R G)
@@ -174,11 +179,19 @@ void attend_one(const T* q, int64_t q_row_stride, T* out, const T* k_cache, cons
       block_scores<ND>(qs + i0 * D, per_kvh, kf + kvh * D, pos_stride, m, scores + i0 * span + t0 - begin, span);
     }
   }
+  if (softcap > 0.f) {
+    const float inv_cap = 1.f / softcap;
+    for (int64_t j = 0; j < nq * span; ++j) scores[j] = softcap * std::tanh(scores[j] * inv_cap);
+  }
   // softmax numerators in place over each row's visible positions; their maxima and sums
   float mx_of[kMaxQueryRows * kMaxHeads], sum_of[kMaxQueryRows * kMaxHeads];
   for (int64_t i = 0; i < nq; ++i) {
-    float* s = scores + i * span;
-    const int64_t n = std::min(end, first_row + i % R + 1) - begin, n8 = n & ~int64_t(7);
+    const int64_t p = first_row + i % R;  // the row's position; it sees [p - window + 1, p] of [begin, end)
+    const int64_t lo = window > 0 ? std::clamp<int64_t>(p - window + 1 - begin, 0, span) : 0;
+    const int64_t hi = std::max<int64_t>(std::min(end, p + 1) - begin, lo);
+    for (int64_t t = 0; t < lo; ++t) scores[i * span + t] = 0.f;  // before the window: weigh nothing
+    float* s = scores + i * span + lo;
+    const int64_t n = hi - lo, n8 = n & ~int64_t(7);
     v8 mx8 = splat(-std::numeric_limits<float>::infinity());
     for (int64_t t = 0; t < n8; t += 8) {
       const v8 x = load8(s + t);
@@ -203,7 +216,7 @@ void attend_one(const T* q, int64_t q_row_stride, T* out, const T* k_cache, cons
         sum += e[t - n8];
       }
     }
-    for (int64_t t = n; t < span; ++t) s[t] = 0.f;  // invisible positions weigh nothing
+    for (int64_t t = n; t < span - lo; ++t) s[t] = 0.f;  // invisible positions weigh nothing
     mx_of[i] = mx;
     sum_of[i] = sum;
   }
@@ -228,25 +241,35 @@ void attend_one(const T* q, int64_t q_row_stride, T* out, const T* k_cache, cons
       dst[D + 1] = sum_of[i];
     } else {
       T* dst = out + ((q0 + row) * H + h) * D;
-      const v8 inv = splat(1.f / sum_of[i]);
+      float keep = 1.f, sum = sum_of[i];
+      if (sinks) {  // the sink joins the softmax: max over it too, its exponential in the sum
+        const float top = std::max(mx_of[i], sinks[h]);
+        keep = std::exp(mx_of[i] - top);
+        sum = sum * keep + std::exp(sinks[h] - top);
+      }
+      const v8 inv = splat(keep / sum);
       for (int d = 0; d < ND; ++d) store8(dst + 8 * d, load8(acc + i * D + 8 * d) * inv);
     }
   }
 }
 
 // A split sequence's rows out of its P parts (each [R, H, D + 2] floats at parts + p * R * H * (D + 2)):
-// o = sum_p e^(m_p - m) o_p / sum_p e^(m_p - m) l_p with m = max_p m_p.
+// o = sum_p e^(m_p - m) o_p / sum_p e^(m_p - m) l_p with m = max_p m_p (and with `sinks`, m over the head's
+// sink too and e^(sink - m) in the denominator).
 template <typename T>
-inline void merge_seq_parts(const float* parts, int64_t P, int64_t R, int64_t H, int64_t D, T* out) {
+inline void merge_seq_parts(const float* parts, int64_t P, int64_t R, int64_t H, int64_t D, T* out,
+                            const float* sinks) {
   const int64_t part_floats = R * H * (D + 2);
   std::vector<float> acc(D);
   for (int64_t rh = 0; rh < R * H; ++rh) {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < P; ++p) m = std::max(m, parts[p * part_floats + rh * (D + 2) + D]);
-    float l = 0.f;
+    if (sinks) m = std::max(m, sinks[rh % H]);
+    float l = sinks ? std::exp(sinks[rh % H] - m) : 0.f;
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t p = 0; p < P; ++p) {
       const float* part = parts + p * part_floats + rh * (D + 2);
+      if (part[D + 1] == 0.f) continue;  // a part of positions outside this row's window
       const float f = std::exp(part[D] - m);
       l += f * part[D + 1];
       for (int64_t d = 0; d < D; d += 8) store8(acc.data() + d, load8(acc.data() + d) + splat(f) * load8(part + d));
@@ -276,23 +299,29 @@ template <typename T>
 void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* k_cache, const T* v_cache,
                              const int32_t* qsl, const int32_t* lens, const int32_t* tables, int64_t max_blocks,
                              const int64_t* seqs, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                             float scale, bool invariant = false) {
+                             float scale, bool invariant = false, int64_t window = 0, const float* sinks = nullptr,
+                             float softcap = 0.f) {
   const int64_t G = H / KVH, threads = num_threads();
   std::vector<SeqPart> items;
-  // split sequences: parts, positions per part, first float of their buffer
-  std::vector<int64_t> parts(S, 1), steps(S, 1), part_offset(S, 0);
+  // split sequences: parts, positions per part, first float of their buffer; `first`: the block where the
+  // first row's window starts (0 without a window), where every walk of the sequence starts
+  std::vector<int64_t> parts(S, 1), steps(S, 1), part_offset(S, 0), first(S, 0);
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b];
+    if (window > 0) first[i] = std::max<int64_t>(0, lens[b] - R + 1 - window) / block_size * block_size;
+  }
   int64_t floats = 0;
   if (S >= 4 * threads || threads == 1) {
-    for (int64_t i = 0; i < S; ++i) items.push_back({i, 0, KVH, 0, lens[seqs[i]], nullptr});
+    for (int64_t i = 0; i < S; ++i) items.push_back({i, 0, KVH, first[i], lens[seqs[i]], nullptr});
   } else {
     int64_t total = 0;  // positions every row of a sequence sees, over the sequences
-    for (int64_t i = 0; i < S; ++i) total += lens[seqs[i]] - (qsl[seqs[i] + 1] - qsl[seqs[i]]) + 1;
+    for (int64_t i = 0; i < S; ++i) total += lens[seqs[i]] - (qsl[seqs[i] + 1] - qsl[seqs[i]]) + 1 - first[i];
     const int64_t target = std::max(kMinPartPositions, (total + 2 * threads - 1) / (2 * threads));
     std::vector<SeqPart> planned;
     for (int64_t i = 0; i < S; ++i) {
-      const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b], L = lens[b], span = L - R + 1;
+      const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b], L = lens[b], f = first[i], span = L - R + 1 - f;
       if (invariant || (span < 2 * kMinPartPositions && S < threads)) {
-        for (int64_t kvh = 0; kvh < KVH; ++kvh) planned.push_back({i, kvh, kvh + 1, 0, L, nullptr});
+        for (int64_t kvh = 0; kvh < KVH; ++kvh) planned.push_back({i, kvh, kvh + 1, f, L, nullptr});
         continue;
       }
       const int64_t want = std::max<int64_t>(1, std::min(span / kMinPartPositions, (span + target - 1) / target));
@@ -304,7 +333,7 @@ void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* 
         floats += parts[i] * R * H * (D + 2);
       }
       for (int64_t p = 0; p < parts[i]; ++p)
-        planned.push_back({i, 0, KVH, p * step, p + 1 < parts[i] ? (p + 1) * step : L, nullptr});
+        planned.push_back({i, 0, KVH, f + p * step, p + 1 < parts[i] ? f + (p + 1) * step : L, nullptr});
     }
     auto work = [&](const SeqPart& it) {
       const int64_t b = seqs[it.seq];
@@ -330,7 +359,7 @@ void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* 
   for (SeqPart& it : items) {
     if (it.end > it.begin && parts[it.seq] > 1) {
       const int64_t b = seqs[it.seq], R = qsl[b + 1] - qsl[b];
-      it.partial = partials + part_offset[it.seq] + it.begin / steps[it.seq] * R * H * (D + 2);
+      it.partial = partials + part_offset[it.seq] + (it.begin - first[it.seq]) / steps[it.seq] * R * H * (D + 2);
     }
   }
   agentrt::parallel_for(0, items.size(), 1, [&](int64_t w0, int64_t w1) {
@@ -341,7 +370,7 @@ void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* 
       const int64_t b = seqs[it.seq];
       auto run = [&](auto fn) {
         fn(q, q_row_stride, out, k_cache, v_cache, tables + b * max_blocks, qsl[b], qsl[b + 1] - qsl[b], lens[b], it,
-           H, KVH, G, block_size, scale, buf);
+           H, KVH, G, block_size, scale, buf, window, sinks, softcap);
       };
       switch (D) {
         case 32: run(attend_one<T, 4>); break;
@@ -356,7 +385,8 @@ void paged_attention_small_q(const T* q, int64_t q_row_stride, T* out, const T* 
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = seqs[i];
       if (parts[i] > 1)
-        merge_seq_parts<T>(partials + part_offset[i], parts[i], qsl[b + 1] - qsl[b], H, D, out + qsl[b] * H * D);
+        merge_seq_parts<T>(partials + part_offset[i], parts[i], qsl[b + 1] - qsl[b], H, D, out + qsl[b] * H * D,
+                           sinks);
     }
   });
 }

@@ -124,11 +124,12 @@ void check_rows(const int32_t* qsl, const int32_t* lens, const int64_t* seqs, in
 // Writes out[rows of `seqs`] in place. q: [T, H, D] (any row stride); out: [T, H, D] contiguous;
 // caches: [num_blocks, block_size, KVH, D], all of one dtype (fp32 or bf16); query_start_loc [B + 1],
 // seq_lens [B], block_tables [B, max_blocks] int32; seqs: int64 indices of the sequences to process
-// (1 to 16 query rows each).
+// (1 to 16 query rows each). The layer's features: window (0 = none), sinks ([H] fp32 or None),
+// softcap (0 = none); see attention.h.
 void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                              const at::Tensor& block_tables, const at::Tensor& seqs, double scale, at::Tensor& out,
-                             bool invariant) {
+                             bool invariant, int64_t window, const std::optional<at::Tensor>& sinks, double softcap) {
   TORCH_CHECK(is_float_or_bf16(q) && k_cache.scalar_type() == q.scalar_type() &&
                   v_cache.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "paged_attention_small_q: q, caches and out all fp32 or all bf16");
@@ -150,11 +151,21 @@ void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, con
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* sp = seqs.data_ptr<int64_t>();
   check_rows(qsl, lens, sp, S, block_size, max_blocks, agentrt::kMaxQueryRows, "paged_attention_small_q");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_attention_small_q: window ", window, " and softcap ", softcap,
+              " must not be negative");
+  const float* sink = nullptr;
+  if (sinks.has_value() && sinks->defined()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == H,
+                "paged_attention_small_q: sinks [", H, "] contiguous fp32, got ", sinks->sizes(), " ",
+                sinks->scalar_type());
+    sink = sinks->data_ptr<float>();
+  }
   by_dtype(q, "paged_attention_small_q", [&](auto tag) {
     using T = decltype(tag);
     agentrt::paged_attention_small_q<T>(ptr<T>(q), q.stride(0), ptr<T>(out), ptr<T>(k_cache), ptr<T>(v_cache), qsl,
                                         lens, block_tables.data_ptr<int32_t>(), max_blocks, sp, S, H, KVH, D,
-                                        block_size, static_cast<float>(scale), invariant);
+                                        block_size, static_cast<float>(scale), invariant, window, sink,
+                                        static_cast<float>(softcap));
   });
 }
 
@@ -628,7 +639,8 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("packed_linear_bf16(Tensor x, Tensor w_packed, Tensor? bias, int N, bool invariant=False) -> Tensor");
   m.def(
       "paged_attention_small_q(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out, bool invariant=False) -> ()");
+      "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out, bool invariant=False, int window=0, "
+      "Tensor? sinks=None, float softcap=0.0) -> ()");
   m.def(
       "paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out, bool invariant=False) -> ()");
