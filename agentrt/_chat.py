@@ -84,7 +84,10 @@ def prepare_chat(
             ids = truncate_prompt(ids, truncate_prompt_tokens, rt.max_model_len)
         except ValueError as e:
             raise InvalidCallError(str(e), param="truncate_prompt_tokens") from None
-    return PreparedCall(plan, ids, text, sampling(len(ids), plan.constraint) if sampling is not None else None)
+    params = sampling(len(ids), plan.constraint) if sampling is not None else None
+    if params is not None and plan.special_tokens:
+        params.skip_special_tokens = False  # the format's markup is special tokens: the plan reads them
+    return PreparedCall(plan, ids, text, params)
 
 
 def openai_names(sampling: dict[str, Any]) -> dict[str, Any]:

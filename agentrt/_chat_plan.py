@@ -10,7 +10,11 @@ rest (agentrt._toolparsers), under the output's grammar if it has one.
 
 Without a reasoning parser (the default) the whole output goes to the tool-call parsing. A template that
 renders no tools gets ours in the system message and the Hermes parser reads the calls, unless a parser
-is named (`--tool-call-parser`).
+is named (`--tool-call-parser`). A parser that reads calls inside the thinking (Qwen3-Coder's XML) reads
+them in the reasoning too, the reasoning's calls first. gpt-oss's harmony format (the `openai` tool-call
+parser, picked for its template, or the `openai_gptoss` reasoning parser) is read whole by
+agentrt._harmony: reasoning, content and calls from one pass over the text, its special tokens kept
+(`special_tokens`: the output is decoded with skip_special_tokens off).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from agentrt._chat_prompt import renders_tools
+from agentrt._harmony import HARMONY, HarmonyParser
 from agentrt._reasoning import ThinkTagParser
 from agentrt._toolcalls import (
     FunctionTool,
@@ -56,6 +61,7 @@ class ChatPlan:
     thinking: bool = False  # the prompt ends inside an open think block: the output starts in reasoning
     native: bool = False  # the chat template renders tools: tools, calls and results go to it as they are
     parser: ToolParser = HERMES  # reads the calls out of the output (tool choice "auto")
+    harmony: HarmonyParser | None = None  # the output is gpt-oss's harmony messages: read whole by this
 
     def use_template(self, template: str | None, parser: ToolParser | None = None) -> ChatPlan:
         """Fit the plan to the source of the chat template the prompt renders with: native tools when it
@@ -63,7 +69,23 @@ class ChatPlan:
         the format the template teaches, Hermes when it renders no tools (ours, in the system message)."""
         self.native = renders_tools(template)
         self.parser = parser or (pick_parser(template or "") if self.native else HERMES)
+        if isinstance(self.parser, HarmonyParser):
+            self.harmony = self.parser
         return self
+
+    @property
+    def special_tokens(self) -> bool:
+        """The output must be decoded with its special tokens: they are the format's markup."""
+        return self.harmony is not None
+
+    @property
+    def splits(self) -> bool:
+        """A plain chat reply is split too (reasoning apart, markup read), not only one with tools."""
+        return self.reasoning is not None or self.harmony is not None
+
+    def _free_calls(self) -> bool:
+        """Calls are read out of the text (tool choice "auto", no forced call)."""
+        return self.mode == "auto" and not self.forced_call
 
     def render(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The messages for the chat template: as they are (tool calls with parsed arguments) for a template
@@ -84,6 +106,9 @@ class ChatPlan:
         JSON from the first token; a regex or grammar output is parsed (it may spell a think block itself)."""
         if parser is None:
             return self
+        if parser.channels:  # gpt-oss: the whole output is read as harmony messages, reasoning included
+            self.harmony = self.harmony or HARMONY
+            return self
         thinking = parser.prompt_thinking(prompt)
         if self.constraint is not None and thinking and tag_ids is not None and (end := tag_ids(parser.end)):
             self.constraint = dataclasses.replace(self.constraint, after=tuple(end))
@@ -95,15 +120,25 @@ class ChatPlan:
         return self
 
     def split(self, text: str) -> Reply:
-        """(reasoning, content, tool calls) of a finished output; calls come from the content only."""
+        """(reasoning, content, tool calls) of a finished output; calls come from the content (and from the
+        reasoning, for a parser that reads calls there)."""
+        if self.harmony is not None and not self.forced_call:
+            return Reply(*self.harmony.split(text, self.tools if self.mode == "auto" else []))
         reasoning, content = (None, text) if self.reasoning is None else self.reasoning.split(text, self.thinking)
+        early: list[ToolCall] = []
+        if reasoning and self._free_calls() and self.parser.calls_in_reasoning:
+            s = self.parser.streamer()  # as a stream reads it, so that both give the same reasoning
+            shown = s.feed(reasoning)
+            rest, early = s.finish(self.tools)
+            reasoning = (shown + rest) or None
         if content is None:
-            return Reply(reasoning, None, [])
+            return Reply(reasoning, None, early)
         if self.forced_call:
             calls = parse_forced(content, self.tools)
             return Reply(reasoning, None if calls else content, calls)
         if self.mode == "auto":
-            return Reply(reasoning, *self.parser.parse(content, self.tools))
+            content, calls = self.parser.parse(content, self.tools)
+            return Reply(reasoning, content, early + calls)
         return Reply(reasoning, content, [])
 
     def streamer(self) -> ReplyStreamer:
@@ -119,11 +154,20 @@ class ReplyStreamer:
         self.think = plan.reasoning.streamer(plan.thinking) if plan.reasoning is not None else None
         self.forced: str | None = "" if plan.forced_call else None  # a forced call: all of it, held to the end
         # the calls the model may write, read by the plan's parser; None: no call is parsed, all content shows
-        self.calls = plan.parser.streamer() if plan.mode == "auto" and not plan.forced_call else None
+        self.calls = plan.parser.streamer() if plan._free_calls() else None
+        # calls written inside the thinking (Qwen3-Coder's XML), read as the content's are
+        self.think_calls = (plan.parser.streamer() if self.think is not None and self.calls is not None
+                            and plan.parser.calls_in_reasoning else None)
+        self.harmony = (plan.harmony.reader(plan.tools if plan._free_calls() else [])
+                        if plan.harmony is not None and not plan.forced_call else None)
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) to show now for the next piece of the output."""
+        if self.harmony is not None:
+            return self.harmony.feed(text)
         reasoning, content = self.think.feed(text) if self.think is not None else ("", text)
+        if self.think_calls is not None:
+            reasoning = self.think_calls.feed(reasoning)
         if self.forced is not None:
             self.forced += content
             return reasoning, ""
@@ -134,7 +178,14 @@ class ReplyStreamer:
     def finish(self) -> Reply:
         """What is left when the output ends: reasoning and content held back (a partial tag; text that
         looked like a call but is not one; text after the calls; "" when nothing is), and the calls."""
+        if self.harmony is not None:
+            return Reply(*self.harmony.finish())
         reasoning, content = self.think.finish() if self.think is not None else ("", "")
+        early: list[ToolCall] = []
+        if self.think_calls is not None:
+            reasoning = self.think_calls.feed(reasoning)
+            rest, early = self.think_calls.finish(self.plan.tools)
+            reasoning += rest
         if self.forced is not None:
             text = self.forced + content
             calls = parse_forced(text, self.plan.tools)
@@ -143,7 +194,7 @@ class ReplyStreamer:
             return Reply(reasoning, content, [])
         content = self.calls.feed(content)
         rest, calls = self.calls.finish(self.plan.tools)
-        return Reply(reasoning, content + rest, calls)
+        return Reply(reasoning, content + rest, early + calls)
 
 
 def plan_call(tools: Any = None, tool_choice: Any = None, output: Constraint | None = None,

@@ -88,6 +88,7 @@ class ThinkTagParser:
     name: str = "think"
     start: str = "<think>"
     end: str = "</think>"
+    channels: bool = False  # gpt-oss's harmony channels, not a think block: ChatPlan reads the output whole
 
     def prompt_thinking(self, prompt: str) -> bool:
         """Whether a rendered prompt ends inside an open think block, so its output starts in reasoning."""
@@ -111,6 +112,8 @@ class ThinkTagParser:
 REASONING_PARSERS: dict[str, ThinkTagParser] = {  # vLLM's --reasoning-parser names
     "deepseek_r1": ThinkTagParser("deepseek_r1"),
     "qwen3": ThinkTagParser("qwen3"),
+    # gpt-oss: the analysis channel is the reasoning (agentrt._harmony reads the whole output)
+    "openai_gptoss": ThinkTagParser("openai_gptoss", "<|channel|>analysis<|message|>", "<|end|>", channels=True),
 }
 
 

@@ -500,9 +500,11 @@ class Runtime:
         plan, ids = prepared.plan, prepared.prompt_ids
         if plan.constraint is not None:
             sampling["constraint"] = plan.constraint
+        if plan.special_tokens:
+            sampling["skip_special_tokens"] = False  # the format's markup: the plan reads it
         out = await self._collect(ids, sampling, "chat")
         if plain and not wants_result(sampling, full):
-            return out.text if plan.reasoning is None else plan.split(out.text).content or ""
+            return plan.split(out.text).content or "" if plan.splits else out.text
         return self._result(out, plan)
 
     async def embed(self, inputs: Any, *, dimensions: int | None = None, normalize: bool = True,
@@ -539,7 +541,9 @@ class Runtime:
         pid = _pid()
         options = pop_template_options(sampling)
         prepared = await self.prepare_chat(chat_messages(messages, pid), program_id=pid, **options)
-        plan = prepared.plan if self.reasoning is not None else None
+        plan = prepared.plan if prepared.plan.splits else None
+        if prepared.plan.special_tokens:
+            sampling["skip_special_tokens"] = False
         pieces = self._pieces(prepared.prompt_ids, sampling, "chat", wants_result(sampling, full), plan)
         async with contextlib.aclosing(pieces) as gen:
             async for piece in gen:

@@ -7,6 +7,11 @@ was trained on, read out of its text.
                   start of the output or after <|python_tag|>
     mistral       [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]   or [TOOL_CALLS]f[ARGS]{...}
     pythonic      [f(city="Paris"), g(x=1)]   (Llama 3.2 / 4 pythonic), the whole output
+    gemma3        ```tool_code\nf(city="Paris")\n```   anywhere, or [f(city="Paris")] first (Gemma 3; our name)
+    qwen3_coder   <tool_call><function=f><parameter=city>Paris</parameter></function></tool_call>
+    (qwen3_xml)   (Qwen3-Coder, Qwen3.5; agentrt._xmlcalls), inside the thinking too
+    openai        gpt-oss's harmony channels: <|channel|>commentary to=functions.f <|constrain|>json
+                  <|message|>{...}<|call|>, the analysis channel as reasoning (agentrt._harmony)
 
 A call starts at one of the parser's `markers`, anywhere in the output, or at one of its `openers` when
 the output begins with it (after whitespace). `parse` splits a finished output into content and calls;
@@ -25,105 +30,11 @@ import re
 import string
 from typing import Any, ClassVar
 
+from agentrt._callparse import DECODER, ToolParser, skip_ws
 from agentrt._errors import ConfigError
-from agentrt._toolcalls import FunctionTool, ToolCall, call_from, new_call_id
-
-_DECODER = json.JSONDecoder()
-
-
-def _partial(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that could be the start of `marker`."""
-    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-k:])), 0)
-
-
-def _skip_ws(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
-
-
-class ToolParser:
-    """Reads calls out of a model's output; subclasses say where calls start and how they read."""
-
-    name = ""
-    markers: tuple[str, ...] = ()  # a call starts wherever one of these is
-    openers: tuple[str, ...] = ()  # ... or where the output begins with one of these (after whitespace)
-
-    def new_id(self) -> str:
-        return new_call_id()
-
-    def start(self, text: str) -> int:
-        """Where the first call may start in `text`; -1: nowhere."""
-        body = text.lstrip()
-        if body.startswith(self.openers + self.markers):
-            return len(text) - len(body)
-        return min((i for m in self.markers if (i := text.find(m)) >= 0), default=-1)
-
-    def read(self, text: str, pos: int, names: set[str]) -> tuple[list[ToolCall], int] | None:
-        """The calls written from `pos` (where a call starts) and where they end; None: they do not parse."""
-        raise NotImplementedError
-
-    def extract(self, text: str, tools: list[FunctionTool]) -> tuple[str, list[ToolCall]]:
-        """(the text around the calls, as written; the calls)."""
-        pos = self.start(text)
-        got = self.read(text, pos, {t.name for t in tools}) if pos >= 0 else None
-        if not got or not got[0]:
-            return text, []
-        calls, end = got
-        return text[:pos] + text[end:], calls
-
-    def parse(self, text: str, tools: list[FunctionTool]) -> tuple[str | None, list[ToolCall]]:
-        """(content without the calls, calls) of a finished output. Without calls the content is the text."""
-        kept, calls = self.extract(text, tools)
-        content = kept.strip() if calls else text
-        return (content or None), calls
-
-    def streamer(self) -> CallStreamer:
-        return CallStreamer(self)
-
-
-class CallStreamer:
-    """Splits a stream of content into text to show now and text held back: leading whitespace, what may
-    be the start of a marker, and from where a call starts on, everything. `finish` says what of the held
-    text is content and which calls it holds, as the parser's `parse` would for the whole."""
-
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
-        self.held = ""  # text not shown yet
-        self.in_call = False  # a call has started: everything from here on is held
-        self.head = True  # nothing but whitespace shown yet: an opener may still come
-
-    def feed(self, text: str) -> str:
-        if self.in_call:
-            self.held += text
-            return ""
-        buf, self.held = self.held + text, ""
-        starts = self.parser.openers + self.parser.markers
-        if self.head:
-            body = buf.lstrip()
-            if body.startswith(starts):
-                self.in_call, self.held = True, buf
-                return ""
-            if not body or any(s.startswith(body) for s in starts):
-                self.held = buf
-                return ""
-            self.head = False
-        i = min((j for m in self.parser.markers if (j := buf.find(m)) >= 0), default=-1)
-        if i >= 0:
-            self.in_call, self.held = True, buf[i:]
-            return buf[:i]
-        keep = max((_partial(buf, m) for m in self.parser.markers), default=0)
-        self.held = buf[len(buf) - keep:]
-        return buf[: len(buf) - keep]
-
-    def finish(self, tools: list[FunctionTool]) -> tuple[str, list[ToolCall]]:
-        """(content left to show, calls) when the output ends: held text that holds no call is content."""
-        held, self.held = self.held, ""
-        kept, calls = self.parser.extract(held, tools)
-        if not calls:
-            return held, []
-        kept = kept.rstrip()
-        return (kept.lstrip() if self.head else kept), calls
+from agentrt._harmony import HARMONY
+from agentrt._toolcalls import FunctionTool, ToolCall, call_from
+from agentrt._xmlcalls import QWEN3_XML
 
 
 class HermesParser(ToolParser):
@@ -162,13 +73,13 @@ class Llama3JsonParser(ToolParser):
     openers = ("{",)
 
     def read(self, text: str, pos: int, names: set[str]) -> tuple[list[ToolCall], int] | None:
-        pos = _skip_ws(text, pos)
+        pos = skip_ws(text, pos)
         if text.startswith(self.markers[0], pos):
             pos += len(self.markers[0])
         calls: list[ToolCall] = []
         while True:
             try:
-                obj, end = _DECODER.raw_decode(text, _skip_ws(text, pos))
+                obj, end = DECODER.raw_decode(text, skip_ws(text, pos))
             except ValueError:
                 return None
             call = call_from(obj, names, self.new_id)
@@ -176,8 +87,8 @@ class Llama3JsonParser(ToolParser):
                 return None
             calls.append(call)
             pos = end
-            after = _skip_ws(text, pos)
-            if not text.startswith(";", after) or not text.startswith("{", _skip_ws(text, after + 1)):
+            after = skip_ws(text, pos)
+            if not text.startswith(";", after) or not text.startswith("{", skip_ws(text, after + 1)):
                 return calls, pos
             pos = after + 1
 
@@ -198,7 +109,7 @@ class MistralParser(ToolParser):
     def read(self, text: str, pos: int, names: set[str]) -> tuple[list[ToolCall], int] | None:
         calls: list[ToolCall] = []
         while True:
-            at = _skip_ws(text, pos)
+            at = skip_ws(text, pos)
             marked = text.startswith(self.markers[0], at)
             if marked:
                 at += len(self.markers[0])
@@ -207,10 +118,10 @@ class MistralParser(ToolParser):
             named = self._NAMED.match(text, at)
             try:
                 if named:
-                    args, end = _DECODER.raw_decode(text, _skip_ws(text, named.end()))
+                    args, end = DECODER.raw_decode(text, skip_ws(text, named.end()))
                     objs: Any = [{"name": named.group(1), "arguments": args}]
                 else:
-                    objs, end = _DECODER.raw_decode(text, _skip_ws(text, at))
+                    objs, end = DECODER.raw_decode(text, skip_ws(text, at))
             except ValueError:
                 return None
             objs = objs if isinstance(objs, list) else [objs]
@@ -262,6 +173,66 @@ class PythonicParser(ToolParser):
         return ast.literal_eval(node)
 
 
+class GemmaParser(PythonicParser):
+    """Gemma 3's function-call text, as Google's tool-use prompts for it ask: Python calls in a fenced
+    block, ```` ```tool_code\nget_weather(city="Paris")\n``` ```` (one call a line, a list of calls, or
+    `print(f(...))`; a `default_api.` prefix is dropped), anywhere in the output, or a pythonic list
+    `[f(a=1), g(b=2)]` (any fence around it) at the output's start; text before and after is content. A
+    block cut short (no closing fence) reads to the end. Anything that is not calls of known tools with
+    keyword arguments of literal values stays content."""
+
+    name = "gemma3"
+    markers = ("```tool_code",)
+    openers = ("[", "```")
+    _FENCE = re.compile(r"```[A-Za-z_]*[ \t]*")
+
+    def read(self, text: str, pos: int, names: set[str]) -> tuple[list[ToolCall], int] | None:
+        pos = skip_ws(text, pos)
+        fence = self._FENCE.match(text, pos)
+        calls: list[ToolCall] = []
+        while fence:  # one fenced block, and any ```tool_code blocks right after it
+            close = text.find("```", fence.end())
+            end = len(text) if close < 0 else close + 3
+            found = self._calls(text[fence.end(): close if close >= 0 else len(text)], names)
+            if not found:
+                break
+            calls, pos = calls + found, end
+            after = skip_ws(text, pos)
+            fence = self._FENCE.match(text, after) if text.startswith(self.markers[0], after) else None
+        if calls:
+            return calls, pos
+        if text.startswith("```", pos):
+            return None
+        for close in (i for i, ch in enumerate(text) if ch == "]" and i > pos):  # the shortest list that parses
+            calls = self._calls(text[pos: close + 1], names)
+            if calls:
+                return calls, close + 1
+        return None
+
+    def _calls(self, body: str, names: set[str]) -> list[ToolCall] | None:
+        try:
+            tree = ast.parse(body.strip(), mode="exec")
+            nodes: list[ast.expr] = []
+            for stmt in tree.body:
+                if not isinstance(stmt, ast.Expr):
+                    return None
+                nodes += stmt.value.elts if isinstance(stmt.value, ast.List) else [stmt.value]
+            calls = [self._call(self._unwrapped(n), names) for n in nodes]
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return None
+        return calls if calls and None not in calls else None  # type: ignore[return-value]
+
+    @staticmethod
+    def _unwrapped(node: ast.expr) -> ast.expr:
+        """`print(f(...))` as `f(...)`, `default_api.f(...)` as `f(...)`."""
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+                and len(node.args) == 1 and not node.keywords):
+            node = node.args[0]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+            node = ast.Call(ast.Name(node.func.attr, ast.Load()), node.args, node.keywords)
+        return node
+
+
 HERMES = HermesParser()
 TOOL_CALL_PARSERS: dict[str, ToolParser] = {  # vLLM's --tool-call-parser names
     "hermes": HERMES,
@@ -269,6 +240,10 @@ TOOL_CALL_PARSERS: dict[str, ToolParser] = {  # vLLM's --tool-call-parser names
     "llama4_json": Llama3JsonParser(),
     "mistral": MistralParser(),
     "pythonic": PythonicParser(),
+    "gemma3": GemmaParser(),  # not a vLLM name: vLLM reads Gemma 3's calls with pythonic and a custom template
+    "qwen3_coder": QWEN3_XML,
+    "qwen3_xml": QWEN3_XML,
+    "openai": HARMONY,
 }
 PARSER_CHOICES = ("auto", *sorted(TOOL_CALL_PARSERS))
 
@@ -292,12 +267,18 @@ _LLAMA_JSON = re.compile(r'"parameters": dictionary of argument name|respond wit
 
 def pick_parser(template: str) -> ToolParser:
     """The parser for the format a chat template that renders tools teaches (`--tool-call-parser auto`)."""
+    if "<|channel|>" in template:  # gpt-oss's harmony channels
+        return HARMONY
+    if "<function=" in template:  # Qwen3-Coder / Qwen3.5 XML calls (their templates also write <tool_call>)
+        return QWEN3_XML
     if "<tool_call>" in template:
         return HERMES
     if "[TOOL_CALLS]" in template:
         return TOOL_CALL_PARSERS["mistral"]
     if "[func_name1(" in template:  # Llama 3.2 / 4 pythonic templates spell the format out so
         return TOOL_CALL_PARSERS["pythonic"]
+    if "tool_code" in template:  # Gemma 3's tool-use prompts: calls in a ```tool_code block
+        return TOOL_CALL_PARSERS["gemma3"]
     if "<|python_tag|>" in template or _LLAMA_JSON.search(template):
         return TOOL_CALL_PARSERS["llama3_json"]
     return HERMES

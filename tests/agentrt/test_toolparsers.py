@@ -125,10 +125,11 @@ def test_content_flows_until_a_call_may_start():
 
 
 def test_parsers_by_name():
-    assert PARSER_CHOICES == ("auto", "hermes", "llama3_json", "llama4_json", "mistral", "pythonic")
+    assert PARSER_CHOICES == ("auto", "gemma3", "hermes", "llama3_json", "llama4_json", "mistral", "openai",
+                              "pythonic", "qwen3_coder", "qwen3_xml")
     assert tool_call_parser("auto") is None and tool_call_parser(None) is None
     assert tool_call_parser("hermes") is HERMES and tool_call_parser("llama4_json").name == "llama3_json"
-    with pytest.raises(ConfigError, match=r"unknown tool call parser 'qwen9'; choices: \['auto', 'hermes'"):
+    with pytest.raises(ConfigError, match=r"unknown tool call parser 'qwen9'; choices: \['auto', 'gemma3', 'hermes'"):
         tool_call_parser("qwen9")
     with pytest.raises(ConfigError, match="unknown tool call parser 'x'"):
         agentrt.Runtime(tool_call_parser="x")
