@@ -16,18 +16,53 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentrt._errors import InvalidCallError
-from agentrt._program import calling_program, current
+from agentrt._process_table import ProcessTable, ProgramInfo, ProgramStatus
+from agentrt._program import ProgramHandle, calling_program, current
 from agentrt._results import Result
 from agentrt.engine.beam_search import BeamSearch, BeamSearchParams
+from agentrt.engine.client import EngineInfo
+from agentrt.engine.lora import LoRARequest
 from agentrt.engine.outputs import CompletionOutput, RequestOutput
 from agentrt.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from agentrt._call import Call
-    from agentrt._runtime import Runtime
+
+
+class BeamRuntime(Protocol):
+    """What a search needs of the runtime (`agentrt._runtime.Runtime`, which imports this module): its
+    prompts checked and tokenized, its programs started, looked up and ended, its steps submitted."""
+
+    programs: ProcessTable
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def engine_info(self) -> EngineInfo: ...
+
+    def check_prompt(self, prompt: str | list[int]) -> list[int]: ...
+
+    def resolve_model(self, model: Any, program_id: str | None = None) -> LoRARequest | None: ...
+
+    def start_program(self, program_id: str | None = None, *, name: str = "program", owner: str | None = None,
+                      priority: int = 0) -> ProgramInfo: ...
+
+    def end_program(self, program_id: str, *, owner: Any = ..., state: ProgramStatus = "finished") -> ProgramInfo: ...
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, *, program_id: str | None = None,
+               thread_id: str | None = None, owner: str | None = None, cache_salt: str | None = None,
+               kind: str = "generate", last_call: bool = False, name: str = "program",
+               model: str | None = None) -> Call: ...
+
+    def submit_call(self, handle: ProgramHandle, thread_id: str | None, prompt: str | list[int],
+                    params: SamplingParams, kind: str, cache_salt: str | None, one_call: bool = False,
+                    last_call: bool = False, lora: LoRARequest | None = None) -> Call: ...
+
+    def result_of(self, out: RequestOutput) -> Result: ...
 
 _ids = itertools.count(1)
 
@@ -36,7 +71,7 @@ class BeamSearchCall:
     """A beam search in flight; the `Call` interface the server uses (`result`, `close`, `program_id`,
     `model`, `async with`)."""
 
-    def __init__(self, runtime: Runtime, prompt_ids: list[int], params: BeamSearchParams,
+    def __init__(self, runtime: BeamRuntime, prompt_ids: list[int], params: BeamSearchParams,
                  submit: Callable[[list[int], SamplingParams], Call], program_id: str, *, model: str | None = None,
                  own_program: bool = False) -> None:
         """`submit(prompt_ids, params)`: one call of the program `program_id`; `own_program`: the search's
@@ -100,7 +135,7 @@ class BeamSearchCall:
         self.close()
 
 
-def submit_beam_search(runtime: Runtime, prompt_ids: list[int], params: BeamSearchParams, *, program_id: str | None,
+def submit_beam_search(runtime: BeamRuntime, prompt_ids: list[int], params: BeamSearchParams, *, program_id: str | None,
                        owner: str | None, cache_salt: str | None, model: str | None, name: str) -> BeamSearchCall:
     """`Runtime.submit_beam_search`: the server's search, its steps calls of the keyed program `program_id`
     (None: a program of its own, ended with the search)."""
@@ -121,7 +156,7 @@ def submit_beam_search(runtime: Runtime, prompt_ids: list[int], params: BeamSear
         raise
 
 
-async def beam_search_in_program(runtime: Runtime, prompt: str | list[int], *, beam_width: int, max_tokens: int,
+async def beam_search_in_program(runtime: BeamRuntime, prompt: str | list[int], *, beam_width: int, max_tokens: int,
                                  length_penalty: float, ignore_eos: bool, model: str | None) -> Result:
     """`Runtime.beam_search` (its prompt checked there): a search whose steps are calls of the current program
     (outside one: a program of its own), as `agentrt.chat`'s are; a `Result` whose choices are the beams."""

@@ -18,16 +18,15 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from agentrt._errors import CallAbortedError, CallFailedError
-from agentrt._process_table import CallRecord, ProgramInfo
+from agentrt._process_table import CallRecord, ProcessTable, ProgramInfo
 from agentrt.engine.async_engine import EngineError, RequestStream
 from agentrt.engine.outputs import RequestOutput, StreamDelta
 
 if TYPE_CHECKING:
     from agentrt._program import ProgramHandle
-    from agentrt._programs import ProgramManager
 
 
 @dataclass(slots=True)
@@ -58,11 +57,24 @@ class CallSummary:
     scheduled: bool = False  # it reached the engine's running set (wait_s is then its queueing time)
 
 
+class CallReports(Protocol):
+    """Whom a call reports to: the runtime's program manager (`agentrt._programs.ProgramManager`), which
+    imports this module; a call knows it only by this face."""
+
+    table: ProcessTable  # hears of the call's first token (`call_running`)
+
+    def abort_call(self, request_id: str) -> None:
+        """The call left early: abort its engine request."""
+
+    def call_ended(self, call: Call, summary: CallSummary, num_prefix_hit_tokens: int) -> None:
+        """The call's request left the engine (once)."""
+
+
 class Call:
     """An in-flight call; see the module docstring."""
 
     def __init__(
-        self, programs: ProgramManager, info: ProgramInfo, thread_id: str, request_id: str, kind: str,
+        self, programs: CallReports, info: ProgramInfo, thread_id: str, request_id: str, kind: str,
         stream: RequestStream, record: CallRecord, num_prompt_tokens: int,
     ) -> None:
         self._programs = programs  # the runtime's program manager, which hears of the call's first token and end

@@ -421,7 +421,7 @@ def setup(args: argparse.Namespace, cost: Any = None,
             cap = saturation(make_workload(args.programs, 1.0, args.seed), engine)
         else:
             from agentrt.bench import costs
-            from agentrt.bench.simulate import capacity
+            from agentrt.bench.sim_run import capacity
 
             if cost is None:
                 cost, line = costs.for_this_machine(getattr(args, "model", None), quiet=True)

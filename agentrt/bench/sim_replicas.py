@@ -103,9 +103,9 @@ def simulate_replicas(workload: list[ProgramSpec], *, replicas: int, router: str
                       router_config: RouterConfig | None = None) -> dict[str, Any]:
     """Run the workload over `replicas` simulated engines behind `router`; per-program latencies (virtual
     seconds), prefix hit rate, calls per replica."""
-    from agentrt.bench.simulate import _ENGINE
+    from agentrt.bench.sim_run import DEFAULT_ENGINE
 
-    engines = [SimEngine(make_policy(policy), **{**_ENGINE, **(engine or {})}, cost=cost, seed=seed + i)
+    engines = [SimEngine(make_policy(policy), **{**DEFAULT_ENGINE, **(engine or {})}, cost=cost, seed=seed + i)
                for i in range(replicas)]
     chooser = _Router(router, replicas, seed, router_config or RouterConfig())
     timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -196,7 +196,7 @@ def replicas_sweep(n: int, rates: list[float], replicas: int, routers: list[str]
     arrival rate (agentrt/bench/simulate.py agents_sweep's engine, one per replica)."""
     import time
 
-    from agentrt.bench.simulate import agent_engine
+    from agentrt.bench.sim_run import agent_engine
 
     cost, engine = agent_engine(cost_model, block_size, max_num_seqs, max_num_batched_tokens)
     rows = []

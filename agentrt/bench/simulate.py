@@ -20,133 +20,19 @@ docs/benchmarks.md reports beside the sweeps.
 from __future__ import annotations
 
 import argparse
-import heapq
 import itertools
 import json
-import math
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq)
-from agentrt._retention import RetentionConfig, RetentionPolicy
+from agentrt._retention import RetentionConfig
 from agentrt.bench import costs, sim_tiers
 from agentrt.bench import workload as wl
 from agentrt.bench.costs import StepCost
-from agentrt.bench.sim_engine import SimEngine
-from agentrt.bench.sim_tiers import TierCost
-from agentrt.bench.workload import Parallel, ProgramSpec, Tool
-from agentrt.engine.policy import SchedulingPolicy, make_policy
-from agentrt.engine.program_ops import EndProgram
-from agentrt.engine.request import Request
+from agentrt.bench.sim_run import agent_engine, capacity, simulate
 from agentrt.policies.autellix import TTL_SETTINGS
-
-
-def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, policy_kwargs: dict[str, Any] | None = None,
-             engine: dict[str, Any] | None = None, cost: StepCost | None = None,
-             retention: RetentionConfig | None = None, tiers: TierCost | None = None) -> dict[str, Any]:
-    """Run the workload's plans to completion; per-program latencies and engine counters (virtual seconds).
-    `retention`: run agentrt's retention policy (TTL pins, reservations) over the engine's own pin code.
-    `tiers`: KV tiers below the cache (agentrt/bench/sim_tiers.py); the retention TTL then weighs their reload cost."""
-    pol = make_policy(policy, **(policy_kwargs or {}))
-    eng = SimEngine(pol, **{**_ENGINE, **(engine or {})}, cost=cost, tiers=tiers)
-    ret = None
-    if retention is not None:
-        reload = eng.tiers.reload_s_per_token() if eng.tiers is not None else None
-        ret = RetentionPolicy(retention, eng.program_op, eng.kv.num_blocks * eng.kv.block_size, reload_s_per_token=reload)
-    timers: list[tuple[float, int, Callable[[], None]]] = []
-    seq = itertools.count()
-    results: list[dict[str, Any] | None] = [None] * len(workload)
-
-    def at(t: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(timers, (t, next(seq), fn))
-
-    def start(spec: ProgramSpec) -> None:
-        pid, gen = f"prog-{spec.index}", wl.plan(spec)
-        stats = {"calls": 0, "output_tokens": 0, "queue_s": 0.0, "run_s": 0.0, "preemptions": 0, "recomputed_tokens": 0}
-        if ret is not None:
-            ret.program_started(pid, None)
-
-        def advance(value: Any) -> None:
-            try:
-                action = gen.send(value)
-            except StopIteration:
-                if ret is not None:
-                    ret.program_ended(pid)
-                else:
-                    eng.program_op(EndProgram(pid))
-                results[spec.index] = {"kind": spec.kind, "latency_s": eng.now - spec.arrival_s, **stats}
-                return
-            if isinstance(action, Tool):
-                if ret is not None:
-                    ret.tool_started(pid, spec.kind, None)
-                at(eng.now + action.seconds, lambda: advance(action.observation))
-                return
-            calls = action.calls if isinstance(action, Parallel) else (action,)
-            outs: list[list[int] | None] = [None] * len(calls)
-
-            def done(i: int, req: Request) -> None:
-                outs[i] = ids = list(req.output_token_ids)
-                stats["calls"] += 1
-                stats["output_tokens"] += len(ids)
-                first = req.first_scheduled_time if req.first_scheduled_time is not None else eng.now
-                stats["queue_s"] += first - req.arrival_time  # waiting for a seat or blocks, behind the order
-                stats["run_s"] += eng.now - first  # first step to the end: steps, preempted spells, recompute
-                stats["preemptions"] += req.num_preemptions
-                stats["recomputed_tokens"] += req.num_recomputed_tokens
-                if ret is not None:
-                    wait = (req.first_scheduled_time or eng.now) - req.arrival_time
-                    ret.call_ended(pid, eng.now, tokens=req.num_tokens, computed_tokens=req.num_tokens,
-                                   service_s=req.service_s, wait_s=wait)
-                if all(o is not None for o in outs):
-                    advance(outs if isinstance(action, Parallel) else outs[0])
-
-            if ret is not None:
-                ret.call_submitted(pid, eng.now)
-            for i, call in enumerate(calls):
-                eng.add(call, pid, f"{pid}.t{i}", lambda req, i=i: done(i, req))
-
-        advance(None)
-
-    for spec in workload:
-        at(spec.arrival_s, lambda spec=spec: start(spec))
-    while timers or eng.has_work():
-        while timers and timers[0][0] <= eng.now:
-            heapq.heappop(timers)[2]()
-        if eng.has_work():
-            eng.step(timers[0][0] if timers else math.inf)  # what arrives during a step is added after it
-        elif timers:
-            eng.now = max(eng.now, timers[0][0])
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks, "simulation leaked KV blocks"
-    done = [r for r in results if r is not None]
-    assert len(done) == len(workload), "a program never finished"
-    makespan = eng.now
-    return {
-        "policy": getattr(pol, "name", str(policy)),
-        "makespan_s": makespan,
-        "utilization": eng.busy_s / makespan if makespan else 0.0,
-        "steps": eng.num_steps,
-        "computed_tokens": eng.num_computed_tokens,
-        "preemptions": eng.scheduler.num_preemptions,
-        "prefix_hit_rate": eng.kv.stats.hit_tokens / max(1, eng.kv.stats.queries_tokens),
-        "recomputed_prefill_tokens": eng.kv.retention.recomputed_prefill_tokens,
-        "ttl_hits": eng.kv.retention.ttl_hits,
-        "ttl_misses": eng.kv.retention.ttl_misses,
-        "pinned_block_s": eng.pinned_block_s,
-        "tier_hits": {name: st.hits for name, st in (eng.tiers.stats() if eng.tiers is not None else {}).items()},
-        "programs": done,
-    }
-
-
-_ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}
-
-
-def capacity(workload: list[ProgramSpec], *, engine: dict[str, Any] | None = None, cost: StepCost | None = None) -> float:
-    """Programs per second the engine completes when the whole workload arrives at once (FCFS): the
-    arrival rate at which it saturates."""
-    burst = [ProgramSpec(s.index, s.kind, 0.0, s.seed) for s in workload]
-    return len(burst) / simulate("fcfs", burst, engine=engine, cost=cost)["makespan_s"]
 
 
 # PLAS as Autellix describes it (and as agentrt's defaults were before issue 47): displacement for blocks too,
@@ -167,17 +53,6 @@ AGENT_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {  # name -> (polic
 }
 TIERED = {"plas+ttl+tiers": sim_tiers.H100_TIERS}  # configs run over KV tiers, and their tiers
 DEFAULT_AGENT_CONFIGS = ("fcfs", "fcfs+ttl", "plas", "plas+ttl")
-
-
-def agent_engine(cost_model: str, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> tuple[StepCost, dict[str, Any]]:
-    """The step cost and engine settings of full-size agents on a named GPU cost model: its KV cache in
-    blocks of `block_size` tokens."""
-    cost, kv_tokens, _ = costs.named(cost_model)
-    if kv_tokens is None:
-        raise SystemExit(f"cost model {cost_model!r} has no KV-cache size: choose a GPU model for full-size agents")
-    return cost, {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                  "num_blocks": kv_tokens // block_size, "block_size": block_size}
 
 
 def agents_sweep(n: int, rates: list[float], seed: int, configs: list[str], block_size: int = 256,
