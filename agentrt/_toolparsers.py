@@ -184,6 +184,7 @@ class GemmaParser(PythonicParser):
     name = "gemma3"
     markers = ("```tool_code",)
     openers = ("[", "```")
+    calls_in_reasoning = True  # a ```tool_code block inside the thinking is a call too
     _FENCE = re.compile(r"```[A-Za-z_]*[ \t]*")
 
     def read(self, text: str, pos: int, names: set[str]) -> tuple[list[ToolCall], int] | None:
