@@ -14,35 +14,37 @@ name: reach a submodule with `from agentrt.kernels.<module> import ...`, not `im
 Depends on torch and triton only (plus a C++ compiler for `kernels.cpu`, optional).
 """
 
-if __name__ == "kernels":  # this folder, found by its name from a checkout: Hugging Face's name
-    from agentrt.kernels._folder_name import hand_over
+if __name__ == "kernels":  # this folder, found by its folder name from a checkout: Hugging Face's name
+    # Relative, so it needs nothing but the standard library: the interpreter (vLLM's, a notebook's) may
+    # not have agentrt installed, and this folder is then no `agentrt.kernels`.
+    from ._folder_name import hand_over
 
-    hand_over()
-
-from agentrt.kernels import cpu
-from agentrt.kernels._dispatch import (
-    copy_blocks,
-    get_backend,
-    paged_attention,
-    rms_norm,
-    set_backend,
-    silu_and_mul,
-    store_kv,
-    use_backend,
-)
-from agentrt.kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
-from agentrt.kernels.linear import Linear, linear, linear_ref
-from agentrt.kernels.paged_attention import (
-    AttentionMetadata,
-    build_attention_metadata,
-    dense_causal_attention_ref,
-    paged_attention_ref,
-    paged_attention_triton,
-)
-from agentrt.kernels.paged_attention_cpu import paged_attention_cpu
-from agentrt.kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from agentrt.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
-from agentrt.kernels.store_kv import store_kv_ref, store_kv_triton
+    hand_over()  # sys.modules["kernels"] is now the other package: nothing of this floor is loaded
+else:
+    from agentrt.kernels import cpu
+    from agentrt.kernels._dispatch import (
+        copy_blocks,
+        get_backend,
+        paged_attention,
+        rms_norm,
+        set_backend,
+        silu_and_mul,
+        store_kv,
+        use_backend,
+    )
+    from agentrt.kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
+    from agentrt.kernels.linear import Linear, linear, linear_ref
+    from agentrt.kernels.paged_attention import (
+        AttentionMetadata,
+        build_attention_metadata,
+        dense_causal_attention_ref,
+        paged_attention_ref,
+        paged_attention_triton,
+    )
+    from agentrt.kernels.paged_attention_cpu import paged_attention_cpu
+    from agentrt.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+    from agentrt.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+    from agentrt.kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = [
     "AttentionMetadata",

@@ -6,6 +6,10 @@ imports). Imported under that name, the folder hands the name over: it loads the
 found elsewhere on `sys.path` in its place or, with none, an empty namespace (what a stray folder on
 `sys.path` is to Python; transformers reads that as "not installed"). agentrt itself always
 imports this floor as `agentrt.kernels` (tests/programs/test_layering.py).
+
+The standard library only: the interpreter that finds the folder may have no agentrt installed
+(vLLM's, a notebook's), so `kernels/__init__.py` imports this module relatively, as `kernels._folder_name`
+(tests/test_package.py runs it in a venv without agentrt).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ def hand_over(name: str = "kernels") -> None:
         spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
         spec.submodule_search_locations = []
     module = importlib.util.module_from_spec(spec)
+    if __name__ == f"{name}.{__name__.rpartition('.')[2]}":  # this module, loaded as the folder's: not the new one's
+        sys.modules.pop(__name__, None)
     if spec.loader is None:
         del module.__file__  # as None it breaks inspect.getmodule, which torch calls on import
         sys.modules[name] = module

@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def test_no_folder_outside_its_import_name():
     """`bench/` and `agentrt_cli/` moved under `agentrt/` (issue 48): nothing in the tree names them."""
     assert not (ROOT / "bench").exists() and not (ROOT / "agentrt_cli").exists()
     found = subprocess.run(["git", "grep", "-n", "-E", r"agentrt_cli|(^|[^/A-Za-z_.-])bench/", "--", ".",
-                            ":!tests/test_package.py", ":!tests/programs/test_layering.py"],
+                            ":!tests/test_package.py", ":!tests/programs/test_layering.py", ":!tests/test_house.py"],
                            capture_output=True, text=True, cwd=ROOT)
     if found.returncode == 128:
         pytest.skip(f"not a git checkout: {found.stderr.strip()}")
@@ -106,3 +107,44 @@ def test_installed_copy_generates_beside_hf_kernels(installed, tmp_path, tiny_mo
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "5"
+
+
+def bare_venv(root: Path, *, hf_kernels: bool) -> Path:
+    """A venv beside no agentrt: this interpreter's base Python, its site-packages the test venv's
+    packages (torch, transformers, ...) linked one by one, less agentrt's (its metadata and the editable
+    install's finder) and, unless `hf_kernels`, less Hugging Face's `kernels`. Its python."""
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = root / "bin" / "python"
+    ours = Path(sysconfig.get_paths()["purelib"])
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    for entry in ours.iterdir():
+        name = entry.name.lower()
+        if name.startswith(("agentrt", "__editable__")) or (not hf_kernels and name.split("-")[0] == "kernels"):
+            continue
+        (site / entry.name).symlink_to(entry)
+    return python
+
+
+@pytest.mark.parametrize("hf_kernels", [True, False], ids=["with-hf-kernels", "no-hf-kernels"])
+def test_checkout_kernels_folder_hands_over_without_agentrt(tmp_path, hf_kernels):
+    """Another interpreter started in the repository root (vLLM's, a notebook's) finds the folder kernels/
+    first when transformers imports `kernels`: the folder hands the name over with the standard library
+    alone (issue 48: it imported `agentrt.kernels`, which such a venv lacks). With Hugging Face's package
+    that is loaded and transformers' model code imports; without it `kernels` is an empty namespace."""
+    python = bare_venv(tmp_path / "venv", hf_kernels=hf_kernels)
+    code = [
+        "import importlib.util, sys",
+        "assert importlib.util.find_spec('agentrt.kernels') is None, 'agentrt is installed here'",
+        "import kernels",
+        f"assert not (getattr(kernels, '__file__', None) or '').startswith({str(ROOT / 'kernels')!r}), kernels",
+        "assert not [m for m in sys.modules if m.startswith('kernels._folder_name')]",
+        *(["assert callable(kernels.get_kernel)", "import transformers.activations",
+           "assert 'kernels' in sys.modules and sys.modules['kernels'] is kernels"] if hf_kernels else
+          ["assert getattr(kernels, '__file__', None) is None and list(kernels.__path__) == []"]),
+        "print('ok')",
+    ]
+    done = subprocess.run([str(python), "-c", "\n".join(code)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
