@@ -114,6 +114,7 @@ class Call:
                         self._gaps.append(now - self._last_token_t)
                     self._last_token_t = now
                     self._generated += len(delta.new_token_ids)
+                    self._programs.table.num_output_tokens += len(delta.new_token_ids)
                 yield delta
         except (ValueError, TypeError, EngineError) as e:  # the engine failed or rejected the request
             self._error = str(e)

@@ -49,12 +49,17 @@ _DEFAULTS = SamplingParams()
 class RemoteRuntime:
     """A runtime whose engine is a server; see the module docstring. An async context manager."""
 
-    def __init__(self, url: str, api_key: str | None = None, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, api_key: str | None = None, *, timeout_s: float = 600.0,
+                 headers: dict[str, str] | None = None) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise InvalidCallError(f"url must be an http(s) URL, got {url!r}")
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s
+        if headers is not None and not (isinstance(headers, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in headers.items())):
+            raise InvalidCallError(f"headers must be a dict of str to str, got {headers!r}")
+        self.headers = dict(headers or {})  # sent with every request (e.g. a W3C `traceparent`)
         self.programs = ProcessTable()  # this client's programs, their records as the server keeps them (_copy_record)
         self._remote: set[str] = set()  # programs the server has heard of (they made a call)
         self._refreshing: set[str] = set()  # programs whose record is being read back from the server
@@ -65,7 +70,7 @@ class RemoteRuntime:
         self._token: contextvars.Token | None = None
 
     async def __aenter__(self) -> RemoteRuntime:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = {**self.headers, **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
         self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=self.timeout_s)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -357,7 +362,9 @@ def _error(status: int, body: bytes, program_id: str | None) -> AgentrtError:
     return CallFailedError(message, program_id=program_id)
 
 
-def connect(url: str, api_key: str | None = None, *, timeout_s: float = 600.0) -> RemoteRuntime:
+def connect(url: str, api_key: str | None = None, *, timeout_s: float = 600.0,
+            headers: dict[str, str] | None = None) -> RemoteRuntime:
     """A runtime that runs `@agentrt.program` code against the server at `url`:
-    `async with agentrt.connect("http://127.0.0.1:8000"): ...`."""
-    return RemoteRuntime(url, api_key, timeout_s=timeout_s)
+    `async with agentrt.connect("http://127.0.0.1:8000"): ...`. `headers` go with every request: a W3C
+    `traceparent` there makes the programs' spans (a server with --otlp-traces-endpoint) join that trace."""
+    return RemoteRuntime(url, api_key, timeout_s=timeout_s, headers=headers)

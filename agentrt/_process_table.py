@@ -100,6 +100,7 @@ class ProcessTable:
         self._finished: collections.deque[str] = collections.deque()
         self.max_finished = max_finished  # ended programs kept for inspection, oldest dropped first
         self.num_waiting = 0  # calls of all programs submitted that have produced no token yet
+        self.num_output_tokens = 0  # tokens every call has streamed so far, cumulative (the live page's tokens/s)
         self.tool_durations: dict[str, collections.deque[float]] = {}  # all programs, by tool name, the
         # latest TOOL_HISTORY of each
 

@@ -91,6 +91,7 @@ def _serve(a: argparse.Namespace) -> int:
         model=a.model_tag or a.model, policy=a.policy, policy_kwargs=policy_kwargs, engine=engine, db=a.db,
         api_keys=[*a.api_key, *env_api_keys()],
         served_model_name=a.served_model_name, program_idle_timeout_s=a.program_idle_timeout,
+        otlp_traces_endpoint=a.otlp_traces_endpoint,
         max_waiting=a.max_waiting, drain_timeout_s=a.drain_timeout, max_body_bytes=a.max_body_bytes, max_n=a.max_n,
         max_tokens_limit=a.max_tokens_limit, exclude_tools_when_tool_choice_none=a.exclude_tools_when_tool_choice_none,
         chat_template=a.chat_template, trust_request_chat_template=a.trust_request_chat_template,
@@ -200,6 +201,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="larger request bodies get 413 (default: 4194304, 4 MiB)")
     s.add_argument("--max-n", type=int, default=16, help="completions one call may ask for (n) at most (default: 16)")
     s.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted (default: context)")
+    s.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export an OpenTelemetry span per program with a child span per call to this OTLP/HTTP "
+                        "endpoint (vLLM's flag; e.g. http://localhost:4318; needs the otel extra; default: off)")
     add_engine_options(s)
     s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="leave the tools out of the prompt of a call with tool_choice 'none' (vLLM's flag; by default "

@@ -29,6 +29,7 @@ from agentrt.server import ui
 from agentrt.server.bodies import VERSION, json_response
 from agentrt.server.config import ServerConfig
 from agentrt.server.errors import APIError, error_response
+from agentrt.server.history import History
 from agentrt.server.metrics import CONTENT_TYPE_LATEST, EngineState, Metrics
 from agentrt.server.openapi import Operation, build
 from agentrt.server.recorder import Recorder, open_store
@@ -79,11 +80,12 @@ def _route_modules() -> list[Any]:
         openai_routes,
         program_routes,
         responses_routes,
+        timeline_routes,
         tokenize_routes,
     )
 
     return [openai_routes, responses_routes, messages_routes, program_routes, tokenize_routes, embeddings_routes,
-            classify_routes, lora_routes, ui]
+            classify_routes, lora_routes, timeline_routes, ui]
 
 
 def _operations() -> list[Operation]:
@@ -123,17 +125,22 @@ def create_app(config: ServerConfig | None = None, *, runtime: Runtime | None = 
                 st = ServerState(config, runtime, store, metrics_)
                 recorder = Recorder(store, metrics_, policy_name, config.max_programs_kept)
                 runtime.observers.append(recorder)
+                st.recorder, st.history = recorder, History()
+                if config.otlp_traces_endpoint is not None:  # else no tracer is built: nothing on the call path
+                    runtime.start_tracing(config.otlp_traces_endpoint)
                 app.state.server = st
                 logger.info("serving %s (policy %s, store %s)", st.model_name, policy_name, store or "off")
                 try:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(recorder.prune_periodically)
+                        tg.start_soon(st.history.sample_periodically, st)
                         yield
                         tg.cancel_scope.cancel()
                 finally:
                     st.draining = True
                 # leaving `runtime` ends the programs still running (recorded through the recorder)
         finally:
+            runtime.stop_tracing()  # the programs the runtime's end ended are in: flush their spans
             if store is not None:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(store.close)

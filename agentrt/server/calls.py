@@ -118,11 +118,14 @@ def submit(st: ServerState, who: Caller, ids: list[int], params: SamplingParams,
     if tool:
         note_tool(st, who.program_id, who.owner, tool)
     try:
-        return st.runtime.submit(ids, params, program_id=who.program_id, thread_id=who.thread_id, owner=who.owner,
+        call = st.runtime.submit(ids, params, program_id=who.program_id, thread_id=who.thread_id, owner=who.owner,
                                  cache_salt=engine_salt(who.owner, cache_salt), kind=kind, name=who.name or name,
                                  last_call=who.last_call, model=who.model)
     except InvalidCallError as e:
         raise bad_request(str(e), _param_of(e.param, prompt_param)) from None
+    if who.traceparent is not None and call.info.traceparent is None:  # the first call's trace is the program's
+        call.info.traceparent = who.traceparent
+    return call
 
 
 def engine_salt(owner: str | None, cache_salt: str | None) -> str | None:

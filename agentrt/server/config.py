@@ -28,6 +28,8 @@ class ServerConfig(RuntimeConfig):
     max_n: int = 16  # completions per call at most
     max_tokens_limit: int | None = None  # max_tokens at most; None = the model's context
     max_programs_kept: int = 100_000  # ended programs kept in the database (older ones pruned)
+    otlp_traces_endpoint: str | None = None  # vLLM's flag: export a span per program and call there (OTLP/HTTP,
+    # agentrt._tracing; needs the otel extra); None: no tracing, nothing built
     trust_request_chat_template: bool = False  # vLLM's flag: a request may bring its own chat_template
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: tool_choice "none" leaves the tools out
     # of the prompt (by default they stay described, so a conversation's calls share their prefix)
@@ -55,6 +57,16 @@ class ServerConfig(RuntimeConfig):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 < v < float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        if self.otlp_traces_endpoint is not None:
+            from agentrt._tracing import traces_url
+
+            traces_url(self.otlp_traces_endpoint)  # a malformed URL fails here, naming it
+            try:
+                import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+                import opentelemetry.sdk  # noqa: F401
+            except ImportError:
+                raise ValueError("otlp_traces_endpoint needs the otel extra: pip install 'agentrt[otel]' "
+                                 "(opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http)") from None
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit!r}")
         if any(not k for k in self.api_keys):

@@ -58,6 +58,7 @@ class Recorder(RuntimeObserver):
         self.metrics = metrics
         self.policy = policy
         self.max_programs_kept = max_programs_kept
+        self.replica: str | None = None  # the replica's id under serve --replicas (its calls' records name it)
 
     def program_started(self, info: ProgramInfo) -> None:
         if self.store is not None:
@@ -82,6 +83,10 @@ class Recorder(RuntimeObserver):
                 arrival_at=s.arrival_at, first_token_s=s.ttft_s, finished_at=s.arrival_at + s.e2e_s,
                 latency_s=s.e2e_s, num_prompt_tokens=s.num_prompt_tokens, num_output_tokens=s.num_output_tokens,
                 finish_reason=s.finish_reason, error=s.error, policy=self.policy, service_s=s.service_s,
+                queued_s=s.wait_s if s.scheduled else None, num_cached_tokens=s.num_cached_tokens,
+                num_tier_loaded_tokens=s.num_tier_loaded_tokens,
+                preemptions=[[a, b] for a, b in s.preemptions] or None, pin_ttl_s=s.pin_ttl_s, tool=s.tool,
+                priority=s.priority, replica=self.replica,
             ))
 
     async def prune_periodically(self, every_s: float = 300.0) -> None:

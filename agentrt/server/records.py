@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from sqlalchemy import Double, Index, String, Text
+from sqlalchemy import JSON, Double, Index, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -57,6 +57,14 @@ class CallRecord:
     error: str | None = None
     policy: str = ""
     service_s: float = 0.0  # executor time attributed to this call
+    queued_s: float | None = None  # arrival -> first scheduled; None: never scheduled
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_tier_loaded_tokens: int = 0  # of those, loaded from a KV tier below the pool
+    preemptions: list | None = None  # [[preempted, scheduled again or null], ...], seconds from arrival
+    pin_ttl_s: float | None = None  # TTL its program's KV was pinned for at its end
+    tool: str | None = None  # the tool its program ran between its previous call and this one, if told
+    priority: int = 0  # scheduling class
+    replica: str | None = None  # the replica that served it (serve --replicas)
 
 
 @dataclass(slots=True)
@@ -112,6 +120,16 @@ class _Call(_Base):
     error: Mapped[str | None] = mapped_column(Text)
     policy: Mapped[str]
     service_s: Mapped[float]
+    # added with program timelines (issue 52): nullable, so a database of an older server gains them in place
+    # (store.Store.start adds missing columns)
+    queued_s: Mapped[float | None]
+    num_cached_tokens: Mapped[int | None]
+    num_tier_loaded_tokens: Mapped[int | None]
+    preemptions: Mapped[list | None] = mapped_column(JSON)
+    pin_ttl_s: Mapped[float | None]
+    tool: Mapped[str | None]
+    priority: Mapped[int | None]
+    replica: Mapped[str | None]
 
 
 class _Response(_Base):

@@ -42,6 +42,8 @@ class ServerState:
         self.sampling_defaults = info.generation_defaults  # the model's generation config (vLLM's)
         self.created = int(time.time())
         self.draining = False
+        self.recorder: Any = None  # agentrt.server.recorder.Recorder: records and metrics of ended calls
+        self.history: Any = None  # agentrt.server.history.History: the live page's charts, the last 15 minutes
         self.peers: Any = None  # a Ray replica's agentrt.scale.peers.ReplicaPeers: program records and /metrics
         # across replicas; None on one server
         self._keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k.encode() for k in config.api_keys}
@@ -98,6 +100,7 @@ class Caller:
     thread_id: str | None  # X-Thread-Id or the body's thread_id
     name: str | None  # X-Program-Name: the name of a program its call starts (None: the route's default)
     last_call: bool  # X-Last-Call: the program makes no more calls, so nothing of it is pinned after this one
+    traceparent: str | None = None  # W3C trace context: the program's spans join the caller's trace (--otlp-...)
 
 
 async def read_call(request: Request, type_: type) -> tuple[ServerState, Caller, Any]:
@@ -111,7 +114,7 @@ async def read_call(request: Request, type_: type) -> tuple[ServerState, Caller,
     if st.peers is not None and pid is not None:  # a program other replicas may run: one owner, one service
         await st.peers.admit(pid, owner)
     last = request.headers.get("x-last-call", "").strip().lower() in ("1", "true", "yes")
-    return st, Caller(owner, model, pid, tid, program_name(request), last), req
+    return st, Caller(owner, model, pid, tid, program_name(request), last, request.headers.get("traceparent")), req
 
 
 def program_keys(request: Request, program_id: str | None, thread_id: str | None) -> tuple[str | None, str | None]:

@@ -27,7 +27,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, InterfaceError, NoSuchModuleError, OperationalError, SQLAlchemyError
@@ -134,6 +134,18 @@ def check_url(url: str) -> None:
         engine.dispose()
 
 
+def _add_missing_columns(conn: Connection) -> None:
+    """Columns a newer agentrt added to a table (nullable ones) that a database made by an older one lacks."""
+    names = inspect(conn)
+    for table in _Base.metadata.sorted_tables:
+        have = {c["name"] for c in names.get_columns(table.name)}
+        for col in table.columns:
+            if col.name not in have and col.nullable:
+                kind = col.type.compile(dialect=conn.dialect)
+                conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
+                logger.info("store: added the column %s.%s", table.name, col.name)
+
+
 class Store(StoreReads):
     """Programs and calls in a SQL database, written off the caller's thread.
 
@@ -198,6 +210,7 @@ class Store(StoreReads):
             return
         with self._connect(write=True) as conn:
             _Base.metadata.create_all(conn)
+            _add_missing_columns(conn)
         self._thread = threading.Thread(target=self._run, name="agentrt-store-writer", daemon=True)
         self._thread.start()
 

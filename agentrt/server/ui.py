@@ -13,6 +13,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from agentrt.server.openapi import Operation
+from agentrt.server.timeline_page import CHARTS_HTML, CHARTS_JS, LEGEND, STYLE, TIMELINE_JS
 
 PAGE = """<!doctype html>
 <html lang="en">
@@ -38,6 +39,10 @@ PAGE = """<!doctype html>
   #error { color: #b91c1c; }
   #keyform { display: none; }
   .muted { color: #888; }
+  tr[data-program-id] { cursor: pointer; } tr.selected td { background: #eef4ff; }
+  .cols { display: flex; gap: 1.5em; align-items: flex-start; } .cols > .tl { flex: 1; min-width: 0; }
+  th.l { text-align: left; } h2 { font-size: 1.05em; margin: 1.2em 0 .4em; }
+""" + STYLE + """
 </style>
 </head>
 <body>
@@ -54,6 +59,7 @@ PAGE = """<!doctype html>
   <span id="error"></span>
   <form id="keyform">API key <input id="key" type="password" autocomplete="off"> <button>use</button></form>
 </div>
+""" + CHARTS_HTML + """
 <table>
   <thead><tr>
     <th class="l">program</th><th class="l">name</th><th class="l">state</th><th>calls w/r/done</th>
@@ -62,8 +68,12 @@ PAGE = """<!doctype html>
   </tr></thead>
   <tbody id="programs"></tbody>
 </table>
+<h2>timeline <span id="tl-title" class="muted">(click a program)</span></h2>
+""" + LEGEND + """
+<div class="cols"><div class="tl" id="timeline"></div><div id="totals"></div></div>
 <script>
 "use strict";
+""" + TIMELINE_JS + CHARTS_JS + """
 const params = new URLSearchParams(location.search);
 if (params.get("key")) localStorage.setItem("agentrt-key", params.get("key"));
 let key = localStorage.getItem("agentrt-key") || "";
@@ -111,6 +121,8 @@ function render(programs) {
     const tr = document.createElement("tr");
     tr.dataset.programId = p.id; tr.dataset.state = p.state; tr.dataset.name = p.name;
     if (p.replicas) tr.title = "replicas: " + p.replicas.join(", ");  // agentrt serve --replicas
+    if (p.id === selected) tr.className = "selected";
+    tr.addEventListener("click", () => { selected = p.id; picked = true; pollTimeline(); });
     tr.append(cell(p.id, "l"), cell(p.name, "l"), cell(p.state, "l state"),
       cell(p.calls_waiting + "/" + p.calls_running + "/" + p.calls_done), cell(p.num_threads),
       cell(p.service_s.toFixed(2)), cell(p.wait_s.toFixed(2)), cell(p.queue_level ?? "-"), cell(p.kv_blocks_pinned == null ? p.kv_blocks : p.kv_blocks + " (" + p.kv_blocks_pinned + " pinned)"),
@@ -119,6 +131,10 @@ function render(programs) {
     rows.push(tr);
   }
   body.replaceChildren(...rows);
+  if (!picked) {  // until a row is clicked: the newest program running here, else the newest
+    const live = programs.find((p) => p.live && p.state === "running") || programs[0];
+    selected = live ? live.id : null;
+  }
   const running = programs.filter((p) => p.live && p.state === "running").length;  // only what this server runs
   $("count-running").textContent = running;
   $("count-ended").textContent = programs.length - running;
@@ -146,6 +162,30 @@ async function poll() {
     $("error").textContent = String(e.message || e);
   }
 }
+let selected = null, picked = false, since = null, samples = [];
+async function pollTimeline() {
+  if (selected === null) return;
+  try {
+    const tl = await (await get("v1/programs/" + encodeURIComponent(selected) + "/timeline")).json();
+    $("tl-title").innerHTML = '<a href="ui/programs/' + encodeURIComponent(selected) + '">' + esc(selected) + "</a> " +
+      esc(tl.name) + " · " + esc(tl.state);
+    $("timeline").dataset.programId = selected;
+    drawTimeline($("timeline"), tl);
+    drawTotals($("totals"), tl);
+  } catch (e) {
+    $("tl-title").textContent = String(e.message || e);
+  }
+}
+async function pollHistory() {
+  try {
+    const h = await (await get("v1/stats/history" + (since === null ? "" : "?since=" + since))).json();
+    if (h.data.length) since = h.data[h.data.length - 1].t;
+    samples = samples.concat(h.data).filter((s) => s.t > since - 900);
+    drawCharts(samples);
+  } catch (e) {}
+}
+setInterval(() => { pollTimeline(); pollHistory(); }, 1000);
+pollHistory();
 get("v1/models").then((r) => r.json()).then((d) => { $("model").textContent = d.data[0].id; }).catch(() => {});
 poll();
 setInterval(poll, 1000);
