@@ -148,7 +148,8 @@ def _save_dequantized(hf, out: Path) -> None:
     save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # HF config model_type (engine/model.py)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3",  # HF config model_type (engine/model.py)
+                         "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")  # mixtures of experts (engine/moe.py)
 
 
 def load_hf_config(path: Path):

@@ -24,6 +24,7 @@ from torch import nn
 from agentrt import kernels
 from agentrt.engine.lora import LoRASlot
 from agentrt.engine.model_args import ModelArgs
+from agentrt.engine.moe import SparseMoE
 from agentrt.kernels.linear import (
     BF16_PACKED_MAX_ROWS,
     Linear,
@@ -161,6 +162,9 @@ class MLP(nn.Module):
             lb.apply(self.layer, "down", h, out)
         return out
 
+    def streamed_weights(self) -> list[tuple[PackCache, torch.Tensor]]:
+        return [(lin.pack_cache, lin.weight) for lin in (self.gate_up_proj, self.down_proj)]
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, a: ModelArgs, layer: int = 0, lora: LoRASlot | None = None):
@@ -168,7 +172,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Attention(a, layer, lora)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = MLP(a, layer, lora)
+        sparse = a.moe is not None and layer in a.moe.sparse_layers
+        self.mlp = SparseMoE(a.hidden_size, a.moe) if sparse else MLP(a, layer, lora)
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta, slot_mapping):
         # x: [T, hidden], the previous layer's output, and residual its input stream (None at layer 0)
@@ -242,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         """Whether a step of `rows` rows can run as one `decode_forward` call: decode rows (at most 16 per
         sequence, the C++ attention's), few enough for the packed projections, a head_dim and layout the
         C++ kernels take (the cache in the model's dtype)."""
-        return (max_query_len <= CPP_MAX_QUERY_ROWS and rows <= BF16_PACKED_MAX_ROWS
+        return (self.args.moe is None and max_query_len <= CPP_MAX_QUERY_ROWS and rows <= BF16_PACKED_MAX_ROWS
                 and self.args.head_dim in (32, 64, 128, 256) and self.args.num_heads <= 64
                 and kv_cache.dtype == self.embed_tokens.weight.dtype and kv_cache.is_contiguous())
 
@@ -271,9 +276,9 @@ class LlamaForCausalLM(nn.Module):
     def streamed_weights(self) -> list[tuple[PackCache, torch.Tensor]]:
         """(pack cache, weight) of every weight a decode step streams: each layer's projections, then the
         LM head (the embedding when tied)."""
-        lins = [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        caches = [(lin.pack_cache, lin.weight) for lin in lins]
+        caches = [c for layer in self.layers
+                  for c in [(lin.pack_cache, lin.weight) for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
+                  + layer.mlp.streamed_weights()]
         caches.append((self.lm_head.pack_cache, self.lm_head.weight) if self.lm_head is not None
                       else (self._tied_head_pack, self.embed_tokens.weight))
         return caches
@@ -398,6 +403,9 @@ class LlamaForCausalLM(nn.Module):
             if att.q_norm is not None:  # same rope layout as the q and k rows
                 for n, norm in (("q", att.q_norm), ("k", att.k_norm)):
                     norm.weight.copy_(interleave_rope_rows(take(p + f"self_attn.{n}_norm.weight"), 1, att.head_dim))
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.load_hf(sd, p)
+                continue
             layer.mlp.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
             layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
         leftover = [k for k in sd if "rotary_emb" not in k]

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrt.engine.moe import MoEArgs
+
 
 @dataclass(slots=True)
 class ModelArgs:
@@ -24,6 +26,7 @@ class ModelArgs:
     qkv_bias: bool  # Qwen2 layout
     qk_norm: bool = False  # Qwen3 layout: RMSNorm over each head of q and of k, before RoPE
     num_labels: int = 0  # a *ForSequenceClassification checkpoint's classes (its `score` head); 0 = none
+    moe: MoEArgs | None = None  # the mixture of experts of Mixtral, Qwen-MoE, gpt-oss (engine.moe); None = dense
 
     @classmethod
     def from_hf(cls, cfg) -> ModelArgs:
@@ -39,10 +42,12 @@ class ModelArgs:
             rms_norm_eps=cfg.rms_norm_eps,
             max_position=min(cfg.max_position_embeddings, sliding_window(cfg) or cfg.max_position_embeddings),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=cfg.model_type == "qwen3",
+            qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+                     or bool(getattr(cfg, "qkv_bias", False)),  # Qwen2-MoE's name
+            qk_norm=cfg.model_type in ("qwen3", "qwen3_moe"),
             num_labels=cfg.num_labels if any(a.endswith("ForSequenceClassification")
                                              for a in getattr(cfg, "architectures", None) or ()) else 0,
+            moe=MoEArgs.from_hf(cfg),
         )
 
 

@@ -7,6 +7,7 @@
 // - attention.h: paged_attention_small_q, attention of few-row sequences from the paged cache;
 // - attention_bf16.h: paged_attention_bf16, tiled attention of any rows on AVX512-BF16 (bf16 only);
 // - elementwise.h: rms_norm (optionally after the residual add), silu_and_mul, rope_store_kv;
+// - moe.h: grouped_linear, a mixture-of-experts layer's expert projections, one GEMM per expert;
 // - sampler.h: topk_rows, logsumexp_rows and penalize_rows, the sampler's row kernels;
 // - decode_forward (here): all decoder layers of a decode step in one call; decode_steps: greedy
 //   decode steps (layers, final norm, LM head, argmax) in one call.
@@ -25,6 +26,7 @@
 #include "attention_bf16.h"
 #include "elementwise.h"
 #include "linear.h"
+#include "moe.h"
 #include "team.h"
 #include "sampler.h"
 #include "vec.h"
@@ -108,6 +110,40 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& w_packed, c
   at::Tensor y = at::empty({M, N}, x.options());
   (void)invariant;  // the packed kernel's output is row-invariant either way (AMX where it applies, else tiles)
   agentrt::packed_linear_bf16(ptr<bf16>(x), M, K, ptr<bf16>(w_packed), b, ptr<bf16>(y), N);
+  return y;
+}
+
+// x [M, K] (fp32 or bf16) with its rows sorted by expert, offsets [E + 1] int64 (expert e's rows at
+// offsets[e] .. offsets[e + 1]), w_packed one packed weight per expert ([E, ...] of packed_linear's layout in
+// x's dtype), bias [E, N] fp32 or None -> [M, N] in x's dtype: each row times its expert's weight.
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& w_packed,
+                          const std::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && is_float_or_bf16(x) && x.is_contiguous(), "grouped_linear: x [M, K] contiguous fp32 or bf16");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
+              "grouped_linear: offsets [E + 1] int64");
+  const int64_t M = x.size(0), K = x.size(1), E = offsets.size(0) - 1;
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == M, "grouped_linear: offsets run from 0 to the ", M, " rows of x, got ", off[0],
+              " .. ", off[E]);
+  for (int64_t e = 0; e < E; ++e) TORCH_CHECK(off[e] <= off[e + 1], "grouped_linear: offsets decrease at expert ", e);
+  TORCH_CHECK(w_packed.size(0) == E && w_packed.scalar_type() == x.scalar_type(), "grouped_linear: w_packed [", E,
+              ", ...] in x's dtype, got ", w_packed.sizes(), " ", w_packed.scalar_type());
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  check_packed(w_packed[0], std::nullopt, K, N, bf);
+  TORCH_CHECK(w_packed.is_contiguous(), "grouped_linear: w_packed contiguous");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->dim() == 2 && bias->size(0) == E &&
+                    bias->size(1) == N,
+                "grouped_linear: bias [E, N] fp32, got ", bias->sizes(), " ", bias->scalar_type());
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (bf) {
+    agentrt::grouped_linear_bf16(ptr<bf16>(x), off, E, M, K, ptr<bf16>(w_packed), b, ptr<bf16>(y), N);
+  } else {
+    agentrt::grouped_linear_f32(x.data_ptr<float>(), off, E, K, w_packed.data_ptr<float>(), b, y.data_ptr<float>(), N);
+  }
   return y;
 }
 
@@ -637,6 +673,7 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor w_packed, Tensor? bias, int N) -> Tensor");
   m.def("packed_linear_bf16(Tensor x, Tensor w_packed, Tensor? bias, int N, bool invariant=False) -> Tensor");
+  m.def("grouped_linear(Tensor x, Tensor offsets, Tensor w_packed, Tensor? bias, int N) -> Tensor");
   m.def(
       "paged_attention_small_q(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out, bool invariant=False, int window=0, "
@@ -666,6 +703,7 @@ AGENTRT_LIBRARY_IMPL(AGENTRT_NS, CPU, m) {
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("packed_linear", packed_linear);
   m.impl("packed_linear_bf16", packed_linear_bf16);
+  m.impl("grouped_linear", grouped_linear);
   m.impl("paged_attention_small_q", paged_attention_small_q);
   m.impl("paged_attention_bf16", paged_attention_bf16);
   m.impl("rope_store_kv", rope_store_kv);

@@ -369,54 +369,82 @@ inline bool amx_linear_applies(int64_t K) {
 #endif
 }
 
-// x [M, K] bf16, w packed as above, bias fp32 [N] or null -> y [M, N] bf16; on AMX where amx_linear_applies.
-inline void packed_linear_bf16(const bf16* x, int64_t M, int64_t K, const bf16* w, const float* bias, bf16* y,
-                               int64_t N) {
-  const int64_t panels = (N + kPanelBf16 - 1) / kPanelBf16, panel_elems = ((K + 1) / 2) * 2 * kPanelBf16;
+// x's rows as the AVX2 bf16 tiles read them: fp32, each row padded with a zero to whole pairs ([M, K + 1]); empty
+// where the kernels are built with AVX512-BF16 (their tiles read bf16 pairs).
+inline std::vector<float> bf16_rows_for_tiles(const bf16* x, int64_t M, int64_t K) {
+#if defined(__AVX512BF16__)
+  (void)x, (void)M, (void)K;
+  return {};
+#else
+  std::vector<float> xf(M * (K + 1), 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xf[m * (K + 1) + k] = to_f32(x[m * K + k]);
+  return xf;
+#endif
+}
+
+// One thread's state across the bf16 panels it runs: its widened panel and fp32 outputs (AVX2), whether and for
+// how many rows its AMX tiles are configured (released when it goes).
+struct Bf16Panels {
+  explicit Bf16Panels(bool use_amx) : amx(use_amx) {}
+  Bf16Panels(const Bf16Panels&) = delete;
+  Bf16Panels& operator=(const Bf16Panels&) = delete;
+  ~Bf16Panels() {
 #if defined(AGENTRT_AMX)
-  if (amx_linear_applies(K)) {
-    agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
-      int configured = 0;  // tile configuration is per thread
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n = p * kPanelBf16;
-        linear_rows_amx(x, M, K, w + p * panel_elems, bias ? bias + n : nullptr, y + n, N,
-                        std::min(kPanelBf16, N - n), configured);
-      }
-      if (configured) _tile_release();
-    });
+    if (amx_rows) _tile_release();
+#endif
+  }
+  const bool amx;  // amx_linear_applies(K) of the weight
+  int amx_rows = 0;
+  std::vector<float> wf, yf;
+};
+
+// Rows [M] of x (bf16 [M, K]; xf: the same rows from bf16_rows_for_tiles) through one bf16 panel (+ its bias):
+// y[m, 0:ncols] (row stride N), on AMX where s.amx.
+inline void linear_panel_bf16(const bf16* x, const float* xf, int64_t M, int64_t K, const bf16* panel,
+                              const float* bias, bf16* y, int64_t N, int64_t ncols, Bf16Panels& s) {
+#if defined(AGENTRT_AMX)
+  if (s.amx) {
+    linear_rows_amx(x, M, K, panel, bias, y, N, ncols, s.amx_rows);
     return;
   }
 #endif
-#if !defined(__AVX512BF16__)
-  std::vector<float> xf(M * (K + 1), 0.f);  // x in fp32, each row padded with a zero to whole pairs
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xf[m * (K + 1) + k] = to_f32(x[m * K + k]);
-#endif
-  agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
-#if !defined(__AVX512BF16__)
-    std::vector<float> wf, yf;  // this thread's widened panel and fp32 outputs
-#endif
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n = p * kPanelBf16, ncols = std::min(kPanelBf16, N - n);
-      const bf16* panel = w + p * panel_elems;
-      const float* bn = bias ? bias + n : nullptr;
 #if defined(__AVX512BF16__)
-      linear_rows_bf16(x, M, K, panel, bn, y + n, N, ncols);
+  (void)xf, (void)s;
+  linear_rows_bf16(x, M, K, panel, bias, y, N, ncols);
 #else
-      if (M >= kWidenMinRows) {
-        linear_rows_widened(xf.data(), K + 1, M, K, panel, bn, y + n, N, ncols, wf, yf);
-        continue;
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRowsBf16) {
-        const float* xm = xf.data() + m0 * (K + 1);
-        bf16* ym = y + m0 * N + n;
-        if (M - m0 >= 2) {
-          linear_tile_bf16<2>(xm, K, panel, bn, ym, N, ncols);
-        } else {
-          linear_tile_bf16<1>(xm, K, panel, bn, ym, N, ncols);
-        }
-      }
+  (void)x;
+  if (M >= kWidenMinRows) {
+    linear_rows_widened(xf, K + 1, M, K, panel, bias, y, N, ncols, s.wf, s.yf);
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRowsBf16) {
+    const float* xm = xf + m0 * (K + 1);
+    bf16* ym = y + m0 * N;
+    if (M - m0 >= 2) {
+      linear_tile_bf16<2>(xm, K, panel, bias, ym, N, ncols);
+    } else {
+      linear_tile_bf16<1>(xm, K, panel, bias, ym, N, ncols);
+    }
+  }
 #endif
+}
+
+// Elements of one bf16 panel of a weight with K inputs.
+inline int64_t bf16_panel_elems(int64_t K) { return ((K + 1) / 2) * 2 * kPanelBf16; }
+
+// x [M, K] bf16, w packed as above, bias fp32 [N] or null -> y [M, N] bf16; on AMX where amx_linear_applies.
+inline void packed_linear_bf16(const bf16* x, int64_t M, int64_t K, const bf16* w, const float* bias, bf16* y,
+                               int64_t N) {
+  const int64_t panels = (N + kPanelBf16 - 1) / kPanelBf16, panel_elems = bf16_panel_elems(K);
+  const bool use_amx = amx_linear_applies(K);
+  const std::vector<float> xf = use_amx ? std::vector<float>{} : bf16_rows_for_tiles(x, M, K);
+  agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
+    Bf16Panels s(use_amx);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = p * kPanelBf16;
+      linear_panel_bf16(x, xf.data(), M, K, w + p * panel_elems, bias ? bias + n : nullptr, y + n, N,
+                        std::min(kPanelBf16, N - n), s);
     }
   });
 }

@@ -1,0 +1,200 @@
+"""The mixture-of-experts feed-forward block of Mixtral, Qwen2-MoE / Qwen3-MoE and gpt-oss (`SparseMoE`), and
+what a checkpoint's config says about it (`MoEArgs`).
+
+A step's tokens [T, hidden] go through the router (a linear map to E expert logits, with a bias in
+gpt-oss), each keeps its top k experts (`kernels.moe.route_topk`: softmax, top k, renormalized in Mixtral
+and where Qwen's `norm_topk_prob` says; gpt-oss: softmax over the top k logits). The T * k assignments are
+sorted by expert and the experts computed grouped (`kernels.moe.grouped_linear`, one GEMM per expert over
+its rows): gate and up in one projection [E, 2I, hidden] (gate rows first), the activation, down
+[E, hidden, I]; each assignment's output is scaled by its weight and a token's k outputs summed (in fp32,
+in the order of its choices). Qwen2-MoE adds a shared expert, a dense SwiGLU MLP gated per token by
+sigmoid(x . w).
+
+Activations: SiLU(gate) * up (Mixtral, Qwen), or gpt-oss's clamped SwiGLU:
+gate = min(gate, limit), up = clamp(up, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate), as
+transformers' GptOssExperts computes it (alpha 1.702, limit 7). gpt-oss stores gate and up interleaved
+(columns 2i and 2i + 1 of x @ W); they are split into the gate-then-up rows at load.
+
+Weights load from the checkpoint's names (per-expert tensors `experts.{j}.w1/w3/w2` or
+`gate/up/down_proj`, fused `experts.gate_up_proj` as transformers holds them in memory, which is what
+a GGUF conversion writes), and gpt-oss's MXFP4 experts (`*_blocks` 4-bit E2M1 values, two a byte, with
+one power-of-two `*_scales` byte per 32) are widened at load (`dequantize_mxfp4`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentrt import kernels
+from agentrt.kernels.linear import Linear, PackCache
+from agentrt.kernels.moe import ExpertPackCache, grouped_linear, route_topk, sort_by_expert
+
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+
+
+@dataclass(slots=True, frozen=True)
+class MoEArgs:
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # of one expert
+    renormalize: bool  # top-k weights divided by their sum (Mixtral; Qwen's norm_topk_prob)
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the mixture (the others a dense MLP)
+    layout: str  # weight names and router: "mixtral", "qwen" or "gpt_oss"
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0 = none)
+    swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU
+    swiglu_limit: float = 7.0
+
+    @property
+    def gpt_oss(self) -> bool:
+        return self.layout == "gpt_oss"
+
+    @classmethod
+    def from_hf(cls, cfg) -> MoEArgs | None:
+        """The mixture a HF config describes, or None for a dense model."""
+        t = cfg.model_type
+        if t not in MOE_MODEL_TYPES:
+            return None
+        layers = range(cfg.num_hidden_layers)
+        if t == "mixtral":
+            return cls(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, tuple(layers),
+                       "mixtral")
+        if t == "gpt_oss":
+            return cls(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, tuple(layers),
+                       "gpt_oss", swiglu_alpha=float(getattr(cfg, "swiglu_alpha", 1.702)),
+                       swiglu_limit=float(cfg.swiglu_limit))
+        dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+        step = getattr(cfg, "decoder_sparse_step", 1) or 1
+        sparse = tuple(i for i in layers if i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0)
+        return cls(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob),
+                   sparse, "qwen", shared_intermediate_size=int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, m: MoEArgs):
+        super().__init__()
+        self.args = m
+        E, inter = m.num_experts, m.intermediate_size
+        self.router = Linear(hidden_size, E, bias=m.gpt_oss)
+        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, hidden_size), requires_grad=False)  # gate rows, up rows
+        self.w2 = nn.Parameter(torch.empty(E, hidden_size, inter), requires_grad=False)
+        self.w13_bias = nn.Parameter(torch.empty(E, 2 * inter), requires_grad=False) if m.gpt_oss else None
+        self.w2_bias = nn.Parameter(torch.empty(E, hidden_size), requires_grad=False) if m.gpt_oss else None
+        self.w13_pack, self.w2_pack = ExpertPackCache(), ExpertPackCache()
+        if m.shared_intermediate_size:
+            self.shared_gate_up = Linear(hidden_size, 2 * m.shared_intermediate_size, bias=False)
+            self.shared_down = Linear(m.shared_intermediate_size, hidden_size, bias=False)
+            self.shared_gate = Linear(hidden_size, 1, bias=False)
+        else:
+            self.shared_gate_up = self.shared_down = self.shared_gate = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        m = self.args
+        T = x.shape[0]
+        weights, ids = route_topk(self.router(x), m.top_k, renormalize=m.renormalize, softmax_after_topk=m.gpt_oss)
+        order, offsets = sort_by_expert(ids, m.num_experts)
+        rows = x.index_select(0, order // m.top_k)  # [T * k, hidden], grouped by expert
+        h = self._activate(grouped_linear(rows, offsets, self.w13, self.w13_bias, self.w13_pack))
+        out = grouped_linear(h, offsets, self.w2, self.w2_bias, self.w2_pack)  # [T * k, hidden]
+        by_choice = torch.empty_like(out)
+        by_choice[order] = out
+        y = (by_choice.view(T, m.top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        if self.shared_gate_up is not None:
+            shared = self.shared_down(self._silu_and_mul(self.shared_gate_up(x)))
+            y = y + torch.sigmoid(self.shared_gate(x)) * shared
+        return y
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # gate_up: [rows, 2I], gate columns first -> [rows, I]
+        if not self.args.gpt_oss:
+            return self._silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        limit = self.args.swiglu_limit
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.args.swiglu_alpha))
+
+    @staticmethod
+    def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        if (gate_up.device.type == "cpu" and gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.is_contiguous()
+                and (ops := kernels.cpu.ops()) is not None):
+            return ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def streamed_weights(self) -> list[tuple[PackCache, torch.Tensor]]:
+        """(pack cache, weight) of the weights a decode step streams (every expert's, an upper bound)."""
+        lins = [self.router] + ([self.shared_gate_up, self.shared_down] if self.shared_gate_up is not None else [])
+        return [(self.w13_pack, self.w13), (self.w2_pack, self.w2)] + [(lin.pack_cache, lin.weight) for lin in lins]
+
+    @torch.no_grad()
+    def load_hf(self, sd: dict[str, torch.Tensor], prefix: str) -> None:
+        """Pop this layer's mixture weights (`prefix` = "model.layers.{i}.") from a HF state dict."""
+        take = _taker(sd)
+        m = self.args
+        if m.gpt_oss:
+            p = prefix + "mlp."
+            self.router.weight.copy_(take(p + "router.weight"))
+            self.router.bias.copy_(take(p + "router.bias"))
+            gate_up = _expert_tensor(sd, take, p + "experts.gate_up_proj", transposed=True)  # [E, 2I, H], interleaved
+            self.w13.copy_(torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
+            bias = take(p + "experts.gate_up_proj_bias")
+            self.w13_bias.copy_(torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1))
+            self.w2.copy_(_expert_tensor(sd, take, p + "experts.down_proj", transposed=True))
+            self.w2_bias.copy_(take(p + "experts.down_proj_bias"))
+            return
+        p = prefix + ("block_sparse_moe." if prefix + "block_sparse_moe.gate.weight" in sd else "mlp.")
+        self.router.weight.copy_(take(p + "gate.weight"))
+        if p + "experts.gate_up_proj" in sd:  # transformers' in-memory layout (a GGUF conversion's)
+            self.w13.copy_(take(p + "experts.gate_up_proj"))
+            self.w2.copy_(take(p + "experts.down_proj"))
+        else:
+            gate, up, down = ("w1", "w3", "w2") if m.layout == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+            for j in range(m.num_experts):
+                e = f"{p}experts.{j}."
+                self.w13[j].copy_(torch.cat([take(f"{e}{gate}.weight"), take(f"{e}{up}.weight")]))
+                self.w2[j].copy_(take(f"{e}{down}.weight"))
+        if self.shared_gate_up is not None:
+            s = p + "shared_expert."
+            self.shared_gate_up.weight.copy_(torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")]))
+            self.shared_down.weight.copy_(take(s + "down_proj.weight"))
+            self.shared_gate.weight.copy_(take(p + "shared_expert_gate.weight"))
+
+
+def _taker(sd: dict[str, torch.Tensor]):
+    def take(name: str) -> torch.Tensor:
+        try:
+            return sd.pop(name)
+        except KeyError:
+            raise ValueError(f"checkpoint is missing weight {name!r}") from None
+
+    return take
+
+
+def _expert_tensor(sd: dict[str, torch.Tensor], take, name: str, *, transposed: bool) -> torch.Tensor:
+    """gpt-oss's expert weight `name` as [E, out, in]: from MXFP4 blocks and scales where the checkpoint has
+    them, else the plain tensor (stored [E, in, out] when `transposed`)."""
+    if name + "_blocks" in sd:
+        return dequantize_mxfp4(take(name + "_blocks"), take(name + "_scales"))
+    w = take(name)
+    return w.transpose(1, 2) if transposed else w
+
+
+# The 16 values of a 4-bit E2M1 code (sign bit 3, then two exponent bits and one mantissa bit).
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP4 (OCP microscaling) -> dense: blocks [..., G, 16] uint8 (32 E2M1 codes per group of 32 values, low
+    nibble first), scales [..., G] uint8 (the group's power of two, biased by 127) -> [..., G * 32]."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks [..., G, 16] and scales [..., G] of uint8 expected, got "
+                         f"{tuple(blocks.shape)} {blocks.dtype} and {tuple(scales.shape)} {scales.dtype}")
+    lut = torch.tensor(_FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 32]
+    values = torch.ldexp(lut[codes], scales.to(torch.int32).sub(127).unsqueeze(-1).float())
+    return values.flatten(-2).to(dtype)

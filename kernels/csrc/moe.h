@@ -1,0 +1,62 @@
+// Grouped expert projections of a mixture-of-experts layer (kernels/moe.py): the rows of x sorted by expert,
+// expert e's rows at offsets[e] .. offsets[e + 1], each times its expert's packed weight. One GEMM per expert
+// over its rows, never a pass per row: every (expert with rows, panel) pair is one work item of a single
+// parallel loop, so a decode step's few rows per expert still spread over all threads, and each expert's
+// weight is streamed once per step however many of the step's tokens chose it. Experts without rows cost
+// nothing (their weights are not read).
+//
+// Weights are the packed panels of linear.h, one block per expert: fp32 [E, ceil(N / 16), K, 16], bf16
+// [E, ceil(N / 32), ceil(K / 2), 32, 2]; biases fp32 [E, N]. The per-panel kernels are linear.h's own
+// (bf16 on AMX where it applies), so a row's output is what packed_linear gives it with that expert's weight.
+
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "linear.h"
+#include "team.h"
+
+namespace agentrt {
+
+// The experts that have rows, in expert order.
+inline std::vector<int64_t> experts_with_rows(const int64_t* offsets, int64_t E) {
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < E; ++e)
+    if (offsets[e + 1] > offsets[e]) used.push_back(e);
+  return used;
+}
+
+// x [M, K] fp32 -> y [M, N] fp32.
+inline void grouped_linear_f32(const float* x, const int64_t* offsets, int64_t E, int64_t K, const float* w,
+                               const float* bias, float* y, int64_t N) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const std::vector<int64_t> used = experts_with_rows(offsets, E);
+  agentrt::stealing_for(static_cast<int64_t>(used.size()) * panels, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = used[i / panels], p = i % panels, n = p * kPanel, r0 = offsets[e];
+      linear_rows_f32(x + r0 * K, K, offsets[e + 1] - r0, K, w + (e * panels + p) * K * kPanel,
+                      bias ? bias + e * N + n : nullptr, y + r0 * N + n, N, std::min(kPanel, N - n));
+    }
+  });
+}
+
+// x [M, K] bf16 -> y [M, N] bf16 (fp32 accumulation, rounded once after the bias).
+inline void grouped_linear_bf16(const bf16* x, const int64_t* offsets, int64_t E, int64_t M, int64_t K,
+                                const bf16* w, const float* bias, bf16* y, int64_t N) {
+  const int64_t panels = (N + kPanelBf16 - 1) / kPanelBf16, panel_elems = bf16_panel_elems(K);
+  const bool use_amx = amx_linear_applies(K);
+  const std::vector<float> xf = use_amx ? std::vector<float>{} : bf16_rows_for_tiles(x, M, K);
+  const std::vector<int64_t> used = experts_with_rows(offsets, E);
+  agentrt::stealing_for(static_cast<int64_t>(used.size()) * panels, [&](int64_t i0, int64_t i1) {
+    Bf16Panels s(use_amx);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = used[i / panels], p = i % panels, n = p * kPanelBf16, r0 = offsets[e];
+      linear_panel_bf16(x + r0 * K, xf.empty() ? nullptr : xf.data() + r0 * (K + 1), offsets[e + 1] - r0, K,
+                        w + (e * panels + p) * panel_elems, bias ? bias + e * N + n : nullptr, y + r0 * N + n, N,
+                        std::min(kPanelBf16, N - n), s);
+    }
+  });
+}
+
+}  // namespace agentrt
