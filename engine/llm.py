@@ -56,7 +56,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | Sequence[str | list[int]],
+        prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         progress: bool | str = "auto",
@@ -64,7 +64,8 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         on_delta: Callable[[StreamDelta], None] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in prompt order. Prompts are text or token id lists; `params` is one
+        """One output per prompt, in prompt order. Prompts are text or token id lists (or vLLM's dicts,
+        `{"prompt_token_ids": [...]}` or `{"prompt": "..."}`); `params` is one
         SamplingParams for all or one per prompt. Bad input raises InvalidRequestError (a ValueError)
         before anything runs. `progress`: a rich progress bar on stderr (True, False, or "auto": on a
         terminal from PROGRESS_MIN_PROMPTS prompts). `priority`: per prompt its scheduling class (vLLM's;
@@ -216,10 +217,26 @@ class LLM:
 
 
 def _prompt_list(prompts: Any) -> list:
-    """One prompt (text or a token id list) as a list of one; a sequence of prompts as a list."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
+    """One prompt (text, a token id list, or vLLM's `{"prompt_token_ids": [...]}` / `{"prompt": "..."}`) as a
+    list of one; a sequence of prompts as a list; vLLM's dict prompts as their text or token ids."""
+    if (isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
+        prompts = [prompts]
+    return [_prompt_of(p) if isinstance(p, dict) else p for p in prompts]
+
+
+_PROMPT_KEYS = ("prompt_token_ids", "prompt")
+
+
+def _prompt_of(prompt: dict) -> str | list[int]:
+    """vLLM's TokensPrompt / TextPrompt: the token ids or the text it holds."""
+    unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+    if unknown or len(prompt) != 1:
+        raise InvalidRequestError(f"a dict prompt holds exactly one of {', '.join(_PROMPT_KEYS)}, got keys "
+                                  f"{sorted(prompt)}", parameter="prompts", value=show_value(prompt))
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        return list(ids) if isinstance(ids, (list, tuple)) else ids  # the admission check names a bad value
+    return prompt["prompt"]
 
 
 def _is_conversation(x: Any) -> bool:

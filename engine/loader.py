@@ -109,10 +109,37 @@ def _status(message: str, off_tty: bool = False):
         yield
 
 
+# GGUF `general.architecture` -> the HF model_type transformers converts it to (others are the same name)
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "gemma3": "gemma3_text"}
+
+
+def gguf_architecture(gguf: Path) -> str:
+    """The `general.architecture` of a GGUF file, read from its header (nothing is converted)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(gguf).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except KeyError:
+        raise ValueError(f"GGUF file {str(gguf)!r} names no general.architecture") from None
+
+
+def check_gguf_supported(gguf: Path) -> str:
+    """The HF model_type of a GGUF file, or a ValueError naming its architecture when the engine does not run
+    it (before any conversion)."""
+    arch = gguf_architecture(gguf)
+    model_type = _GGUF_MODEL_TYPES.get(arch, arch)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {str(gguf)!r}: the engine runs "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return model_type
+
+
 def _convert_gguf(gguf: Path, name: str) -> Path:
     out = converted_path(gguf, name)
     if (out / "config.json").is_file():
         return out
+    check_gguf_supported(gguf)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -148,7 +175,8 @@ def _save_dequantized(hf, out: Path) -> None:
     save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3",  # HF config model_type (engine/model.py)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "smollm3", "phi3", "gemma2",
+                         "gemma3", "gemma3_text",  # HF config model_type (engine/model.py)
                          "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")  # mixtures of experts (engine/moe.py)
 
 
@@ -169,14 +197,14 @@ def load_model(path: Path, dtype: torch.dtype, device: str):
     from safetensors.torch import load_file
 
     from agentrt.engine.model import LlamaForCausalLM
-    from agentrt.engine.model_args import ModelArgs, rope_inv_freq
+    from agentrt.engine.model_args import ModelArgs, rope_frequencies
 
     hf_config = load_hf_config(path)
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model type {hf_config.model_type!r} in {str(path)!r}: expected one of "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     args = ModelArgs.from_hf(hf_config)
-    inv_freq, scaling = rope_inv_freq(hf_config, args.head_dim)
+    freqs = rope_frequencies(hf_config, args)
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
     model = model.to_empty(device=device)
@@ -189,5 +217,5 @@ def load_model(path: Path, dtype: torch.dtype, device: str):
             sd.update(load_file(f))
         model.load_hf_state_dict(sd)
         model.to(dtype)
-        model.init_rope(inv_freq, scaling)
+        model.init_ropes(freqs)
     return model.eval(), hf_config

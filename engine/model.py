@@ -1,7 +1,12 @@
-"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3 layouts) over a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM 2 / 3, Mistral, Ministral, Qwen2, Qwen3, Gemma 2 / 3, Phi-3 layouts) over a
+paged KV cache, built from a per-layer description (`ModelArgs`: each layer's window and rotary table).
 
-RMSNorm, RoPE (any HF rope type), GQA, SwiGLU, optional QKV bias (Qwen2), optional per-head RMSNorm of
-q and k before RoPE (Qwen3), tied embeddings.
+RMSNorm, RoPE (any HF rope type, per layer type, partial rotary, or none: NoPE layers), GQA, SwiGLU or
+GeLU-tanh gates, optional q/k/v and o biases, optional per-head RMSNorm of q and k before RoPE (Qwen3,
+Gemma 3), tied embeddings. Gemma: norms applied as (1 + w) (stored so at load), norms after attention
+and around the MLP, embeddings scaled by sqrt(hidden), query_pre_attn_scalar, soft-capped scores and
+logits (Gemma 2). Per layer, attention takes a sliding window and learned sinks (gpt-oss) through
+`kernels.paged_attention`. Ministral 3 scales q by its position-dependent attention temperature.
 Q/K/V and gate/up projections are fused into one matmul each; q/k projection rows are reordered
 at load time to adjacent (x1, x2) pairs, so RoPE on q and k together is one complex multiply (the
 KV cache holds K in that order; q.k is unchanged). Attention goes through
@@ -23,7 +28,7 @@ from torch import nn
 
 from agentrt import kernels
 from agentrt.engine.lora import LoRASlot
-from agentrt.engine.model_args import ModelArgs
+from agentrt.engine.model_args import ModelArgs, RopeFrequencies
 from agentrt.engine.moe import SparseMoE
 from agentrt.kernels.linear import (
     BF16_PACKED_MAX_ROWS,
@@ -65,16 +70,19 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def interleave_rope_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+def interleave_rope_rows(w: torch.Tensor, num_heads: int, head_dim: int, rotary_dim: int = 0) -> torch.Tensor:
     """Reorder the output rows of a q or k projection (weight [heads*D, K] or bias [heads*D]) from
-    HF's rotate-half pairing (i, i + D/2) to adjacent pairs (2i, 2i + 1).
+    HF's rotate-half pairing (i, i + R/2) of the first R = `rotary_dim` dims (default all) to adjacent pairs
+    (2i, 2i + 1); the dims past R keep their order (their rotary angles are 0).
 
     Attention only sees q.k dot products, which do not change when q and k share one permutation of
     the head dim, so the model may keep q and k in this layout (the KV cache then holds K in it too);
     rotary embedding becomes one complex multiply per adjacent pair (`apply_rope`).
     """
-    half = head_dim // 2
-    order = torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()  # 0, D/2, 1, D/2+1, ...
+    rot = rotary_dim or head_dim
+    half = rot // 2
+    order = torch.cat([torch.stack([torch.arange(half), torch.arange(half, rot)], dim=1).flatten(),  # 0, R/2, 1, ...
+                       torch.arange(rot, head_dim)])
     return w.view(num_heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
 
 
@@ -94,6 +102,7 @@ class Rope:
     positions: torch.Tensor  # [T] int64
     cos_sin: torch.Tensor | None  # C++ path: the whole table [max_position, head_dim / 2, 2] fp32
     cis: torch.Tensor | None  # torch path: [T, 1, head_dim / 2] complex64, this forward's rows
+    q_scale: torch.Tensor | None = None  # [T, 1, 1] factor on q after RoPE (Ministral 3's temperature), or None
 
 
 class Attention(nn.Module):
@@ -103,11 +112,17 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
-        self.o_proj = Linear(self.q_size, a.hidden_size, bias=False)
-        self.scale = a.head_dim**-0.5
-        # Qwen3: q and k normalized per head (weights [head_dim], in the adjacent-pair rope layout)
+        self.o_proj = Linear(self.q_size, a.hidden_size, bias=a.o_bias)
+        self.scale = a.attn_scale or a.head_dim**-0.5
+        self.rotary_dim = a.rotary_dim or a.head_dim
+        # Qwen3, Gemma 3: q and k normalized per head (weights [head_dim], in the adjacent-pair rope layout)
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        # this layer's kind: its window (None = full attention), its rotary table (None = NoPE)
+        self.window = a.windows[layer] if a.windows else None
+        self.rope_key = a.rope_keys[layer] if a.rope_keys else "default"
+        self.softcap = a.attn_softcap
+        self.sinks = nn.Parameter(torch.zeros(a.num_heads)) if a.attn_sinks else None  # gpt-oss, [H] logits
 
     def forward(self, x, rope: Rope, k_cache, v_cache, meta, slot_mapping):
         # x: [T, hidden]
@@ -126,7 +141,10 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
             kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
-        o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(T, self.q_size)
+        if rope.q_scale is not None:
+            q = q * rope.q_scale
+        o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window, sinks=self.sinks,
+                                    softcap=self.softcap).reshape(T, self.q_size)
         out = self.o_proj(o)
         if lb is not None:
             lb.apply(self.layer, "o", o, out)
@@ -145,6 +163,7 @@ class MLP(nn.Module):
         super().__init__()
         self.layer, self.lora = layer, lora or LoRASlot()
         self.inter = a.intermediate_size
+        self.act = a.hidden_act  # "silu" or "gelu_tanh"
         self.gate_up_proj = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
 
@@ -152,7 +171,10 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if (lb := self.lora.batch) is not None:
             lb.apply(self.layer, "gate_up", x, gate_up)
-        if (ops := _cpu_ops(gate_up)) is not None:
+        if self.act == "gelu_tanh":
+            gate, up = gate_up.split(self.inter, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        elif (ops := _cpu_ops(gate_up)) is not None:
             h = ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.inter, dim=-1)
@@ -172,6 +194,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Attention(a, layer, lora)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        # Gemma 2 / 3: the attention output is normed before the residual add, and the MLP sits between two norms
+        sandwich = a.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps) if sandwich else None
         sparse = a.moe is not None and layer in a.moe.sparse_layers
         self.mlp = SparseMoE(a.hidden_size, a.moe) if sparse else MLP(a, layer, lora)
 
@@ -183,6 +209,10 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, k_cache, v_cache, meta, slot_mapping)
+        if self.post_feedforward_layernorm is not None:
+            x = self.post_attention_layernorm(x)
+            x, residual = self.pre_feedforward_layernorm(x, residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -200,7 +230,10 @@ class LlamaForCausalLM(nn.Module):
         self.score = Linear(a.hidden_size, a.num_labels, bias=False) if a.num_labels else None
         self._tied_head_pack = PackCache()  # packed embedding matrix for the CPU packed_linear
         # rotary table cos + i sin, complex64 whatever the model dtype: [max_position, head_dim / 2].
-        # A plain attribute, not a buffer, so that `model.to(dtype)` leaves it complex; set by init_rope.
+        # A plain attribute, not a buffer, so that `model.to(dtype)` leaves it complex; set by init_rope(s).
+        # rope_tables: every table the layers use by key (None: NoPE's, all ones), as (cis, cos_sin);
+        # rope_cis / rope_cos_sin: the "default" one (the fused decode step's).
+        self.rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rope_cis: torch.Tensor | None = None
         self.rope_cos_sin: torch.Tensor | None = None
         self._decode_cache: tuple | None = None  # see _decode_weights
@@ -217,15 +250,41 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_rope(self, inv_freq: torch.Tensor, scaling: float) -> None:
-        """Fill the rotary table from the inverse frequencies and attention scaling (after the model
-        is on its device)."""
-        freqs = torch.outer(torch.arange(self.args.max_position, dtype=torch.float32), inv_freq.float())
-        self.rope_cis = torch.complex(freqs.cos() * scaling, freqs.sin() * scaling).to(self.embed_tokens.weight.device)
-        self.rope_cos_sin = torch.view_as_real(self.rope_cis)  # [max_position, head_dim / 2, 2] fp32, same storage
+        """Fill the one rotary table of a model whose layers share it, from its inverse frequencies and
+        attention scaling (after the model is on its device)."""
+        self.init_ropes({"default": RopeFrequencies(inv_freq, scaling)})
+
+    @torch.no_grad()
+    def init_ropes(self, freqs: dict[str, RopeFrequencies]) -> None:
+        """Fill every rotary table the layers use (`model_args.rope_frequencies`), after the model is on its
+        device. A table covers the first `len(inv_freq) * 2` dims of a head (partial rotary: the rest
+        get angle 0, cos 1 and sin 0, unscaled)."""
+        half, n = self.args.head_dim // 2, self.args.max_position
+        pos = torch.arange(n, dtype=torch.float32)
+        keys = set(self.args.rope_keys or ("default",))
+        tables: dict[str | None, torch.Tensor] = {}
+        for key, f in freqs.items():
+            angles = torch.outer(pos, f.inv_freq.float())
+            if f.long_inv_freq is not None:
+                angles[f.long_from :] = torch.outer(pos[f.long_from :], f.long_inv_freq.float())
+            cis = torch.ones(n, half, dtype=torch.complex64)
+            cis[:, : angles.shape[1]] = torch.complex(angles.cos() * f.scaling, angles.sin() * f.scaling)
+            tables[key] = cis
+        if None in keys:
+            tables[None] = torch.ones(n, half, dtype=torch.complex64)
+        missing = keys - set(tables)
+        if missing:
+            raise ValueError(f"no rotary frequencies for the layers' tables {sorted(map(str, missing))}")
+        device = self.embed_tokens.weight.device
+        self.rope_tables = {k: (c.to(device), torch.view_as_real(c.to(device))) for k, c in tables.items() if k in keys}
+        # [max_position, head_dim / 2, 2] fp32 views of the same storage
+        self.rope_cis, self.rope_cos_sin = self.rope_tables.get("default", next(iter(self.rope_tables.values())))
 
     def forward(self, input_ids, positions, kv_cache, meta, slot_mapping) -> torch.Tensor:
         # input_ids, positions, slot_mapping: [T]; kv_cache: [L, 2, num_blocks, block_size, kv_heads, D]
         x = self.embed_tokens(input_ids)
+        if self.args.embed_scale is not None:
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         if (ops := _cpu_ops(x)) is not None and not torch.is_grad_enabled():
             self._packs_on_huge_pages()
         if ops is not None and self.lora.batch is None and self._decode_fusable(x.shape[0], meta.max_query_len, kv_cache):
@@ -234,19 +293,25 @@ class LlamaForCausalLM(nn.Module):
                                       meta.query_start_loc, meta.seq_lens, meta.block_tables, a.num_heads,
                                       a.intermediate_size, a.rms_norm_eps, self.layers[0].self_attn.scale,
                                       meta.batch_invariant)
-        if ops is not None:
-            rope = Rope(positions, self.rope_cos_sin, None)
-        else:
-            rope = Rope(positions, None, self.rope_cis[positions].unsqueeze(1))
+        q_scale = None
+        if (temperature := self.args.attn_temperature) is not None:
+            beta, span = temperature
+            q_scale = (1 + beta * torch.log1p(torch.floor(positions.float() / span))).to(x.dtype).view(-1, 1, 1)
+        ropes = {key: Rope(positions, cos_sin, None, q_scale) if ops is not None
+                 else Rope(positions, None, cis[positions].unsqueeze(1), q_scale)
+                 for key, (cis, cos_sin) in self.rope_tables.items()}
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, kv_cache[i, 0], kv_cache[i, 1], meta, slot_mapping)
+            x, residual = layer(x, residual, ropes[layer.self_attn.rope_key], kv_cache[i, 0], kv_cache[i, 1], meta,
+                                slot_mapping)
         return x + residual  # [T, hidden], before the final norm
 
     def _decode_fusable(self, rows: int, max_query_len: int, kv_cache: torch.Tensor) -> bool:
         """Whether a step of `rows` rows can run as one `decode_forward` call: decode rows (at most 16 per
         sequence, the C++ attention's), few enough for the packed projections, a head_dim and layout the
-        C++ kernels take (the cache in the model's dtype)."""
+        C++ kernels take (the cache in the model's dtype), and Llama's layer layout exactly (`ModelArgs.plain`)."""
+        if not self.args.plain:
+            return False
         return (self.args.moe is None and max_query_len <= CPP_MAX_QUERY_ROWS and rows <= BF16_PACKED_MAX_ROWS
                 and self.args.head_dim in (32, 64, 128, 256) and self.args.num_heads <= 64
                 and kv_cache.dtype == self.embed_tokens.weight.dtype and kv_cache.is_contiguous())
@@ -312,8 +377,12 @@ class LlamaForCausalLM(nn.Module):
         # hidden: [N, hidden] rows to sample from -> [N, vocab]
         h = self.norm(hidden)
         if self.lm_head is not None:
-            return self.lm_head(h)
-        return linear(h, self.embed_tokens.weight, None, self._tied_head_pack, self.batch_invariant)
+            logits = self.lm_head(h)
+        else:
+            logits = linear(h, self.embed_tokens.weight, None, self._tied_head_pack, self.batch_invariant)
+        if (cap := self.args.final_softcap) is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.inference_mode()
     def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -370,12 +439,21 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load HF Llama/Qwen2/Qwen3 weight names, fusing q/k/v and gate/up."""
+        """Load HF Llama-layout weight names (Llama, Qwen, Mistral, Gemma, SmolLM3; Phi-3's fused qkv_proj and
+        gate_up_proj; Gemma 3's multimodal checkpoints' language model), fusing q/k/v and gate/up."""
+        a = self.args
+
         def take(name):
             try:
                 return sd.pop(name)
             except KeyError:
                 raise ValueError(f"checkpoint is missing weight {name!r}") from None
+
+        def norm(name):  # Gemma's norms multiply by 1 + w: stored so
+            w = take(name)
+            return w.float() + 1 if a.gemma_norms else w
+
+        sd = _language_model_weights(sd)
 
         self._decode_cache = None
         self._packs_homed = False
@@ -383,7 +461,7 @@ class LlamaForCausalLM(nn.Module):
             # a base model's checkpoint (HF AutoModel, e.g. an embedding model): no "model." prefix, no LM head
             sd = {f"model.{k}" if not k.startswith("lm_head.") else k: v for k, v in sd.items()}
         self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
-        self.norm.weight.copy_(take("model.norm.weight"))
+        self.norm.weight.copy_(norm("model.norm.weight"))
         if self.lm_head is not None:
             self.lm_head.weight.copy_(sd.pop("lm_head.weight", None) if "lm_head.weight" in sd else self.embed_tokens.weight)
         sd.pop("lm_head.weight", None)
@@ -391,23 +469,59 @@ class LlamaForCausalLM(nn.Module):
             self.score.weight.copy_(take("score.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm"):
+                if (module := getattr(layer, name)) is not None:
+                    module.weight.copy_(norm(p + f"{name}.weight"))
             att = layer.self_attn
             heads = {"q": att.num_heads, "k": att.num_kv_heads}
             for kind in ("weight", "bias") if att.qkv_proj.bias is not None else ("weight",):
-                parts = [take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"]
-                parts[:2] = [interleave_rope_rows(t, heads[n], att.head_dim) for n, t in zip("qk", parts)]
+                if p + f"self_attn.qkv_proj.{kind}" in sd:  # Phi-3: q, k, v in one projection
+                    parts = list(take(p + f"self_attn.qkv_proj.{kind}").split([att.q_size, att.kv_size, att.kv_size]))
+                else:
+                    parts = [take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"]
+                parts[:2] = [interleave_rope_rows(t, heads[n], att.head_dim, att.rotary_dim) for n, t in zip("qk", parts)]
                 getattr(att.qkv_proj, kind).copy_(torch.cat(parts))
             att.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            if att.o_proj.bias is not None:
+                att.o_proj.bias.copy_(take(p + "self_attn.o_proj.bias"))
+            if att.sinks is not None:
+                att.sinks.copy_(take(p + "self_attn.sinks"))
             if att.q_norm is not None:  # same rope layout as the q and k rows
-                for n, norm in (("q", att.q_norm), ("k", att.k_norm)):
-                    norm.weight.copy_(interleave_rope_rows(take(p + f"self_attn.{n}_norm.weight"), 1, att.head_dim))
+                for n, qk_norm in (("q", att.q_norm), ("k", att.k_norm)):
+                    qk_norm.weight.copy_(interleave_rope_rows(norm(p + f"self_attn.{n}_norm.weight"), 1, att.head_dim,
+                                                              att.rotary_dim))
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.load_hf(sd, p)
                 continue
-            layer.mlp.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            if p + "mlp.gate_up_proj.weight" in sd:  # Phi-3: gate and up in one projection, gate rows first
+                layer.mlp.gate_up_proj.weight.copy_(take(p + "mlp.gate_up_proj.weight"))
+            else:
+                layer.mlp.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                               take(p + "mlp.up_proj.weight")]))
             layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
         leftover = [k for k in sd if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"checkpoint has weights this model does not use: {leftover[:5]}")
+
+
+_MULTIMODAL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+_OTHER_MODALITIES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+
+def _language_model_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multimodal checkpoint's (Gemma 3's) language-model weights under the text model's names; other
+    checkpoints unchanged."""
+    if not any(k.startswith(old) for k in sd for old, _ in _MULTIMODAL_PREFIXES):
+        return sd
+    out = {}
+    for k, v in sd.items():
+        if k.startswith(_OTHER_MODALITIES):
+            continue
+        for old, new in _MULTIMODAL_PREFIXES:
+            if k.startswith(old):
+                k = new + k[len(old):]
+                break
+        out[k] = v
+    return out
