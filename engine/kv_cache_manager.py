@@ -20,10 +20,11 @@ Invariants (checked by tests/engine/test_kv_cache_manager*.py):
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 from agentrt.engine.block_pool import BlockPool, PrefixCacheStats
 from agentrt.engine.kv_tiers import KVTiers, Moves
-from agentrt.engine.ownership import OwnerKV, Ownership, RetentionStats
+from agentrt.engine.ownership import OwnerKV, Ownership, PinFilter, RetentionStats
 from agentrt.engine.program_ops import ProgramOp
 from agentrt.engine.request import Request
 
@@ -91,22 +92,24 @@ class KVCacheManager:
         """Does `owner` (a program) have pinned blocks now?"""
         return self.ownership.holds_pin(owner)
 
-    def num_allocatable(self, owner: str | None, protect: list[int] = ()) -> int:
+    def num_allocatable(self, owner: str | None, protect: list[int] = (), pins: PinFilter = None) -> int:
         """Blocks a request of `owner` could get now (engine.ownership.Ownership.num_allocatable)."""
-        return self.ownership.num_allocatable(owner, protect)
+        return self.ownership.num_allocatable(owner, protect, pins)
 
     def owner_kv(self, owner: str) -> OwnerKV:
         return self.ownership.owner_kv(owner)
 
-    def fits_whole(self, req: Request, hits: list[int], may_take_pinned: bool, output_tokens: int | None = None) -> bool:
+    def fits_whole(self, req: Request, hits: list[int], may_take_pinned: bool | Callable[[str], bool],
+                   output_tokens: int | None = None) -> bool:
         """Would a waiting request's whole prompt and output (`sampling.max_tokens`, at most `output_tokens` of it
         when given) fit, with the given hit blocks, in what its owner may take now (pins that would give way
-        counted if `may_take_pinned`)?"""
+        counted if `may_take_pinned`: all, or those of the programs it accepts)?"""
         output = req.sampling.max_tokens if output_tokens is None else min(req.sampling.max_tokens, output_tokens)
         total = min(req.num_tokens + output, req.max_model_len)
         owner = req.program_id
         reclaimable = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
-        room = self.num_allocatable(owner, hits) if may_take_pinned else self.pool.available_to(owner)
+        pins = may_take_pinned if callable(may_take_pinned) else None
+        room = self.num_allocatable(owner, hits, pins) if may_take_pinned else self.pool.available_to(owner)
         return self.blocks_for(total) - len(hits) + reclaimable <= room
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -148,7 +151,8 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs : (i + 1) * bs], extra))
         return hashes[:num_blocks]
 
-    def get_computed_blocks(self, req: Request, may_take_pinned: bool = False) -> tuple[list[int], int]:
+    def get_computed_blocks(self, req: Request, may_take_pinned: bool | Callable[[str], bool] = False
+                            ) -> tuple[list[int], int]:
         """Longest cached prefix of a request that holds no blocks: (block ids, tokens covered).
 
         At least the last token is always left to compute (its logits are needed). With KV tiers, blocks found
@@ -182,7 +186,7 @@ class KVCacheManager:
             self.tiers.prefetch(todo)
 
     def _promote(self, hashes: list[bytes], hits: list[int], owner: str | None = None,
-                 may_take_pinned: bool = False) -> int:
+                 may_take_pinned: bool | Callable[[str], bool] = False) -> int:
         """Extend `hits` (T0 hits of `hashes`' head) with the blocks found below T0, each loaded into a free T0
         block and registered there (a cached, unreferenced block, like any other hit: the caller takes it or the
         LRU does); blocks of the chain still in T0 past a demoted one are taken as they are. Stops at the first
@@ -201,7 +205,7 @@ class KVCacheManager:
                 where = tiers.lookup(h)
                 if where is None or not tiers.worth_loading(where[0]):
                     break
-                if not pool.num_free and not (may_take_pinned and self.ownership.give_way(1, owner, hits, False)):
+                if not pool.num_free and not (may_take_pinned and self.ownership.give_way(1, owner, hits, False, may_take_pinned)):
                     break
                 tiers.loading = h  # the block `allocate` evicts must not take h's T1 slot
                 try:
@@ -220,10 +224,11 @@ class KVCacheManager:
 
     # ---- mutations -----------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] = (),
-                       may_take_reserved: bool = False, may_take_pinned: bool = True, whole: bool = False,
-                       whole_output: int | None = None) -> bool:
+                       may_take_reserved: bool = False, may_take_pinned: bool | Callable[[str], bool] = True,
+                       whole: bool = False, whole_output: int | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the given hit
-        blocks, for a request being admitted). Pins give way if needed (unless not `may_take_pinned`);
+        blocks, for a request being admitted). Pins give way if needed (unless not `may_take_pinned`; a
+        predicate over program ids: only the pins of the programs it accepts);
         others' unused reservations too when `may_take_reserved` (module docstring); with `whole`, only
         if the request's whole prompt and output (at most `whole_output` output tokens) would fit
         (`fits_whole`). False = does not fit; then nothing changed."""

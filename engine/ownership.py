@@ -17,11 +17,15 @@ reservation never deadlocks the engine.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agentrt.engine.block_pool import BlockPool
 from agentrt.engine.program_ops import EndProgram, Pin, ProgramOp, Release, Reserve, StartProgram
 from agentrt.engine.request import Request
+
+
+PinFilter = Callable[[str], bool] | None  # which programs' pins may give way (None: every program's)
 
 
 @dataclass(slots=True)
@@ -107,23 +111,25 @@ class Ownership:
         """Does `owner` (a program) have pinned blocks now?"""
         return owner in self._pinned
 
-    def num_allocatable(self, owner: str | None, protect: list[int] = ()) -> int:
+    def num_allocatable(self, owner: str | None, protect: list[int] = (), pins: PinFilter = None) -> int:
         """Blocks a request of `owner` could get now: free and not reserved by others, plus pinned blocks
         that would give way (not those in `protect`: a waiting request's own prefix hits, which it
-        reuses rather than takes)."""
-        return self.pool.available_to(owner) + self._num_pin_victims(owner, protect)
+        reuses rather than takes; with `pins`, only the pins of programs it accepts)."""
+        return self.pool.available_to(owner) + self._num_pin_victims(owner, protect, pins)
 
-    def _num_pin_victims(self, owner: str | None, protect: list[int] = ()) -> int:
-        """len(_pin_victims(owner, protect)), without sorting (the scheduler asks every step)."""
+    def _pins(self, pins: PinFilter) -> list[_Owner]:
+        return list(self._pinned.values()) if pins is None else [o for pid, o in self._pinned.items() if pins(pid)]
+
+    def _num_pin_victims(self, owner: str | None, protect: list[int] = (), pins: PinFilter = None) -> int:
+        """len(_pin_victims(owner, protect, pins)), without sorting (the scheduler asks every step)."""
         ref_cnt, reserved_by = self.pool.ref_cnt, self.pool.reserved_by
+        owners = self._pins(pins)
         if not self.pool.reservations:  # no block is drawn from a reservation: owners need no look
-            n = sum(1 for o in self._pinned.values() for b in o.pin if ref_cnt[b] == 1)
+            n = sum(1 for o in owners for b in o.pin if ref_cnt[b] == 1)
         else:
-            n = sum(1 for o in self._pinned.values() for b in o.pin if ref_cnt[b] == 1 and reserved_by[b] in (None, owner))
-        return n - sum(1 for b in set(protect) if ref_cnt[b] == 1 and self._is_pin_victim(b, owner))
-
-    def _is_pin_victim(self, b: int, owner: str | None) -> bool:
-        return self.pool.reserved_by[b] in (None, owner) and any(b in o.pin for o in self._pinned.values())
+            n = sum(1 for o in owners for b in o.pin if ref_cnt[b] == 1 and reserved_by[b] in (None, owner))
+        return n - sum(1 for b in set(protect) if ref_cnt[b] == 1 and self.pool.reserved_by[b] in (None, owner)
+                       and any(b in o.pin for o in owners))
 
     def owner_kv(self, owner: str) -> OwnerKV:
         o = self.owners.get(owner)
@@ -246,21 +252,26 @@ class Ownership:
         self._pinned.pop(pid, None)
         self.pool.release(reversed(list(blocks)))
 
-    def _pin_victims(self, owner: str | None, protect) -> list[tuple[str, int]]:
-        """(pin owner, block) pairs that would free a block for `owner` if unpinned, in give-way order."""
+    def _pin_victims(self, owner: str | None, protect, pins: PinFilter = None) -> list[tuple[str, int]]:
+        """(pin owner, block) pairs that would free a block for `owner` if unpinned, in give-way order (of the
+        programs `pins` accepts, when given)."""
         pool = self.pool
         out = []
         for pid, o in sorted(self._pinned.items(), key=lambda kv: -kv[1].seq):
+            if pins is not None and not pins(pid):
+                continue
             for b in reversed(o.pin):
                 if pool.ref_cnt[b] == 1 and b not in protect and pool.reserved_by[b] in (None, owner):
                     out.append((pid, b))
         return out
 
     def give_way(self, short: int, owner: str | None, protect, may_take_reserved: bool,
-                  may_take_pinned: bool = True) -> bool:
-        """Free `short` blocks for `owner` from pins (then others' unused reservations) if that suffices."""
+                  may_take_pinned: bool | Callable[[str], bool] = True) -> bool:
+        """Free `short` blocks for `owner` from pins (then others' unused reservations) if that suffices.
+        `may_take_pinned`: every pin may give way (True), none (False), or those of the programs it accepts."""
         protect = set(protect)
-        victims = self._pin_victims(owner, protect) if may_take_pinned else []
+        pins = may_take_pinned if callable(may_take_pinned) else None
+        victims = self._pin_victims(owner, protect, pins) if may_take_pinned else []
         others = sorted(((pid, r) for pid, r in self.pool.reservations.items() if pid != owner and r.unused),
                         key=lambda kv: -kv[1].seq) if may_take_reserved else []
         if len(victims) + sum(r.unused for _, r in others) < short:

@@ -32,6 +32,8 @@ class SchedulingPolicy(ABC):
     # make others' pins give way (a new program waits instead of evicting a paused one's context)
     admit_output_tokens: int | None = None  # with protect_pins: the output that must fit at admission, at most
     # this many tokens of max_tokens (None: all of it; a call without max_tokens would then need the whole context)
+    pins_by_rank: bool = False  # with protect_pins: a waiting call may make the pins of exactly the programs it
+    # `outranks` give way (instead of: any pin if its own program holds one, else none)
 
     def on_arrival(self, req: Request, now: float) -> None:
         """A request entered the waiting queue for the first time."""
@@ -74,6 +76,11 @@ class SchedulingPolicy(ABC):
         """The service `program_id` has received outside this engine (on other replicas), as totals:
         `attained` (summed) and `critical` (the longest critical path there). Program-level policies
         order by it plus what they saw here; any thread, so queue it like `end_program`. Default: ignored."""
+
+    def outranks(self, waiting: Request, program_id: str) -> bool:
+        """With `pins_by_rank`: does `waiting` rank above program `program_id`, which has no call in the
+        engine and holds pinned KV (so its pin may give way to it)? Default: no program is outranked."""
+        return False
 
     def displaces(self, waiting: Request, running: Request) -> bool:
         """Preemptive policies: may `waiting` take `running`'s place? Recompute preemption is not

@@ -22,7 +22,8 @@ policy's `pinned_key` may keep its own classes first, as agentrt's queues do; no
 binds, when seats go in the policy's order);
 `protect_pins` is admission control for a KV-bound engine: while others run, a waiting call goes in only
 if its whole prompt and output fit (at most the policy's `admit_output_tokens` of the output), and only a call of a program that holds a pin may make other
-programs' pins give way (an idle engine admits as usual). agentrt's PLAS takes both as arguments.
+programs' pins give way, or, with the policy's `pins_by_rank`, a call may make the pins of the programs it
+`outranks` give way (an idle engine admits as usual). agentrt's PLAS takes these as arguments.
 
 The running set: `max_num_seqs` seats, or fewer while the policy's `max_running` says so (a running-set
 cap: admission stops at it, and a preemptive policy's better waiting call displaces the worst running
@@ -219,7 +220,7 @@ class Scheduler:
                 self.finish(req, RequestStatus.FINISHED_ERROR, "error")
                 continue
             idle = not self.running  # nobody would free blocks: reservations must give way
-            take_pins = idle or not protect_pins or self.kv.holds_pin(req.program_id)
+            take_pins = self._may_take_pins(req, idle, protect_pins)
             hits, num_hit = self.kv.get_computed_blocks(req, may_take_pinned=take_pins)
             next_hash = self.kv.next_block_hash(req, len(hits))
             if next_hash is not None:
@@ -254,6 +255,17 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         out.kv_moves = self.kv.take_tier_moves()
         return out
+
+    def _may_take_pins(self, req: Request, idle: bool, protect_pins: bool) -> bool | Callable[[str], bool]:
+        """Whose pins may give way to a waiting request: everyone's (an idle engine, or no admission control);
+        under `protect_pins` those of the programs the policy says it outranks (`pins_by_rank`), else everyone's
+        if its own program holds a pin and nobody's otherwise."""
+        if idle or not protect_pins:
+            return True
+        if self.policy.pins_by_rank:
+            outranks = self.policy.outranks
+            return lambda program_id: outranks(req, program_id)
+        return self.kv.holds_pin(req.program_id)
 
     def _computed_this_step(self, out: SchedulerOutput) -> set[bytes]:
         hashes: set[bytes] = set()

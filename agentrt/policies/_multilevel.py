@@ -95,7 +95,7 @@ class MultiLevelPolicy(SchedulingPolicy):
     def __init__(self, *, num_queues: int, quantum: float, service: ServiceUnit, token_cost: float,
                  preempt: bool | str = True, pinned_first: bool = False, victim: str = "priority",
                  protect_pins: bool = False, running_cap: int | str | None = None,
-                 cap_efficiency: float = 0.9) -> None:
+                 cap_efficiency: float = 0.9, pins_by_rank: bool = False) -> None:
         if not isinstance(num_queues, int) or num_queues < 1:
             raise ConfigError(f"{self.name}: num_queues must be an integer >= 1, got {num_queues!r}")
         if not quantum > 0:
@@ -121,6 +121,7 @@ class MultiLevelPolicy(SchedulingPolicy):
         self.preemptive = preempt is True  # False: order waiting calls only, never displace running ones for blocks
         self.pinned_first = pinned_first  # calls of programs holding pinned KV go first (engine.scheduler)
         self.protect_pins = protect_pins  # admission keeps paused programs' pinned KV (engine.scheduler)
+        self.pins_by_rank = pins_by_rank  # with protect_pins: pins give way to the calls that outrank their program
         self.victim = victim  # "newest": preempt a call of the latest-started program, whatever its queue
         self.num_queues = num_queues
         self.quanta = doubling(quantum, num_queues - 1) + [float("inf")]  # the last queue never demotes
@@ -147,6 +148,11 @@ class MultiLevelPolicy(SchedulingPolicy):
         """The highest queue the call may sit in now (0 = no floor); checked after every step it is
         served in and, for waiting calls, before every schedule."""
         return 0
+
+    def program_queue(self, prog: ProgramState | None) -> int | None:
+        """The queue a new call of the program would enter now, `num_queues` for a program without state (ended, or
+        idle past `idle_ttl_s`: it ranks last); None: the policy ranks calls, not programs."""
+        return None
 
     # --- queries ------------------------------------------------------------------------------
     @staticmethod
@@ -176,6 +182,19 @@ class MultiLevelPolicy(SchedulingPolicy):
         keep every newly arrived short program waiting, whatever its service)."""
         key = self.priority(req)
         return (key[0], not pinned, *key[1:])
+
+    def outranks(self, waiting: Request, program_id: str) -> bool:
+        """`pins_by_rank`: a waiting call outranks a paused program (one holding pinned KV, no call in the engine)
+        whose next call would enter a worse queue, or the same queue behind it by program age (`order="program"`).
+        A program whose state is gone (ended, or idle past `idle_ttl_s`) ranks last."""
+        prog = self.programs.get(program_id)
+        level = self.program_queue(prog)
+        if level is None:
+            return False
+        st = self.state(waiting)
+        if prog is None or st.level != level:
+            return st.level < level
+        return self.order_by_program and prog.start is not None and st.program_start < prog.start
 
     def displaces(self, waiting: Request, running: Request) -> bool:
         """Only a call of a strictly higher queue displaces a running one: within a queue the order

@@ -386,3 +386,23 @@ def test_a_credited_program_with_no_call_is_dropped_as_idle():
     assert "p" in pol.programs
     pol.before_schedule([], [], 11.0)
     assert "p" not in pol.programs
+
+
+def test_outranks_paused_programs_by_queue_then_program_age():
+    pol = plas(pins_by_rank=True)
+    run_call(pol, call("old-0", "old", arrival=0.0), 25, now=0.0)  # 25 units: queue 2
+    run_call(pol, call("mid-0", "mid", arrival=1.0), 3, now=1.0)  # 3 units: queue 0
+    new = call("new-0", "new", arrival=2.0)
+    pol.on_arrival(new, 2.0)  # queue 0, the newest program
+    assert pol.outranks(new, "old")  # a better queue
+    assert not pol.outranks(new, "mid")  # same queue, an older program
+    assert pol.outranks(new, "gone")  # a program with no state ranks last
+    resumed = call("old-1", "old", arrival=3.0)
+    pol.on_arrival(resumed, 3.0)
+    assert not pol.outranks(resumed, "mid") and not pol.outranks(resumed, "new")
+    by_call = plas(pins_by_rank=True, order="call")
+    run_call(by_call, call("a-0", "a"), 3, now=0.0)
+    b = call("b-0", "b", arrival=1.0)
+    by_call.on_arrival(b, 1.0)
+    assert not by_call.outranks(b, "a")  # FCFS by call within a queue: no pin gives way inside it
+    assert MLFQ().outranks(b, "a") is False  # ranks calls, not programs

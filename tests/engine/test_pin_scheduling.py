@@ -111,3 +111,50 @@ def test_admission_horizon_bounds_the_output_that_must_fit():
             run_step(s)
         assert r.status == q.status == RequestStatus.FINISHED_LENGTH
         assert s.kv.num_free_blocks == 8
+
+
+class _Ranked(FCFS):
+    """FCFS whose `outranks` says a waiting call outranks exactly the programs in `below`."""
+
+    pins_by_rank = True
+
+    def __init__(self, below: set[str]) -> None:
+        super().__init__(protect_pins=True)
+        self.below = below
+
+    def outranks(self, waiting: Request, program_id: str) -> bool:
+        return program_id in self.below
+
+
+def test_pins_by_rank_give_way_to_the_calls_that_outrank_their_program_only():
+    # 8 blocks of 4: p and o each pin 2, r runs on 1; q (a new program, no pin of its own) needs 5 blocks for its
+    # 16 prompt tokens and 1 output token, 4 of them now. Plain protect_pins: q takes no pin and waits until r is
+    # done. By rank: q takes one block from the pin of the program it outranks (its tail) and never from the other's;
+    # ranking above neither, it waits as before. Every block comes back.
+    for below, admitted_early, o_pinned in ((set(), False, 2), ({"o"}, True, 1), ({"p"}, True, 2)):
+        s = make_scheduler(8, _Ranked(below), max_num_batched_tokens=16)
+        pin_a_call(s, "p", range(8))
+        pin_a_call(s, "o", range(300, 308))
+        r = make_req("r", range(200, 203), "r", max_tokens=4)
+        s.add_request(r)
+        run_step(s)
+        assert s.kv.num_free_blocks == 3
+        q = make_req("q", range(100, 116), "q", arrival=1.0)
+        s.add_request(q)
+        out = run_step(s)
+        assert (q in out.reqs) == admitted_early, below
+        assert s.kv.owner_kv("o").pinned == o_pinned
+        assert s.kv.owner_kv("p").pinned == (1 if below == {"p"} else 2)
+        while s.has_work():
+            run_step(s)
+        assert q.status == RequestStatus.FINISHED_LENGTH and q.num_preemptions == 0
+        s.program_op(Pin("p", 0.0))
+        s.program_op(Pin("o", 0.0))
+        assert s.kv.num_free_blocks == 8
+
+
+def test_pins_by_rank_is_off_unless_a_policy_sets_it():
+    from agentrt.engine.policy import SchedulingPolicy
+
+    assert SchedulingPolicy.pins_by_rank is False and FCFS().pins_by_rank is False
+    assert FCFS().outranks(make_req("a", range(4), "a"), "b") is False
