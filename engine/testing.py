@@ -101,6 +101,27 @@ def make_random_model(path: str | Path, preset: str, *, dtype: torch.dtype = tor
     return path, model
 
 
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] (K a multiple of 32) -> MXFP4 (blocks [..., K / 32, 16] uint8, scales [..., K / 32] uint8), the
+    layout of gpt-oss's `*_blocks` / `*_scales` tensors: per group of 32 values a power of two (biased by 127)
+    that brings the group's largest magnitude to at most 6, each value the nearest 4-bit E2M1 code (sign bit
+    3), two codes a byte, the first in the low nibble. `engine.moe.dequantize_mxfp4` inverts it (exactly, for
+    values already on the grid)."""
+    from agentrt.engine.moe import _FP4_E2M1
+
+    if w.shape[-1] % 32:
+        raise ValueError(f"MXFP4 groups 32 values: the last dim {w.shape[-1]} is not a multiple of 32")
+    g = w.detach().float().reshape(*w.shape[:-1], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
+    exp = (torch.ceil(torch.log2(amax / 6.0))).clamp(-127, 127)  # 6 * 2^exp >= amax
+    scaled = g / torch.exp2(exp)
+    grid = torch.tensor(_FP4_E2M1[:8])  # magnitudes; codes 8-15 the same with the sign bit
+    code = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1) + 8 * (scaled < 0).long()
+    pairs = code.view(*code.shape[:-1], 16, 2)
+    blocks = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    return blocks, (exp.squeeze(-1) + 127).to(torch.uint8)
+
+
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -40,7 +40,18 @@ def qwen2_moe_config():
                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)
 
 
-CONFIGS = {"mixtral": mixtral_config, "qwen3_moe": qwen3_moe_config, "qwen2_moe": qwen2_moe_config}
+def gpt_oss_config():
+    from transformers import GptOssConfig
+
+    # sliding (window 8) and full layers alternating, attention sinks, YaRN rope, biased router and experts
+    return GptOssConfig(**SMALL, head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                        sliding_window=8, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False})
+
+
+CONFIGS = {"mixtral": mixtral_config, "qwen3_moe": qwen3_moe_config, "qwen2_moe": qwen2_moe_config,
+           "gpt_oss": gpt_oss_config}
 
 
 def make_hf(cfg, seed=0):
@@ -156,3 +167,37 @@ def test_fused_expert_layout_of_a_gguf_conversion(tmp_path):
     seqs = sequences(seed=6)
     model, _ = load_model(tmp_path, torch.float32, "cpu")
     assert nmse(engine_logits(model, seqs), hf_logits(hf, seqs)) < 1e-4
+
+
+def test_gpt_oss_mxfp4_experts_load(tmp_path):
+    """gpt-oss ships its experts in MXFP4 (`*_blocks` and `*_scales`, `quant_method: mxfp4`): the loader widens
+    them. The checkpoint here holds the tiny model's experts quantized so; transformers reads the same files
+    (widened, `Mxfp4Config(dequantize=True)`) and both give the same logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from agentrt.engine.moe import dequantize_mxfp4
+    from agentrt.engine.testing import quantize_mxfp4
+
+    hf = make_hf(gpt_oss_config(), seed=7)
+    hf.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    for name in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(sd.pop(name).transpose(1, 2))  # stored [E, out, in] in MXFP4
+        sd[name + "_blocks"], sd[name + "_scales"] = blocks, scales
+        hf.get_parameter(name).data.copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))  # what they stand for
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    seqs = sequences(seed=8)
+    want = hf_logits(hf, seqs)
+    model, _ = load_model(tmp_path, torch.float32, "cpu")
+    assert nmse(engine_logits(model, seqs), want) < 1e-4
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,  # no hub kernels: widened
+                                                  quantization_config=Mxfp4Config(dequantize=True)).eval()
+    assert nmse(hf_logits(theirs, seqs), want) < 1e-4
