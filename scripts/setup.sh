@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
-"${PIP[@]}" -e ".[dev,ray]"  # ray: Ray Serve replicas (agentrt serve --replicas N)
+"${PIP[@]}" -e ".[dev,ray,otel]"  # ray: Ray Serve replicas (agentrt serve --replicas N); otel: --otlp-traces-endpoint
 # The newest transformers and Hugging Face's `kernels` (which it requires from 5.25 on) beside agentrt:
 # every floor imports as `agentrt.*`, so nothing of ours shadows them (tests/test_package.py).
 "${PIP[@]}" -U transformers kernels

@@ -17,6 +17,7 @@ STYLE = """
   .legend span { display: inline-block; margin-right: 1em; font-size: 12px; }
   .legend i { display: inline-block; width: 12px; height: 10px; margin-right: 4px; vertical-align: middle; }
   .totals td, .totals th { padding: 2px 8px; text-align: right; border-bottom: 1px solid #eee; }
+  #totals { flex: 0 0 230px; }
   .charts { display: flex; gap: 12px; flex-wrap: wrap; margin: .5em 0 1em; }
   .chart { background: white; border: 1px solid #e5e5e5; padding: 4px 6px; }
   .chart h3 { font-size: 12px; margin: 0; font-weight: 600; color: #444; }
@@ -51,11 +52,12 @@ function drawTimeline(el, tl) {  // el: a container; tl: GET /v1/programs/{id}/t
     out.push(`<line class="axis" x1="${xi}" y1="14" x2="${xi}" y2="${H}"/>`,
              `<text x="${xi}" y="11" text-anchor="middle">${fmtS(t - t0)} s</text>`);
   }
+  const arrivals = tl.threads.flatMap((r) => r.calls.map((c) => c.arrival_at)).sort((a, b) => a - b);
   tl.threads.forEach((row, i) => {
     const y = top + i * rowH, mid = y + rowH / 2;
     const label = row.thread_id.startsWith(tl.program_id) ? row.thread_id.slice(tl.program_id.length) : row.thread_id;
     out.push(`<g class="thread" data-thread-id="${esc(row.thread_id)}">`,
-             `<text x="4" y="${mid + 4}">${esc(label || row.thread_id)} · ${row.calls.length} calls</text>`);
+             `<text x="4" y="${mid + 4}">${esc(label || row.thread_id)} · ${row.calls.length} call${row.calls.length === 1 ? "" : "s"}</text>`);
     for (const g of row.gaps) {
       out.push(`<g class="gap"><title>${esc(g.tool ? "tool " + g.tool : "between calls")}: ${fmtS(g.end_at - g.start_at)} s</title>` +
                `<line x1="${x(g.start_at)}" y1="${mid}" x2="${x(g.end_at)}" y2="${mid}" stroke="#888" stroke-dasharray="3,3"/>` +
@@ -88,7 +90,8 @@ function drawTimeline(el, tl) {  // el: a container; tl: GET /v1/programs/{id}/t
                  `<line x1="${x(p.at)}" y1="${y}" x2="${x(p.at)}" y2="${y + rowH - 2}" stroke="#dc2626" stroke-width="2"/>`);
       }
       if (c.pin_until != null) {
-        const next = row.calls[j + 1], end = Math.min(c.pin_until, next ? next.arrival_at : c.pin_until);
+        // the program's pin lasts until its TTL or the program's next call, whichever is first
+        const next = arrivals.find((a) => a >= c.end_at), end = Math.min(c.pin_until, next ?? c.pin_until);
         if (end > c.end_at) out.push(`<line class="pin" x1="${x(c.end_at)}" y1="${yb + h - 1}" x2="${x(end)}" y2="${yb + h - 1}" stroke="#0d9488" stroke-width="3"/>`);
       }
       if (several && c.replica) out.push(`<text x="${x(c.arrival_at) + 2}" y="${yb + h - 3}" fill="white">${esc(c.replica.slice(0, 6))}</text>`);
@@ -193,8 +196,8 @@ async function poll() {
     const tl = await r.json();
     $("meta").textContent = tl.name + " · " + tl.state;
     document.body.dataset.state = tl.state;
-    drawTimeline($("timeline"), tl);
     drawTotals($("totals"), tl);
+    drawTimeline($("timeline"), tl);
     $("error").textContent = "";
     if (tl.state !== "running" && timer !== null) { clearInterval(timer); timer = null; }
   } catch (e) {

@@ -170,8 +170,8 @@ async function pollTimeline() {
     $("tl-title").innerHTML = '<a href="ui/programs/' + encodeURIComponent(selected) + '">' + esc(selected) + "</a> " +
       esc(tl.name) + " · " + esc(tl.state);
     $("timeline").dataset.programId = selected;
-    drawTimeline($("timeline"), tl);
     drawTotals($("totals"), tl);
+    drawTimeline($("timeline"), tl);
   } catch (e) {
     $("tl-title").textContent = String(e.message || e);
   }
