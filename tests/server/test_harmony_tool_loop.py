@@ -80,12 +80,6 @@ def srv(tmp_path_factory):
         check_idle(s)
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
-        yield c
-
-
 def forced(output: str) -> dict:
     return {"structured_outputs": {"regex": literal(output)}, "return_token_ids": True}
 
