@@ -225,6 +225,8 @@ def server_process(a: argparse.Namespace) -> Iterator[tuple[str, subprocess.Pope
            "--policy", a.policy, "--log-level", "warning", "--max-waiting", str(max(256, a.max_requests))]
     for flag, value in server_engine_flags(a):
         cmd += [flag, str(value)]
+    if getattr(a, "otlp_traces_endpoint", None):  # tracing on: its cost against the same run with it off
+        cmd += ["--otlp-traces-endpoint", a.otlp_traces_endpoint]
     cmd += getattr(a, "extra_flags", [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     with tempfile.TemporaryFile() as log:
@@ -610,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache size (default: the engine's)")
     ap.add_argument("--startup-timeout-s", type=float, default=300.0)
+    ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="the server exports its program and call spans there (agentrt serve's flag; an OTLP/HTTP "
+                         "collector must listen); default: tracing off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deterministic-cost", action="store_true",
                     help="only a --deterministic server against a default one (saturation and single-stream decode)")

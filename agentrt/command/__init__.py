@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from agentrt import cli as lib_cli
+from agentrt.command import programs
 from agentrt._cli_options import (
     DETERMINISTIC_HELP,
     add_kv_tier_options,
@@ -104,6 +105,7 @@ def _main(argv: list[str]) -> int:
     r.set_defaults(fn=_run)
     sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHES)} (agentrt bench NAME --help)")
     sub.add_parser("simulate", help="the program-scheduling benchmark in virtual time (agentrt simulate --help)")
+    programs.add_parser(sub)
     return lib_cli.dispatch(ap.parse_args(argv))
 
 

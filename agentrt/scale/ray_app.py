@@ -184,6 +184,10 @@ class AgentrtReplica:
             waiting.cancel()
             self._lifespan.result()
             raise RuntimeError("the agentrt app's lifespan ended before it started")
+        st = self.app.state.server
+        st.recorder.replica = self.replica_id  # its calls' records (timelines) and spans name it
+        if st.runtime.tracer is not None:
+            st.runtime.tracer.replica = self.replica_id
         self._sync = None
         if directory is not None:
             from agentrt.scale.peers import ReplicaPeers
