@@ -226,6 +226,7 @@ async def create_message(request: Request) -> Response:
         top_k=req.top_k, n=1, stop=req.stop_sequences, stop_token_ids=None, seed=None, ignore_eos=False,
         logprobs=False, top_logprobs=0, constraint=plan.constraint,
     )
+    params.skip_special_tokens = params.skip_special_tokens and not plan.special_tokens  # harmony's markup
     call = submit(st, who, prompt_ids, params, "messages", kind="messages", tool=_answered_tool(req, names))
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if req.stream:

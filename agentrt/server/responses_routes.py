@@ -196,6 +196,7 @@ async def create_response(request: Request) -> Response:
         top_p=req.top_p, top_k=None, n=1, stop=None, stop_token_ids=None, seed=None, ignore_eos=False,
         logprobs=False, top_logprobs=0, constraint=plan.constraint, max_tokens_param="max_output_tokens",
     )
+    params.skip_special_tokens = params.skip_special_tokens and not plan.special_tokens  # harmony's markup
     check_capacity(st)
     if pid is None:  # a new chain: its own program, ended by the idle timeout or DELETE
         pid = st.runtime.start_program(name=who.name or "responses", owner=owner).program_id

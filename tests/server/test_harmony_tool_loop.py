@@ -197,3 +197,38 @@ def test_agents_sdk_tool_loop(srv, stream):
         "ReasoningItem", "ToolCallItem", "ToolCallOutputItem", "ReasoningItem", "MessageOutputItem"]
     assert len(script.bodies) == 2 and script.bodies[0]["tools"][0]["function"]["name"] == "get_weather"
     srv.wait_idle()
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_responses_and_messages_read_harmony_too(srv, path, monkeypatch):
+    """The Responses and Messages routes decode a harmony reply with its special tokens and read it alike: the
+    thinking as a reasoning item / thinking block, the call as a function_call / tool_use, no markup."""
+    from agentrt.engine.structured import Constraint
+
+    rt, seen = srv.state.runtime, []
+    submit = rt.submit
+
+    def forcing(ids, params, **kw):
+        seen.append(params.skip_special_tokens)
+        params.constraint = Constraint("regex", literal(CALL))
+        return submit(ids, params, **kw)
+
+    monkeypatch.setattr(rt, "submit", forcing)
+    if path == "/v1/responses":
+        body = {"model": "gpt-oss-tiny", "input": ASK[0]["content"], "max_output_tokens": 200, "temperature": 0,
+                "tools": [{"type": "function", **WEATHER["function"]}]}
+    else:
+        body = {"model": "gpt-oss-tiny", "messages": ASK, "max_tokens": 200, "temperature": 0,
+                "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]}
+    r = httpx.post(srv.url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if path == "/v1/responses":  # a response chain is a program: end it, so its KV is free after the module
+        httpx.delete(f"{srv.url}/v1/programs/{r.headers['x-program-id']}", timeout=60)
+    assert seen == [False] and not any(m in r.text for m in ("<|", "|>"))
+    items = r.json()["output"] if path == "/v1/responses" else r.json()["content"]
+    kinds = [i["type"] for i in items]
+    if path == "/v1/responses":
+        assert kinds == ["reasoning", "function_call"] and json.loads(items[1]["arguments"]) == {"city": "Paris"}
+    else:
+        assert kinds == ["thinking", "tool_use"] and items[1]["input"] == {"city": "Paris"}
+        assert items[0]["thinking"] == THOUGHT and r.json()["stop_reason"] == "tool_use"
