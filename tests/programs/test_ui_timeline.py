@@ -67,7 +67,7 @@ def test_timeline_grows_charts_move_and_a_finished_program_comes_back_after_a_re
             result = done["result"]
             pid = page.locator("#timeline").get_attribute("data-program-id")
             grown = [n for n in seen if n]
-            assert len(set(grown)) >= 3, seen  # it grew while it ran ...
+            assert len(set(grown)) >= 2, seen  # it grew while it ran ...
             assert grown == sorted(grown)  # ... and never shrank
             sync_api.expect(calls).to_have_count(result.calls, timeout=10_000)  # ... to every call it made
             assert page.locator("#timeline g.thread").count() >= 4  # the branches of its gathers
