@@ -49,7 +49,8 @@ _KV_TIER_FLAGS: dict[str, tuple[type, str]] = {
 _ENGINE_FLAGS.update(_KV_TIER_FLAGS)
 _SWITCHES = ("enable_prefix_caching", "enable_lora", "deterministic")
 DETERMINISTIC_HELP = ("batch-invariant kernels: a greedy call's tokens do not depend on the other calls, prefix-cache "
-                      "hits, chunking or preemption (CPU with the C++ kernels; its speed per CPU kind: docs/engine.md)")
+                      "hits, chunking or preemption (default: on for CPU in float32 / bfloat16 with the C++ kernels, "
+                      "off on GPU; --no-deterministic turns it off; its speed per CPU kind: docs/engine.md)")
 
 
 def _one_line_error(self: argparse.ArgumentParser, message: str) -> NoReturn:
@@ -81,7 +82,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, type=type_, default=None, help=help_)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of shared prompt prefixes (default: on)")
-    g.add_argument("--deterministic", action="store_true", default=None, help=DETERMINISTIC_HELP)
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None, help=DETERMINISTIC_HELP)
     g.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters (PEFT directories): a request names one as its model")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",

@@ -151,7 +151,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", default=None)
     g.add_argument("--num-scheduler-steps", type=int, default=8,
                    help="greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens come in bursts of this many)")
-    g.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None, help=DETERMINISTIC_HELP)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(fn=_generate)
     s = sub.add_parser("serve", help="serve the runtime over an OpenAI-compatible HTTP API keyed by program id")

@@ -48,8 +48,10 @@ class EngineConfig:
     generation_config: str = "auto"  # sampling defaults (engine.generation_config): "auto" = the checkpoint's
     # generation_config.json, "vllm" = none, or a directory holding such a file
     override_generation_config: dict | None = None  # {field: value} on top of those, e.g. {"temperature": 0.5}
-    deterministic: bool = False  # batch-invariant kernels: a greedy request's tokens do not depend on what else the
-    # engine runs, how its prompt is chunked, prefix-cache hits or preemption (CPU with the C++ kernels; README)
+    deterministic: bool | None = None  # batch-invariant kernels: a greedy request's tokens do not depend on what
+    # else the engine runs, how its prompt is chunked, prefix-cache hits or preemption (CPU with the C++ kernels;
+    # README). None = where it holds: on for CPU in float32 / bfloat16 with the C++ kernels (it costs ~2-3% of
+    # decode there, docs/engine.md), off on GPU; True = required (an error where it cannot hold); False = off
     kv_host_gib: float = 0.0  # T1 of the KV hierarchy (engine.kv_tiers): host memory for cached blocks evicted
     # from the KV cache, loaded back instead of recomputed; 0 = off
     kv_host_quantization: str | None = None  # "int8": T1 stores blocks as int8 with per-(layer, K/V, head) scales
@@ -58,6 +60,8 @@ class EngineConfig:
     # host and across restarts; None = off
     kv_disk_gib: float | None = None  # T2's bound (least recently used files deleted beyond it); None = 8 GiB
     dtype_reason: str = field(default="", init=False)  # how `dtype` was chosen, for the start-up line
+    deterministic_default: bool = field(default=False, init=False)  # `deterministic` was None, chosen here: the
+    # engine turns it off where the C++ kernels turn out unavailable instead of refusing to start
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -109,8 +113,8 @@ class EngineConfig:
         if (self.kv_host_gib or self.kv_disk_dir) and not self.enable_prefix_caching:
             raise ValueError("the KV tiers (kv_host_gib, kv_disk_dir) find blocks by their content hash: they need "
                              "enable_prefix_caching")
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be true, false or None (where it holds), got {self.deterministic!r}")
         source = "dtype"
         if self.dtype is None and os.environ.get("AGENTRT_DTYPE"):
             self.dtype, source = os.environ["AGENTRT_DTYPE"], "$AGENTRT_DTYPE"
@@ -129,6 +133,9 @@ class EngineConfig:
             self.dtype_reason = f"auto: {why}"
         else:
             self.dtype_reason = f"set by {source}"
+        if self.deterministic is None:  # the default: on where the CPU kernels make it hold
+            self.deterministic = self.device == "cpu" and self.dtype in ("float32", "bfloat16")
+            self.deterministic_default = True
         if self.deterministic and self.device != "cpu":
             raise ValueError(f"deterministic is implemented for the CPU kernels only, not on device {self.device!r}: "
                              "cuBLAS picks its GEMM kernel by the batch's row count (README, Deterministic outputs)")

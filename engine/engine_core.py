@@ -105,6 +105,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, config.device)
         if config.device == "cpu":
             kernels.cpu.ops()  # build (first time, ~30 s) or load the C++ CPU kernels now, not mid-request
+        if config.deterministic and config.deterministic_default and kernels.cpu.ops() is None:
+            config.deterministic = False  # the default where it cannot hold: batch-variant, as on GPU
         if config.deterministic:
             if kernels.cpu.ops() is None:
                 raise ValueError(f"deterministic needs the C++ CPU kernels, which are unavailable here "

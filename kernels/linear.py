@@ -47,7 +47,7 @@ _ONEDNN = _has_onednn_linear()
 SMALL_M_MAX = 8  # without the C++ kernels: rows up to which `W @ x.T` beats the libraries' x @ W.T
 PANEL = 16  # weight rows per panel of the fp32 packed layout (kernels/csrc/linear.h)
 PANEL_BF16 = 32  # weight rows per panel of the bf16 packed layout
-BF16_PACKED_MAX_ROWS = 64  # bf16 rows up to which the packed kernel beats the library GEMM (measured, docs/benchmarks.md)
+BF16_PACKED_MAX_ROWS = 64  # bf16 rows up to which the packed kernel beats the library GEMM (measured, docs/benchmarks/throughput.md)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
     Why: decode streams every packed weight once per token, and with 4 KB pages the hardware
     prefetcher stops at each page edge and every 4 KB costs a TLB walk. Measured on a 2-core AMD EPYC
-    (one-row GEMV over 30 weights of 3.5 MB, docs/benchmarks.md): 21-24 -> 27-41 GB/s in bf16,
+    (one-row GEMV over 30 weights of 3.5 MB, docs/benchmarks/throughput.md): 21-24 -> 27-41 GB/s in bf16,
     35 -> 46 GB/s in fp32. Where huge pages cannot be had (not Linux, THP disabled, no free 2 MB
     frames) the copies still work, on whatever pages the kernel gave. The inputs unchanged where
     the platform has no `madvise`."""

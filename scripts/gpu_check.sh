@@ -9,7 +9,7 @@
 # without it the default model must be installed. Each step gets what is left of the budget (default
 # 540 s) and its own cap, so a slow step cannot starve the rest of their log. Results land in $OUT:
 # run.log (everything, the throughput results as JSON too), gpu_tests.log, engine_tests.log,
-# kernels.json and benchmarks.md (docs/benchmarks.md with the sections these runs wrote). ONLY="step names" runs
+# kernels.json and benchmarks/ (docs/benchmarks/ with the pages these runs wrote). ONLY="step names" runs
 # just those steps (info gpu-tests kernels-bench throughput-smollm2 engine-tests throughput-llama8b).
 set -u
 OUT=${OUT:?set OUT to a results directory}
@@ -55,5 +55,5 @@ step throughput-smollm2 120 $PY -m agentrt.bench.throughput --random-weights smo
 step engine-tests 120 bash -c "AGENTRT_DTYPE=float32 $PY -m pytest -q -p no:cacheprovider tests/engine > '$OUT/engine_tests.log' 2>&1; rc=\$?; tail -40 '$OUT/engine_tests.log'; exit \$rc"
 step throughput-llama8b 200 $PY -m agentrt.bench.throughput --random-weights llama-3.1-8b $TOK_ARG --hf-batch-sizes 64 \
     --single-requests 0 --speculative 0 --kv-cache-gb 24 --check-requests 4 --check-tokens 16 --json
-cp docs/benchmarks.md "$OUT/benchmarks.md"
+cp -r docs/benchmarks "$OUT/benchmarks"
 echo "=== done in $(($(date +%s) - START))s" | tee -a "$OUT/run.log"

@@ -1,4 +1,8 @@
-"""Shared bits of the benchmark scripts: machine description and docs/benchmarks.md sections."""
+"""Shared bits of the benchmark scripts: machine description and the benchmark pages (docs/benchmarks/).
+
+Each `agentrt bench NAME` has one page, docs/benchmarks/NAME.md: its current runs first, newest first, each
+with the machine, the command and the date; a run it replaces moves down, under "History", newest first.
+docs/benchmarks/README.md is the index, with the headline figures."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import shlex
 import sys
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"  # one page per benchmark, and the index
+HISTORY = "## History"
 
 
 def machine() -> str:
@@ -43,7 +48,7 @@ def cpu_flags_line() -> str:
 
 def dtype_on_cpu(dtype) -> str:
     """"bfloat16, CPU avx512_bf16": a torch dtype and the kind of C++ kernels this CPU runs, what the
-    per-machine sections of docs/benchmarks.md are titled by."""
+    per-machine sections of the benchmark pages (docs/benchmarks/) are titled by."""
     from agentrt.kernels import cpu
 
     return f"{str(dtype).removeprefix('torch.')}, CPU {cpu.kind()}"
@@ -57,18 +62,60 @@ def command() -> str:
     return "agentrt bench " + shlex.join([Path(argv[0]).stem, *argv[1:]])  # python -m agentrt.bench.NAME ...
 
 
-def write_section(title: str, body: str, path: Path = DOCS) -> None:
-    """Replace (or append) the `## title` section of docs/benchmarks.md, leaving the others intact."""
+def bench_name(module: str) -> str:
+    """`agentrt bench NAME` of a benchmark module: agentrt.bench.decode_cpu -> decode-cpu."""
+    prefix = f"{__package__}."
+    if not module.startswith(prefix) or module.count(".") != 2:
+        raise ValueError(f"{module!r} is not a benchmark module ({prefix}NAME)")
+    return module.removeprefix(prefix).replace("_", "-")
+
+
+def page(name: str) -> Path:
+    """The page of `agentrt bench NAME`."""
+    return DOCS / f"{name}.md"
+
+
+def _split(text: str) -> tuple[str, list[str], list[str]]:
+    """A page's head (title and intro), its current sections (`## ...`) and its history entries (`### ...`)."""
+    cur, _, hist = text.partition(f"\n{HISTORY}\n")
+    head, *sections = re.split(r"(?m)^(?=## )", cur)
+    history = [e for e in re.split(r"(?m)^(?=### )", hist) if e.startswith("### ")]
+    return head.rstrip() + "\n", [x.rstrip() + "\n" for x in sections], [e.rstrip() + "\n" for e in history]
+
+
+def _stamp_date(section: str) -> str:
+    m = re.search(r"(?m)^Date: (\S+)", section)
+    return m.group(1) if m else "undated"
+
+
+def put_section(text: str, title: str, section: str) -> str:
+    """`text` (a page) with `section` (titled `## title`) first among the current runs; the run of that
+    title it replaces goes first in History as `### title (its date)`."""
+    head, sections, history = _split(text)
+    old = next((x for x in sections if x.startswith(f"## {title}\n")), None)
+    sections = [section.rstrip() + "\n", *(x for x in sections if x is not old)]
+    if old is not None:
+        body = old.split("\n", 1)[1].lstrip("\n")
+        history.insert(0, f"### {title} ({_stamp_date(old)})\n\n{body.rstrip()}\n")
+    out = head + "\n" + "\n".join(sections)
+    if history:
+        out += f"\n{HISTORY}\n\nEarlier runs, newest first.\n\n" + "\n".join(history)
+    return out.rstrip() + "\n"
+
+
+def write_section(title: str, body: str, path: Path | None = None, *, name: str | None = None) -> Path:
+    """Write this run as the `## title` section of its benchmark's page (`name`, or the calling module's
+    `bench NAME`; `path` instead of docs/benchmarks/NAME.md), stamped with the machine, command and date:
+    first on the page, the run of the same title it replaces moved down into History. Returns the page."""
+    if path is None:
+        path = page(name or bench_name(sys._getframe(1).f_globals["__name__"]))
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section is written by its benchmark script.\n"
+    text = (path.read_text() if path.exists() else
+            f"# `agentrt bench {path.stem}`\n\nWritten by the benchmark (`--docs` / `--write-docs`); all "
+            f"benchmarks: [index](README.md).\n")
     stamp = f"Machine: {machine()}  \nCommand: `{command()}`  \nDate: {_dt.date.today().isoformat()}\n\n"
-    section = f"## {title}\n\n{stamp}{body.rstrip()}\n"
-    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text)
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text.rstrip() + "\n")
+    path.write_text(put_section(text, title, f"## {title}\n\n{stamp}{body.rstrip()}\n"))
+    return path
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

@@ -12,7 +12,7 @@ verifier checks (operands available, exact results, the target produced):
 
 All puzzles of a method run concurrently as programs of one in-process runtime (so the engine
 batches them); the methods run one after the other. Output: a table (or `--json`) and, with
-`--docs`, the "Countdown" section of docs/benchmarks.md.
+`--docs`, the "Countdown" section of docs/benchmarks/countdown.md.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 on a shared 2-core machine)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
-                    help="write this benchmark's section of docs/benchmarks.md (default: no)")
+                    help="write this benchmark's section of docs/benchmarks/countdown.md (default: no)")
     a = ap.parse_args(argv)
     if not 1 <= a.puzzles <= len(PUZZLES):
         ap.error(f"--puzzles must be in [1, {len(PUZZLES)}], got {a.puzzles}")

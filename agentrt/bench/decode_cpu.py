@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=30, help="timed calls per dtype and context")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the markdown table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
-                    help="write this CPU kind's 'Decode step' section of docs/benchmarks.md (default: no)")
+                    help="write this CPU kind's 'Decode step' section of docs/benchmarks/decode-cpu.md (default: no)")
     a = ap.parse_args(argv)
     try:
         contexts = sorted({int(c) for c in a.contexts.split(",") if c.strip()})

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's tokens per step")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the markdown table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
-                    help="write the 'Embeddings' section of docs/benchmarks.md (default: no)")
+                    help="write the 'Embeddings' section of docs/benchmarks/embed.md (default: no)")
     a = ap.parse_args(argv)
     for name in ("num_inputs", "min_len", "hf_batch_size", "repeats"):
         if getattr(a, name) < 1:

@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--docs", action="store_true", help='write the table to docs/benchmarks.md ("The fan-out case")')
+    ap.add_argument("--docs", action="store_true", help='write the table to docs/benchmarks/fanout.md ("The fan-out case")')
     args = ap.parse_args(argv)
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in args.policies:

@@ -1,7 +1,7 @@
 """Kernel benchmark: how close paged attention gets to the GPU's memory bandwidth, and what paging costs.
 
 Run as `agentrt bench kernels [--json] [--out docs/kernels.md]` (or `python -m agentrt.bench.kernels`); it
-also writes the "Kernels" section of docs/benchmarks.md with `--docs`. Needs a CUDA GPU;
+also writes the "Kernels" section of docs/benchmarks/kernels.md with `--docs`. Needs a CUDA GPU;
 without one it says so, writes nothing and exits 0.
 
 Measured in one run, on the Llama-3.1-8B attention shape (H=32, KVH=8, D=128, bf16, block 16):
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill measurements")
     parser.add_argument("--sweep", action="store_true", help="also time other tile shapes and split counts")
     parser.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
-                        help=f"write the {DOCS_SECTION!r} section of docs/benchmarks.md (default: no)")
+                        help=f"write the {DOCS_SECTION!r} section of docs/benchmarks/kernels.md (default: no)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print JSON instead of the markdown table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
-                    help=f"write the '{DOCS_SECTION}' section of docs/benchmarks.md (default: no)")
+                    help=f"write the '{DOCS_SECTION}' section of docs/benchmarks/lora.md (default: no)")
     a = ap.parse_args(argv)
     for name in ("batch", "single", "adapters", "rank", "prompt_len", "max_tokens", "repeats"):
         if getattr(a, name) < 1:

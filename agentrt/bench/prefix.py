@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                          "spin-waiting on each other are several times slower)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
-                    help="write this benchmark's section of docs/benchmarks.md (default: no)")
+                    help="write this benchmark's section of docs/benchmarks/prefix.md (default: no)")
     a = ap.parse_args(argv)
     if not 1 <= a.turns <= len(QUESTIONS):
         ap.error(f"--turns must be in [1, {len(QUESTIONS)}], got {a.turns}")

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks.md")
+    ap.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks/priority.md")
     args = ap.parse_args(argv)
     counts = {k: getattr(args, k) for k in ("batch_programs", "batch_calls", "batch_tokens", "prompt_tokens", "turns",
                                             "turn_tokens", "max_num_seqs")}

@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0", help="comma-separated workload seeds; each router runs each, pooled")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
-    ap.add_argument("--write-docs", action="store_true", help="write the table to docs/benchmarks.md")
+    ap.add_argument("--write-docs", action="store_true", help="write the table to docs/benchmarks/replicas.md")
     args = ap.parse_args(argv)
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     bad = [r for r in routers if r not in ROUTER_NAMES]

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="median tool time (log-normal, heavy tail)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks.md")
+    ap.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks/retention.md")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]

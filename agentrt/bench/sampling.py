@@ -11,7 +11,7 @@ sampling (the runner's `sample`, `_context` and `_top_lists`, timed by wrapping 
 the plain step (the runner's step time: input prep, forward, sampling), medians over repeats; the
 whole-step ratio is reported too, but on a shared CPU its noise is larger than the effect. Also
 reported: every processor plus top-5 logprobs.
-`agentrt bench throughput` prints the same row. Writes its docs/benchmarks.md section only with
+`agentrt bench throughput` prints the same row. Writes its docs/benchmarks/sampling.md section only with
 `--docs`.
 """
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--docs", action="store_true",
-                    help="write this machine's section of docs/benchmarks.md (one per dtype and CPU kind)")
+                    help="write this machine's section of docs/benchmarks/sampling.md (one per dtype and CPU kind)")
     a = ap.parse_args(argv)
     for name in ("running", "steps", "repeats"):
         if getattr(a, name) < 1:

@@ -271,21 +271,22 @@ def server_engine_flags(a: argparse.Namespace) -> list[tuple[str, Any]]:
 
 
 async def deterministic_cost(a: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """Two servers, the default and `--deterministic`, in the same run on the same requests: saturated output
-    tok/s (`--repeats` batches of `--saturation-requests` at once, the servers in turn, each batch new to both
-    prefix caches) and single-stream decode (one request of 64 tokens at a time, the servers alternating:
-    tok/s from the inter-token gaps, i.e. decode without the prefill)."""
+    """Two servers, `--no-deterministic` and `--deterministic` (the CPU default), in the same run on the same
+    requests: saturated output tok/s (`--repeats` batches of `--saturation-requests` at once, the servers in
+    turn, each batch new to both prefix caches) and single-stream decode (one request of 64 tokens at a time,
+    the servers alternating: tok/s from the inter-token gaps, i.e. decode without the prefill)."""
     from agentrt.engine.loader import load_tokenizer, resolve_model
 
     prompts = Prompts(load_tokenizer(resolve_model(a.model)), (a.prompt_min, a.prompt_max),
                       (a.output_min, a.output_max), a.seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    names = ("default", "deterministic")
+    names = ("batch-variant", "deterministic")
     sat: dict[str, list[float]] = {n: [] for n in names}
     itl: dict[str, list[float]] = {n: [] for n in names}
     failed = dict.fromkeys(names, 0)
+    base = argparse.Namespace(**{**vars(a), "extra_flags": ["--no-deterministic"]})
     det = argparse.Namespace(**{**vars(a), "extra_flags": ["--deterministic"]})
-    with server_process(a) as (url0, p0), server_process(det) as (url1, p1):
+    with server_process(base) as (url0, p0), server_process(det) as (url1, p1):
         async with contextlib.AsyncExitStack() as stack:
             clients = {}
             for n, url, proc in ((names[0], url0, p0), (names[1], url1, p1)):
@@ -317,16 +318,18 @@ async def deterministic_cost(a: argparse.Namespace) -> tuple[dict[str, Any], str
                        ("single_decode_tok_s", f"single-stream decode tok/s (1 / median inter-token gap, "
                                                f"{a.ttft_requests} requests of 64 tokens)")):
         v = res[key]
-        res[key.replace("_tok_s", "_cost")] = 1 - v["deterministic"] / v["default"]
-        rows.append([label, v["default"], v["deterministic"], v["deterministic"] / v["default"]])
-    table = markdown_table(["through agentrt serve", "default", "--deterministic", "deterministic / default"], rows)
+        res[key.replace("_tok_s", "_cost")] = 1 - v["deterministic"] / v["batch-variant"]
+        rows.append([label, v["batch-variant"], v["deterministic"], v["deterministic"] / v["batch-variant"]])
+    table = markdown_table(["through agentrt serve", "--no-deterministic", "--deterministic",
+                            "deterministic / batch-variant"], rows)
     cpu = cpu_info()
     section = (f"CPU: {cpu['model']}, {cpu['cores']} cores, SIMD flags: {' '.join(cpu['simd_flags']) or '-'}; "
                f"load average {os.getloadavg()[0]:.2f} at the end. Two `agentrt serve --db none` subprocesses, the "
-               f"same engine options ({engine_kwargs(a) or 'defaults'}), one with `--deterministic`; streaming chat, "
+               f"same engine options ({engine_kwargs(a) or 'defaults'}), one with `--no-deterministic`, one with "
+               f"`--deterministic`; streaming chat, "
                f"greedy, ignore_eos, prompts {a.prompt_min}-{a.prompt_max} tokens, outputs "
                f"{a.output_min}-{a.output_max}; the servers take each batch and each single request in turn.\n\n"
-               f"{table}\n\nCost of deterministic mode (1 - deterministic / default): saturated "
+               f"{table}\n\nCost of deterministic mode (1 - deterministic / batch-variant): saturated "
                f"**{res['saturated_cost']:+.0%}**, single-stream decode **{res['single_decode_cost']:+.0%}** "
                f"(target <= 10% each); failed requests: {failed}.\n")
     return res, section
@@ -617,10 +620,11 @@ def main(argv: list[str] | None = None) -> int:
                          "collector must listen); default: tracing off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deterministic-cost", action="store_true",
-                    help="only a --deterministic server against a default one (saturation and single-stream decode)")
+                    help="only a --deterministic server against a --no-deterministic one (saturation and "
+                         "single-stream decode)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
-                    help="write this benchmark's section of docs/benchmarks.md (default: no)")
+                    help="write this benchmark's section of docs/benchmarks/serve.md (default: no)")
     a = ap.parse_args(argv)
     if min(a.rates, default=1) <= 0 or a.repeats < 1 or a.ttft_requests < 1 or a.saturation_requests < 1:
         ap.error("--rates must be positive; --repeats, --ttft-requests, --saturation-requests at least 1")

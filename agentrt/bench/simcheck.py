@@ -103,7 +103,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def write_docs(report: dict[str, Any], fit: costs.Fit, title: str = "Simulator calibration") -> None:
-    """Replace (or append) the `## {title}` section of docs/benchmarks.md."""
+    """Replace (or append) the `## {title}` section of docs/benchmarks/simcheck.md."""
     from agentrt.bench import _common
 
     fit_lines = calibrate.describe(fit).replace("\n", "\n  ")
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", default=None, metavar="KIND=WEIGHT,...", help="the program mix (as bench programs)")
     ap.add_argument("--calibrate", action="store_true", help="calibrate this machine first (and store the fit)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--docs", action="store_true", help="write the section of docs/benchmarks.md")
+    ap.add_argument("--docs", action="store_true", help="write the section of docs/benchmarks/simcheck.md")
     args = ap.parse_args(argv)
     resolve_model(args.model)  # a path that is not a model fails first, in one line
     try:

@@ -14,7 +14,7 @@ its known tokens samples a random token. Programs are the plans of `agentrt/benc
 
 It runs the default 96-program mix in a few seconds per policy (the real engine: six minutes), so load
 sweeps, mixes and policy settings can be explored before the real run, which is what
-docs/benchmarks.md reports beside the sweeps.
+docs/benchmarks/simulate.md reports beside the sweeps.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def agents_main(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--write-docs", default=None, metavar="TITLE",
                     help="write the table, each config's rate at the first config's latencies and the plot (--plot) "
-                         "into docs/benchmarks.md under this title")
+                         "into docs/benchmarks/simulate.md under this title")
     args = ap.parse_args(argv)
     try:
         rates = [float(x) for x in args.rates.split(",")]

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gb", type=float, default=0.25, help="KV cache of each of the two engines")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
-                    help="write this benchmark's section of docs/benchmarks.md (default: no)")
+                    help="write this benchmark's section of docs/benchmarks/structured.md (default: no)")
     a = ap.parse_args(argv)
     batches = [int(x) for x in a.batch_sizes.split(",") if x]
 

@@ -27,7 +27,10 @@ Workload: N requests (default 64), prompt lengths uniform in [16, 512], output l
 On a GPU machine without the checkpoint, `--random-weights smollm2-135m|llama-3.1-8b|qwen3-0.6b` builds a
 model of that shape with random weights (tokenizer from `--tokenizer`, default: the default
 model's); the engine and HF then run the same weights, and a check prints how many of the first
-`--check-requests` requests get HF's greedy tokens (first token, and all `--check-tokens`).
+`--check-requests` requests get HF's greedy tokens (first token, and all `--check-tokens`). The mixtures
+of experts `qwen3-30b-a3b` and `gpt-oss-20b` take `--layers N` (their first N layers: 4 fit a workstation);
+with `--max-num-seqs 8 --num-requests 8` the batched row is 8 concurrent calls, against the
+single-request rows' one.
 """
 
 from __future__ import annotations
@@ -60,8 +63,14 @@ def workload(n: int, seed: int, vocab_lo: int = 100, vocab_hi: int = 40000):
 def linear_flops_per_token(args) -> int:
     """Projection FLOPs of one token through all layers (the LM head not included)."""
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    per_layer = args.hidden_size * (q + 2 * kv) + q * args.hidden_size + 3 * args.hidden_size * args.intermediate_size
-    return 2 * args.num_layers * per_layer
+    attn = args.hidden_size * (q + 2 * kv) + q * args.hidden_size
+    dense = 3 * args.hidden_size * args.intermediate_size
+    if (moe := getattr(args, "moe", None)) is None:
+        return 2 * args.num_layers * (attn + dense)
+    # a mixture's layer: the router and the top-k experts a token runs (and a shared expert)
+    sparse = args.hidden_size * (moe.num_experts + 3 * (moe.top_k * moe.intermediate_size + moe.shared_intermediate_size))
+    n_sparse = len(moe.sparse_layers)
+    return 2 * (args.num_layers * attn + n_sparse * sparse + (args.num_layers - n_sparse) * dense)
 
 
 def model_flops(args, reqs) -> float:
@@ -210,13 +219,16 @@ def engines_decode_paired(engines: dict, prompt, new: int) -> dict:
 
 
 def deterministic_cost(a, kw: dict) -> tuple[dict, str]:
-    """The deterministic (batch-invariant) engine against the default one, same run, same requests: batched
+    """The deterministic (batch-invariant) engine, the CPU default, against the batch-variant one
+    (`deterministic=False`, `--no-deterministic`), same run, same requests: batched
     output tok/s and a prefill-only pass (the two run in turn, `--repeats` times, each repeat's prompts new to
     both prefix caches), and single-request decode stepped in turn (`engines_decode_paired`). Returns
     (results, the markdown section)."""
     from agentrt.engine import LLM
 
-    engines = {"default": LLM(a.model, **kw), "deterministic": LLM(a.model, **kw, deterministic=True)}
+    kw = {k: v for k, v in kw.items() if k != "deterministic"}
+    engines = {"batch-variant": LLM(a.model, **kw, deterministic=False),
+               "deterministic": LLM(a.model, **kw, deterministic=True)}
     reqs = workload(a.num_requests, a.seed)
     useful, prompt_tokens = sum(o for _, o in reqs), sum(len(p) for p, _ in reqs)
     for e in engines.values():
@@ -238,7 +250,7 @@ def deterministic_cost(a, kw: dict) -> tuple[dict, str]:
             for k, seconds in engines_decode_paired(engines, p, o).items():
                 decode[k].setdefault(j, []).append(seconds)
     dec_tokens = sum(o - 1 for _, o in singles)
-    res = {"dtype": engines["default"].core.config.dtype, "num_requests": a.num_requests, "output_tokens": useful,
+    res = {"dtype": engines["batch-variant"].core.config.dtype, "num_requests": a.num_requests, "output_tokens": useful,
            "startup_lines": {k: e.core.startup_line for k, e in engines.items()},
            "batched_tok_s": {k: statistics.median(v) for k, v in batched.items()},
            "prefill_tok_s": {k: statistics.median(v) for k, v in prefill.items()}}
@@ -251,14 +263,14 @@ def deterministic_cost(a, kw: dict) -> tuple[dict, str]:
                        ("single_decode_tok_s", f"single-request decode tok/s ({len(singles)} requests, prefill excluded)")):
         if key in res:
             v = res[key]
-            res[key.replace("_tok_s", "_cost")] = 1 - v["deterministic"] / v["default"]
-            rows.append([label, v["default"], v["deterministic"], v["deterministic"] / v["default"]])
-    table = markdown_table(["measure", "default", "deterministic", "deterministic / default"], rows)
+            res[key.replace("_tok_s", "_cost")] = 1 - v["deterministic"] / v["batch-variant"]
+            rows.append([label, v["batch-variant"], v["deterministic"], v["deterministic"] / v["batch-variant"]])
+    table = markdown_table(["measure", "batch-variant", "deterministic", "deterministic / batch-variant"], rows)
     costs = ", ".join(f"{name} **{res[key]:+.0%}**" for name, key in
                       (("batched throughput", "batched_cost"), ("single-request decode", "single_decode_cost"))
                       if key in res)
     section = (f"{cpu_flags_note()}. Load average {os.getloadavg()[0]:.1f} at the end.  \n"
-               f"Engines: `{res['startup_lines']['deterministic']}`, and the same without deterministic; "
+               f"Engines: `{res['startup_lines']['deterministic']}`, and the same with `deterministic=False`; "
                f"num_scheduler_steps={a.num_scheduler_steps}\n\n{a.num_requests} requests, prompts 16-512, outputs "
                f"16-256 ({useful} output tokens), ignore_eos, greedy; batched and prefill rows the median of "
                f"{a.det_repeats} runs per engine, run in turn; single-request decode the median of "
@@ -290,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--random-weights", default=None, metavar="PRESET",
                     help="random weights of a real shape instead of --model: " + ", ".join(PRESETS))
+    ap.add_argument("--layers", type=int, default=None,
+                    help="with --random-weights: the preset's first N layers only (e.g. 4 of qwen3-30b-a3b's 48)")
     ap.add_argument("--tokenizer", default=None, help="model directory to take the tokenizer from (--random-weights)")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache size (default: the engine's)")
     ap.add_argument("--check-requests", type=int, default=8, help="requests compared with HF token by token")
@@ -297,12 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sampling-steps", type=int, default=8,
                     help="decode steps per run of the sampling-processors row (bench.sampling; 0 = skip)")
     ap.add_argument("--deterministic-cost", action="store_true",
-                    help="only the deterministic (batch-invariant) engine against the default one (no HF)")
+                    help="only the deterministic (batch-invariant) engine against the batch-variant one (no HF)")
     ap.add_argument("--det-repeats", type=int, default=2, help="batched runs per engine with --deterministic-cost")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
-                    help="write this benchmark's section of docs/benchmarks.md (default: no)")
+                    help="write this benchmark's section of docs/benchmarks/throughput.md (default: no)")
     a = ap.parse_args(argv)
+    if a.layers is not None and a.random_weights is None:
+        ap.error(f"--layers {a.layers} cuts a --random-weights preset; give one ({', '.join(PRESETS)})")
 
     from transformers import AutoModelForCausalLM
 
@@ -320,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         a.model = tempfile.mkdtemp(prefix=f"agentrt-{a.random_weights}-")
         atexit.register(shutil.rmtree, a.model, True)
         _, hf = make_random_model(a.model, a.random_weights, dtype=cfg.torch_dtype, device=cfg.device,
-                                  seed=a.seed, tokenizer_from=a.tokenizer)
+                                  seed=a.seed, tokenizer_from=a.tokenizer, num_layers=a.layers)
+        if a.layers is not None:
+            a.random_weights = f"{a.random_weights} (first {a.layers} layers)"
     kw = {"dtype": a.dtype, "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
           "num_scheduler_steps": a.num_scheduler_steps}
     if a.kv_cache_gb is not None:

@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-tokens", type=int, default=2000, help="--restart: the first call's prompt, roughly")
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks.md")
+    ap.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks/tiers.md")
     args = ap.parse_args(argv)
     configs = args.configs.split(",")
     bad = [c for c in configs if c not in CONFIGS]

@@ -52,7 +52,7 @@ Plan = Generator[Call | Parallel | Tool, Any, None]
 
 # Sizes. Agent steps (a ReAct thought + action, a tree node) generate 32 tokens (real ones run 50-200);
 # with 8-token steps no call holds a seat long enough to block anyone and every policy is processor
-# sharing in disguise (docs/benchmarks.md, earlier runs). A ReAct loop makes 2-10 calls (uniform: BFCL-like
+# sharing in disguise (docs/benchmarks/programs.md, earlier runs). A ReAct loop makes 2-10 calls (uniform: BFCL-like
 # tasks take a few tool calls, some many). A tree round is 16 parallel calls, LATS-like (8 sampled
 # children, each with a value call), four times the engine's seats: the fan-out that makes call-level
 # FCFS put every later program behind it; a search expands 3 levels. Most programs are chats, a few are

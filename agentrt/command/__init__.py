@@ -49,9 +49,9 @@ def _run(a: argparse.Namespace) -> int:
     from agentrt.command.run import run_file
 
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
-    if a.deterministic and a.url is not None:
-        return usage_error("agentrt run", "--deterministic sets the in-process engine; with --url start the server "
-                                          "with agentrt serve --deterministic")
+    if a.deterministic is not None and a.url is not None:
+        return usage_error("agentrt run", "--[no-]deterministic sets the in-process engine; with --url give it to "
+                                          "agentrt serve")
     tiers = kv_tier_options(a)
     if tiers and a.url is not None:
         return usage_error("agentrt run", "the KV tier flags set the in-process engine; with --url give them to "
@@ -98,7 +98,8 @@ def _main(argv: list[str]) -> int:
     r.add_argument("--model", default=None, help="in-process: HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     r.add_argument("--policy", default="plas", choices=POLICY_NAMES, help="in-process policy")
     r.add_argument("--policy-kwargs", default=None, metavar="JSON", help=f"in-process: {POLICY_KWARGS_HELP}")
-    r.add_argument("--deterministic", action="store_true", help=f"in-process: {DETERMINISTIC_HELP}")
+    r.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"in-process: {DETERMINISTIC_HELP}")
     add_kv_tier_options(r)
     r.add_argument("file")
     r.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the file's main (after --)")

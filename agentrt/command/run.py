@@ -30,7 +30,7 @@ def defines_main(source: str) -> bool:
 
 def run_file(file: str, args: list[str], *, url: str | None = None, api_key: str | None = None,
              model: str | None = None, policy: str = "plas", policy_kwargs: dict | None = None,
-             deterministic: bool = False,
+             deterministic: bool | None = None,
              engine: dict | None = None) -> int:
     path = Path(file)
     if not path.is_file():
@@ -62,7 +62,7 @@ def run_file(file: str, args: list[str], *, url: str | None = None, api_key: str
         if url is not None:
             async with agentrt.connect(url, api_key):
                 return await call()
-        options = dict(engine or {}, **({"deterministic": True} if deterministic else {}))
+        options = dict(engine or {}, **({} if deterministic is None else {"deterministic": deterministic}))
         async with agentrt.Runtime(model, policy, policy_kwargs=policy_kwargs, **options):
             return await call()
 

@@ -295,7 +295,7 @@ inline void linear_rows_widened(const float* xf, int64_t ldx, int64_t M, int64_t
 // AMX (Sapphire Rapids on): the same packed panels are the B operand of `tdpbf16ps` as they lie: 16 rows
 // of k pairs x 16 columns, 128 bytes apart. Where it applies every bf16 projection the packed kernel runs
 // takes this path, decode rows and the LM head included (on a Sapphire Rapids-class Xeon 1.3-5x faster
-// than the AVX512-BF16 tiles from 1 to 64 rows: docs/benchmarks.md), and in batch-invariant mode
+// than the AVX512-BF16 tiles from 1 to 64 rows: docs/benchmarks/throughput.md), and in batch-invariant mode
 // (kernels/linear.py) prefill rows too: each output sums its k pairs 32 at a time in k order, in hardware
 // that computes every row alike, so a row's output does not depend on the others in its tile.
 

@@ -111,7 +111,7 @@ def test_preempted_and_recomputed_equals_uninterrupted(default_model_path, dtype
 
 
 def test_deterministic_is_refused_where_it_cannot_hold():
-    with pytest.raises(ValueError, match="deterministic must be true or false, got 'yes'"):
+    with pytest.raises(ValueError, match="deterministic must be true, false or None .where it holds., got 'yes'"):
         EngineConfig(device="cpu", deterministic="yes")
     with pytest.raises(ValueError, match="deterministic needs dtype float32 or bfloat16.*'float16'"):
         EngineConfig(device="cpu", dtype="float16", deterministic=True)
