@@ -73,14 +73,32 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     },
+    "qwen3-30b-a3b": {  # 128 experts of 768, top 8 (renormalized); q/k norms
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "max_position_embeddings": 40960, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "gpt-oss-20b": {  # 32 experts of 2880, top 4, biased router; 128-token windows alternating with full layers, sinks
+        "model_type": "gpt_oss",
+        "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "sliding_window": 128, "max_position_embeddings": 131072, "attention_bias": True,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "swiglu_limit": 7.0,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
+    },
 }
 
 
 def make_random_model(path: str | Path, preset: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-                      seed: int = 0, tokenizer_from: str | None = None):
+                      seed: int = 0, tokenizer_from: str | None = None, num_layers: int | None = None):
     """Write a random-weight model of a real model's shape and family (`PRESETS`) to `path`, with the default
     model's tokenizer; return `(path, hf_model)`, the HF model already on `device` in `dtype`, so a
-    benchmark can compare against it without loading the weights twice.
+    benchmark can compare against it without loading the weights twice. `num_layers` cuts the model to its
+    first layers (a mixture of experts' shape on a machine without room for all of them).
 
     Weights are HF's own init (normal, std = initializer_range), built directly on `device`."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -90,6 +108,10 @@ def make_random_model(path: str | Path, preset: str, *, dtype: torch.dtype = tor
     path = Path(path)
     tok = load_tokenizer(resolve_model(tokenizer_from))
     fields = dict(PRESETS[preset])
+    if num_layers is not None:
+        if not 1 <= num_layers <= fields["num_hidden_layers"]:
+            raise ValueError(f"num_layers {num_layers} is not between 1 and {preset}'s {fields['num_hidden_layers']}")
+        fields["num_hidden_layers"] = num_layers
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=tok.bos_token_id,
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
