@@ -106,3 +106,18 @@ def test_converted_model_cache_is_keyed_by_content(tmp_path, monkeypatch):
     (done / "config.json").write_text("{}")
     monkeypatch.setattr(loader, "_save_dequantized", lambda *a: pytest.fail("converted again"))
     assert loader.resolve_model(tmp_path / "copy.gguf") == done
+
+
+def test_generate_takes_vllm_prompt_dicts(llm):
+    """vLLM's TokensPrompt / TextPrompt dicts, alone or in a list beside plain prompts: the same outputs as
+    the token ids or text they hold; a dict with other keys is refused, naming them."""
+    ids = llm.tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = llm.generate([ids, "Once upon a time"], params)
+    got = llm.generate([{"prompt_token_ids": ids}, {"prompt": "Once upon a time"}], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert got[0].prompt_token_ids == ids
+    one = llm.generate({"prompt_token_ids": ids}, params)
+    assert len(one) == 1 and one[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="multi_modal_data"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {}}, params)
