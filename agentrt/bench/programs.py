@@ -287,9 +287,15 @@ def _cap(value: str) -> int | str:
 
 
 _cap.__name__ = RUNNING_CAP_FORMS
-_KNOBS: dict[str, Any] = {"first_boundary": float, "boundary_calls": float, "quantum": float, "beta": float,
-                          "num_queues": int, "order": str, "live": _flag, "running_cap": _cap, "preempt": _preempt,
-                          "victim": str, "pinned_first": _flag, "protect_pins": _flag}
+def _optional_float(value: str) -> float | None:
+    return None if value.lower() == "none" else float(value)
+
+
+_optional_float.__name__ = "a number or None"
+_KNOBS: dict[str, Any] = {"first_boundary": float, "boundary_calls": float, "boundary_programs": _optional_float,
+                          "quantum": float, "beta": float, "num_queues": int, "order": str, "live": _flag,
+                          "running_cap": _cap, "preempt": _preempt, "victim": str, "pinned_first": _flag,
+                          "protect_pins": _flag, "pins_by_rank": _flag}
 
 
 _POLICIES = ("fcfs", "mlfq", "plas", "atlas", "plas+ttl", "atlas+ttl")

@@ -144,6 +144,10 @@ class MultiLevelPolicy(SchedulingPolicy):
     def on_call_done(self, prog: ProgramState, st: CallState) -> None:
         """Fold a finished call into its program's state."""
 
+    def on_program_done(self, prog: ProgramState) -> None:
+        """A program is over (the runtime ended it, or a request without a program finished) and its last call
+        has left; its state is dropped next."""
+
     def floor_level(self, prog: ProgramState, st: CallState) -> int:
         """The highest queue the call may sit in now (0 = no floor); checked after every step it is
         served in and, for waiting calls, before every schedule."""
@@ -232,6 +236,7 @@ class MultiLevelPolicy(SchedulingPolicy):
             if prog is not None:
                 prog.ended = True
                 if prog.active <= 0:
+                    self.on_program_done(prog)
                     del self.programs[key]
                     self._idle.pop(key, None)
         while self._credits:
@@ -334,6 +339,7 @@ class MultiLevelPolicy(SchedulingPolicy):
         prog.active -= 1
         if prog.active <= 0:
             if prog.ended or req.program_id is None:
+                self.on_program_done(prog)
                 del self.programs[key]
             else:
                 self._idle[key] = now

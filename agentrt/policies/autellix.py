@@ -34,7 +34,7 @@ from typing import ClassVar
 
 from agentrt._errors import ConfigError
 from agentrt.engine.request import Request
-from agentrt.policies._fit import CallServiceFit
+from agentrt.policies._fit import ServiceFit
 from agentrt.policies._multilevel import (
     CallState,
     MultiLevelPolicy,
@@ -51,14 +51,19 @@ from agentrt.policies._multilevel import (
 # 0.3-1 s of executor time) is five to ten calls of the default model on an AVX512-BF16 one: a tree search
 # then never left queue 0, where older programs go first, and PLAS became oldest-program-first (issue 47:
 # `agentrt bench fanout`, short programs 1.66 s against FCFS's 0.65 s; with 0.1 s 0.09 s).
-#   K = 4 queues: a chat stays in the top queue, a ReAct loop moves down over its calls, a tree search lands
-#     in the last queue, where programs are served oldest first. With K = 8 tree searches at different
-#     stages sit in different queues and a newer one overtakes an older one, which makes every tree late
-#     (simulated: mean 0.67 / 0.61 / 0.61x fcfs at 0.8 / 0.9 / 1.0 of saturation against 0.57 / 0.51 / 0.47x,
-#     p99 1.40-1.78x against 1.11-1.20x; `agentrt bench simulate`, docs/benchmarks.md "Program scheduling").
-#   boundary_calls 2 (PLAS): queues [0, 2) [2, 4) [4, 8) [8, inf) calls' worth of service: a one- or two-call
-#     program stays on top, a round of parallel calls moves a tree search two levels down. The fixed 1 s
-#     was about two calls where it was chosen (a call got ~0.3-0.6 s there).
+#   K = 2 queues and boundary_programs 1.5 (PLAS): the first queue ends at 1.5x the median service of the
+#     latest finished programs (until 8 have finished: boundary_calls 2, two median calls' worth): a program that
+#     has received less than a typical whole program goes first, every other one waits in the second queue, where
+#     programs are served oldest first. More queues order the long programs among themselves by service, so a
+#     newer long program overtakes an older one at every boundary and all of them finish late (processor sharing
+#     among the longs): on the KV-bound agent mix below K = 4 with the program fit took the long programs' p99 to
+#     1.9x fcfs, and K = 8 did the same to tree searches on the default mix (mean 0.67 / 0.61 / 0.61x fcfs at
+#     0.8 / 0.9 / 1.0 of saturation against 0.57 / 0.51 / 0.47x with K = 4). Calls' worth misplaces programs
+#     whose calls differ from the median call (a cold 500-token prompt receives ten cached calls' service).
+#     Simulated, this CPU's step costs, 60 programs x seeds 0-2, mean / short programs vs fcfs: KV-bound agent
+#     mix (150 blocks) 0.75 / 0.44x (K = 4, calls' worth: 0.70 / 0.70x), with a host tier at 0.5 programs/s
+#     0.84 / 0.51x (0.98 / 0.80x), at 0.35/s 0.97 / 0.83x (0.96 / 0.84x); the default mix on 4 seats (96
+#     programs, seeds 0-1) 0.68 / 0.55x against 0.63 / 0.50x, p99 0.95 / 0.73x against 1.08 / 0.82x.
 #   quantum = the first boundary: with `live` the program's service moves its calls down; the quantum only
 #     matters for one long call, and 0.5-2x measured the same.
 #   beta 32: smaller values promote long programs into the top queue early and give back the short programs'
@@ -84,20 +89,23 @@ from agentrt.policies._multilevel import (
 # fcfs's 10-42k; beta 32 with preempt=True 1.08 / 1.11x at 0.6; without protect_pins 0.89 / 0.98x at 0.6. On the
 # real engine over HTTP, 150 blocks, 0.9 of the measured saturation, seeds 0-2: 0.85x, short programs 0.65x
 # (docs/benchmarks.md "Program scheduling, KV-bound"); with 64 seats and no KV pressure 0.95x.
-DEFAULTS: dict[str, dict[str, float]] = {
-    "time": {"first_boundary": 1.0, "quantum": 1.0, "beta": 32.0, "boundary_calls": 2.0},
-    "tokens": {"first_boundary": 128.0, "quantum": 64.0, "beta": 32.0, "boundary_calls": 2.0},
+DEFAULTS: dict[str, dict[str, float | None]] = {
+    "time": {"num_queues": 2, "first_boundary": 1.0, "quantum": 1.0, "beta": 32.0, "boundary_calls": 2.0,
+             "boundary_programs": 1.5},
+    "tokens": {"num_queues": 2, "first_boundary": 128.0, "quantum": 64.0, "beta": 32.0, "boundary_calls": 2.0,
+               "boundary_programs": 1.5},
 }
 # ATLAS ranks by critical path, which grows by one call's service per sequential step however wide the
 # program is, so its boundaries sit 4x lower: half a call, and a ReAct loop or tree search reaches the last
 # queue after two or three steps. With PLAS's boundaries a 34-call tree search never got there and newer
 # trees kept overtaking older ones (simulated as above: mean 0.75 / 0.69 / 0.69x -> 0.64 / 0.59 / 0.54x fcfs,
 # p99 1.24-1.72x -> 1.06-1.14x).
-ATLAS_DEFAULTS: dict[str, dict[str, float]] = {
-    "time": {**DEFAULTS["time"], "first_boundary": 0.25, "quantum": 0.25, "boundary_calls": 0.5},
-    "tokens": {**DEFAULTS["tokens"], "first_boundary": 32.0, "quantum": 16.0, "boundary_calls": 0.5},
+ATLAS_DEFAULTS: dict[str, dict[str, float | None]] = {
+    "time": {**DEFAULTS["time"], "num_queues": 4, "first_boundary": 0.25, "quantum": 0.25, "boundary_calls": 0.5,
+             "boundary_programs": None},
+    "tokens": {**DEFAULTS["tokens"], "num_queues": 4, "first_boundary": 32.0, "quantum": 16.0, "boundary_calls": 0.5,
+               "boundary_programs": None},
 }
-DEFAULT_NUM_QUEUES = 4
 # PLAS composed with TTL retention (Continuum's pins, agentrt/_retention.py): `PLAS(**TTL_SETTINGS)`.
 # Measured with `agentrt simulate agents` (full-size coding / ReAct agents, H100 / Llama-3.1-8B cost model,
 # docs/benchmarks.md "KV retention"), where the KV cache, not compute, runs out: plain PLAS ranks a new
@@ -121,11 +129,15 @@ class PLAS(MultiLevelPolicy):
     """Program-level attained service, discretized into K queues; see the module docstring.
 
     Arguments (None = the default for the service unit, see `DEFAULTS`):
-        num_queues: K.
+        num_queues: K (None: the default, 2 for PLAS, 4 for ATLAS).
         first_boundary: upper bound of queue 0 in service units; queue i ends at `first_boundary * 2^i`.
             "auto" (the default, also None): `boundary_calls` times the median service of the engine's
             finished calls (agentrt/policies/_fit.py), the fixed default until enough calls finished.
-        boundary_calls: with "auto", the first boundary in typical calls' worth of service.
+        boundary_calls: with "auto", the first boundary in typical calls' worth of service (until enough programs
+            have ended for `boundary_programs`, or always when that is None).
+        boundary_programs: with "auto", the first boundary in typical programs' worth: this times the median
+            service of the latest finished programs (ended by the runtime; a request without a program is a
+            one-call program), once 8 have finished. None: calls' worth only. Default: the service unit's.
         quantum: service a call may receive in queue 0 before dropping a level; doubles per level. None:
             the default, which follows an "auto" first boundary in the defaults' ratio.
         beta: anti-starvation threshold on wait/service; `float("inf")` disables promotion.
@@ -156,9 +168,10 @@ class PLAS(MultiLevelPolicy):
     def __init__(
         self,
         *,
-        num_queues: int = DEFAULT_NUM_QUEUES,
+        num_queues: int | None = None,
         first_boundary: float | str | None = None,
         boundary_calls: float | None = None,
+        boundary_programs: float | None | str = "default",
         quantum: float | None = None,
         beta: float | None = None,
         service: ServiceUnit = "time",
@@ -177,9 +190,11 @@ class PLAS(MultiLevelPolicy):
         if service not in self.defaults:
             raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
         d = self.defaults[service]
+        num_queues = d["num_queues"] if num_queues is None else num_queues
         self.auto_boundary = first_boundary is None or first_boundary == "auto"
         first_boundary = d["first_boundary"] if self.auto_boundary else first_boundary
         boundary_calls = d["boundary_calls"] if boundary_calls is None else boundary_calls
+        boundary_programs = d["boundary_programs"] if boundary_programs == "default" else boundary_programs
         beta = d["beta"] if beta is None else beta
         super().__init__(
             num_queues=num_queues,
@@ -198,6 +213,8 @@ class PLAS(MultiLevelPolicy):
             raise ConfigError(f"{self.name}: first_boundary must be 'auto' or a number > 0, got {first_boundary!r}")
         if isinstance(boundary_calls, str) or not boundary_calls > 0:
             raise ConfigError(f"{self.name}: boundary_calls must be > 0, got {boundary_calls!r}")
+        if boundary_programs is not None and (isinstance(boundary_programs, str) or not boundary_programs > 0):
+            raise ConfigError(f"{self.name}: boundary_programs must be None or > 0, got {boundary_programs!r}")
         if not beta > 0:
             raise ConfigError(f"{self.name}: beta must be > 0, got {beta!r}")
         if admit_output_tokens is not None and (not isinstance(admit_output_tokens, int) or admit_output_tokens < 1):
@@ -206,7 +223,9 @@ class PLAS(MultiLevelPolicy):
         self.boundaries = doubling(first_boundary, num_queues - 1)  # finite upper bounds of queues 0..K-2
         self.boundary_calls = boundary_calls
         self.quantum_ratio = d["quantum"] / d["first_boundary"] if quantum is None else None  # None: fixed
-        self.call_fit = CallServiceFit() if self.auto_boundary else None
+        self.boundary_programs = boundary_programs
+        self.call_fit = ServiceFit() if self.auto_boundary else None
+        self.program_fit = ServiceFit() if self.auto_boundary and boundary_programs is not None else None
         self.beta = beta
         self.live = live
         if order not in ("call", "program"):
@@ -242,8 +261,13 @@ class PLAS(MultiLevelPolicy):
     def on_call_done(self, prog: ProgramState, st: CallState) -> None:
         prog.attained += st.total_service
         prog.critical = max(prog.critical, st.start_priority + st.total_service)
-        if self.call_fit is not None and self.call_fit.add(st.total_service):
+        if (self.call_fit is not None and self.call_fit.add(st.total_service)
+                and (self.program_fit is None or self.program_fit.median is None)):
             self.set_first_boundary(self.boundary_calls * self.call_fit.median)
+
+    def on_program_done(self, prog: ProgramState) -> None:
+        if self.program_fit is not None and self.program_fit.add(self.program_priority(prog)):
+            self.set_first_boundary(self.boundary_programs * self.program_fit.median)
 
     def set_first_boundary(self, first: float) -> None:
         """Queues [0, first) [first, 2 first) ...; the quantum follows unless it was given. Calls move to their

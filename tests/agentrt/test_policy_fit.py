@@ -7,7 +7,7 @@ import pytest
 from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.policies import ATLAS, PLAS
-from agentrt.policies._fit import CallServiceFit
+from agentrt.policies._fit import ServiceFit
 
 
 def call(rid: str, program: str, arrival: float = 0.0) -> Request:
@@ -21,7 +21,7 @@ def serve(pol: PLAS, req: Request, units: int, now: float) -> None:
 
 
 def test_median_of_the_latest_calls_refitted_every_few():
-    fit = CallServiceFit(window=4, every=2, min_calls=3)
+    fit = ServiceFit(window=4, every=2, min_calls=3)
     assert [fit.add(x) for x in (5.0, 1.0)] == [False, False] and fit.median is None
     assert fit.add(3.0) and fit.median == 3.0  # first fit at min_calls
     assert not fit.add(100.0) and fit.median == 3.0  # refitted every 2 calls only
@@ -31,7 +31,7 @@ def test_median_of_the_latest_calls_refitted_every_few():
 
 
 def test_plas_boundaries_follow_the_median_call():
-    pol = PLAS(service="tokens")  # "auto": 128 tokens until 8 calls finished, then 2 median calls
+    pol = PLAS(service="tokens", num_queues=4, boundary_programs=None)  # "auto": 128 tokens until 8 calls, then 2 median calls
     assert pol.boundaries == [128.0, 256.0, 512.0] and pol.quanta[0] == 64.0
     for i in range(8):
         serve(pol, call(f"c{i}", f"p{i}"), 10, now=float(i))
@@ -44,17 +44,45 @@ def test_plas_boundaries_follow_the_median_call():
     pol.on_arrival(new, 11.0)
     assert pol.level(new) == 0 and pol.level(tree) == 2
     # a fixed boundary stays fixed; a given quantum stays given
-    fixed = PLAS(service="tokens", first_boundary=50)
-    given = PLAS(service="tokens", quantum=7)
+    fixed = PLAS(service="tokens", first_boundary=50, num_queues=4)
+    given = PLAS(service="tokens", quantum=7, boundary_programs=None)
     for i in range(8):
         serve(fixed, call(f"c{i}", f"p{i}"), 10, now=float(i))
         serve(given, call(f"c{i}", f"p{i}"), 10, now=float(i))
     assert fixed.boundaries == [50, 100, 200] and given.quanta[0] == 7 and given.boundaries[0] == 20.0
-    assert ATLAS(service="tokens").boundary_calls == 0.5
+    assert ATLAS(service="tokens").boundary_calls == 0.5 and ATLAS().num_queues == 4 and ATLAS().program_fit is None
     with pytest.raises(ValueError, match="first_boundary"):
         PLAS(first_boundary="sometimes")
     with pytest.raises(ValueError, match="boundary_calls"):
         PLAS(boundary_calls=0)
+    with pytest.raises(ValueError, match="boundary_programs"):
+        PLAS(boundary_programs=-1)
+
+
+def end(pol: PLAS, program: str, now: float) -> None:
+    pol.end_program(program)
+    pol.before_schedule([], [], now)
+
+
+def test_plas_boundary_follows_the_median_finished_program_once_enough_ended():
+    pol = PLAS(service="tokens")  # K = 2; calls' worth until 8 programs ended, then 1.5 median programs
+    assert pol.num_queues == 2 and pol.boundaries == [128.0]
+    for i in range(8):  # 8 calls of 10 units (one program each, still running): 2 median calls
+        serve(pol, call(f"c{i}", f"p{i}"), 10, now=float(i))
+    assert pol.boundaries == [20.0]
+    for i in range(8):  # each program makes two more calls and ends: 30 units each
+        serve(pol, call(f"d{i}", f"p{i}"), 10, now=10.0)
+        serve(pol, call(f"e{i}", f"p{i}"), 10, now=10.0)
+        end(pol, f"p{i}", 11.0)
+    assert pol.program_fit.median == 30.0 and pol.boundaries == [45.0]
+    for i in range(8):  # more calls do not move it back to calls' worth
+        serve(pol, call(f"x{i}", "long"), 10, now=12.0)
+    assert pol.boundaries == [45.0]
+    fresh, long = call("n", "new", 13.0), call("x8", "long", 13.0)
+    pol.on_arrival(fresh, 13.0)
+    pol.on_arrival(long, 13.0)
+    assert pol.level(fresh) == 0 and pol.level(long) == 1  # 80 units > 45: the second (last) queue
+    assert not pol.programs.get("p0")  # ended programs' state is gone
 
 
 def test_pinned_calls_go_first_within_their_queue_only():
