@@ -31,6 +31,7 @@ from typing import Any
 import anyio
 
 import agentrt
+from agentrt.bench import _common
 from agentrt.bench import workload as wl
 from agentrt.bench.workload import REACT, TREE, Call, Parallel, ProgramSpec, make_workload, tokens
 from agentrt.engine.loader import resolve_model
@@ -223,33 +224,27 @@ def _engine_speed(r: dict[str, Any]) -> str:
     return f"{r['computed_tokens'] / busy:.0f}" if "computed_tokens" in r and busy > 0 else "-"
 
 
-def write_docs(report: dict[str, Any], command: str, path: Path) -> None:
-    """Replace (or append) the `## Program scheduling` section of docs/benchmarks.md."""
+def write_docs(report: dict[str, Any], path: Path | None = None) -> Path:
+    """This run as a section of docs/benchmarks/programs.md (or `path`): newest first, the run of the same title it
+    replaces moved into History. The title says the setting: "Program scheduling", over HTTP, KV-bound, host tier."""
     cfg = report["config"]
-    section = "\n".join(
-        [
-            "## Program scheduling",
-            "",
-            f"- Date: {report['date']}; machine: {report['machine']}",
-            f"- Command: `{command}`",
-            f"- Workload: {cfg['programs']} programs, Poisson arrivals at {cfg['rate']:.3f} programs/s{load_note(cfg)}, "
-            f"{_seeds_note(cfg)}: "
-            f"{wl.describe()}; engine {cfg['engine']}, default policy settings.",
-            "- Program latency = planned arrival to program end; per token = latency / tokens the program generated.",
-            "",
-            table(report),
-            "",
-        ]
-    )
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find("## Program scheduling")
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    engine = cfg["engine"]
+    title = "Program scheduling" + (" over HTTP" if cfg.get("http") else "")
+    if engine.get("num_blocks") is not None:
+        title += f", KV-bound ({engine['num_blocks']} blocks" + (", host tier)" if engine.get("kv_host_gib") else ")")
+    parts = [
+        f"Workload: {cfg['programs']} programs, Poisson arrivals at {cfg['rate']:.3f} programs/s{load_note(cfg)}, "
+        f"{_seeds_note(cfg)}: {wl.describe()}; engine {engine}, default policy settings. Program latency = planned "
+        "arrival to program end; per token = latency / tokens the program generated.",
+        "",
+        table(report),
+    ]
+    if any("http_breakdown" in r for r in report["results"].values()):
+        from agentrt.bench import programs_http
+
+        parts += ["", "Where the time goes (mean per program; from the server's program records and /metrics samples):",
+                  "", programs_http.breakdown_table(report["results"])]
+    return _common.write_section(title, "\n".join(parts), path, name="programs")
 
 
 def _seeds_note(cfg: dict[str, Any]) -> str:
@@ -449,7 +444,7 @@ def new_report(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, An
                    "programs": args.programs, "rate": args.rate, "seed": args.seed,
                    "seeds": getattr(args, "seeds", 1), "engine": engine,
                    "load": args.load, "capacity_programs_per_s": getattr(args, "capacity_programs_per_s", None),
-                   "model": getattr(args, "model", None)},
+                   "model": getattr(args, "model", None), "http": bool(getattr(args, "http", False))},
         "results": {},
     }
 
@@ -458,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="agentrt bench programs", description=__doc__.split("\n\n")[0])
     add_common_args(ap)
     ap.add_argument("--model", default=None, help="model path; default: the default model")
-    ap.add_argument("--docs", type=Path, default=None, help="write the table to this markdown file (docs/benchmarks.md)")
+    ap.add_argument("--docs", type=Path, nargs="?", const=_common.page("programs"), default=None, metavar="PATH",
+                    help="write the tables to docs/benchmarks/programs.md (or PATH), newest run first")
     ap.add_argument("--http", action="store_true",
                     help="the same programs through a fresh `agentrt serve` per policy, over HTTP (agentrt/bench/programs_http.py)")
     ap.add_argument("--timeline", default=None, metavar="PNG", help="--http: plot every call of the run here")
@@ -545,8 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nWhere the time goes (mean per program, seconds; parts summed over its calls):")
         print(bd.table(report["results"]))
     if args.docs is not None:
-        cmd = "agentrt bench programs " + " ".join(argv if argv is not None else sys.argv[1:])
-        write_docs(report, cmd.strip(), args.docs)
+        write_docs(report, args.docs)
     return 0
 
 

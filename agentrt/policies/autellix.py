@@ -88,7 +88,7 @@ from agentrt.policies._multilevel import (
 # preempt=True, no admission control) 2.93 / 2.39x and 2.59 / 2.61x, recomputing 56-290k prompt tokens against
 # fcfs's 10-42k; beta 32 with preempt=True 1.08 / 1.11x at 0.6; without protect_pins 0.89 / 0.98x at 0.6. On the
 # real engine over HTTP, 150 blocks, 0.9 of the measured saturation, seeds 0-2: 0.85x, short programs 0.65x
-# (docs/benchmarks.md "Program scheduling, KV-bound"); with 64 seats and no KV pressure 0.95x.
+# (docs/benchmarks/programs.md "Program scheduling, KV-bound"); with 64 seats and no KV pressure 0.95x.
 DEFAULTS: dict[str, dict[str, float | None]] = {
     "time": {"num_queues": 2, "first_boundary": 1.0, "quantum": 1.0, "beta": 32.0, "boundary_calls": 2.0,
              "boundary_programs": 1.5},
@@ -108,7 +108,7 @@ ATLAS_DEFAULTS: dict[str, dict[str, float | None]] = {
 }
 # PLAS composed with TTL retention (Continuum's pins, agentrt/_retention.py): `PLAS(**TTL_SETTINGS)`.
 # Measured with `agentrt simulate agents` (full-size coding / ReAct agents, H100 / Llama-3.1-8B cost model,
-# docs/benchmarks.md "KV retention"), where the KV cache, not compute, runs out: plain PLAS ranks a new
+# docs/benchmarks/retention.md "KV retention"), where the KV cache, not compute, runs out: plain PLAS ranks a new
 # program's 4k-token first call above a long agent's next call, lets it displace running calls and takes
 # its victims from the lowest queue, i.e. the longest contexts, so every preemption and every pin given
 # way is tens of thousands of tokens recomputed, and the engine collapses into recompute. With TTL:

@@ -11,8 +11,9 @@ from agentrt.bench import programs as bench
 
 
 def test_bench_programs_smoke(tiny_model_path, tmp_path, capsys):
-    docs = tmp_path / "benchmarks.md"
-    docs.write_text("# Benchmarks\n\n## Kernels\n\nkeep me\n\n## Program scheduling\n\nold\n\n## Later\n\nkeep too\n")
+    docs = tmp_path / "programs.md"
+    docs.write_text("# `agentrt bench programs`\n\n## Program scheduling, KV-bound (150 blocks)\n\nkeep me\n\n"
+                    "## Program scheduling\n\nthe previous run\n")
     argv = ["--model", str(tiny_model_path), "--programs", "4", "--rate", "20", "--policies", "fcfs,plas"]
     assert bench.main([*argv, "--json", "--docs", str(docs)]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -21,8 +22,9 @@ def test_bench_programs_smoke(tiny_model_path, tmp_path, capsys):
     assert plas["latency_s"]["n"] == 4 and plas["vs_fcfs"]["latency_s.mean"] > 0
     assert all(p["output_tokens"] > 0 and p["calls"] >= 1 for p in plas["programs"])
     text = docs.read_text()
-    assert "keep me" in text and "keep too" in text and "old" not in text
-    assert text.count("## Program scheduling") == 1 and "| plas |" in text
+    assert text.index("## Program scheduling\n") < text.index("| plas |") < text.index("keep me")  # newest first
+    assert text.count("## Program scheduling\n") == 1 and "the previous run" in text.split("## History")[1]
+    assert "Command: `agentrt" in text and "Machine:" in text
 
 
 def test_seeds_pool_and_the_breakdown_adds_up(tiny_model_path, capsys):
