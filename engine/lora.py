@@ -223,6 +223,9 @@ def load_adapter(req: LoRARequest, args, dtype: torch.dtype, device: torch.devic
         layer, part = int(m.group(1)), _MODULES[m.group(2)][1]
         if layer >= args.num_layers:
             raise _bad(req, f"weight {key!r} is for layer {layer}, the model has {args.num_layers}")
+        if part in ("gate", "up", "down") and args.moe is not None and layer in args.moe.sparse_layers:
+            raise _bad(req, f"weight {key!r} is for layer {layer}'s MLP, a mixture of experts here: LoRA on experts "
+                            "is not supported (attention projections are)")
         if t.dim() != 2 or not t.is_floating_point():
             raise _bad(req, f"weight {key!r} must be a 2-D float tensor, got {tuple(t.shape)} {t.dtype}")
         entry = pairs.setdefault((layer, part), {})

@@ -229,3 +229,23 @@ def test_engine_generates_hf_greedy_tokens(tmp_path, steps):
     got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
     assert got == want
     assert_all_blocks_free(llm.core)
+
+
+def test_lora_on_experts_is_refused_by_name(tmp_path):
+    """A LoRA pair on a mixture layer's MLP is refused naming the layer (it would otherwise be ignored);
+    attention pairs and the dense layers' MLP pairs pass that check."""
+    import os
+
+    from agentrt.engine import LLM, LoRARequest, SamplingParams
+    from agentrt.engine.loader import load_tokenizer, resolve_model
+    from agentrt.engine.sampling_params import InvalidRequestError
+    from agentrt.engine.testing import make_lora_adapter
+
+    hf = make_hf(qwen3_moe_config(), seed=12)  # layer 0 dense, layer 1 a mixture
+    hf.save_pretrained(tmp_path / "model")
+    load_tokenizer(resolve_model(os.environ.get("AGENTRT_TEST_TOKENIZER"))).save_pretrained(tmp_path / "model")
+    adapter = make_lora_adapter(tmp_path / "lora", hf.config, rank=4, targets=("q_proj", "gate_proj"))
+    llm = LLM(str(tmp_path / "model"), dtype="float32", num_blocks=16, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(InvalidRequestError, match=r"layer 1's MLP, a mixture of experts here"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora_request=LoRARequest("a", 1, str(adapter)),
+                     progress=False)
