@@ -8,6 +8,7 @@ the caller asks for `limit + 1` to learn whether more exist.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import MISSING, fields
 from typing import Any
 
 from sqlalchemy import Connection, Select, and_, delete, func, or_, select, update
@@ -26,6 +27,18 @@ from agentrt.server.records import (
 _PRUNE_CHUNK = 1000  # programs deleted per transaction
 INTERRUPTED = "interrupted"  # the state of a program whose server stopped (killed, crashed) while it ran
 INTERRUPTED_ERROR = "the server stopped while this program ran"
+
+# a call's fields with a non-None default: the columns added after the first release are nullable (an older
+# server's database gains them in place, its rows holding NULL there), read back as the record's default
+_CALL_DEFAULTS = {f.name: f.default for f in fields(CallRecord) if f.default is not MISSING and f.default is not None}
+
+
+def _call_record(row: Any) -> CallRecord:
+    values = dict(row._mapping)
+    for name, default in _CALL_DEFAULTS.items():
+        if values[name] is None:
+            values[name] = default
+    return CallRecord(**values)
 
 
 def _where_program(q: Select, owner: str | None | _AnyOwner, state: str | None) -> Select:
@@ -108,7 +121,7 @@ class StoreReads:
                     raise LookupError(after)
                 q = q.where(or_(_Call.arrival_at > at, and_(_Call.arrival_at == at, _Call.request_id > after)))
             q = q.order_by(_Call.arrival_at, _Call.request_id).limit(limit)
-            return [CallRecord(**row._mapping) for row in conn.execute(q)]
+            return [_call_record(row) for row in conn.execute(q)]
 
     def interrupt_running(self, now: float, program_id: str | None = None) -> int:
         """Close the programs recorded as running (or only `program_id`) as `interrupted`, ended at `now`,

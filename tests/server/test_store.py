@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 import time
 
@@ -174,11 +175,11 @@ def test_flush_times_out_when_nothing_writes(make_store):
 def test_puts_do_not_wait_for_the_database(make_store, monkeypatch):
     store = make_store()
     store.start()
-    release = threading.Event()
+    entered, release = threading.Event(), threading.Event()
     upsert = store._upsert
-    monkeypatch.setattr(store, "_upsert", lambda rows: (release.wait(10), upsert(rows)))
+    monkeypatch.setattr(store, "_upsert", lambda rows: (entered.set(), release.wait(10), upsert(rows)))
     store.put_program(program(0))
-    time.sleep(0.1)  # the writer is now stuck in the database
+    assert entered.wait(10), "the writer never reached the database"  # it is now stuck there
     t = time.monotonic()
     for i in range(1, 2001):
         store.put_call(call("p0", i))
@@ -326,3 +327,63 @@ def test_delete_response_owner_and_queued_write(make_store):
     assert not store.delete_response("resp_2", owner="k1")
     assert store.delete_response("resp_2", owner=None)
     assert store.get_response("resp_2") is None
+
+
+def _old_calls_table(metadata):
+    """The calls table as agentrt wrote it before program timelines (commit bef8520, before issue 52's
+    columns): what a database made by an older server holds."""
+    from sqlalchemy import Column, Double, Integer, String, Table, Text
+
+    return Table(
+        "calls", metadata,
+        Column("request_id", String, primary_key=True),
+        Column("program_id", String, nullable=False, index=True),
+        Column("thread_id", String),
+        Column("kind", String, nullable=False),
+        Column("arrival_at", Double, nullable=False),
+        Column("first_token_s", Double),
+        Column("finished_at", Double),
+        Column("latency_s", Double),
+        Column("num_prompt_tokens", Integer, nullable=False),
+        Column("num_output_tokens", Integer, nullable=False),
+        Column("finish_reason", String),
+        Column("error", Text),
+        Column("policy", String, nullable=False),
+        Column("service_s", Double, nullable=False),
+    )
+
+
+NEW_CALL_COLUMNS = {"queued_s", "num_cached_tokens", "num_tier_loaded_tokens", "preemptions", "pin_ttl_s", "tool",
+                    "priority", "replica"}
+
+
+def test_start_adds_the_new_columns_to_an_older_database(db_url):
+    from sqlalchemy import MetaData, create_engine, inspect
+
+    engine = create_engine(db_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    old = _old_calls_table(MetaData())
+    with engine.begin() as conn:
+        old.create(conn)
+        conn.execute(old.insert().values(
+            request_id="old-r0", program_id="p0", thread_id=None, kind="chat", arrival_at=T0, first_token_s=0.1,
+            finished_at=T0 + 1, latency_s=1.0, num_prompt_tokens=7, num_output_tokens=3, finish_reason="stop",
+            error=None, policy="plas", service_s=0.5))
+    with engine.connect() as conn:
+        assert NEW_CALL_COLUMNS.isdisjoint(c["name"] for c in inspect(conn).get_columns("calls"))
+
+    with Store(db_url) as store:  # start() adds what the table lacks, in place
+        with engine.connect() as conn:
+            columns = {c["name"] for c in inspect(conn).get_columns("calls")}
+        assert columns == {f.name for f in dataclasses.fields(CallRecord)}
+        (before,) = store.list_calls("p0")
+        assert before == CallRecord("old-r0", "p0", None, "chat", T0, 0.1, T0 + 1, 1.0, 7, 3, "stop", None, "plas", 0.5)
+        assert (before.queued_s, before.preemptions, before.pin_ttl_s, before.tool, before.replica) == (None,) * 5
+        assert (before.num_cached_tokens, before.num_tier_loaded_tokens, before.priority) == (0, 0, 0)  # the defaults
+        new = call("p0", 1, queued_s=0.02, num_cached_tokens=16, num_tier_loaded_tokens=4,
+                   preemptions=[[0.3, 0.5], [0.9, None]], pin_ttl_s=2.0, tool="search", priority=-1, replica="r1")
+        store.put_call(new)
+        assert store.flush()
+        assert store.list_calls("p0") == [before, new]
+    with Store(db_url) as again:  # a second start finds nothing to add
+        assert again.list_calls("p0") == [before, new]
+    engine.dispose()
