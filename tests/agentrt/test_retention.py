@@ -13,6 +13,7 @@ from agentrt._errors import UsageError
 from agentrt._retention import RetentionConfig, RetentionPolicy, choose_ttl
 from agentrt.engine import SamplingParams
 from agentrt.engine.program_ops import EndProgram, Pin, Reserve, StartProgram
+from tests.waiting import await_until
 
 BS = 16
 
@@ -97,9 +98,7 @@ async def _react_with_noise(path, retention: bool) -> dict:
     async with agentrt.Runtime(str(path), retention=retention, num_blocks=24, max_num_seqs=2) as rt:
         async with anyio.create_task_group() as tg:
             tg.start_soon(react)
-            await anyio.sleep(0)
-            while not seen:
-                await anyio.sleep(0.01)
+            await await_until(lambda: seen, "react's first call to end")
             tg.start_soon(noise)
         seen["stats"] = rt.kv_stats()
     return seen
@@ -149,8 +148,8 @@ async def test_reservation_from_the_decorator_and_release_at_end(tiny_model_path
         assert held["during"].reserved_used == 1  # the pinned block was drawn from the reservation
         assert info.kv_reserve_tokens == 5 * BS
         assert (info.kv.held, info.kv.pinned, info.kv.reserved) == (0, 0, 0)  # ended: its record holds nothing
-        await anyio.sleep(0.05)
-        stats = rt.kv_stats()
+        stats = await await_until(lambda: (s := rt.kv_stats()).num_free_blocks == 24 and s,
+                                  "every block free after the program's end", describe=rt.kv_stats)
         assert stats.num_reserved_blocks == 0 and stats.num_pinned_blocks == 0 and stats.num_free_blocks == 24
 
 

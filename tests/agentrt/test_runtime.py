@@ -10,6 +10,7 @@ import pytest
 import agentrt
 from agentrt.engine.request import Request
 from agentrt.policies import PLAS
+from tests.waiting import await_until
 
 pytestmark = pytest.mark.anyio
 
@@ -183,7 +184,13 @@ async def test_failing_program_releases_everything(tiny_model_path):
         (info,) = list(rt.programs)
         assert (info.state, info.error, info.calls_active, info.calls_done) == ("failed", "RuntimeError('tool broke')", 0, 2)
         assert info.num_output_tokens < 400
-        await anyio.sleep(0.1)  # the engine applies aborts between steps
+        # the engine applies aborts between steps
+        def released() -> bool:
+            stats = rt.kv_stats()
+            return stats.num_free_blocks == stats.num_blocks and rt.engine.core.requests == {}
+
+        await await_until(released, "the aborted calls to leave the engine and free their blocks",
+                          describe=lambda: (list(rt.engine.core.requests), rt.kv_stats()))
         stats = rt.kv_stats()
         assert stats.num_free_blocks == stats.num_blocks
         assert rt.engine.core.requests == {} and rt.program_manager.inflight == {}
@@ -199,8 +206,8 @@ async def test_cancelled_program_ends_cancelled(tiny_model_path):
             await slow()
         (info,) = list(rt.programs)
         assert (info.state, info.calls_active) == ("cancelled", 0)
-        await anyio.sleep(0.1)
-        assert rt.kv_stats().num_free_blocks == rt.kv_stats().num_blocks
+        await await_until(lambda: rt.kv_stats().num_free_blocks == rt.kv_stats().num_blocks,
+                          "the cancelled call's blocks to be freed", describe=rt.kv_stats)
 
 
 async def test_errors_name_the_value_and_program(tiny_model_path):

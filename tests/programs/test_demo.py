@@ -18,6 +18,7 @@ import agentrt
 from agentrt.programs.demo import InProcessView, Row
 from agentrt.programs.demo import main as demo
 from tests.server.live import live_server, tiny_config
+from tests.waiting import await_until
 
 SMALL = ["--mcts", "1", "--react", "1", "--chat", "1", "--budget", "4", "--max-steps", "3", "--chat-tokens", "12",
          "--no-live"]
@@ -113,7 +114,8 @@ async def test_the_table_shows_the_pins_a_program_holds_now(tiny_model_path):
         view = InProcessView(rt)
         pid = await agent()
         ended = await _row(view, pid)
-        await anyio.sleep(0.05)
+        await await_until(lambda: rt.kv_stats().num_pinned_blocks == 0, "the ended program's pins to go",
+                          describe=rt.kv_stats)
         pinned_now = rt.kv_stats().num_pinned_blocks
     assert (seen["tool"].state, seen["tool"].kv_pinned) == ("running", 2)
     assert (seen["expired"].state, seen["expired"].kv_pinned) == ("running", 0)

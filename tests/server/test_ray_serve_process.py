@@ -24,6 +24,7 @@ import pytest
 from agentrt.scale.front import AgentrtFront
 from agentrt.server.store import Store
 from tests.server.live import Stream, free_port, wait_healthy
+from tests.waiting import await_until, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DRAIN_TIMEOUT_S = 30
@@ -44,6 +45,17 @@ def _listeners(procs: list[psutil.Process]) -> list[tuple[str, int, str]]:
 def _loopback(ip: str) -> bool:
     addr = ipaddress.ip_address(ip.split("%")[0])
     return addr.is_loopback or (addr.version == 6 and addr.ipv4_mapped is not None and addr.ipv4_mapped.is_loopback)
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:  # it ended between the two questions
+            pass
+    return out
 
 
 def _refused(url: str) -> bool:
@@ -93,8 +105,9 @@ def test_replicas_listen_on_loopback_only_and_sigterm_drains(tiny_model_path, tm
         assert rc == 0, output[-3000:]
         assert time.monotonic() - signalled < DRAIN_TIMEOUT_S + 10, output[-3000:]
         assert "Traceback" not in output, output[-3000:]
-        time.sleep(1)  # Ray's processes end with the driver's ray.shutdown()
-        assert [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == [], output[-3000:]
+        # Ray's processes end with the driver's ray.shutdown()
+        wait_until(lambda: not _alive(tree), "every Ray process to end after the driver's exit", timeout_s=15,
+                   describe=lambda: (_alive(tree), output[-3000:]))
     finally:
         for p in [*tree[1:], *([psutil.Process(proc.pid)] if proc.poll() is None else [])]:
             try:
@@ -167,15 +180,15 @@ def test_the_fronts_drain_refuses_new_requests_and_lets_calls_in_flight_end():
         replicas = _Replicas()
         front = AgentrtFront(replicas)
         call = asyncio.create_task(_call(front))
-        await asyncio.sleep(0.01)
-        assert front.calls() == 1 and front.drain() == 1
+        await await_until(lambda: front.calls() == 1, "the front to take the call", interval_s=0.001)
+        assert front.drain() == 1
         status, body = await _call(front)  # refused while the first one still streams
         assert status == 503 and json.loads(body)["error"]["code"] == "draining"
         status, body = await _call(front, "/health")
         assert status == 503 and json.loads(body) == {"status": "draining"}
-        for _ in range(3):
+        for i in range(3):
             replicas.step.set()
-            await asyncio.sleep(0.01)
+            await await_until(lambda: not replicas.step.is_set(), f"the replica to send chunk {i}", interval_s=0.001)
         assert await call == (200, b"data: 0\n\ndata: 1\n\ndata: 2\n\n")
         assert front.drain() == 0
 
@@ -187,8 +200,8 @@ def test_past_the_drain_timeout_the_front_ends_its_calls_with_an_error_event():
         replicas = _Replicas()
         front = AgentrtFront(replicas)
         call = asyncio.create_task(_call(front))
-        replicas.step.set()
-        await asyncio.sleep(0.01)
+        replicas.step.set()  # the first chunk is sent in the step that clears the event (the fake's send never waits)
+        await await_until(lambda: not replicas.step.is_set(), "the replica to send its first chunk", interval_s=0.001)
         assert front.drain() == 1 and front.cut() == 1
         status, body = await call
         first, error = body.split(b"\n\n", 1)
