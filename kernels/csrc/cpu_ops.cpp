@@ -8,6 +8,7 @@
 // - attention_bf16.h: paged_attention_bf16, tiled attention of any rows on AVX512-BF16 (bf16 only);
 // - elementwise.h: rms_norm (optionally after the residual add), silu_and_mul, rope_store_kv;
 // - moe.h: grouped_linear, a mixture-of-experts layer's expert projections, one GEMM per expert;
+// - quant.h: quant_linear and quant_dequantize, x @ w^T from a weight kept in a GGUF block format;
 // - sampler.h: topk_rows, logsumexp_rows and penalize_rows, the sampler's row kernels;
 // - decode_forward (here): all decoder layers of a decode step in one call; decode_steps: greedy
 //   decode steps (layers, final norm, LM head, argmax) in one call.
@@ -27,6 +28,7 @@
 #include "elementwise.h"
 #include "linear.h"
 #include "moe.h"
+#include "quant.h"
 #include "team.h"
 #include "sampler.h"
 #include "vec.h"
@@ -110,6 +112,52 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& w_packed, c
   at::Tensor y = at::empty({M, N}, x.options());
   (void)invariant;  // the packed kernel's output is row-invariant either way (AMX where it applies, else tiles)
   agentrt::packed_linear_bf16(ptr<bf16>(x), M, K, ptr<bf16>(w_packed), b, ptr<bf16>(y), N);
+  return y;
+}
+
+// x [M, K] fp32, w [N, K / B * bytes] uint8 in GGUF block format `type` (ggml's type id), bias [N] fp32 or None
+// -> [M, N] fp32.
+const uint8_t* check_quant(const at::Tensor& w, int64_t type, int64_t N, int64_t K, const char* op,
+                           int64_t& block, int64_t& bytes) {
+  const bool known = agentrt::by_quant_type(type, [&](auto f) {
+    block = decltype(f)::kBlock;
+    bytes = decltype(f)::kBytes;
+  });
+  TORCH_CHECK(known, op, ": unsupported GGUF block type ", type, " (supported: Q4_0=2 Q4_1=3 Q5_0=6 Q8_0=8 Q4_K=12 "
+              "Q5_K=13 Q6_K=14)");
+  TORCH_CHECK(K % block == 0, op, ": K=", K, " is not a multiple of the format's ", block, "-weight block");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * (K / block) * bytes, op,
+              ": w [", N, ", ", K / block * bytes, "] contiguous uint8 for N=", N, " K=", K, ", got ", w.sizes(), " ",
+              w.scalar_type());
+  return w.data_ptr<uint8_t>();
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t N,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "quant_linear: x [M, K] contiguous fp32");
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t block = 0, bytes = 0;
+  const uint8_t* wp = check_quant(w, type, N, K, "quant_linear", block, bytes);
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "quant_linear: bias [N] fp32");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  agentrt::by_quant_type(type, [&](auto f) {
+    agentrt::quant_linear<decltype(f)>(x.data_ptr<float>(), M, K, wp, b, y.data_ptr<float>(), N);
+  });
+  return y;
+}
+
+// w as quant_linear takes it -> [N, K] fp32.
+at::Tensor quant_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_t K) {
+  int64_t block = 0, bytes = 0;
+  const uint8_t* wp = check_quant(w, type, N, K, "quant_dequantize", block, bytes);
+  at::Tensor y = at::empty({N, K}, w.options().dtype(at::kFloat));
+  agentrt::by_quant_type(type, [&](auto f) { agentrt::quant_dequantize<decltype(f)>(wp, N, K, y.data_ptr<float>()); });
   return y;
 }
 
@@ -674,6 +722,8 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("packed_linear(Tensor x, Tensor w_packed, Tensor? bias, int N) -> Tensor");
   m.def("packed_linear_bf16(Tensor x, Tensor w_packed, Tensor? bias, int N, bool invariant=False) -> Tensor");
   m.def("grouped_linear(Tensor x, Tensor offsets, Tensor w_packed, Tensor? bias, int N) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor w, int type, int N, Tensor? bias=None) -> Tensor");
+  m.def("quant_dequantize(Tensor w, int type, int N, int K) -> Tensor");
   m.def(
       "paged_attention_small_q(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out, bool invariant=False, int window=0, "
@@ -704,6 +754,8 @@ AGENTRT_LIBRARY_IMPL(AGENTRT_NS, CPU, m) {
   m.impl("packed_linear", packed_linear);
   m.impl("packed_linear_bf16", packed_linear_bf16);
   m.impl("grouped_linear", grouped_linear);
+  m.impl("quant_linear", quant_linear);
+  m.impl("quant_dequantize", quant_dequantize);
   m.impl("paged_attention_small_q", paged_attention_small_q);
   m.impl("paged_attention_bf16", paged_attention_bf16);
   m.impl("rope_store_kv", rope_store_kv);

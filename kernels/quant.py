@@ -1,0 +1,158 @@
+"""quant: `x @ W.T (+ bias)` where W stays in a GGUF (ggml) block format, decoded in the kernel.
+
+A GGUF file stores most projections as blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0) or 256 (Q4_K, Q5_K, Q6_K)
+weights, each block a few fp16 scales and packed 4-8 bit integers (the layouts: kernels/csrc/quant.h).
+Widening them to bf16 costs 3-4x their bytes in memory, and a CPU decode step, which reads every
+weight once, reads those 3-4x bytes too. `QuantWeight` keeps the file's bytes, [N, K / B * block bytes]
+uint8, and `quant_linear` runs the C++ kernel (`torch.ops.agentrt_cpu_<kind>.quant_linear`, built per
+CPU kind like the bf16 path, kernels/cpu.py): for 1-4 rows every block is decoded once into L1 and
+dotted with each row (one pass over the packed bytes), for more rows a panel of 16 weight rows is
+decoded to fp32 once and linear.h's fp32 register tiles run all rows over it. x is computed in fp32
+(a bf16 x is widened on entry and the output rounded back to bf16); accumulation is fp32.
+
+`dequantize_ref` is the reference: the exact block decoding in float64, in plain torch (tests hold it
+against the `gguf` package's own `gguf.quants.dequantize`); `quant_linear_ref` is `F.linear` over it.
+Without the C++ kernels (no compiler, or off x86 kinds that failed to build) `quant_linear` widens the
+weight per call through the reference: correct, slow; callers that care check `cpu.available()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from agentrt.kernels import cpu
+
+# ggml type id -> (name, weights per block, bytes per block)
+FORMATS: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+TYPE_IDS = {name: t for t, (name, _, _) in FORMATS.items()}
+
+
+@dataclass(slots=True, frozen=True)
+class QuantWeight:
+    """A weight [N, K] kept in a GGUF block format."""
+
+    data: torch.Tensor  # [N, K / block * block_bytes] uint8, contiguous: the file's bytes, row after row
+    type_id: int  # ggml type id (FORMATS)
+    shape: tuple[int, int]  # (N, K): out_features, in_features
+
+    def __post_init__(self):
+        if self.type_id not in FORMATS:
+            raise ValueError(f"GGUF block type {self.type_id} is not supported packed; supported: "
+                             f"{', '.join(f'{n} ({t})' for t, (n, _, _) in FORMATS.items())}")
+        name, block, nbytes = FORMATS[self.type_id]
+        n, k = self.shape
+        if k % block:
+            raise ValueError(f"{name} weight of shape {self.shape}: in_features {k} is not a multiple of {block}")
+        want = (n, k // block * nbytes)
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want or not self.data.is_contiguous():
+            raise ValueError(f"{name} weight of shape {self.shape} needs contiguous uint8 data {want}, got "
+                             f"{tuple(self.data.shape)} {self.data.dtype}")
+
+    @property
+    def format_name(self) -> str:
+        return FORMATS[self.type_id][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 little-endian fp16 -> [...] float64."""
+    return b.contiguous().view(torch.float16)[..., 0].double()
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, 12] uint8 -> the 6-bit scales and mins of the 8 sub-blocks, [n, 8] each (Q4_K / Q5_K)."""
+    q = scales.long()
+    lo_sc, lo_m = q[:, 0:4] & 63, q[:, 4:8] & 63
+    hi_sc = (q[:, 8:12] & 15) | ((q[:, 0:4] >> 6) << 4)
+    hi_m = (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)
+    return torch.cat([lo_sc, hi_sc], 1).double(), torch.cat([lo_m, hi_m], 1).double()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] -> [n, 32]: low nibbles then high nibbles."""
+    q = qs.long()
+    return torch.cat([q & 15, q >> 4], 1)
+
+
+def dequantize_ref(w: QuantWeight) -> torch.Tensor:
+    """The exact values of a packed weight, [N, K] float64."""
+    name, block, nbytes = FORMATS[w.type_id]
+    n, k = w.shape
+    b = w.data.reshape(-1, nbytes)
+    if name == "Q8_0":
+        q = b[:, 2:].view(torch.int8).double()
+        out = _f16(b[:, 0:2].reshape(-1, 1, 2)) * q
+    elif name == "Q4_0":
+        out = _f16(b[:, 0:2].reshape(-1, 1, 2)) * (_nibbles(b[:, 2:]) - 8).double()
+    elif name == "Q4_1":
+        out = _f16(b[:, 0:2].reshape(-1, 1, 2)) * _nibbles(b[:, 4:]).double() + _f16(b[:, 2:4].reshape(-1, 1, 2))
+    elif name == "Q5_0":
+        qh = b[:, 2:6].long()
+        qh = qh[:, 0] | (qh[:, 1] << 8) | (qh[:, 2] << 16) | (qh[:, 3] << 24)
+        high = (qh[:, None] >> torch.arange(32)) & 1
+        out = _f16(b[:, 0:2].reshape(-1, 1, 2)) * ((_nibbles(b[:, 6:]) | (high << 4)) - 16).double()
+    elif name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[:, 0:2].reshape(-1, 1, 2)), _f16(b[:, 2:4].reshape(-1, 1, 2))
+        sc, m = _k_scale_min(b[:, 4:16])
+        qs = b[:, 48:] if name == "Q5_K" else b[:, 16:]
+        q = qs.long().reshape(-1, 4, 1, 32) >> torch.tensor([0, 4]).reshape(1, 1, 2, 1)
+        q = (q & 15).reshape(-1, 8, 32)  # sub-block 2p: low nibbles of qs[32p:32p+32], 2p+1: high
+        if name == "Q5_K":
+            qh = b[:, 16:48].long().reshape(-1, 1, 32) >> torch.arange(8).reshape(1, 8, 1)
+            q = q | ((qh & 1) << 4)
+        out = (d * sc)[:, :, None] * q.double() - (dmin * m)[:, :, None]
+    elif name == "Q6_K":
+        ql, qh, sc = b[:, 0:128].long(), b[:, 128:192].long(), b[:, 192:208].view(torch.int8).double()
+        d = _f16(b[:, 208:210].reshape(-1, 1, 2))
+        # weight 128h + 32t + l: low bits (ql[64h + 32(t % 2) + l] >> 4(t // 2)) & 15, high (qh[32h + l] >> 2t) & 3
+        low = ql.reshape(-1, 2, 1, 2, 32) >> torch.tensor([0, 4]).reshape(1, 1, 2, 1, 1)
+        low = (low & 15).reshape(-1, 2, 4, 32)
+        high = (qh.reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).reshape(1, 1, 4, 1)) & 3
+        q = ((low | (high << 4)) - 32).reshape(-1, 16, 16).double()
+        out = (d * sc)[:, :, None] * q
+    else:  # pragma: no cover - FORMATS and this function list the same names
+        raise AssertionError(name)
+    return out.reshape(n, k)
+
+
+def quant_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: `F.linear` over the exactly decoded weight, in float64."""
+    return F.linear(x.double(), dequantize_ref(w), None if bias is None else bias.double())
+
+
+def dequantize(w: QuantWeight) -> torch.Tensor:
+    """The packed weight widened to fp32 [N, K] (the C++ decoder, or the reference without it)."""
+    if (ops := cpu.ops()) is not None:
+        return ops.quant_dequantize(w.data, w.type_id, w.shape[0], w.shape[1])
+    return dequantize_ref(w).float()
+
+
+def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] fp32 or bf16, w: a packed [N, K] weight, bias: [N] or None -> [..., N] in x's dtype."""
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the {w.format_name} weight {w.shape} takes {k}")
+    if x.device.type != "cpu":
+        raise ValueError(f"quant_linear runs on CPU only, got x on {x.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).float().contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    if (ops := cpu.ops()) is not None:
+        out = ops.quant_linear(x2, w.data, w.type_id, n, b)
+    else:
+        out = F.linear(x2, dequantize_ref(w).float(), b)
+    return out.to(x.dtype).view(*lead, n)

@@ -1,0 +1,100 @@
+"""kernels.quant: GGUF block formats decoded exactly, and `x @ W.T` from the packed bytes on every CPU kind.
+
+The independent reference is the `gguf` package's own decoder (`gguf.quants.dequantize`); blocks come from
+its quantizer where it has one (Q4_0, Q4_1, Q5_0, Q8_0) and are random bytes with sane fp16 scales for the
+K-quants (every bit pattern of their integer parts is a valid block).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from agentrt.kernels import cpu
+from agentrt.kernels.quant import FORMATS, TYPE_IDS, QuantWeight, dequantize_ref, quant_linear, quant_linear_ref
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+from gguf.quants import quantize as gguf_quantize  # noqa: E402
+
+NAMES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def make_weight(name: str, n: int, k: int, seed: int = 0) -> tuple[QuantWeight, np.ndarray]:
+    """A packed [n, k] weight of format `name` and its raw bytes."""
+    rng = np.random.default_rng(seed)
+    type_id = TYPE_IDS[name]
+    _, block, nbytes = FORMATS[type_id]
+    qtype = gguf.GGMLQuantizationType[name]
+    try:
+        raw = gguf_quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    except NotImplementedError:
+        raw = rng.integers(0, 256, (n, k // block * nbytes), dtype=np.uint8)
+        blocks = raw.reshape(-1, nbytes)
+        scale = lambda: (rng.random(len(blocks)) * 0.02 + 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
+        if name == "Q6_K":
+            blocks[:, 208:210] = scale()
+        else:  # d, dmin
+            blocks[:, 0:2], blocks[:, 2:4] = scale(), scale()
+    raw = np.ascontiguousarray(raw)
+    return QuantWeight(torch.from_numpy(raw.copy()), type_id, (n, k)), raw
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_decodes_as_gguf_does(name):
+    block = FORMATS[TYPE_IDS[name]][1]
+    w, raw = make_weight(name, 5, 2 * block)
+    want = gguf_dequantize(raw, gguf.GGMLQuantizationType[name]).astype(np.float64)
+    got = dequantize_ref(w)
+    assert got.dtype == torch.float64 and got.shape == (5, 2 * block)
+    # gguf decodes in fp32; every product here is exact in fp32 or rounded once, so the fp32 rounding agrees
+    assert torch.equal(got.float().double(), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kernel_decodes_blocks_exactly(name, cpu_kind):
+    block = FORMATS[TYPE_IDS[name]][1]
+    w, _ = make_weight(name, 19, 3 * block, seed=1)
+    got = cpu.ops().quant_dequantize(w.data, w.type_id, 19, 3 * block)
+    assert torch.equal(got, dequantize_ref(w).float())
+
+
+# (n, k) per block size: n not a multiple of the 16-row panels, k an odd number of blocks
+SHAPES = {32: [(37, 96), (16, 32), (130, 160)], 256: [(37, 256), (21, 768)]}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
+def test_quant_linear_matches_reference(name, rows, cpu_kind):
+    block = FORMATS[TYPE_IDS[name]][1]
+    gen = torch.Generator().manual_seed(rows)
+    for i, (n, k) in enumerate(SHAPES[block]):
+        w, _ = make_weight(name, n, k, seed=i)
+        x = torch.randn(rows, k, generator=gen)
+        bias = torch.randn(n, generator=gen) if i % 2 else None
+        got = quant_linear(x, w, bias)
+        want = quant_linear_ref(x, w, bias)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        # fp32 accumulation over k products: |err| <= ~k * eps * sum|x w|
+        bound = 4 * k * 2**-24 * (x.double().abs() @ dequantize_ref(w).abs().T) + 1e-6
+        assert ((got.double() - want).abs() <= bound).all(), (name, rows, n, k)
+
+
+def test_quant_linear_bf16_and_leading_dims():
+    w, _ = make_weight("Q4_1", 24, 64)
+    x = torch.randn(2, 3, 64).bfloat16()
+    got = quant_linear(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 24)
+    want = quant_linear_ref(x.reshape(6, 64), w).reshape(2, 3, 24)
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_quant_weight_rejects_bad_input():
+    w, raw = make_weight("Q4_0", 4, 64)
+    with pytest.raises(ValueError, match="GGUF block type 1 is not supported"):
+        QuantWeight(w.data, 1, (4, 64))
+    with pytest.raises(ValueError, match="in_features 48 is not a multiple of 32"):
+        QuantWeight(w.data, w.type_id, (4, 48))
+    with pytest.raises(ValueError, match=r"needs contiguous uint8 data \(4, 36\)"):
+        QuantWeight(w.data[:, :18].contiguous(), w.type_id, (4, 64))
+    with pytest.raises(ValueError, match="x has 32 features"):
+        quant_linear(torch.randn(1, 32), w)
