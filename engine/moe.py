@@ -140,11 +140,11 @@ class SparseMoE(nn.Module):
             p = prefix + "mlp."
             self.router.weight.copy_(take(p + "router.weight"))
             self.router.bias.copy_(take(p + "router.bias"))
-            gate_up = _expert_tensor(sd, take, p + "experts.gate_up_proj", transposed=True)  # [E, 2I, H], interleaved
+            gate_up = _gpt_oss_experts(sd, take, p + "experts.gate_up_proj")  # [E, 2I, H], gate and up interleaved
             self.w13.copy_(torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
             bias = take(p + "experts.gate_up_proj_bias")
             self.w13_bias.copy_(torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1))
-            self.w2.copy_(_expert_tensor(sd, take, p + "experts.down_proj", transposed=True))
+            self.w2.copy_(_gpt_oss_experts(sd, take, p + "experts.down_proj"))
             self.w2_bias.copy_(take(p + "experts.down_proj_bias"))
             return
         p = prefix + ("block_sparse_moe." if prefix + "block_sparse_moe.gate.weight" in sd else "mlp.")
@@ -175,13 +175,12 @@ def _taker(sd: dict[str, torch.Tensor]):
     return take
 
 
-def _expert_tensor(sd: dict[str, torch.Tensor], take, name: str, *, transposed: bool) -> torch.Tensor:
-    """gpt-oss's expert weight `name` as [E, out, in]: from MXFP4 blocks and scales where the checkpoint has
-    them, else the plain tensor (stored [E, in, out] when `transposed`)."""
+def _gpt_oss_experts(sd: dict[str, torch.Tensor], take, name: str) -> torch.Tensor:
+    """gpt-oss's expert weight `name` as [E, out, in]: from MXFP4 blocks and scales (stored [E, out, in]) where
+    the checkpoint has them, else the plain tensor (stored [E, in, out], x @ W's layout)."""
     if name + "_blocks" in sd:
         return dequantize_mxfp4(take(name + "_blocks"), take(name + "_scales"))
-    w = take(name)
-    return w.transpose(1, 2) if transposed else w
+    return take(name).transpose(1, 2)
 
 
 # The 16 values of a 4-bit E2M1 code (sign bit 3, then two exponent bits and one mantissa bit).

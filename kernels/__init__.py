@@ -2,7 +2,8 @@
 
 Ops (each module holds the kernel, its launcher `*_triton` and its reference `*_ref`):
 `store_kv`, `paged_attention`, `copy_blocks`, `rms_norm`, `silu_and_mul`; plus `linear` (library GEMMs
-or C++ packed kernels picked per device, dtype and row count, no Triton kernel). `kernels.cpu` builds
+or C++ packed kernels picked per device, dtype and row count, no Triton kernel) and `grouped_linear`
+(a mixture of experts' projections, one GEMM per expert: C++ on CPU, torch elsewhere). `kernels.cpu` builds
 the C++ CPU kernels (small-row linear, decode attention straight from the paged cache, fused norms,
 RoPE with the cache write; fp32 and bf16) for the CPU it runs on; `kernels.paged_attention_cpu` is
 paged attention's CPU production path. The dispatching functions exported here pick Triton for CUDA
@@ -21,7 +22,7 @@ if __name__ == "kernels":  # this folder, found by its folder name from a checko
 
     hand_over()  # sys.modules["kernels"] is now the other package: nothing of this floor is loaded
 else:
-    from agentrt.kernels import cpu
+    from agentrt.kernels import cpu, moe
     from agentrt.kernels._dispatch import (
         copy_blocks,
         get_backend,
@@ -34,6 +35,7 @@ else:
     )
     from agentrt.kernels.copy_blocks import copy_blocks_ref, copy_blocks_triton
     from agentrt.kernels.linear import Linear, linear, linear_ref
+    from agentrt.kernels.moe import grouped_linear, grouped_linear_ref
     from agentrt.kernels.paged_attention import (
         AttentionMetadata,
         build_attention_metadata,
@@ -56,8 +58,11 @@ __all__ = [
     "cpu",
     "dense_causal_attention_ref",
     "get_backend",
+    "grouped_linear",
+    "grouped_linear_ref",
     "linear",
     "linear_ref",
+    "moe",
     "paged_attention",
     "paged_attention_cpu",
     "paged_attention_ref",
