@@ -293,6 +293,7 @@ class EngineCore:
         for r in [root, *root.children]:
             if r.request_id in self.requests and not r.finished:  # waiting or running
                 self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED, "abort")
+                self._preempted.pop(r.request_id, None)  # preempted, aborted while waiting: never scheduled again
                 deltas.append(self.outputs.delta(r, []))
         return deltas + self.outputs.end_unstarted_forks(root)
 
@@ -317,6 +318,7 @@ class EngineCore:
             for r in (root, *root.children):
                 if r.request_id in self.requests and not r.finished:
                     deltas += self.outputs.fail(r, error)
+                    self._preempted.pop(r.request_id, None)
             deltas += self.outputs.end_unstarted_forks(root)
         return deltas
 
@@ -341,7 +343,7 @@ class EngineCore:
         """Entries of each per-request map (debugging, leak tests): all 0 once every output is taken."""
         s = self.scheduler
         return {"requests": len(self.requests), "families": len(self._families), "detok": len(self._detok),
-                "waiting": len(s.waiting), "running": len(s.running)}
+                "waiting": len(s.waiting), "running": len(s.running), "preempted": len(self._preempted)}
 
     def _note_preemptions(self, preempted: list[Request]) -> None:
         """Each preemption's time and the time its request was scheduled again, on the request (its
@@ -374,6 +376,8 @@ class EngineCore:
             self.on_schedule(out)
         self.num_draft_tokens += sum(len(r.spec_token_ids) for r in out.reqs)
         deltas = self.outputs.unschedulable(out.failed)
+        for r in out.failed:
+            self._preempted.pop(r.request_id, None)
         try:
             if out.kv_moves:
                 self.tiers.apply(out.kv_moves, self.runner.kv_cache)
