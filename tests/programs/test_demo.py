@@ -34,12 +34,14 @@ def test_demo_starts_a_server_and_stops_it(tiny_model_path, capfd):
 def test_demo_keep_leaves_the_server_and_its_page_up_until_ctrl_c(tiny_model_path):
     proc = subprocess.Popen([sys.executable, "-m", "agentrt.command", "demo", "--model", str(tiny_model_path), *SMALL,
                              "--keep"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stderr], daemon=True).start()
+    lines: queue.Queue[str | None] = queue.Queue()  # None: its stderr ended (it exited)
+    threading.Thread(target=lambda: [*(lines.put(ln) for ln in proc.stderr), lines.put(None)], daemon=True).start()
     try:
         seen = []
         while not any("stays up" in ln for ln in seen):
-            seen.append(lines.get(timeout=300))
+            line = lines.get(timeout=300)
+            assert line is not None, f"demo --keep exited ({proc.wait()}) before it said so:\n{''.join(seen)}"
+            seen.append(line)
         (url,) = re.findall(r"live page (http://127\.0\.0\.1:\d+)/ui", seen[-1])
         page = httpx.get(f"{url}/ui", timeout=30)
         assert page.status_code == 200 and "agentrt" in page.text
@@ -50,8 +52,8 @@ def test_demo_keep_leaves_the_server_and_its_page_up_until_ctrl_c(tiny_model_pat
     finally:
         if proc.poll() is None:
             proc.kill()
-    rest = "".join(iter(lambda: lines.get(timeout=10), "server stopped (exit code 0)\n"))  # up to that line
-    assert "Traceback" not in rest
+    rest = "".join(iter(lambda: lines.get(timeout=10), None))  # to its end: the process has exited
+    assert "server stopped (exit code 0)" in rest and "Traceback" not in rest, rest
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=5)
 
