@@ -64,15 +64,25 @@ def oracle(monkeypatch):
     return install
 
 
+GREEDY_KW = dict(num_blocks=96, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
+GREEDY_PROMPTS = prompts_of([5, 17, 30, 3])
+GREEDY_PARAMS = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (30, 17, 24, 9)]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_model_path):
+    """The plain run every speculation setting is compared with, made once for the module: its outputs
+    and the steps it took (data only: the engine is not shared)."""
+    plain = LLM(str(tiny_model_path), **GREEDY_KW)
+    return plain.generate(GREEDY_PROMPTS, GREEDY_PARAMS), plain.core.num_steps
+
+
 @pytest.mark.parametrize(("k", "wrong"), [(1, 0.0), (3, 0.3), (5, 0.5), (4, 1.0)])
-def test_greedy_outputs_identical_with_speculation(tiny_model_path, oracle, k, wrong):
-    kw = dict(num_blocks=96, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
-    prompts = prompts_of([5, 17, 30, 3])
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (30, 17, 24, 9)]
-    plain = LLM(str(tiny_model_path), **kw)
-    want = plain.generate(prompts, params)
+def test_greedy_outputs_identical_with_speculation(tiny_model_path, oracle, plain_greedy, k, wrong):
+    prompts, params = GREEDY_PROMPTS, GREEDY_PARAMS
+    want, plain_steps = plain_greedy
     oracle({tuple(p): w.token_ids for p, w in zip(prompts, want)}, wrong)
-    spec = LLM(str(tiny_model_path), num_speculative_tokens=k, **kw)
+    spec = LLM(str(tiny_model_path), num_speculative_tokens=k, **GREEDY_KW)
     got = spec.generate(prompts, params)
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.text == w.text
@@ -83,7 +93,7 @@ def test_greedy_outputs_identical_with_speculation(tiny_model_path, oracle, k, w
         assert core.num_rejected_tokens == 0  # true drafts are all accepted
     if wrong < 1:
         assert core.num_rejected_tokens < core.num_draft_tokens  # some accepted...
-        assert core.num_steps < plain.core.num_steps  # ...which saved steps
+        assert core.num_steps < plain_steps  # ...which saved steps
     else:
         assert core.num_rejected_tokens == core.num_draft_tokens
     assert_all_blocks_free(core)
