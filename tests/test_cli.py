@@ -113,14 +113,14 @@ def test_benchmarks_write_docs_only_when_asked(name, capsys):
 
 def test_bench_sampling_leaves_docs_alone_without_docs(tiny_model_path, capsys):
     from agentrt.bench import sampling
-    from agentrt.bench._common import DOCS
+    from tests.benchpages import pages
 
-    before = DOCS.read_text() if DOCS.exists() else None
+    before = pages()
     assert sampling.main(["--model", str(tiny_model_path), "--running", "4", "--steps", "2", "--repeats", "1",
                           "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert set(res["overhead"]) == {"every processor", "every processor + top-5 logprobs"}
-    assert (DOCS.read_text() if DOCS.exists() else None) == before
+    assert pages() == before
 
 
 def test_loading_says_what_it_does(capsys):

@@ -1,5 +1,5 @@
 """The CPU decode-step benchmark runs on the tiny model and reports both dtypes, their ratio and the
-bandwidth view; it leaves docs/benchmarks.md alone without --docs."""
+bandwidth view; it leaves the benchmark pages (docs/benchmarks/) alone without --docs."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import json
 import pytest
 
 from agentrt.bench import decode_cpu as bench
-from agentrt.bench._common import DOCS
+from tests.benchpages import pages
 
 
 def test_bench_decode_cpu_smoke(tiny_model_path, capsys):
-    before = DOCS.read_text()
+    before = pages()
     argv = ["--model", str(tiny_model_path), "--contexts", "24,8", "--steps", "2", "--repeats", "3", "--json"]
     assert bench.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
@@ -25,7 +25,7 @@ def test_bench_decode_cpu_smoke(tiny_model_path, capsys):
         assert all(0 < r["p10_ms"] <= r["median_ms"] and r["of_bandwidth"] > 0 for r in e["rows"])
     assert [r["context"] for r in res["ratio"]] == [8, 24] and all(r["p10"] > 0 for r in res["ratio"])
     assert "bf16 / fp32 per token" in bench.markdown(res)
-    assert DOCS.read_text() == before
+    assert pages() == before
 
 
 @pytest.mark.parametrize("argv", [["--contexts", "0"], ["--contexts", "a,b"], ["--repeats", "0"]])

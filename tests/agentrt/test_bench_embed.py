@@ -1,5 +1,5 @@
 """The embeddings benchmark runs on the tiny model, compares the engine with HF on both workloads (the
-vectors agree, the shared prefix hits the cache) and leaves docs/benchmarks.md alone without --docs."""
+vectors agree, the shared prefix hits the cache) and leaves the benchmark pages (docs/benchmarks/) alone without --docs."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import json
 import pytest
 
 from agentrt.bench import embed as bench
-from agentrt.bench._common import DOCS
+from tests.benchpages import pages
 
 
 def test_bench_embed_smoke(tiny_model_path, capsys):
-    before = DOCS.read_text()
+    before = pages()
     argv = ["--model", str(tiny_model_path), "--num-inputs", "6", "--min-len", "4", "--max-len", "20",
             "--shared-prefix", "32", "--hf-batch-size", "4", "--repeats", "2", "--json",
             "--max-num-batched-tokens", "48"]
@@ -27,7 +27,7 @@ def test_bench_embed_smoke(tiny_model_path, capsys):
     assert distinct["prefix_hit_tokens_per_pass"] == 0  # new token ids every pass
     assert shared["prefix_hit_tokens_per_pass"] > 0  # the instruction is computed once a pass
     assert "engine / HF" in bench.markdown(res)
-    assert DOCS.read_text() == before
+    assert pages() == before
 
 
 @pytest.mark.parametrize("argv", [["--num-inputs", "0"], ["--min-len", "9", "--max-len", "3"],

@@ -1,5 +1,5 @@
 """The LoRA benchmark runs on the tiny model: every workload (base, one adapter, adapters mixed; batched
-and one at a time) measured against the base of its mode, and docs/benchmarks.md left alone without
+and one at a time) measured against the base of its mode, and the benchmark pages (docs/benchmarks/) left alone without
 --docs."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import json
 import pytest
 
 from agentrt.bench import lora as bench
-from agentrt.bench._common import DOCS
+from tests.benchpages import pages
 
 
 def test_bench_lora_smoke(tiny_model_path, capsys):
-    before = DOCS.read_text()
+    before = pages()
     argv = ["--model", str(tiny_model_path), "--batch", "3", "--single", "1", "--adapters", "2", "--rank", "4",
             "--prompt-len", "20", "--max-tokens", "4", "--repeats", "1", "--json"]
     assert bench.main(argv) == 0
@@ -25,7 +25,7 @@ def test_bench_lora_smoke(tiny_model_path, capsys):
         assert w["tok_s"] > 0 and w["ratio"] > 0
     assert [w["ratio"] for w in res["workloads"] if w["name"] == "base"] == [1.0, 1.0]
     assert "vs base" in bench.markdown(res)
-    assert DOCS.read_text() == before
+    assert pages() == before
 
 
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--rank", "0"], ["--repeats", "0"]])

@@ -1,5 +1,5 @@
 """The priority benchmark runs on the tiny model: every policy with the interactive program in class 0
-and in class -1, the same batch work in each run; docs/benchmarks.md is left alone without --docs."""
+and in class -1, the same batch work in each run; the benchmark pages (docs/benchmarks/) is left alone without --docs."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import json
 import pytest
 
 from agentrt.bench import priority as bench
-from agentrt.bench._common import DOCS
+from tests.benchpages import pages
 
 
 def test_bench_priority_smoke(tiny_model_path, capsys):
-    before = DOCS.read_text()
+    before = pages()
     argv = ["--model", str(tiny_model_path), "--batch-programs", "4", "--batch-calls", "1", "--batch-tokens", "6",
             "--prompt-tokens", "16", "--turns", "2", "--turn-tokens", "2", "--think-s", "0", "--max-num-seqs", "2",
             "--json"]
@@ -24,7 +24,7 @@ def test_bench_priority_smoke(tiny_model_path, capsys):
         assert 0 < r["interactive_latency_mean_s"] <= r["interactive_latency_max_s"]
         assert r["batch_tokens_per_s"] * r["makespan_s"] == pytest.approx(4 * 6)  # the same batch work every run
     assert "mean class 0 / this" in bench.table(rows)
-    assert DOCS.read_text() == before
+    assert pages() == before
 
 
 @pytest.mark.parametrize("argv", [["--turns", "0"], ["--batch-programs", "2", "--max-num-seqs", "4"],
