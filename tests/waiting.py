@@ -15,18 +15,28 @@ DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_INTERVAL_S = 0.01
 
 
-def _check_args(timeout_s: float, interval_s: float) -> None:
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    if not interval_s > 0:
-        raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+class _Poll:
+    """One look at the condition a call: its value once truthy, None before, AssertionError past the deadline."""
 
+    def __init__(self, predicate: Callable[[], Any], what: str, timeout_s: float, interval_s: float,
+                 describe: Callable[[], Any] | None) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        self.predicate, self.what, self.timeout_s, self.describe = predicate, what, timeout_s, describe
+        self.deadline = time.monotonic() + timeout_s
 
-def _timeout_error(what: str, timeout_s: float, describe: Callable[[], Any] | None) -> AssertionError:
-    message = f"timed out after {timeout_s:g} s waiting for {what}"
-    if describe is not None:
-        message += f" (last seen: {describe()!r})"
-    return AssertionError(message)
+    def __call__(self) -> Any:
+        value = self.predicate()
+        if value:
+            return value
+        if time.monotonic() >= self.deadline:
+            message = f"timed out after {self.timeout_s:g} s waiting for {self.what}"
+            if self.describe is not None:
+                message += f" (last seen: {self.describe()!r})"
+            raise AssertionError(message)
+        return None
 
 
 def wait_until(
@@ -38,15 +48,10 @@ def wait_until(
     describe: Callable[[], Any] | None = None,
 ) -> Any:
     """Block until ``predicate()`` is truthy and return its value; AssertionError after ``timeout_s``."""
-    _check_args(timeout_s, interval_s)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise _timeout_error(what, timeout_s, describe)
+    poll = _Poll(predicate, what, timeout_s, interval_s, describe)
+    while not (value := poll()):
         time.sleep(interval_s)
+    return value
 
 
 async def await_until(
@@ -60,12 +65,7 @@ async def await_until(
     """The async form of :func:`wait_until`: yields to the event loop (anyio) between polls."""
     import anyio
 
-    _check_args(timeout_s, interval_s)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise _timeout_error(what, timeout_s, describe)
+    poll = _Poll(predicate, what, timeout_s, interval_s, describe)
+    while not (value := poll()):
         await anyio.sleep(interval_s)
+    return value
