@@ -59,6 +59,10 @@ class EngineConfig:
     kv_disk_dir: str | None = None  # T2: a directory of content-hashed KV chunk files, shared by engines on one
     # host and across restarts; None = off
     kv_disk_gib: float | None = None  # T2's bound (least recently used files deleted beyond it); None = 8 GiB
+    quantization: str | None = None  # vLLM's name. "gguf": a GGUF model's projections stay in the file's block
+    # formats (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K), run by kernels.quant (CPU only; engine.gguf_weights); "none":
+    # widened to `dtype` at load. None = "gguf" where it holds (a GGUF model on CPU without LoRA whose every
+    # projection has such a format), else widened, the reason on the start-up line
     dtype_reason: str = field(default="", init=False)  # how `dtype` was chosen, for the start-up line
     deterministic_default: bool = field(default=False, init=False)  # `deterministic` was None, chosen here: the
     # engine turns it off where the C++ kernels turn out unavailable instead of refusing to start
@@ -141,6 +145,16 @@ class EngineConfig:
                              "cuBLAS picks its GEMM kernel by the batch's row count (README, Deterministic outputs)")
         if self.deterministic and self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"deterministic needs dtype float32 or bfloat16 (the C++ kernels'), got {self.dtype!r}")
+        if self.quantization not in (None, "gguf", "none"):
+            hint = (" (weight-only int8 / int4 of safetensors checkpoints is not implemented yet)"
+                    if self.quantization in ("int8", "int4") else "")
+            raise ValueError(f"quantization must be None, 'gguf' or 'none', got {self.quantization!r}{hint}")
+        if self.quantization == "gguf" and self.device != "cpu":
+            raise ValueError(f"quantization='gguf' runs on CPU only (no GPU kernel for packed GGUF blocks yet), "
+                             f"not on device {self.device!r}; use quantization='none' to widen the weights")
+        if self.quantization == "gguf" and self.enable_lora:
+            raise ValueError("quantization='gguf' does not serve LoRA adapters yet: pass enable_lora=False or "
+                             "quantization='none'")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -31,7 +31,7 @@ from agentrt.engine.generation_config import generation_defaults
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.kv_host import TierStats, block_key
 from agentrt.engine.kv_tiers import KVTiers
-from agentrt.engine.loader import load_model, load_tokenizer, resolve_model
+from agentrt.engine.loader import gguf_source, load_model, load_tokenizer, resolve_model
 from agentrt.engine.lora import LoRAAdapter, LoRARegistry, LoRARequest
 from agentrt.engine.output_processor import OutputProcessor
 from agentrt.engine.outputs import Detokenizer, RequestOutput, StreamDelta
@@ -94,7 +94,15 @@ class EngineCore:
         if self.generation_defaults:
             logger.info("sampling defaults from the model's generation config: %s", self.generation_defaults)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model, self.hf_config = load_model(self.model_path, config.torch_dtype, config.device)
+        gguf = gguf_source(config.model) if (config.quantization != "none" and config.device == "cpu"
+                                             and not config.enable_lora) else None
+        self.model, self.hf_config = load_model(self.model_path, config.torch_dtype, config.device, packed_from=gguf)
+        packed = self.model.packed_weights
+        if config.quantization == "gguf" and packed is None:
+            raise ValueError(f"quantization='gguf' cannot keep {self.model_path.name}'s weights packed: "
+                             f"{self.model.widen_reason or 'the model is not a GGUF file'}")
+        weights = (packed.describe() if packed is not None else
+                   f"widened to {config.dtype}" + (f" ({self.model.widen_reason})" if self.model.widen_reason else ""))
         args = self.model.args
         self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
         self.eos_token_ids = _eos_ids(self.tokenizer, self.hf_config)
@@ -115,7 +123,7 @@ class EngineCore:
         self.policy = make_policy(config.policy, **(config.policy_kwargs or {}))
         kv_bytes = num_blocks * ModelRunner.bytes_per_block(self.model.args, config.block_size, config.torch_dtype)
         self.startup_line = (f"agentrt engine: {self.model_path.name} on {config.device}, {config.dtype} "
-                             f"({config.dtype_reason}), {num_blocks} KV blocks of {config.block_size} tokens "
+                             f"({config.dtype_reason}), weights: {weights}, {num_blocks} KV blocks of {config.block_size} tokens "
                              f"({kv_bytes / 2**20:.0f} MiB, from {budget_from}), policy "
                              f"{getattr(self.policy, 'name', type(self.policy).__name__)}"
                              + (f", kernels: {kernels.cpu.describe()}" if config.device == "cpu" else "")

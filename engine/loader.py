@@ -116,6 +116,22 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     )
 
 
+def gguf_source(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file `resolve_model(model)` converts, or None where the model is a safetensors directory."""
+    if model is None:
+        return default_gguf_path()
+    if str(model) in BUNDLED_MODELS and not Path(model).exists():
+        return BUNDLED_MODELS[str(model)]()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return None
+
+
 def content_key(gguf: Path) -> str:
     """The converted copy's key: the file's size, its first and last MiB, the converter's version."""
     size = gguf.stat().st_size
@@ -323,8 +339,12 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: str):
-    """Our LlamaForCausalLM with the checkpoint's weights, in eval mode on `device`."""
+def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | None = None):
+    """Our LlamaForCausalLM with the checkpoint's weights, in eval mode on `device`.
+
+    `packed_from`: the GGUF file `path` was converted from, whose projection blocks the model then keeps packed
+    (engine.gguf_weights; CPU only): `model.packed_weights` says what was kept, or `model.widen_reason` why the
+    model stayed widened."""
     from safetensors.torch import load_file
 
     from agentrt.engine.model import LlamaForCausalLM
@@ -347,6 +367,17 @@ def load_model(path: Path, dtype: torch.dtype, device: str):
         for f in files:
             sd.update(load_file(f))
         model.load_hf_state_dict(sd)
+        del sd
+        model.packed_weights, model.widen_reason = None, None
+        if packed_from is not None:
+            from agentrt.engine.gguf_weights import pack_model
+
+            try:
+                model.packed_weights = pack_model(model, packed_from)
+            except ValueError as e:
+                model.widen_reason = str(e)
         model.to(dtype)
+        if model.packed_weights is not None:
+            model.packed_weights.widened_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         model.init_ropes(freqs)
     return model.eval(), hf_config

@@ -38,6 +38,7 @@ from agentrt.kernels.linear import (
     on_huge_pages,
 )
 from agentrt.kernels.paged_attention_cpu import CPP_MAX_QUERY_ROWS
+from agentrt.kernels.quant import quant_linear
 
 
 def _cpu_ops(x: torch.Tensor):
@@ -239,6 +240,10 @@ class LlamaForCausalLM(nn.Module):
         self._decode_cache: tuple | None = None  # see _decode_weights
         self._packs_homed = False  # see _packs_on_huge_pages
         self.batch_invariant = False  # see set_batch_invariant
+        # projections kept in GGUF block formats (engine.gguf_weights.pack_model): no fused C++ decode step, no
+        # packed copies; a tied model's LM head from the file's token embedding blocks (`tied_head_quant`)
+        self.quantized = False
+        self.tied_head_quant: tuple | None = None
 
     def set_batch_invariant(self, on: bool) -> None:
         """The engine's deterministic mode: every projection (kernels.linear) and the attention of every step
@@ -310,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
         """Whether a step of `rows` rows can run as one `decode_forward` call: decode rows (at most 16 per
         sequence, the C++ attention's), few enough for the packed projections, a head_dim and layout the
         C++ kernels take (the cache in the model's dtype), and Llama's layer layout exactly (`ModelArgs.plain`)."""
-        if not self.args.plain:
+        if not self.args.plain or self.quantized:
             return False
         return (self.args.moe is None and max_query_len <= CPP_MAX_QUERY_ROWS and rows <= BF16_PACKED_MAX_ROWS
                 and self.args.head_dim in (32, 64, 128, 256) and self.args.num_heads <= 64
@@ -352,7 +357,7 @@ class LlamaForCausalLM(nn.Module):
         """Pack every weight a decode step streams (the LM head's included) and move the packed copies
         to huge pages (kernels.linear.on_huge_pages: ~1.2-1.7x the streaming rate of one-row
         projections); once per set of weights, before the first CPU forward with the C++ kernels."""
-        if self._packs_homed:
+        if self._packs_homed or self.quantized:
             return
         caches = self.streamed_weights()
         for cache, copy in zip((c for c, _ in caches), on_huge_pages([c.get(w) for c, w in caches]), strict=True):
@@ -378,6 +383,8 @@ class LlamaForCausalLM(nn.Module):
         h = self.norm(hidden)
         if self.lm_head is not None:
             logits = self.lm_head(h)
+        elif self.tied_head_quant is not None:
+            logits = quant_linear(h, self.tied_head_quant)
         else:
             logits = linear(h, self.embed_tokens.weight, None, self._tied_head_pack, self.batch_invariant)
         if (cap := self.args.final_softcap) is not None:  # Gemma 2

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrt.kernels import cpu
+from agentrt.kernels.quant import QuantWeight, quant_linear
 
 
 def _has_onednn_linear() -> bool:
@@ -180,12 +181,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(torch.nn.Linear):
-    """`nn.Linear` whose forward goes through `linear` (same parameters, same state-dict names)."""
+    """`nn.Linear` whose forward goes through `linear` (same parameters, same state-dict names), or through
+    `kernels.quant.quant_linear` when it holds a weight kept in GGUF blocks (`quant`, set by the engine's
+    loader, which then drops the widened `weight`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.pack_cache = PackCache()
         self.batch_invariant = False  # set by the engine's deterministic mode (`linear`)
+        self.quant: tuple[QuantWeight, ...] | None = None  # the weight's row parts in GGUF block formats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_linear(x, self.quant, self.bias)
         return linear(x, self.weight, self.bias, self.pack_cache, self.batch_invariant)

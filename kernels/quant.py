@@ -5,9 +5,11 @@ weights, each block a few fp16 scales and packed 4-8 bit integers (the layouts: 
 Widening them to bf16 costs 3-4x their bytes in memory, and a CPU decode step, which reads every
 weight once, reads those 3-4x bytes too. `QuantWeight` keeps the file's bytes, [N, K / B * block bytes]
 uint8, and `quant_linear` runs the C++ kernel (`torch.ops.agentrt_cpu_<kind>.quant_linear`, built per
-CPU kind like the bf16 path, kernels/cpu.py): for 1-4 rows every block is decoded once into L1 and
-dotted with each row (one pass over the packed bytes), for more rows a panel of 16 weight rows is
-decoded to fp32 once and linear.h's fp32 register tiles run all rows over it. x is computed in fp32
+CPU kind like the bf16 path, kernels/cpu.py): threads take panels of 16 weight rows, decode a panel
+to fp32 once (L2) and run every row of x over it in register tiles, so a decode step reads the packed
+bytes once and a prefill decodes them once per call. Each output is a dot product summed in one order
+whatever the row count: batch-invariant by construction (the engine's deterministic mode needs no
+other path). x is computed in fp32
 (a bf16 x is widened on entry and the output rounded back to bf16); accumulation is fp32.
 
 `dequantize_ref` is the reference: the exact block decoding in float64, in plain torch (tests hold it
@@ -141,8 +143,17 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     return dequantize_ref(w).float()
 
 
-def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., K] fp32 or bf16, w: a packed [N, K] weight, bias: [N] or None -> [..., N] in x's dtype."""
+def quant_linear(x: torch.Tensor, w: QuantWeight | tuple[QuantWeight, ...], bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """x: [..., K] fp32 or bf16, w: a packed [N, K] weight, or parts of one stacked by rows (a fused projection
+    whose pieces have different formats, e.g. q/k Q4_K and v Q6_K), bias: [N] or None -> [..., N] in x's dtype."""
+    if isinstance(w, tuple):
+        if len(w) == 1:
+            return quant_linear(x, w[0], bias)
+        out = torch.cat([quant_linear(x.float(), p) for p in w], dim=-1)
+        if bias is not None:
+            out += bias.float()
+        return out.to(x.dtype)
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the {w.format_name} weight {w.shape} takes {k}")

@@ -16,12 +16,11 @@
 //               fp16 d                                 four from ql, two from qh (layout in dequant_q6_k)
 //
 // The weight keeps that byte layout ([N, K / B * bytes], as the GGUF file stores it), so memory holds the
-// file's bytes and a decode step reads them once. Two paths:
-// - few rows (decode, M <= kQuantFewRows): each block is decoded once into an L1 buffer of B floats and
-//   dotted with every row of x (fp32 FMAs): one pass over the packed weight;
-// - many rows (prefill): a panel of 16 weight rows is decoded to fp32 once ([K, 16], the layout of
-//   packed_linear's fp32 panels, linear.h) and all M rows run through linear.h's fp32 register tiles: the
-//   decode cost is amortized over the rows, the GEMM is the fp32 one.
+// file's bytes and a decode step reads them once. One path for every row count: threads take panels of 16
+// weight rows; a panel is decoded to fp32 once ([16, K], 16 K floats: L2) and every row of x runs over it in
+// register tiles of 3-4 rows of x by 4 weight rows (`quant_dot_tile`), each output a dot product summed in
+// one order whatever the row count: a row's output does not depend on the other rows of the call (the
+// engine's deterministic mode costs nothing here).
 // Decoding rounds exactly once where the product does not fit fp32 (Q6_K's d * sc * q), so a block decodes
 // to the fp32 rounding of its exact value, whatever the ISA. Accumulation is fp32.
 
@@ -38,7 +37,7 @@
 #include "team.h"
 #include "vec.h"
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -47,9 +46,12 @@ namespace agentrt {
 // ggml's type ids (ggml.h enum ggml_type), as GGUF files and gguf.GGMLQuantizationType number them
 enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
-constexpr int64_t kQuantFewRows = 4;  // rows of x up to which the block-at-a-time path beats the panel path
 
-typedef uint8_t v8b __attribute__((vector_size(8), aligned(1)));
+// Eight bytes are handled as one uint64 (GCC's byte vectors shift and convert lane by lane through scalar
+// registers): a shift right by s moves the next byte's low bits into each byte's top s bits, so every
+// shift is followed by a mask of at most 8 - s low bits per byte.
+using u8x8 = uint64_t;
+constexpr u8x8 kBytes1 = 0x0101010101010101ull;
 typedef int8_t v8sb __attribute__((vector_size(8), aligned(1)));
 
 inline float fp16_to_f32(const uint8_t* p) {
@@ -81,31 +83,51 @@ inline float fp16_to_f32(const uint8_t* p) {
 #endif
 }
 
-inline v8 u8_to_v8(v8b b) { return __builtin_convertvector(b, v8); }
-inline v8b load_v8b(const uint8_t* p) { return *reinterpret_cast<const v8b*>(p); }
+// 8 bytes -> 8 fp32 lanes
+inline v8 u8_to_v8(u8x8 b) {
+#if defined(__AVX2__)
+  return (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(b))));
+#else
+  v8 out;
+  for (int i = 0; i < 8; ++i) out[i] = float((b >> (8 * i)) & 0xff);
+  return out;
+#endif
+}
+inline v8 s8_to_v8(const int8_t* p) {
+#if defined(__AVX2__)
+  return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(*reinterpret_cast<const v8sb*>(p), v8);
+#endif
+}
+inline u8x8 load_u8x8(const uint8_t* p) {
+  u8x8 b;
+  std::memcpy(&b, p, 8);
+  return b;
+}
 
 // ------------------------------------------------------------------------------------ block decoders
 
 inline void dequant_q8_0(const uint8_t* blk, float* y) {
   const v8 d = splat(fp16_to_f32(blk));
-  for (int i = 0; i < 32; i += 8) store8(y + i, d * __builtin_convertvector(*reinterpret_cast<const v8sb*>(blk + 2 + i), v8));
+  for (int i = 0; i < 32; i += 8) store8(y + i, d * s8_to_v8(reinterpret_cast<const int8_t*>(blk + 2 + i)));
 }
 
 inline void dequant_q4_0(const uint8_t* blk, float* y) {
   const v8 d = splat(fp16_to_f32(blk));
   for (int i = 0; i < 16; i += 8) {
-    const v8b b = load_v8b(blk + 2 + i);
-    store8(y + i, d * (u8_to_v8(b & 15) - 8.f));
-    store8(y + 16 + i, d * (u8_to_v8(b >> 4) - 8.f));
+    const u8x8 b = load_u8x8(blk + 2 + i);
+    store8(y + i, d * (u8_to_v8(b & 15 * kBytes1) - 8.f));
+    store8(y + 16 + i, d * (u8_to_v8((b >> 4) & 15 * kBytes1) - 8.f));
   }
 }
 
 inline void dequant_q4_1(const uint8_t* blk, float* y) {
   const v8 d = splat(fp16_to_f32(blk)), m = splat(fp16_to_f32(blk + 2));
   for (int i = 0; i < 16; i += 8) {
-    const v8b b = load_v8b(blk + 4 + i);
-    store8(y + i, d * u8_to_v8(b & 15) + m);  // d * q is exact in fp32: one rounding, FMA or not
-    store8(y + 16 + i, d * u8_to_v8(b >> 4) + m);
+    const u8x8 b = load_u8x8(blk + 4 + i);
+    store8(y + i, d * u8_to_v8(b & 15 * kBytes1) + m);  // d * q is exact in fp32: one rounding, FMA or not
+    store8(y + 16 + i, d * u8_to_v8((b >> 4) & 15 * kBytes1) + m);
   }
 }
 
@@ -116,10 +138,10 @@ inline void dequant_q5_0(const uint8_t* blk, float* y) {
   const v8w h = v8w{qh, qh, qh, qh, qh, qh, qh, qh};
   for (int i = 0; i < 16; i += 8) {
     const v8w j = v8w{0, 1, 2, 3, 4, 5, 6, 7} + uint32_t(i);
-    const v8w b = __builtin_convertvector(load_v8b(blk + 6 + i), v8w);
-    const v8w lo = (b & 15u) | (((h >> j) & 1u) << 4), hi = (b >> 4) | (((h >> (j + 16u)) & 1u) << 4);
-    store8(y + i, d * (__builtin_convertvector(lo, v8) - 16.f));
-    store8(y + 16 + i, d * (__builtin_convertvector(hi, v8) - 16.f));
+    const u8x8 b = load_u8x8(blk + 6 + i);
+    const v8w hl = ((h >> j) & 1u) << 4, hh = ((h >> (j + 16u)) & 1u) << 4;
+    store8(y + i, d * (u8_to_v8(b & 15 * kBytes1) + __builtin_convertvector(hl, v8) - 16.f));
+    store8(y + 16 + i, d * (u8_to_v8((b >> 4) & 15 * kBytes1) + __builtin_convertvector(hh, v8) - 16.f));
   }
 }
 
@@ -147,12 +169,12 @@ inline void dequant_k4_k5(const uint8_t* blk, float* y) {
     k_scale_min(scales, 2 * p + 1, s1, m1);
     const v8 d0 = splat(d * s0), d1 = splat(d * s1), n0 = splat(dmin * m0), n1 = splat(dmin * m1);
     for (int l = 0; l < 32; l += 8) {
-      const v8b b = load_v8b(qs + 32 * p + l);
-      v8b lo = b & 15, hi = b >> 4;
+      const u8x8 b = load_u8x8(qs + 32 * p + l);
+      u8x8 lo = b & 15 * kBytes1, hi = (b >> 4) & 15 * kBytes1;
       if constexpr (kFifthBit) {
-        const v8b h = load_v8b(qh + l);
-        lo |= ((h >> (2 * p)) & 1) << 4;
-        hi |= ((h >> (2 * p + 1)) & 1) << 4;
+        const u8x8 h = load_u8x8(qh + l);
+        lo |= ((h >> (2 * p)) & kBytes1) << 4;
+        hi |= ((h >> (2 * p + 1)) & kBytes1) << 4;
       }
       store8(y + 64 * p + l, d0 * u8_to_v8(lo) - n0);
       store8(y + 64 * p + 32 + l, d1 * u8_to_v8(hi) - n1);
@@ -170,8 +192,8 @@ inline void dequant_q6_k(const uint8_t* blk, float* y) {
   for (int h = 0; h < 2; ++h) {
     for (int t = 0; t < 4; ++t) {
       for (int l = 0; l < 32; l += 8) {
-        const v8b lo = (load_v8b(ql + 64 * h + 32 * (t % 2) + l) >> (4 * (t / 2))) & 15;
-        const v8b hi = (load_v8b(qh + 32 * h + l) >> (2 * t)) & 3;
+        const u8x8 lo = (load_u8x8(ql + 64 * h + 32 * (t % 2) + l) >> (4 * (t / 2))) & 15 * kBytes1;
+        const u8x8 hi = (load_u8x8(qh + 32 * h + l) >> (2 * t)) & 3 * kBytes1;
         const v8 q = u8_to_v8(lo | (hi << 4)) - 32.f;
         store8(y + 128 * h + 32 * t + l, splat(d * float(sc[8 * h + 2 * t + l / 16])) * q);
       }
@@ -244,81 +266,70 @@ inline void quant_dequantize(const uint8_t* w, int64_t N, int64_t K, float* y) {
   });
 }
 
-// Few rows: each weight row's blocks decoded one at a time into `buf` and dotted with the M rows of x.
-template <typename F, int MR>
-inline void quant_rows_few(const float* x, int64_t K, const uint8_t* wrow, const float* bias, float* y, int64_t ldy) {
-  alignas(64) float buf[F::kBlock];
-  v8 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = splat(0.f);
-  const int64_t blocks = K / F::kBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
-    F::dequant(wrow + b * F::kBytes, buf);
-    const float* xb = x + b * F::kBlock;
-    for (int m = 0; m < MR; ++m) {
-      v8 a = acc[m];
-#pragma GCC unroll 8
-      for (int64_t i = 0; i < F::kBlock; i += 8) a += load8(buf + i) * load8(xb + m * K + i);
-      acc[m] = a;
+// out[m][n] = x_m . w_n for MR rows of x and NR decoded weight rows (both fp32, rows K apart). Lane j of an
+// accumulator sums the products of k = j mod 8 in increasing k, then `hsum` adds the lanes in a fixed order:
+// an output's summation order depends on nothing but K, whatever the tile or the row count.
+template <int MR, int NR>
+inline void quant_dot_tile(const float* x, const float* w, int64_t K, const float* bias, float* y, int64_t ldy,
+                           int64_t ncols) {
+  v8 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = splat(0.f);
+  for (int64_t k = 0; k < K; k += 8) {
+    for (int n = 0; n < NR; ++n) {
+      const v8 b = load8(w + n * K + k);
+      for (int m = 0; m < MR; ++m) acc[m][n] += load8(x + m * K + k) * b;
     }
   }
-  for (int m = 0; m < MR; ++m) y[m * ldy] = hsum(acc[m]) + (bias ? *bias : 0.f);
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR && n < ncols; ++n) y[m * ldy + n] = hsum(acc[m][n]) + (bias ? bias[n] : 0.f);
 }
 
-template <typename F>
-inline void quant_linear_few(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* bias, float* y,
-                             int64_t N) {
-  constexpr int64_t kRowsPerTask = 8;
-  const int64_t row_bytes = K / F::kBlock * F::kBytes;
-  agentrt::stealing_for((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t0, int64_t t1) {
-    for (int64_t n = t0 * kRowsPerTask; n < std::min(N, t1 * kRowsPerTask); ++n) {
-      const uint8_t* wrow = w + n * row_bytes;
-      const float* b = bias ? bias + n : nullptr;
-      switch (M) {
-        case 1: quant_rows_few<F, 1>(x, K, wrow, b, y + n, N); break;
-        case 2: quant_rows_few<F, 2>(x, K, wrow, b, y + n, N); break;
-        case 3: quant_rows_few<F, 3>(x, K, wrow, b, y + n, N); break;
-        default: quant_rows_few<F, 4>(x, K, wrow, b, y + n, N); break;
-      }
-    }
-  });
-}
-
-// Many rows: a panel of 16 weight rows decoded to fp32 [K, 16] once, then linear.h's fp32 tiles over all rows.
-template <typename F>
-inline void quant_linear_panels(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* bias, float* y,
-                                int64_t N) {
-  const int64_t panels = (N + kPanel - 1) / kPanel, blocks = K / F::kBlock, row_bytes = blocks * F::kBytes;
-  agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
-    thread_local std::vector<float> panel;
-    panel.resize(size_t(K * kPanel));
-    alignas(64) float buf[F::kBlock];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
-      for (int64_t r = 0; r < kPanel; ++r) {
-        if (r >= ncols) {
-          for (int64_t k = 0; k < K; ++k) panel[k * kPanel + r] = 0.f;
-          continue;
-        }
-        const uint8_t* wrow = w + (n0 + r) * row_bytes;
-        for (int64_t b = 0; b < blocks; ++b) {
-          F::dequant(wrow + b * F::kBytes, buf);
-          float* dst = panel.data() + b * F::kBlock * kPanel + r;
-          for (int64_t i = 0; i < F::kBlock; ++i) dst[i * kPanel] = buf[i];
-        }
-      }
-      linear_rows_f32(x, K, M, K, panel.data(), bias ? bias + n0 : nullptr, y + n0, N, ncols);
-    }
-  });
-}
+#if defined(__AVX512F__)
+constexpr int kQuantTileRows = 4;  // 4 x 4 accumulators of 32 zmm-era registers
+#else
+constexpr int kQuantTileRows = 3;  // 3 x 4 of AVX2's 16 (FMAs take x from memory)
+#endif
+constexpr int64_t kQuantTileCols = 4;    // weight rows per tile
+constexpr int64_t kQuantPanelRows = 16;  // weight rows decoded per panel
 
 template <typename F>
 inline void quant_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* bias, float* y,
                          int64_t N) {
-  if (M <= kQuantFewRows) {
-    quant_linear_few<F>(x, M, K, w, bias, y, N);
-  } else {
-    quant_linear_panels<F>(x, M, K, w, bias, y, N);
-  }
+  const int64_t panels = (N + kQuantPanelRows - 1) / kQuantPanelRows, blocks = K / F::kBlock;
+  const int64_t row_bytes = blocks * F::kBytes;
+  agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> panel;
+    panel.resize(size_t(K * kQuantPanelRows));
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kQuantPanelRows, rows = std::min(kQuantPanelRows, N - n0);
+      for (int64_t r = 0; r < kQuantPanelRows; ++r) {
+        float* dst = panel.data() + r * K;
+        if (r >= rows) {
+          std::fill(dst, dst + K, 0.f);
+          continue;
+        }
+        for (int64_t b = 0; b < blocks; ++b) F::dequant(w + (n0 + r) * row_bytes + b * F::kBytes, dst + b * F::kBlock);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kQuantTileRows) {
+        const float* xm = x + m0 * K;
+        for (int64_t c = 0; c < rows; c += kQuantTileCols) {
+          const float* wc = panel.data() + c * K;
+          const float* bc = bias ? bias + n0 + c : nullptr;
+          float* yc = y + m0 * N + n0 + c;
+          const int64_t nc = std::min(kQuantTileCols, rows - c);
+          switch (std::min<int64_t>(kQuantTileRows, M - m0)) {
+            case 1: quant_dot_tile<1, kQuantTileCols>(xm, wc, K, bc, yc, N, nc); break;
+            case 2: quant_dot_tile<2, kQuantTileCols>(xm, wc, K, bc, yc, N, nc); break;
+#if defined(__AVX512F__)
+            case 3: quant_dot_tile<3, kQuantTileCols>(xm, wc, K, bc, yc, N, nc); break;
+#endif
+            default: quant_dot_tile<kQuantTileRows, kQuantTileCols>(xm, wc, K, bc, yc, N, nc); break;
+          }
+        }
+      }
+    }
+  });
 }
 
 }  // namespace agentrt

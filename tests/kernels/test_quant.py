@@ -98,3 +98,15 @@ def test_quant_weight_rejects_bad_input():
         QuantWeight(w.data[:, :18].contiguous(), w.type_id, (4, 64))
     with pytest.raises(ValueError, match="x has 32 features"):
         quant_linear(torch.randn(1, 32), w)
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K"])
+def test_rows_do_not_depend_on_the_batch(name, cpu_kind):
+    # the engine's deterministic mode: a row's output is the same bits alone, in a few rows or in many
+    block = FORMATS[TYPE_IDS[name]][1]
+    w, _ = make_weight(name, 40, 2 * block)
+    x = torch.randn(37, 2 * block)
+    batched = quant_linear(x, w)
+    for i in (0, 5, 36):
+        assert torch.equal(quant_linear(x[i : i + 1], w)[0], batched[i])
+        assert torch.equal(quant_linear(x[i : i + 3], w)[0], batched[i])

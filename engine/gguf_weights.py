@@ -1,0 +1,156 @@
+"""A GGUF file's projection weights kept in their block formats (`EngineConfig.quantization="gguf"`).
+
+The model still loads from the converted safetensors copy (engine/loader.py: config, tokenizer, norms,
+embeddings), then `pack_model` swaps every decoder projection (q/k/v, o, gate/up, down) and an untied
+LM head for the GGUF file's own blocks, read with the `gguf` package (`GGUFReader`, no dequantization),
+so each `Linear` runs `kernels.quant.quant_linear` on the file's bytes and its widened weight is dropped.
+
+Rows: the model fuses q/k/v and gate/up (row concatenation) and keeps q and k rows in the adjacent-pair
+rope layout (`model.interleave_rope_rows`); llama.cpp's converter stores a Llama's q and k rows permuted
+per head (its `permute`), other families as HF has them. A block row is a whole weight row, so every
+such reordering is a row gather of the packed bytes. Which ordering a file uses is not guessed: each
+candidate's rows are decoded (exactly: kernels/quant.py) and compared with the widened weight the
+converted copy holds, bit for bit; no match (or a format the kernels do not take, or a missing
+tensor) and the model stays widened, with the reason for the start-up line.
+
+Not packed: the token embedding (a lookup of a few rows; it stays widened in the model's dtype), norms and
+biases (small, fp32 in the file). A tied model's LM head (SmolLM2's) runs on the embedding's blocks
+(`model.tied_head_quant`) where their format is one the kernels take.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agentrt.kernels.linear import Linear
+from agentrt.kernels.quant import FORMATS, QuantWeight, dequantize
+
+# fused projection of a decoder layer -> the GGUF tensors whose rows it concatenates
+_LAYER_PROJECTIONS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+@dataclass(slots=True)
+class PackedWeights:
+    """What `pack_model` kept packed."""
+
+    formats: Counter  # format name -> tensors of that format
+    nbytes: int  # bytes of the packed projection weights
+    widened_bytes: int = 0  # bytes of the weights left widened (embeddings, norms, biases) in the model's dtype
+
+    def describe(self) -> str:
+        """e.g. "gguf Q4_1 kept packed, 71 MB (+ 57 MB widened: embeddings, norms)"."""
+        names = "+".join(name for name, _ in self.formats.most_common())
+        return (f"gguf {names} kept packed, {self.nbytes / 1e6:.0f} MB (+ {self.widened_bytes / 1e6:.0f} MB "
+                f"widened: embeddings, norms)")
+
+
+def _llama_permuted_order(n: int, heads: int) -> torch.Tensor:
+    """For llama.cpp's per-head permutation of q / k rows: GGUF row j holds HF row order[j]."""
+    idx = torch.arange(n)
+    return idx.reshape(heads, 2, n // heads // 2).transpose(1, 2).reshape(n)
+
+
+class _Unpackable(Exception):
+    """Why the model stays widened (its message is the start-up line's reason)."""
+
+
+def pack_model(model, gguf_path: Path) -> PackedWeights:
+    """Swap `model`'s projections (fp32, just loaded from the converted copy of `gguf_path`) for the file's
+    packed blocks; raises ValueError with the reason when it cannot, the model untouched."""
+    import gguf
+    from agentrt.engine.model import interleave_rope_rows
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+    plan: list[tuple[Linear, list[QuantWeight]]] = []
+    formats: Counter = Counter()
+    try:
+        targets = [(f"layers.{i}.{attr}", getattr(getattr(layer, attr.split(".")[0]), attr.split(".")[1]),
+                    [f"blk.{i}.{name}.weight" for name in names])
+                   for i, layer in enumerate(model.layers) for attr, names in _LAYER_PROJECTIONS.items()]
+        if model.lm_head is not None:
+            targets.append(("lm_head", model.lm_head, ["output.weight"]))
+        for where, lin, names in targets:
+            if not isinstance(lin, Linear):
+                raise _Unpackable(f"{where} is not a plain projection (a mixture of experts: not packed yet)")
+            parts, row = [], 0
+            for name in names:
+                t = tensors.get(name)
+                if t is None:
+                    raise _Unpackable(f"the GGUF file has no tensor {name!r} for {where}")
+                type_id = int(t.tensor_type)
+                if type_id not in FORMATS:
+                    raise _Unpackable(f"{name} is {t.tensor_type.name}, a format the packed kernels do not take")
+                k, n = (int(s) for s in t.shape)
+                data = torch.from_numpy(np.array(t.data))  # out of the file's read-only mapping
+                want = lin.weight[row : row + n]
+                parts.append(_matching_rows(data, type_id, (n, k), want, name, model, interleave_rope_rows))
+                formats[FORMATS[type_id][0]] += 1
+                row += n
+            if row != lin.weight.shape[0]:
+                raise _Unpackable(f"{where} has {lin.weight.shape[0]} rows, its GGUF tensors {row}")
+            plan.append((lin, _merge_same_format(parts)))
+    except _Unpackable as e:
+        raise ValueError(str(e)) from None
+    head = _tied_head(model, tensors.get("token_embd.weight")) if model.lm_head is None else None
+    if head is not None:
+        formats[head.format_name] += 1
+    model.tied_head_quant = None if head is None else (head,)
+    nbytes = 0 if head is None else head.nbytes
+    for lin, parts in plan:
+        lin.quant = tuple(parts)
+        lin.weight = torch.nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
+        nbytes += sum(p.nbytes for p in parts)
+    model.quantized = True
+    return PackedWeights(formats, nbytes)
+
+
+def _matching_rows(data: torch.Tensor, type_id: int, shape: tuple[int, int], want: torch.Tensor, name: str, model,
+                   interleave_rope_rows) -> QuantWeight:
+    """The rows of GGUF tensor `data` in the order of `want` (the widened rows they must decode to)."""
+    n, _ = shape
+    a = model.args
+    orders = [None]
+    if name.endswith(("attn_q.weight", "attn_k.weight")):
+        heads = a.num_heads if name.endswith("attn_q.weight") else a.num_kv_heads
+        ours_to_hf = interleave_rope_rows(torch.arange(n).unsqueeze(1), heads, a.head_dim, a.rotary_dim or a.head_dim)
+        ours_to_hf = ours_to_hf.squeeze(1).long()
+        gguf_of_hf_permuted = torch.argsort(_llama_permuted_order(n, heads))
+        orders = [ours_to_hf, gguf_of_hf_permuted[ours_to_hf]]
+    for order in orders:
+        rows = data if order is None else data[order]
+        qw = QuantWeight(rows.contiguous(), type_id, shape)
+        if torch.equal(dequantize(qw), want.float()):
+            return qw
+    raise _Unpackable(f"the rows of {name} do not decode to the converted weights (an unknown row layout)")
+
+
+def _tied_head(model, t) -> QuantWeight | None:
+    """A tied model's LM head as the file's token embedding blocks, where they decode to the embedding the model
+    holds (the lookup keeps that widened copy)."""
+    if t is None or int(t.tensor_type) not in FORMATS:
+        return None
+    k, n = (int(s) for s in t.shape)
+    qw = QuantWeight(torch.from_numpy(np.array(t.data)), int(t.tensor_type), (n, k))
+    return qw if torch.equal(dequantize(qw), model.embed_tokens.weight.float()) else None
+
+
+def _merge_same_format(parts: list[QuantWeight]) -> list[QuantWeight]:
+    """Neighbouring parts of one format as one weight (q, k, v of one format: one kernel call)."""
+    out: list[QuantWeight] = []
+    for p in parts:
+        if out and out[-1].type_id == p.type_id:
+            prev = out.pop()
+            p = QuantWeight(torch.cat([prev.data, p.data]), p.type_id, (prev.shape[0] + p.shape[0], p.shape[1]))
+        out.append(p)
+    return out
