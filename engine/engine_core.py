@@ -94,15 +94,13 @@ class EngineCore:
         if self.generation_defaults:
             logger.info("sampling defaults from the model's generation config: %s", self.generation_defaults)
         self.tokenizer = load_tokenizer(self.model_path)
-        gguf = gguf_source(config.model) if (config.quantization != "none" and config.device == "cpu"
-                                             and not config.enable_lora) else None
+        gguf = gguf_source(config.model) if config.quantization == "gguf" else None
         self.model, self.hf_config = load_model(self.model_path, config.torch_dtype, config.device, packed_from=gguf)
         packed = self.model.packed_weights
         if config.quantization == "gguf" and packed is None:
             raise ValueError(f"quantization='gguf' cannot keep {self.model_path.name}'s weights packed: "
                              f"{self.model.widen_reason or 'the model is not a GGUF file'}")
-        weights = (packed.describe() if packed is not None else
-                   f"widened to {config.dtype}" + (f" ({self.model.widen_reason})" if self.model.widen_reason else ""))
+        weights = packed.describe() if packed is not None else f"widened to {config.dtype}"
         args = self.model.args
         self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
         self.eos_token_ids = _eos_ids(self.tokenizer, self.hf_config)

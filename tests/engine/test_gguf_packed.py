@@ -1,0 +1,85 @@
+"""quantization="gguf": the default model's Q4_1 projections kept in the file's blocks (engine.gguf_weights)."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from agentrt.engine import LLM, EngineConfig, SamplingParams
+from agentrt.engine.loader import gguf_source, load_model, resolve_model
+from tests.conftest import requires_default_model
+from tests.engine.test_dense_architectures import engine_logits
+
+
+def _nmse(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(((ours.double() - ref.double()) ** 2).sum() / (ref.double() ** 2).sum())
+
+
+@pytest.fixture(scope="module")
+def models():
+    path, gguf = resolve_model(None), gguf_source(None)
+    packed, _ = load_model(path, torch.float32, "cpu", packed_from=gguf)
+    widened, _ = load_model(path, torch.float32, "cpu")
+    return packed, widened, gguf
+
+
+@requires_default_model
+def test_projections_hold_the_files_blocks(models):
+    import gguf as gguf_pkg
+
+    packed, widened, path = models
+    layers = packed.args.num_layers
+    # q, k, v, o, gate, up, down per layer, and the tied LM head on the token embedding's Q8_0 blocks
+    assert packed.packed_weights.formats == Counter({"Q4_1": 7 * layers, "Q8_0": 1})
+    qkv = packed.layers[0].self_attn.qkv_proj
+    assert qkv.weight.numel() == 0 and [p.format_name for p in qkv.quant] == ["Q4_1"]  # widened copy dropped
+    assert widened.packed_weights is None and widened.layers[0].self_attn.qkv_proj.quant is None
+    quantized = [t for t in gguf_pkg.GGUFReader(str(path)).tensors if t.tensor_type.name in ("Q4_1", "Q8_0")]
+    assert packed.packed_weights.nbytes == sum(int(t.n_bytes) for t in quantized)  # the file's bytes, no more
+    assert packed.packed_weights.describe().startswith("gguf Q4_1+Q8_0 kept packed, 96 MB")
+
+
+@requires_default_model
+def test_logits_match_the_widened_engine(models):
+    packed, widened, _ = models
+    tokens = torch.randint(100, 20000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    # a prompt of 24 in chunks of 7 (many-row calls), then 16 one-row decode steps
+    ours, ref = engine_logits(packed, tokens, 24, 7), engine_logits(widened, tokens, 24, 7)
+    assert _nmse(ours, ref) <= 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@requires_default_model
+@pytest.mark.slow
+def test_greedy_matches_hf(models):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(gguf_source(None)), quantization="gguf", num_blocks=64)
+    assert "weights: gguf Q4_1+Q8_0 kept packed" in llm.core.startup_line
+    ids = llm.tokenizer("The history of computing is a story of abstraction. Early machines were programmed by "
+                        "rewiring circuits; later, stored programs let instructions live in memory.")["input_ids"]
+    prompts = [ids[:n] for n in (5, 12, 31)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(None)), dtype=torch.float32)
+    eos = llm.tokenizer.eos_token_id
+    for p, o in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=16,
+                          do_sample=False)[0, len(p):].tolist()
+        assert o.token_ids == (ref[: ref.index(eos) + 1] if eos in ref else ref)
+
+
+def test_quantization_refusals(monkeypatch):
+    with pytest.raises(ValueError, match="quantization must be None, 'gguf' or 'none', got 'int4'.*not implemented"):
+        EngineConfig(quantization="int4", device="cpu")
+    with pytest.raises(ValueError, match="got 'q4'"):
+        EngineConfig(quantization="q4", device="cpu")
+    with pytest.raises(ValueError, match="does not serve LoRA adapters yet"):
+        EngineConfig(quantization="gguf", device="cpu", enable_lora=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        EngineConfig(quantization="gguf", device="cuda", dtype="bfloat16")
+
+
+def test_gguf_quantization_of_a_safetensors_model_is_refused(tiny_model_path):
+    with pytest.raises(ValueError, match="cannot keep .* packed: the model is not a GGUF file"):
+        LLM(str(tiny_model_path), quantization="gguf", device="cpu", num_blocks=16)
