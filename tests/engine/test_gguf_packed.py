@@ -83,3 +83,14 @@ def test_quantization_refusals(monkeypatch):
 def test_gguf_quantization_of_a_safetensors_model_is_refused(tiny_model_path):
     with pytest.raises(ValueError, match="cannot keep .* packed: the model is not a GGUF file"):
         LLM(str(tiny_model_path), quantization="gguf", device="cpu", num_blocks=16)
+
+
+def test_cli_flag_reaches_the_engine_config():
+    import argparse
+
+    from agentrt._cli_options import add_engine_options, engine_options
+
+    p = argparse.ArgumentParser()
+    add_engine_options(p)
+    assert engine_options(p.parse_args(["--quantization", "gguf"]))["quantization"] == "gguf"
+    assert "quantization" not in engine_options(p.parse_args([]))
