@@ -2,15 +2,15 @@
 
 The model still loads from the converted safetensors copy (engine/loader.py: config, tokenizer, norms,
 embeddings), then `pack_model` swaps every decoder projection (q/k/v, o, gate/up, down) and an untied
-LM head for the GGUF file's own blocks, read with the `gguf` package (`GGUFReader`, no dequantization),
+LM head for the GGUF file's own blocks, read from the header (`loader.gguf_tensors`) and plain file reads (no dequantization, no mapping),
 so each `Linear` runs `kernels.quant.quant_linear` on the file's bytes and its widened weight is dropped.
 
 Rows: the model fuses q/k/v and gate/up (row concatenation) and keeps q and k rows in the adjacent-pair
 rope layout (`model.interleave_rope_rows`); llama.cpp's converter stores a Llama's q and k rows permuted
 per head (its `permute`), other families as HF has them. A block row is a whole weight row, so every
 such reordering is a row gather of the packed bytes. Which ordering a file uses is not guessed: each
-candidate's rows are decoded (exactly: kernels/quant.py) and compared with the widened weight the
-converted copy holds, bit for bit; no match (or a format the kernels do not take, or a missing
+candidate's rows are decoded (exactly: kernels/quant.py), rounded to the model's dtype and compared
+with the widened weight loaded from the converted copy, bit for bit; no match (or a format the kernels do not take, or a missing
 tensor) and the model stays widened, with the reason for the start-up line.
 
 Not packed: the token embedding (a lookup of a few rows; it stays widened in the model's dtype), norms and
@@ -24,7 +24,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from agentrt.kernels.linear import Linear
@@ -65,13 +64,12 @@ class _Unpackable(Exception):
 
 
 def pack_model(model, gguf_path: Path) -> PackedWeights:
-    """Swap `model`'s projections (fp32, just loaded from the converted copy of `gguf_path`) for the file's
-    packed blocks; raises ValueError with the reason when it cannot, the model untouched."""
-    import gguf
+    """Swap `model`'s projections (just loaded from the converted fp32 copy of `gguf_path`, in any dtype) for the
+    file's packed blocks; raises ValueError with the reason when it cannot, the model untouched."""
+    from agentrt.engine.loader import gguf_tensors
     from agentrt.engine.model import interleave_rope_rows
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = gguf_tensors(gguf_path)
     plan: list[tuple[Linear, list[QuantWeight]]] = []
     formats: Counter = Counter()
     try:
@@ -85,14 +83,14 @@ def pack_model(model, gguf_path: Path) -> PackedWeights:
                 raise _Unpackable(f"{where} is not a plain projection (a mixture of experts: not packed yet)")
             parts, row = [], 0
             for name in names:
-                t = tensors.get(name)
-                if t is None:
+                if name not in tensors:
                     raise _Unpackable(f"the GGUF file has no tensor {name!r} for {where}")
-                type_id = int(t.tensor_type)
-                if type_id not in FORMATS:
-                    raise _Unpackable(f"{name} is {t.tensor_type.name}, a format the packed kernels do not take")
-                k, n = (int(s) for s in t.shape)
-                data = torch.from_numpy(np.array(t.data))  # out of the file's read-only mapping
+                type_id, dims, offset = tensors[name]
+                if type_id not in FORMATS or len(dims) != 2:
+                    raise _Unpackable(f"{name} has ggml type {type_id}, a format the packed kernels do not take "
+                                      f"(they take {', '.join(f[0] for f in FORMATS.values())})")
+                k, n = dims
+                data = _read_rows(gguf_path, name, type_id, (n, k), offset)
                 want = lin.weight[row : row + n]
                 parts.append(_matching_rows(data, type_id, (n, k), want, name, model, interleave_rope_rows))
                 formats[FORMATS[type_id][0]] += 1
@@ -102,7 +100,7 @@ def pack_model(model, gguf_path: Path) -> PackedWeights:
             plan.append((lin, _merge_same_format(parts)))
     except _Unpackable as e:
         raise ValueError(str(e)) from None
-    head = _tied_head(model, tensors.get("token_embd.weight")) if model.lm_head is None else None
+    head = _tied_head(model, gguf_path, tensors.get("token_embd.weight")) if model.lm_head is None else None
     if head is not None:
         formats[head.format_name] += 1
     model.tied_head_quant = None if head is None else (head,)
@@ -128,21 +126,50 @@ def _matching_rows(data: torch.Tensor, type_id: int, shape: tuple[int, int], wan
         gguf_of_hf_permuted = torch.argsort(_llama_permuted_order(n, heads))
         orders = [ours_to_hf, gguf_of_hf_permuted[ours_to_hf]]
     for order in orders:
-        rows = data if order is None else data[order]
-        qw = QuantWeight(rows.contiguous(), type_id, shape)
-        if torch.equal(dequantize(qw), want.float()):
+        qw = QuantWeight(data if order is None else data[order].contiguous(), type_id, shape)
+        if _decodes_to(qw, want):
             return qw
     raise _Unpackable(f"the rows of {name} do not decode to the converted weights (an unknown row layout)")
 
 
-def _tied_head(model, t) -> QuantWeight | None:
+def _tied_head(model, gguf_path: Path, info) -> QuantWeight | None:
     """A tied model's LM head as the file's token embedding blocks, where they decode to the embedding the model
     holds (the lookup keeps that widened copy)."""
-    if t is None or int(t.tensor_type) not in FORMATS:
+    if info is None or info[0] not in FORMATS or len(info[1]) != 2:
         return None
-    k, n = (int(s) for s in t.shape)
-    qw = QuantWeight(torch.from_numpy(np.array(t.data)), int(t.tensor_type), (n, k))
-    return qw if torch.equal(dequantize(qw), model.embed_tokens.weight.float()) else None
+    type_id, (k, n), offset = info
+    try:
+        qw = QuantWeight(_read_rows(gguf_path, "token_embd.weight", type_id, (n, k), offset), type_id, (n, k))
+    except _Unpackable:
+        return None
+    return qw if _decodes_to(qw, model.embed_tokens.weight) else None
+
+
+def _read_rows(gguf_path: Path, name: str, type_id: int, shape: tuple[int, int], offset: int) -> torch.Tensor:
+    """A GGUF tensor's bytes [N, K / block * block bytes] uint8, read with file reads (a mapping of the file
+    would leave every touched page counted in the process's resident memory)."""
+    _, block, nbytes = FORMATS[type_id]
+    n, k = shape
+    if k % block:
+        raise _Unpackable(f"{name}: {k} weights a row is not a whole number of {block}-weight blocks")
+    out = torch.empty(n, k // block * nbytes, dtype=torch.uint8)
+    with open(gguf_path, "rb") as f:
+        f.seek(offset)
+        got = f.readinto(memoryview(out.view(-1).numpy()))
+    if got != out.numel():
+        raise _Unpackable(f"{name} is truncated in the GGUF file ({got} of {out.numel()} bytes)")
+    return out
+
+
+def _decodes_to(qw: QuantWeight, want: torch.Tensor, rows: int = 4096) -> bool:
+    """Whether `qw` decodes to `want` (the widened weight, fp32 rounded to its dtype) bit for bit; in slices of
+    `rows` rows, so that no whole fp32 copy of a large weight is made."""
+    data = qw.data
+    for r in range(0, qw.shape[0], rows):
+        part = QuantWeight(data[r : r + rows], qw.type_id, (min(rows, qw.shape[0] - r), qw.shape[1]))
+        if not torch.equal(dequantize(part).to(want.dtype), want[r : r + rows]):
+            return False
+    return True
 
 
 def _merge_same_format(parts: list[QuantWeight]) -> list[QuantWeight]:

@@ -10,6 +10,7 @@ Nothing is downloaded: hub access is switched off before transformers loads.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib
 import importlib.util
@@ -182,32 +183,69 @@ def gguf_strings(gguf: Path, keys: tuple[str, ...]) -> dict[str, str]:
             raise ValueError(f"{str(gguf)!r} is not a GGUF file (version 2 or later)")
         _, kv_count = struct.unpack("<QQ", f.read(16))
 
-        def string() -> bytes:
-            return f.read(struct.unpack("<Q", f.read(8))[0])
-
-        def skip(kind: int) -> None:
-            if kind == _GGUF_STRING:
-                f.seek(struct.unpack("<Q", f.read(8))[0], 1)
-            elif kind == _GGUF_ARRAY:
-                item, count = struct.unpack("<IQ", f.read(12))
-                if item in _GGUF_SCALAR_BYTES:
-                    f.seek(_GGUF_SCALAR_BYTES[item] * count, 1)
-                else:
-                    for _ in range(count):
-                        skip(item)
-            else:
-                f.seek(_GGUF_SCALAR_BYTES[kind], 1)
-
         for _ in range(kv_count):
-            key = string().decode()
+            key = _gguf_string(f).decode()
             kind = struct.unpack("<I", f.read(4))[0]
             if key in keys and kind == _GGUF_STRING:
-                found[key] = string().decode()
+                found[key] = _gguf_string(f).decode()
                 if len(found) == len(keys):
                     break
             else:
-                skip(kind)
+                _gguf_skip(f, kind)
     return found
+
+
+def _gguf_string(f) -> bytes:
+    import struct
+
+    return f.read(struct.unpack("<Q", f.read(8))[0])
+
+
+def _gguf_skip(f, kind: int) -> None:
+    """Skip one header value of GGUF value type `kind`."""
+    import struct
+
+    if kind == _GGUF_STRING:
+        f.seek(struct.unpack("<Q", f.read(8))[0], 1)
+    elif kind == _GGUF_ARRAY:
+        item, count = struct.unpack("<IQ", f.read(12))
+        if item in _GGUF_SCALAR_BYTES:
+            f.seek(_GGUF_SCALAR_BYTES[item] * count, 1)
+        else:
+            for _ in range(count):
+                _gguf_skip(f, item)
+    else:
+        f.seek(_GGUF_SCALAR_BYTES[kind], 1)
+
+
+def gguf_tensors(gguf: Path) -> dict[str, tuple[int, tuple[int, ...], int]]:
+    """Every tensor of a GGUF file: name -> (ggml type id, dims as ggml orders them (fastest first), the byte
+    offset of its data in the file), from the header alone (the `gguf` package's reader maps and touches the
+    whole file: ~150 MB of resident memory for SmolLM2's)."""
+    import struct
+
+    alignment = 32  # general.alignment's default
+    tensors = {}
+    with open(gguf, "rb") as f:
+        magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{str(gguf)!r} is not a GGUF file (version 2 or later)")
+        n_tensors, kv_count = struct.unpack("<QQ", f.read(16))
+        for _ in range(kv_count):
+            key = _gguf_string(f).decode()
+            kind = struct.unpack("<I", f.read(4))[0]
+            if key == "general.alignment" and kind == 4:  # uint32
+                alignment = struct.unpack("<I", f.read(4))[0]
+            else:
+                _gguf_skip(f, kind)
+        for _ in range(n_tensors):
+            name = _gguf_string(f).decode()
+            n_dims = struct.unpack("<I", f.read(4))[0]
+            dims = struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims))
+            type_id, offset = struct.unpack("<IQ", f.read(12))
+            tensors[name] = (type_id, dims, offset)
+        start = -(-f.tell() // alignment) * alignment
+    return {name: (t, dims, start + off) for name, (t, dims, off) in tensors.items()}
 
 
 def gguf_architecture(gguf: Path) -> str:
@@ -358,14 +396,19 @@ def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | 
     freqs = rope_frequencies(hf_config, args)
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
+    if packed_from is not None:  # loaded straight into `dtype`: no fp32 copy of the weights packing drops
+        model.to(dtype)
     model = model.to_empty(device=device)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no safetensors weights in {str(path)!r}")
     with _status(f"loading {path.name} onto {device}"):
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(f))
+        if packed_from is not None:  # each tensor read when the model takes it: no second copy of the checkpoint
+            sd: dict[str, torch.Tensor] = _LazyStateDict(files)
+        else:
+            sd = {}
+            for f in files:
+                sd.update(load_file(f))
         model.load_hf_state_dict(sd)
         del sd
         model.packed_weights, model.widen_reason = None, None
@@ -380,4 +423,71 @@ def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | 
         if model.packed_weights is not None:
             model.packed_weights.widened_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         model.init_ropes(freqs)
+    if packed_from is not None:
+        _release_freed_memory()  # the dropped widened projections
     return model.eval(), hf_config
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+class _LazyStateDict(dict):
+    """A checkpoint's tensor names whose tensors are read from the safetensors files when taken (`pop`, `[]`,
+    `items`): loading then holds one checkpoint tensor at a time beside the model, not the whole checkpoint.
+    Read with plain file reads, not a mapping (a mapped file's touched pages count in the resident memory
+    until it is unmapped): the safetensors layout is an 8-byte header size, a JSON header, the data."""
+
+    def __init__(self, files: list[Path]):
+        import json
+
+        entries = {}
+        for f in files:
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size))
+            header.pop("__metadata__", None)
+            for name, info in header.items():
+                if info["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise ValueError(f"{str(f)!r}: tensor {name!r} has dtype {info['dtype']}, which the loader does "
+                                     "not read")
+                entries[name] = (f, 8 + size, info)
+        super().__init__(entries)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        f, base, info = super().__getitem__(name)
+        begin, end = info["data_offsets"]
+        out = torch.empty(info["shape"], dtype=_SAFETENSORS_DTYPES[info["dtype"]])
+        with open(f, "rb") as fh:
+            fh.seek(base + begin)
+            got = fh.readinto(memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else bytearray())
+        if got != end - begin:
+            raise ValueError(f"{str(f)!r}: tensor {name!r} is truncated ({got} of {end - begin} bytes)")
+        return out
+
+    def pop(self, name: str, *default):
+        if name not in self:
+            if default:
+                return default[0]
+            raise KeyError(name)
+        tensor = self[name]
+        super().pop(name)
+        return tensor
+
+    def items(self):
+        return ((name, self[name]) for name in list(self.keys()))
+
+    def values(self):
+        return (self[name] for name in list(self.keys()))
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap pages freed while loading back to the OS (glibc keeps freed tensors' pages mapped for reuse
+    otherwise, and they count in the process's resident memory)."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
