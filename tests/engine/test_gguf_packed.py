@@ -94,3 +94,17 @@ def test_cli_flag_reaches_the_engine_config():
     add_engine_options(p)
     assert engine_options(p.parse_args(["--quantization", "gguf"]))["quantization"] == "gguf"
     assert "quantization" not in engine_options(p.parse_args([]))
+
+
+@requires_default_model
+def test_header_reader_agrees_with_the_gguf_package():
+    import gguf as gguf_pkg
+
+    from agentrt.engine.loader import gguf_tensors
+
+    path = gguf_source(None)
+    ours = gguf_tensors(path)
+    theirs = gguf_pkg.GGUFReader(str(path)).tensors
+    assert len(ours) == len(theirs) == 272
+    for t in theirs:
+        assert ours[t.name] == (int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset)), t.name
