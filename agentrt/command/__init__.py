@@ -42,6 +42,7 @@ BENCHES = {
     "replicas": "agentrt.bench.replicas",
     "tiers": "agentrt.bench.tiers",
     "fanout": "agentrt.bench.fanout",
+    "quant": "agentrt.bench.quant",
 }
 
 

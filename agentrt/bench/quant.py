@@ -1,0 +1,143 @@
+"""GGUF weights kept packed vs widened: resident memory and decode tokens/s on the same file (issue 50).
+
+Run as `agentrt bench quant [--model FILE.gguf] [--threads 2] [--json] [--docs]`. Each mode runs in its own
+process (so that each peak RSS is its own), on the same GGUF file, the same threads and the same CPU kind
+(`AGENTRT_CPU_ISA=avx2` to force the AVX2 kernels):
+- `packed`: `quantization="gguf"`, the file's blocks run by kernels.quant (engine.gguf_weights);
+- `widened`: `quantization="none"`, the weights widened to the engine's dtype at load, as before.
+
+Reported per mode: the weights line of the engine's start-up, resident memory after load and its peak
+through the run (`LLM` with a `--kv-mib` KV pool), single-stream decode tokens/s (one prompt, `--max-tokens`
+greedy tokens, EOS ignored, best of `--repeats`) and batched output tokens/s (`--concurrency` prompts at
+once). Not measured yet: llama.cpp (`llama-cpp-python`, the issue's peer), to be run in the same table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+DOCS_SECTION = "Packed vs widened GGUF weights"
+MODES = {"packed": "gguf", "widened": "none"}
+
+
+def _rss_mb() -> tuple[float, float]:
+    """(current, peak) resident memory of this process in MB."""
+    import resource
+
+    with open("/proc/self/status") as f:
+        now = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure_one(mode: str, model: str | None, threads: int, kv_mib: int, prompt_len: int, max_tokens: int,
+                concurrency: int, repeats: int) -> dict:
+    """One mode in this process (called in a child by `measure`)."""
+    import random
+
+    import torch
+
+    torch.set_num_threads(threads)
+    from agentrt.engine import LLM, SamplingParams
+    from agentrt.kernels import cpu
+
+    llm = LLM(model, quantization=MODES[mode], kv_cache_bytes=kv_mib << 20, device="cpu")
+    loaded, _ = _rss_mb()
+    core = llm.core
+    rng = random.Random(0)
+    vocab = core.model.args.vocab_size
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm.generate([[rng.randrange(100, vocab) for _ in range(8)]], SamplingParams(max_tokens=4), progress=False)
+
+    def tok_s(n: int) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
+            t0 = time.perf_counter()
+            llm.generate(prompts, sp, progress=False)
+            best = min(best, time.perf_counter() - t0)
+        return n * max_tokens / best
+
+    single, batched = tok_s(1), tok_s(concurrency)
+    now, peak = _rss_mb()
+    packed = core.model.packed_weights
+    return {"mode": mode, "weights": packed.describe() if packed is not None else f"widened to {core.config.dtype}",
+            "dtype": core.config.dtype, "cpu_kind": cpu.compiled_isa() or "torch", "threads": threads,
+            "rss_loaded_mb": loaded, "rss_end_mb": now, "rss_peak_mb": peak, "single_tok_s": single,
+            "batched_tok_s": batched}
+
+
+def measure(model: str | None, threads: int, kv_mib: int, prompt_len: int, max_tokens: int, concurrency: int,
+            repeats: int) -> dict:
+    """Every mode, each in a child process."""
+    runs = []
+    for mode in MODES:
+        cmd = [sys.executable, "-m", "agentrt.bench.quant", "--one", mode, "--threads", str(threads), "--kv-mib",
+               str(kv_mib), "--prompt-len", str(prompt_len), "--max-tokens", str(max_tokens), "--concurrency",
+               str(concurrency), "--repeats", str(repeats)] + (["--model", model] if model else [])
+        out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+        if out.returncode != 0:
+            raise RuntimeError(f"bench quant: the {mode} run failed: {out.stderr.strip().splitlines()[-1:]}")
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {"model": model or "SmolLM2-135M-Instruct (Q4_1 GGUF)", "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "concurrency": concurrency, "kv_mib": kv_mib, "repeats": repeats, "runs": runs}
+
+
+def markdown(result: dict) -> str:
+    from agentrt.bench._common import markdown_table
+
+    base = next(r for r in result["runs"] if r["mode"] == "widened")
+    rows = [[r["mode"], r["weights"], r["cpu_kind"], r["threads"], f"{r['rss_loaded_mb']:,.0f}",
+             f"{r['rss_peak_mb']:,.0f}", f"{r['single_tok_s']:,.1f}", f"{r['single_tok_s'] / base['single_tok_s']:.2f}x",
+             f"{r['batched_tok_s']:,.1f}", f"{r['batched_tok_s'] / base['batched_tok_s']:.2f}x"]
+            for r in result["runs"]]
+    return "\n".join([
+        (f"Model: {result['model']}; `LLM` with a {result['kv_mib']} MiB KV pool; single stream: one "
+         f"{result['prompt_len']}-token random prompt, {result['max_tokens']} greedy tokens; batched: "
+         f"{result['concurrency']} such prompts at once; best of {result['repeats']}. Each mode in its own process."),
+        "",
+        markdown_table(["mode", "weights", "CPU kind", "threads", "RSS loaded MB", "RSS peak MB", "single tok/s",
+                        "vs widened", "batched tok/s", "vs widened"], rows),
+        "",
+        "llama.cpp (`llama-cpp-python`, the issue's peer on the same file and threads) is not measured yet.",
+    ]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="agentrt bench quant", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M-Instruct's Q4_1)")
+    ap.add_argument("--threads", type=int, default=2, help="torch / kernel threads of each run")
+    ap.add_argument("--kv-mib", type=int, default=64, help="the KV pool of each run, MiB")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=32, help="prompts of the batched workload")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--one", choices=sorted(MODES), default=None, help=argparse.SUPPRESS)  # a child's mode
+    ap.add_argument("--json", action="store_true", help="print JSON instead of the markdown table")
+    ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
+                    help=f"write the '{DOCS_SECTION}' section of docs/benchmarks/quant.md (default: no)")
+    a = ap.parse_args(argv)
+    for name in ("threads", "kv_mib", "prompt_len", "max_tokens", "concurrency", "repeats"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.model is not None and not a.model.endswith(".gguf"):
+        ap.error(f"--model must be a .gguf file (packed vs widened compares one GGUF file), got {a.model!r}")
+    args = (a.model, a.threads, a.kv_mib, a.prompt_len, a.max_tokens, a.concurrency, a.repeats)
+    if a.one is not None:
+        print(json.dumps(measure_one(a.one, *args)))
+        return 0
+    result = measure(*args)
+    print(json.dumps(result, indent=2) if a.json else markdown(result))
+    if a.docs:
+        from agentrt.bench._common import write_section
+
+        write_section(DOCS_SECTION, markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
