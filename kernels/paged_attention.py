@@ -53,6 +53,7 @@ import triton.language as tl
 from agentrt.kernels._common import launchable
 
 _LOG2E = 1.4426950408889634
+_LOG2E_K = tl.constexpr(_LOG2E)  # the same, readable inside @triton.jit kernels (globals must be constexpr)
 
 
 @dataclass(slots=True)
@@ -223,7 +224,7 @@ def _paged_attention_kernel(
                     mask=kv_mask, other=0.0)
         qk = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:  # c * tanh(x / c) in log2 units, tanh(y) = 1 - 2 / (e^2y + 1) (saturates, no nan)
-            qk = softcap * _LOG2E * (1.0 - 2.0 / (tl.exp2(qk * (2.0 / softcap)) + 1.0))
+            qk = softcap * _LOG2E_K * (1.0 - 2.0 / (tl.exp2(qk * (2.0 / softcap)) + 1.0))
         attend = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if window > 0:
             attend = attend & (pos[None, :] > q_pos[:, None] - window)

@@ -16,8 +16,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# (dtype, head_dim, BLOCK_M, SPLIT_K): prefill at Llama-3-8B's head dim, split-K decode, SmolLM decode.
-PAGED_ATTENTION_VARIANTS = [("bf16", 128, 64, False), ("bf16", 128, 16, True), ("fp16", 64, 16, False)]
+# (dtype, head_dim, BLOCK_M, SPLIT_K, SOFTCAP, HAS_SINKS): prefill at Llama-3-8B's head dim, split-K decode, SmolLM
+# decode; gpt-oss's split-K decode with sinks (head dim 64), Gemma 2's soft-capped prefill (head dim 256).
+PAGED_ATTENTION_VARIANTS = [("bf16", 128, 64, False, False, False), ("bf16", 128, 16, True, False, False),
+                            ("fp16", 64, 16, False, False, False), ("bf16", 64, 16, True, False, True),
+                            ("bf16", 256, 32, False, True, False)]
 
 
 def compile_sm90(kernel, pointer_types: dict[str, str], constexprs: dict[str, object], **options):
@@ -43,18 +46,20 @@ def compile_all() -> None:
     from agentrt.kernels.silu_and_mul import _silu_and_mul_kernel
     from agentrt.kernels.store_kv import _store_kv_kernel
 
-    for dtype, head_dim, block_m, split_k in PAGED_ATTENTION_VARIANTS:
+    for dtype, head_dim, block_m, split_k, softcap, sinks in PAGED_ATTENTION_VARIANTS:
         pointer = f"*{dtype}"
         types = dict(q_ptr=pointer, k_cache_ptr=pointer, v_cache_ptr=pointer, out_ptr="*fp32" if split_k else pointer,
                      lse_ptr="*fp32", query_start_loc_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32",
-                     tile_start_loc_ptr="*i32",
-                     qk_scale="fp32")
+                     tile_start_loc_ptr="*i32", sinks_ptr="*fp32",
+                     qk_scale="fp32", softcap="fp32")
         compile_sm90(_paged_attention_kernel, types, dict(
             GROUP=4, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=64, SEQS_P2=64,
             SPLIT_K=split_k, DOT_DTYPE=tl.bfloat16 if dtype == "bf16" else tl.float16, DOT_PRECISION="tf32",
+            SOFTCAP=softcap, HAS_SINKS=sinks,
         ), num_warps=4, num_stages=2)
-    compile_sm90(_merge_splits_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),
-                 dict(HEAD_DIM=128, HEAD_DIM_P2=128, SPLITS_P2=32), num_warps=2)
+    for sinks in (False, True):
+        compile_sm90(_merge_splits_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", sinks_ptr="*fp32"),
+                     dict(HEAD_DIM=128, HEAD_DIM_P2=128, SPLITS_P2=32, HAS_SINKS=sinks), num_warps=2)
     compile_sm90(_store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*bf16",
                                         v_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
                  dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK_SIZE=16, HEADS_P2=4, HEAD_DIM_P2=64), num_warps=1)
@@ -80,7 +85,7 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("compiled ") == len(PAGED_ATTENTION_VARIANTS) + 5
+    assert result.stdout.count("compiled ") == len(PAGED_ATTENTION_VARIANTS) + 6
 
 
 if __name__ == "__main__":
