@@ -5,11 +5,11 @@ weights, each block a few fp16 scales and packed 4-8 bit integers (the layouts: 
 Widening them to bf16 costs 3-4x their bytes in memory, and a CPU decode step, which reads every
 weight once, reads those 3-4x bytes too. `QuantWeight` keeps the file's bytes, [N, K / B * block bytes]
 uint8, and `quant_linear` runs the C++ kernel (`torch.ops.agentrt_cpu_<kind>.quant_linear`, built per
-CPU kind like the bf16 path, kernels/cpu.py): threads take panels of 16 weight rows, decode a panel
-to fp32 once (L2) and run every row of x over it in register tiles, so a decode step reads the packed
-bytes once and a prefill decodes them once per call. Each output is a dot product summed in one order
-whatever the row count: batch-invariant by construction (the engine's deterministic mode needs no
-other path). x is computed in fp32
+CPU kind like the bf16 path, kernels/cpu.py): for 5+ rows threads take panels of 16 weight rows,
+decode a panel to fp32 once (L2) and run every row of x over it in register tiles (a prefill decodes
+the weight once per call); for 1-4 rows 4 weight rows are decoded block by block into L1 and dotted
+with each row (one pass over the packed bytes). Both sum each output in the same order whatever the
+row count: batch-invariant by construction (the engine's deterministic mode needs no other path). x is computed in fp32
 (a bf16 x is widened on entry and the output rounded back to bf16); accumulation is fp32.
 
 `dequantize_ref` is the reference: the exact block decoding in float64, in plain torch (tests hold it
