@@ -280,8 +280,10 @@ def _carry_chat_template(gguf: Path, out: Path) -> None:
     """Give a converted copy's tokenizer the chat template its GGUF carries (`tokenizer.chat_template`) where
     transformers' conversion left it out, or for a Gemma GGUF without one Gemma's turn format; copies
     converted before this are completed in place."""
-    if (out / "chat_template.jinja").is_file() or '"chat_template"' in (out / "tokenizer_config.json").read_text():
-        return
+    tokenizer_config = out / "tokenizer_config.json"
+    if ((out / "chat_template.jinja").is_file() or not tokenizer_config.is_file()
+            or '"chat_template"' in tokenizer_config.read_text()):
+        return  # a template already, or no tokenizer to give one
     meta = gguf_strings(gguf, ("general.architecture", "tokenizer.chat_template"))
     template = meta.get("tokenizer.chat_template") or _BUILTIN_TEMPLATES.get(meta.get("general.architecture", ""))
     if not template:
