@@ -178,11 +178,7 @@ def gguf_strings(gguf: Path, keys: tuple[str, ...]) -> dict[str, str]:
 
     found: dict[str, str] = {}
     with open(gguf, "rb") as f:
-        magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
-        if magic != b"GGUF" or version < 2:
-            raise ValueError(f"{str(gguf)!r} is not a GGUF file (version 2 or later)")
-        _, kv_count = struct.unpack("<QQ", f.read(16))
-
+        _, kv_count = _gguf_counts(f, gguf)
         for _ in range(kv_count):
             key = _gguf_string(f).decode()
             kind = struct.unpack("<I", f.read(4))[0]
@@ -193,6 +189,16 @@ def gguf_strings(gguf: Path, keys: tuple[str, ...]) -> dict[str, str]:
             else:
                 _gguf_skip(f, kind)
     return found
+
+
+def _gguf_counts(f, gguf: Path) -> tuple[int, int]:
+    """(tensors, metadata pairs) from a GGUF file's first 24 bytes; ValueError if it is not a GGUF file."""
+    import struct
+
+    magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"{str(gguf)!r} is not a GGUF file (version 2 or later)")
+    return struct.unpack("<QQ", f.read(16))
 
 
 def _gguf_string(f) -> bytes:
@@ -227,10 +233,7 @@ def gguf_tensors(gguf: Path) -> dict[str, tuple[int, tuple[int, ...], int]]:
     alignment = 32  # general.alignment's default
     tensors = {}
     with open(gguf, "rb") as f:
-        magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
-        if magic != b"GGUF" or version < 2:
-            raise ValueError(f"{str(gguf)!r} is not a GGUF file (version 2 or later)")
-        n_tensors, kv_count = struct.unpack("<QQ", f.read(16))
+        n_tensors, kv_count = _gguf_counts(f, gguf)
         for _ in range(kv_count):
             key = _gguf_string(f).decode()
             kind = struct.unpack("<I", f.read(4))[0]

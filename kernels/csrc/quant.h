@@ -202,55 +202,31 @@ inline void dequant_q6_k(const uint8_t* blk, float* y) {
   }
 }
 
-template <int64_t kType>
-struct QuantFormat;
-template <>
-struct QuantFormat<kQ8_0> {
-  static constexpr int64_t kBlock = 32, kBytes = 34;
-  static void dequant(const uint8_t* b, float* y) { dequant_q8_0(b, y); }
+// A format as the kernels take it: weights and bytes per block, and the block decoder.
+template <int64_t kBlockWeights, int64_t kBlockBytes, void (*kDecode)(const uint8_t*, float*)>
+struct QuantFormat {
+  static constexpr int64_t kBlock = kBlockWeights, kBytes = kBlockBytes;
+  static void dequant(const uint8_t* b, float* y) { kDecode(b, y); }
 };
-template <>
-struct QuantFormat<kQ4_0> {
-  static constexpr int64_t kBlock = 32, kBytes = 18;
-  static void dequant(const uint8_t* b, float* y) { dequant_q4_0(b, y); }
-};
-template <>
-struct QuantFormat<kQ4_1> {
-  static constexpr int64_t kBlock = 32, kBytes = 20;
-  static void dequant(const uint8_t* b, float* y) { dequant_q4_1(b, y); }
-};
-template <>
-struct QuantFormat<kQ5_0> {
-  static constexpr int64_t kBlock = 32, kBytes = 22;
-  static void dequant(const uint8_t* b, float* y) { dequant_q5_0(b, y); }
-};
-template <>
-struct QuantFormat<kQ4_K> {
-  static constexpr int64_t kBlock = 256, kBytes = 144;
-  static void dequant(const uint8_t* b, float* y) { dequant_k4_k5<false>(b, y); }
-};
-template <>
-struct QuantFormat<kQ5_K> {
-  static constexpr int64_t kBlock = 256, kBytes = 176;
-  static void dequant(const uint8_t* b, float* y) { dequant_k4_k5<true>(b, y); }
-};
-template <>
-struct QuantFormat<kQ6_K> {
-  static constexpr int64_t kBlock = 256, kBytes = 210;
-  static void dequant(const uint8_t* b, float* y) { dequant_q6_k(b, y); }
-};
+using FormatQ8_0 = QuantFormat<32, 34, dequant_q8_0>;
+using FormatQ4_0 = QuantFormat<32, 18, dequant_q4_0>;
+using FormatQ4_1 = QuantFormat<32, 20, dequant_q4_1>;
+using FormatQ5_0 = QuantFormat<32, 22, dequant_q5_0>;
+using FormatQ4_K = QuantFormat<256, 144, dequant_k4_k5<false>>;
+using FormatQ5_K = QuantFormat<256, 176, dequant_k4_k5<true>>;
+using FormatQ6_K = QuantFormat<256, 210, dequant_q6_k>;
 
-// Calls fn(QuantFormat<type>{}) for a supported type; false for any other.
+// Calls fn(Format{}) for a supported type; false for any other.
 template <typename Fn>
 inline bool by_quant_type(int64_t type, Fn fn) {
   switch (type) {
-    case kQ8_0: fn(QuantFormat<kQ8_0>{}); return true;
-    case kQ4_0: fn(QuantFormat<kQ4_0>{}); return true;
-    case kQ4_1: fn(QuantFormat<kQ4_1>{}); return true;
-    case kQ5_0: fn(QuantFormat<kQ5_0>{}); return true;
-    case kQ4_K: fn(QuantFormat<kQ4_K>{}); return true;
-    case kQ5_K: fn(QuantFormat<kQ5_K>{}); return true;
-    case kQ6_K: fn(QuantFormat<kQ6_K>{}); return true;
+    case kQ8_0: fn(FormatQ8_0{}); return true;
+    case kQ4_0: fn(FormatQ4_0{}); return true;
+    case kQ4_1: fn(FormatQ4_1{}); return true;
+    case kQ5_0: fn(FormatQ5_0{}); return true;
+    case kQ4_K: fn(FormatQ4_K{}); return true;
+    case kQ5_K: fn(FormatQ5_K{}); return true;
+    case kQ6_K: fn(FormatQ6_K{}); return true;
     default: return false;
   }
 }
