@@ -108,3 +108,44 @@ def test_header_reader_agrees_with_the_gguf_package():
     assert len(ours) == len(theirs) == 272
     for t in theirs:
         assert ours[t.name] == (int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset)), t.name
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf():
+    from agentrt.engine.loader import ModelNotFoundError, gemma3_270m_path
+
+    try:
+        return gemma3_270m_path()
+    except ModelNotFoundError as e:
+        pytest.skip(f"Gemma 3 270M is not installed (scripts/setup.sh installs it): {e}")
+
+
+@pytest.mark.slow  # two 270M models with a 262k vocabulary in fp32
+def test_gemma3_q4_k_m_logits_match_the_widened_engine(gemma3_gguf):
+    path = resolve_model(gemma3_gguf)
+    tokens = torch.randint(100, 20000, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    packed, _ = load_model(path, torch.float32, "cpu", packed_from=gemma3_gguf)
+    # Q4_K_M mixes formats, q/k/v and gate/up included: every one of them kept packed
+    assert set(packed.packed_weights.formats) == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+    ours = engine_logits(packed, tokens, 20, 7)
+    del packed
+    widened, _ = load_model(path, torch.float32, "cpu")
+    ref = engine_logits(widened, tokens, 20, 7)
+    assert _nmse(ours, ref) <= 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.slow
+def test_gemma3_q4_k_m_greedy_matches_hf(gemma3_gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(gemma3_gguf)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt = tok("The three things an agent runtime schedules are")["input_ids"]
+    llm = LLM(str(gemma3_gguf), quantization="gguf", dtype="float32", num_blocks=64)
+    assert "kept packed" in llm.core.startup_line
+    got = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    assert got == ref[: len(got)] and len(got) == 16
