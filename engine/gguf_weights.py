@@ -44,13 +44,15 @@ class PackedWeights:
 
     formats: Counter  # format name -> tensors of that format
     nbytes: int  # bytes of the packed projection weights
-    widened_bytes: int = 0  # bytes of the weights left widened (embeddings, norms, biases) in the model's dtype
+    embedding_packed: bool = False  # the token embedding too (looked up from its blocks), else widened
+    widened_bytes: int = 0  # bytes of the weights left widened (norms, biases; the embedding) in the model's dtype
 
     def describe(self) -> str:
-        """e.g. "gguf Q4_1 kept packed, 71 MB (+ 57 MB widened: embeddings, norms)"."""
+        """e.g. "gguf Q4_1+Q8_0 kept packed, 96 MB (+ 0 MB widened: norms)"."""
         names = "+".join(name for name, _ in self.formats.most_common())
+        widened = "norms" if self.embedding_packed else "embeddings, norms"
         return (f"gguf {names} kept packed, {self.nbytes / 1e6:.0f} MB (+ {self.widened_bytes / 1e6:.0f} MB "
-                f"widened: embeddings, norms)")
+                f"widened: {widened})")
 
 
 def _llama_permuted_order(n: int, heads: int) -> torch.Tensor:
@@ -100,17 +102,20 @@ def pack_model(model, gguf_path: Path) -> PackedWeights:
             plan.append((lin, _merge_same_format(parts)))
     except _Unpackable as e:
         raise ValueError(str(e)) from None
-    head = _tied_head(model, gguf_path, tensors.get("token_embd.weight")) if model.lm_head is None else None
-    if head is not None:
-        formats[head.format_name] += 1
-    model.tied_head_quant = None if head is None else (head,)
-    nbytes = 0 if head is None else head.nbytes
+    embed = _embedding(model, gguf_path, tensors.get("token_embd.weight"))
+    if embed is not None:
+        formats[embed.format_name] += 1
+        model.embed_quant = embed
+        model.embed_tokens.weight = torch.nn.Parameter(torch.empty(0, dtype=model.embed_tokens.weight.dtype),
+                                                       requires_grad=False)
+    model.tied_head_quant = (embed,) if embed is not None and model.lm_head is None else None
+    nbytes = 0 if embed is None else embed.nbytes
     for lin, parts in plan:
         lin.quant = tuple(parts)
         lin.weight = torch.nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
         nbytes += sum(p.nbytes for p in parts)
     model.quantized = True
-    return PackedWeights(formats, nbytes)
+    return PackedWeights(formats, nbytes, embedding_packed=embed is not None)
 
 
 def _matching_rows(data: torch.Tensor, type_id: int, shape: tuple[int, int], want: torch.Tensor, name: str, model,
@@ -132,9 +137,9 @@ def _matching_rows(data: torch.Tensor, type_id: int, shape: tuple[int, int], wan
     raise _Unpackable(f"the rows of {name} do not decode to the converted weights (an unknown row layout)")
 
 
-def _tied_head(model, gguf_path: Path, info) -> QuantWeight | None:
-    """A tied model's LM head as the file's token embedding blocks, where they decode to the embedding the model
-    holds (the lookup keeps that widened copy)."""
+def _embedding(model, gguf_path: Path, info) -> QuantWeight | None:
+    """The file's token embedding blocks, where their format is one the kernels take and they decode to the
+    embedding the model loaded (else the model keeps that widened copy)."""
     if info is None or info[0] not in FORMATS or len(info[1]) != 2:
         return None
     type_id, (k, n), offset = info

@@ -38,7 +38,7 @@ from agentrt.kernels.linear import (
     on_huge_pages,
 )
 from agentrt.kernels.paged_attention_cpu import CPP_MAX_QUERY_ROWS
-from agentrt.kernels.quant import quant_linear
+from agentrt.kernels.quant import quant_embedding, quant_linear
 
 
 def _cpu_ops(x: torch.Tensor):
@@ -244,6 +244,7 @@ class LlamaForCausalLM(nn.Module):
         # packed copies; a tied model's LM head from the file's token embedding blocks (`tied_head_quant`)
         self.quantized = False
         self.tied_head_quant: tuple | None = None
+        self.embed_quant = None  # the token embedding's blocks (kernels.quant.QuantWeight), looked up row by row
 
     def set_batch_invariant(self, on: bool) -> None:
         """The engine's deterministic mode: every projection (kernels.linear) and the attention of every step
@@ -287,7 +288,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta, slot_mapping) -> torch.Tensor:
         # input_ids, positions, slot_mapping: [T]; kv_cache: [L, 2, num_blocks, block_size, kv_heads, D]
-        x = self.embed_tokens(input_ids)
+        x = (self.embed_tokens(input_ids) if self.embed_quant is None
+             else quant_embedding(input_ids, self.embed_quant).to(self.embed_tokens.weight.dtype))
         if self.args.embed_scale is not None:
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         if (ops := _cpu_ops(x)) is not None and not torch.is_grad_enabled():

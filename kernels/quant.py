@@ -143,6 +143,13 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     return dequantize_ref(w).float()
 
 
+def quant_embedding(ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """Rows `ids` ([T] int) of a packed [N, K] table, decoded: [T, K] fp32 (an embedding lookup that reads T
+    rows' blocks)."""
+    rows = w.data.index_select(0, ids.reshape(-1).long())
+    return dequantize(QuantWeight(rows, w.type_id, (rows.shape[0], w.shape[1]))).view(*ids.shape, w.shape[1])
+
+
 def quant_linear(x: torch.Tensor, w: QuantWeight | tuple[QuantWeight, ...], bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """x: [..., K] fp32 or bf16, w: a packed [N, K] weight, or parts of one stacked by rows (a fused projection

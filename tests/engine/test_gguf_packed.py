@@ -7,6 +7,7 @@ import torch
 
 from agentrt.engine import LLM, EngineConfig, SamplingParams
 from agentrt.engine.loader import gguf_source, load_model, resolve_model
+from agentrt.kernels.quant import quant_embedding
 from tests.conftest import requires_default_model
 from tests.engine.test_dense_architectures import engine_logits
 
@@ -37,6 +38,10 @@ def test_projections_hold_the_files_blocks(models):
     quantized = [t for t in gguf_pkg.GGUFReader(str(path)).tensors if t.tensor_type.name in ("Q4_1", "Q8_0")]
     assert packed.packed_weights.nbytes == sum(int(t.n_bytes) for t in quantized)  # the file's bytes, no more
     assert packed.packed_weights.describe().startswith("gguf Q4_1+Q8_0 kept packed, 96 MB")
+    # the token embedding is looked up from its Q8_0 blocks: no widened copy
+    assert packed.embed_tokens.weight.numel() == 0 and packed.embed_quant.format_name == "Q8_0"
+    ids = torch.tensor([0, 7, 49151, 7])
+    assert torch.equal(quant_embedding(ids, packed.embed_quant), widened.embed_tokens(ids))
 
 
 @requires_default_model
