@@ -32,8 +32,8 @@ class SchedulingPolicy(ABC):
     # make others' pins give way (a new program waits instead of evicting a paused one's context)
     admit_output_tokens: int | None = None  # with protect_pins: the output that must fit at admission, at most
     # this many tokens of max_tokens (None: all of it; a call without max_tokens would then need the whole context)
-    pins_by_rank: bool = False  # with protect_pins: a waiting call may make the pins of exactly the programs it
-    # `outranks` give way (instead of: any pin if its own program holds one, else none)
+    pins_by_rank: bool = False  # with protect_pins: a waiting call of a program holding a pin may make the pins of
+    # exactly the programs it `outranks` give way (instead of anyone's)
 
     def on_arrival(self, req: Request, now: float) -> None:
         """A request entered the waiting queue for the first time."""

@@ -22,8 +22,8 @@ policy's `pinned_key` may keep its own classes first, as agentrt's queues do; no
 binds, when seats go in the policy's order);
 `protect_pins` is admission control for a KV-bound engine: while others run, a waiting call goes in only
 if its whole prompt and output fit (at most the policy's `admit_output_tokens` of the output), and only a call of a program that holds a pin may make other
-programs' pins give way, or, with the policy's `pins_by_rank`, a call may make the pins of the programs it
-`outranks` give way (an idle engine admits as usual). agentrt's PLAS takes these as arguments.
+programs' pins give way (with the policy's `pins_by_rank`, only those of the programs it `outranks`; an idle
+engine admits as usual). agentrt's PLAS takes these as arguments.
 
 The running set: `max_num_seqs` seats, or fewer while the policy's `max_running` says so (a running-set
 cap: admission stops at it, and a preemptive policy's better waiting call displaces the worst running
@@ -258,14 +258,16 @@ class Scheduler:
 
     def _may_take_pins(self, req: Request, idle: bool, protect_pins: bool) -> bool | Callable[[str], bool]:
         """Whose pins may give way to a waiting request: everyone's (an idle engine, or no admission control);
-        under `protect_pins` those of the programs the policy says it outranks (`pins_by_rank`), else everyone's
-        if its own program holds a pin and nobody's otherwise."""
+        under `protect_pins` nobody's unless its own program holds a pin (it resumes from a tool call), and then
+        everyone's, or with `pins_by_rank` those of the programs the policy says it outranks."""
         if idle or not protect_pins:
             return True
+        if not self.kv.holds_pin(req.program_id):
+            return False
         if self.policy.pins_by_rank:
             outranks = self.policy.outranks
             return lambda program_id: outranks(req, program_id)
-        return self.kv.holds_pin(req.program_id)
+        return True
 
     def _computed_this_step(self, out: SchedulerOutput) -> set[bytes]:
         hashes: set[bytes] = set()

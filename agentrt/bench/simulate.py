@@ -37,15 +37,17 @@ from agentrt.policies.autellix import TTL_SETTINGS
 
 # PLAS as Autellix describes it (and as agentrt's defaults were before issue 47): displacement for blocks too,
 # no admission control, the reimplementation's beta 8
-AUTELLIX: dict[str, Any] = {"preempt": True, "protect_pins": False, "beta": 8.0}
+AUTELLIX: dict[str, Any] = {"preempt": True, "protect_pins": False, "beta": 8.0, "num_queues": 4, "boundary_programs": None,
+                             "pins_by_rank": False}
 AGENT_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {  # name -> (policy, its kwargs, TTL pins)
     "fcfs": ("fcfs", {}, False),  # vLLM-like: call-level FCFS, LRU prefix cache
     # Continuum-like: pins; program-level FCFS (a one-queue PLAS orders by program start), pinned programs first
-    "fcfs+ttl": ("plas", {"num_queues": 1, "pinned_first": True, "protect_pins": False}, True),
+    "fcfs+ttl": ("plas", {"num_queues": 1, "pinned_first": True, "protect_pins": False, "pins_by_rank": False}, True),
     "plas": ("plas", dict(AUTELLIX), False),  # Autellix-like: the paper's PLAS, before agentrt's defaults
     "plas+ttl": ("plas", dict(TTL_SETTINGS), True),  # ours: PLAS composed with TTL (agentrt/policies/autellix.py)
     # ablation, not in the default sweep: the Continuum-like order with our admission control
-    "fcfs+ttl+guard": ("plas", {"num_queues": 1, "pinned_first": True, "protect_pins": True}, True),
+    "fcfs+ttl+guard": ("plas", {"num_queues": 1, "pinned_first": True, "protect_pins": True, "pins_by_rank": False},
+                       True),
     # ours with the running-set cap at the knee of the step cost (issue 37), not in the default sweep
     "plas+ttl+cap": ("plas", {**TTL_SETTINGS, "running_cap": "auto"}, True),
     # ours over KV tiers below the cache (host memory, local NVMe: agentrt/bench/sim_tiers.py H100_TIERS), not in the default

@@ -60,10 +60,11 @@ from agentrt.policies._multilevel import (
 #     1.9x fcfs, and K = 8 did the same to tree searches on the default mix (mean 0.67 / 0.61 / 0.61x fcfs at
 #     0.8 / 0.9 / 1.0 of saturation against 0.57 / 0.51 / 0.47x with K = 4). Calls' worth misplaces programs
 #     whose calls differ from the median call (a cold 500-token prompt receives ten cached calls' service).
-#     Simulated, this CPU's step costs, 60 programs x seeds 0-2, mean / short programs vs fcfs: KV-bound agent
-#     mix (150 blocks) 0.75 / 0.44x (K = 4, calls' worth: 0.70 / 0.70x), with a host tier at 0.5 programs/s
-#     0.84 / 0.51x (0.98 / 0.80x), at 0.35/s 0.97 / 0.83x (0.96 / 0.84x); the default mix on 4 seats (96
-#     programs, seeds 0-1) 0.68 / 0.55x against 0.63 / 0.50x, p99 0.95 / 0.73x against 1.08 / 0.82x.
+#     Simulated with pins_by_rank (below), this CPU's step costs, 60 programs x seeds 0-2, mean / short programs
+#     vs fcfs, against the old defaults (K = 4, calls' worth, no pins_by_rank): KV-bound agent mix (150 blocks)
+#     0.71 / 0.41x against 0.78 / 0.78x; with a host tier at 0.5 programs/s 0.92 / 0.52x against 1.07 / 0.80x, at
+#     0.35/s 0.97 / 0.83x against 0.96 / 0.84x; the default mix on 4 seats (96 programs, seeds 0-1) 0.68 / 0.55x
+#     against 0.63 / 0.50x (its trees' p99 0.95 / 0.73x against 1.08 / 0.82x).
 #   quantum = the first boundary: with `live` the program's service moves its calls down; the quantum only
 #     matters for one long call, and 0.5-2x measured the same.
 #   beta 32: smaller values promote long programs into the top queue early and give back the short programs'
@@ -78,10 +79,11 @@ from agentrt.policies._multilevel import (
 #   protect_pins: admission takes a call only if its prompt and the first 256 tokens of its output fit
 #     (`admit_output_tokens`: a watermark against admitting calls whose growth preempts others within a few
 #     steps), and a new program does not take a paused program's pinned KV (engine.scheduler)...
-#   pins_by_rank: ...unless it outranks that program: pins yield to better-ranked programs, and only to them (a long
-#     program resuming from a tool call no longer takes an older long program's pin, nor a short one's). Simulated on
-#     the KV-bound agent mix (150 blocks, 30-60 programs, seeds 0-2, this CPU's step costs): mean 0.90 -> 0.82x fcfs
-#     and short programs 0.95 -> 0.80x without tiers; 1.07 -> 0.98x with a host tier at 0.5 programs/s.
+#   pins_by_rank: a program resuming from a tool call (holding a pin) takes only the pins of programs it outranks:
+#     a younger long program no longer evicts an older one's context, which then recomputes it. Simulated (KV-bound
+#     agent mix below, 60 programs x 3 seeds): mean 0.88 -> 0.71x fcfs, long programs' p99 1.29 -> 0.81x. Letting a
+#     new program (no pin) take outranked pins too helped the short programs there but evicted whole agent contexts
+#     on the full-size GPU agents of TTL_SETTINGS (mean 120 -> 171 s at 0.10 programs/s): not done.
 # Simulated (issue 47's agent mix, agentrt/bench/workload.py AGENT_WAIT_MIX: 73% 2-4-call ReAct, 27% 8-12 steps of 4
 # parallel calls; 300 KV blocks, 64 seats, TTL pins on; 80 programs at 0.6 / 0.7 programs/s, seeds 0-1, an AMX
 # Xeon's step costs; mean vs fcfs): these defaults 0.70 / 0.94x and 0.82 / 0.86x; the old ones (beta 8,
@@ -122,7 +124,10 @@ ATLAS_DEFAULTS: dict[str, dict[str, float | None]] = {
 # admission control carries the gain at high load: Continuum's own order (program-level FCFS, pinned
 # first) goes from 288 / 393 s to 66 / 121 s with it, as good as PLAS here (the agents' latency is mostly
 # their own tool time and decode, so ranking by service matters less than not thrashing the cache).
-TTL_SETTINGS: dict[str, object] = {"pinned_first": True, "preempt": False, "victim": "newest", "protect_pins": True}
+# Its queues are the four of calls' worth it was measured with: on these agents (10-40 turns, contexts of tens of
+# thousands of tokens) two queues fitted to finished programs took 130 s at 0.10 programs/s against 120 s.
+TTL_SETTINGS: dict[str, object] = {"pinned_first": True, "preempt": False, "victim": "newest", "protect_pins": True,
+                                   "num_queues": 4, "boundary_programs": None}
 
 
 class PLAS(MultiLevelPolicy):
@@ -153,9 +158,9 @@ class PLAS(MultiLevelPolicy):
             run, a call goes in only if its prompt and the first `admit_output_tokens` of its output fit.
         admit_output_tokens: that horizon (None: its whole max_tokens, which for a call without max_tokens is
             the whole context, so such a call would wait until the engine is idle).
-        pins_by_rank: with protect_pins, a waiting call may make the pins of the paused programs it outranks give
-            way (a worse queue, or the same queue and a younger program), and no others; False: only a call of a
-            program that holds a pin may take pins, anyone's.
+        pins_by_rank: with protect_pins, a resuming call (its program holds a pin) may make the pins of the paused
+            programs it outranks give way (a worse queue, or the same queue and a younger program), and no others;
+            False: anyone's.
         running_cap: the running set while calls wait: None (max_num_seqs), an int, or "auto" (the knee
             of the measured step cost, where `cap_efficiency` of a full batch's throughput is reached;
             see MultiLevelPolicy.max_running). Admission in program order stops there, and with

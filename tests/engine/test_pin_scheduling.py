@@ -127,29 +127,35 @@ class _Ranked(FCFS):
 
 
 def test_pins_by_rank_give_way_to_the_calls_that_outrank_their_program_only():
-    # 8 blocks of 4: p and o each pin 2, r runs on 1; q (a new program, no pin of its own) needs 5 blocks for its
-    # 16 prompt tokens and 1 output token, 4 of them now. Plain protect_pins: q takes no pin and waits until r is
-    # done. By rank: q takes one block from the pin of the program it outranks (its tail) and never from the other's;
-    # ranking above neither, it waits as before. Every block comes back.
-    for below, admitted_early, o_pinned in ((set(), False, 2), ({"o"}, True, 1), ({"p"}, True, 2)):
-        s = make_scheduler(8, _Ranked(below), max_num_batched_tokens=16)
+    # 8 blocks of 4: p and o each pin 2 blocks, q (resuming) 1; r runs on 1. q's next call extends its pinned block to
+    # 16 tokens and 1 output token: 4 more blocks for the whole call, 3 of them now, with 2 free. Plain protect_pins: a
+    # program holding a pin takes anyone's (the newest program's first: q's own, then o's). By rank: only the pins
+    # of the programs it outranks, from the tail (o's, or p's; never the other's); ranking above neither, it waits
+    # until r is done. A new program (no pin) takes no pin either way. Every block comes back.
+    for below, admitted_early, o_pinned, p_pinned in ((None, True, 1, 2), (set(), False, 2, 2), ({"o"}, True, 1, 2),
+                                                      ({"p"}, True, 2, 1)):
+        pol = FCFS(protect_pins=True) if below is None else _Ranked(below)
+        s = make_scheduler(8, pol, max_num_batched_tokens=16)
         pin_a_call(s, "p", range(8))
         pin_a_call(s, "o", range(300, 308))
+        first = pin_a_call(s, "q", range(100, 104))
         r = make_req("r", range(200, 203), "r", max_tokens=4)
         s.add_request(r)
         run_step(s)
-        assert s.kv.num_free_blocks == 3
-        q = make_req("q", range(100, 116), "q", arrival=1.0)
+        assert s.kv.num_free_blocks == 2
+        new = make_req("x-0", range(400, 412), "x", arrival=2.0)  # 3 blocks + 1: no pin of its own
+        q = make_req("q-1", [*first.all_token_ids, *range(110, 121)], "q", arrival=1.0)
+        s.add_request(new)
         s.add_request(q)
         out = run_step(s)
+        assert new not in out.reqs
         assert (q in out.reqs) == admitted_early, below
-        assert s.kv.owner_kv("o").pinned == o_pinned
-        assert s.kv.owner_kv("p").pinned == (1 if below == {"p"} else 2)
+        assert (s.kv.owner_kv("o").pinned, s.kv.owner_kv("p").pinned) == (o_pinned, p_pinned), below
         while s.has_work():
             run_step(s)
-        assert q.status == RequestStatus.FINISHED_LENGTH and q.num_preemptions == 0
-        s.program_op(Pin("p", 0.0))
-        s.program_op(Pin("o", 0.0))
+        assert q.status == new.status == RequestStatus.FINISHED_LENGTH and q.num_preemptions == 0
+        for program in ("p", "o", "q", "x"):
+            s.program_op(Pin(program, 0.0))
         assert s.kv.num_free_blocks == 8
 
 
