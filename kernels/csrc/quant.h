@@ -109,27 +109,58 @@ inline u8x8 load_u8x8(const uint8_t* p) {
 
 // ------------------------------------------------------------------------------------ block decoders
 
+#if defined(__AVX512F__)
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16u __attribute__((vector_size(64), aligned(4)));
+inline void store_f32x16(float* p, f32x16 x) { *reinterpret_cast<f32x16u*>(p) = x; }
+inline f32x16 splat_f32x16(float x) { return (f32x16)_mm512_set1_ps(x); }
+inline f32x16 u8_to_v16(__m128i b) { return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+inline __m128i load16b(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m128i low_nibbles(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(15)); }
+inline __m128i high_nibbles(__m128i b) { return _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15)); }
+#endif
+
 inline void dequant_q8_0(const uint8_t* blk, float* y) {
+#if defined(__AVX512F__)
+  const f32x16 d = splat_f32x16(fp16_to_f32(blk));
+  for (int i = 0; i < 32; i += 16)
+    store_f32x16(y + i, d * (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16b(blk + 2 + i))));
+#else
   const v8 d = splat(fp16_to_f32(blk));
   for (int i = 0; i < 32; i += 8) store8(y + i, d * s8_to_v8(reinterpret_cast<const int8_t*>(blk + 2 + i)));
+#endif
 }
 
 inline void dequant_q4_0(const uint8_t* blk, float* y) {
+#if defined(__AVX512F__)
+  const f32x16 d16 = splat_f32x16(fp16_to_f32(blk));
+  const __m128i q = load16b(blk + 2);
+  store_f32x16(y, d16 * (u8_to_v16(low_nibbles(q)) - 8.f));
+  store_f32x16(y + 16, d16 * (u8_to_v16(high_nibbles(q)) - 8.f));
+#else
   const v8 d = splat(fp16_to_f32(blk));
   for (int i = 0; i < 16; i += 8) {
     const u8x8 b = load_u8x8(blk + 2 + i);
     store8(y + i, d * (u8_to_v8(b & 15 * kBytes1) - 8.f));
     store8(y + 16 + i, d * (u8_to_v8((b >> 4) & 15 * kBytes1) - 8.f));
   }
+#endif
 }
 
 inline void dequant_q4_1(const uint8_t* blk, float* y) {
+#if defined(__AVX512F__)
+  const f32x16 d16 = splat_f32x16(fp16_to_f32(blk)), m16 = splat_f32x16(fp16_to_f32(blk + 2));
+  const __m128i q = load16b(blk + 4);
+  store_f32x16(y, d16 * u8_to_v16(low_nibbles(q)) + m16);
+  store_f32x16(y + 16, d16 * u8_to_v16(high_nibbles(q)) + m16);
+#else
   const v8 d = splat(fp16_to_f32(blk)), m = splat(fp16_to_f32(blk + 2));
   for (int i = 0; i < 16; i += 8) {
     const u8x8 b = load_u8x8(blk + 4 + i);
     store8(y + i, d * u8_to_v8(b & 15 * kBytes1) + m);  // d * q is exact in fp32: one rounding, FMA or not
     store8(y + 16 + i, d * u8_to_v8((b >> 4) & 15 * kBytes1) + m);
   }
+#endif
 }
 
 inline void dequant_q5_0(const uint8_t* blk, float* y) {
@@ -243,23 +274,44 @@ inline void quant_dequantize(const uint8_t* w, int64_t N, int64_t K, float* y) {
   });
 }
 
+// The accumulators of both paths: 16 lanes on AVX-512 (one zmm), else 8; an output is summed in the same lanes
+// and order by either path.
+#if defined(__AVX512F__)
+using vacc = f32x16;
+constexpr int64_t kAccLanes = 16;
+inline vacc load_acc(const float* p) { return *reinterpret_cast<const f32x16u*>(p); }
+inline vacc zero_acc() { return splat_f32x16(0.f); }
+inline float hsum_acc(vacc a) {
+  v8 lo, hi;
+  std::memcpy(&lo, &a, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&a) + 32, 32);
+  return hsum(lo + hi);
+}
+#else
+using vacc = v8;
+constexpr int64_t kAccLanes = 8;
+inline vacc load_acc(const float* p) { return load8(p); }
+inline vacc zero_acc() { return splat(0.f); }
+inline float hsum_acc(vacc a) { return hsum(a); }
+#endif
+
 // out[m][n] = x_m . w_n for MR rows of x and NR decoded weight rows (both fp32, rows K apart). Lane j of an
-// accumulator sums the products of k = j mod 8 in increasing k, then `hsum` adds the lanes in a fixed order:
+// accumulator sums the products of k = j mod kAccLanes in increasing k, then `hsum_acc` adds the lanes in a fixed order:
 // an output's summation order depends on nothing but K, whatever the tile or the row count.
 template <int MR, int NR>
 inline void quant_dot_tile(const float* x, const float* w, int64_t K, const float* bias, float* y, int64_t ldy,
                            int64_t ncols) {
-  v8 acc[MR][NR];
+  vacc acc[MR][NR];
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) acc[m][n] = splat(0.f);
-  for (int64_t k = 0; k < K; k += 8) {
+    for (int n = 0; n < NR; ++n) acc[m][n] = zero_acc();
+  for (int64_t k = 0; k < K; k += kAccLanes) {
     for (int n = 0; n < NR; ++n) {
-      const v8 b = load8(w + n * K + k);
-      for (int m = 0; m < MR; ++m) acc[m][n] += load8(x + m * K + k) * b;
+      const vacc b = load_acc(w + n * K + k);
+      for (int m = 0; m < MR; ++m) acc[m][n] += load_acc(x + m * K + k) * b;
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR && n < ncols; ++n) y[m * ldy + n] = hsum(acc[m][n]) + (bias ? bias[n] : 0.f);
+    for (int n = 0; n < NR && n < ncols; ++n) y[m * ldy + n] = hsum_acc(acc[m][n]) + (bias ? bias[n] : 0.f);
 }
 
 #if defined(__AVX512F__)
@@ -279,23 +331,23 @@ inline void quant_rows_blockwise(const float* x, int64_t K, const uint8_t* w, in
                                  const float* bias, float* y, int64_t ldy) {
   constexpr int NR = int(kQuantTileColsFew);
   alignas(64) float buf[NR][F::kBlock];
-  v8 acc[MR][NR];
+  vacc acc[MR][NR];
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) acc[m][n] = splat(0.f);
+    for (int n = 0; n < NR; ++n) acc[m][n] = zero_acc();
   for (int n = int(nrows); n < NR; ++n)
     for (int64_t i = 0; i < F::kBlock; ++i) buf[n][i] = 0.f;
   for (int64_t b = 0; b < K / F::kBlock; ++b) {
     for (int n = 0; n < nrows; ++n) F::dequant(w + n * row_bytes + b * F::kBytes, buf[n]);
     const float* xb = x + b * F::kBlock;
-    for (int64_t i = 0; i < F::kBlock; i += 8) {
+    for (int64_t i = 0; i < F::kBlock; i += kAccLanes) {
       for (int n = 0; n < NR; ++n) {
-        const v8 wv = load8(buf[n] + i);
-        for (int m = 0; m < MR; ++m) acc[m][n] += load8(xb + m * K + i) * wv;
+        const vacc wv = load_acc(buf[n] + i);
+        for (int m = 0; m < MR; ++m) acc[m][n] += load_acc(xb + m * K + i) * wv;
       }
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < nrows; ++n) y[m * ldy + n] = hsum(acc[m][n]) + (bias ? bias[n] : 0.f);
+    for (int n = 0; n < nrows; ++n) y[m * ldy + n] = hsum_acc(acc[m][n]) + (bias ? bias[n] : 0.f);
 }
 
 template <typename F>
