@@ -6,6 +6,8 @@ than dozens of small torch ops. So, in fp32 and bf16 (`torch.ops.agentrt_cpu_<ki
 
 - `packed_linear(x, w_packed, bias, N)` (fp32) and `packed_linear_bf16(...)`: `x @ w.T + bias` from
   the panel-packed weight (kernels/linear.py);
+- `quant_linear(x, w, type, N, bias)` and `quant_dequantize(w, type, N, K)`: `x @ w.T + bias` from a
+  weight kept in a GGUF block format, and its decoding (kernels/quant.py);
 - `paged_attention_small_q(...)`: attention of sequences with 1-16 query rows read straight from the
   paged cache through the block tables; `paged_attention_bf16(...)`: tiled attention of longer
   query runs (bf16, AVX512-BF16 build only);
