@@ -84,13 +84,11 @@ from agentrt.policies._multilevel import (
 #     agent mix below, 60 programs x 3 seeds): mean 0.88 -> 0.71x fcfs, long programs' p99 1.29 -> 0.81x. Letting a
 #     new program (no pin) take outranked pins too helped the short programs there but evicted whole agent contexts
 #     on the full-size GPU agents of TTL_SETTINGS (mean 120 -> 171 s at 0.10 programs/s): not done.
-# Simulated (issue 47's agent mix, agentrt/bench/workload.py AGENT_WAIT_MIX: 73% 2-4-call ReAct, 27% 8-12 steps of 4
-# parallel calls; 300 KV blocks, 64 seats, TTL pins on; 80 programs at 0.6 / 0.7 programs/s, seeds 0-1, an AMX
-# Xeon's step costs; mean vs fcfs): these defaults 0.70 / 0.94x and 0.82 / 0.86x; the old ones (beta 8,
-# preempt=True, no admission control) 2.93 / 2.39x and 2.59 / 2.61x, recomputing 56-290k prompt tokens against
-# fcfs's 10-42k; beta 32 with preempt=True 1.08 / 1.11x at 0.6; without protect_pins 0.89 / 0.98x at 0.6. On the
-# real engine over HTTP, 150 blocks, 0.9 of the measured saturation, seeds 0-2: 0.85x, short programs 0.65x
-# (docs/benchmarks/programs.md "Program scheduling, KV-bound"); with 64 seats and no KV pressure 0.95x.
+# On the real engine over HTTP (issue 47's agent mix, agentrt/bench/workload.py AGENT_WAIT_MIX: 73% 2-4-call ReAct,
+# 27% 8-12 steps of 4 parallel calls; 150 KV blocks, 64 seats, TTL pins on, 0.9 of the measured saturation, seeds
+# 0-2; docs/benchmarks/programs.md): mean 0.67x fcfs, long programs 0.57x (p99 0.54x), short programs 0.82x, all
+# done 0.91x sooner; before these defaults 0.85x, 0.65x short, long p99 1.21x. With the host tier (not KV-bound
+# there) 1.06x (before 1.05x); with 64 seats and no KV pressure 0.95x (before these defaults).
 DEFAULTS: dict[str, dict[str, float | None]] = {
     "time": {"num_queues": 2, "first_boundary": 1.0, "quantum": 1.0, "beta": 32.0, "boundary_calls": 2.0,
              "boundary_programs": 1.5},
