@@ -463,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         from agentrt.bench import sampling
 
         config.num_scheduler_steps = 1  # processors against plain single steps (a plain batch would run bursts)
-        results["sampling"] = sampling.measure(llm, 32, a.sampling_steps, 3, seed=a.seed)
+        # 32 running rows, or as many as the engine seats (--max-num-seqs 8: the MoE runs' 8 concurrent calls)
+        results["sampling"] = sampling.measure(llm, min(32, config.max_num_seqs), a.sampling_steps, 3, seed=a.seed)
         config.num_scheduler_steps = a.num_scheduler_steps
         print(f"sampling processors: {results['sampling']['overhead']}", file=sys.stderr)
         sampling_note = f"{sampling.table(results['sampling'])}\n\n"
