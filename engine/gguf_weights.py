@@ -2,7 +2,7 @@
 
 The model still loads from the converted safetensors copy (engine/loader.py: config, tokenizer, norms,
 embeddings), then `pack_model` swaps every decoder projection (q/k/v, o, gate/up, down) and an untied
-LM head for the GGUF file's own blocks, read from the header (`loader.gguf_tensors`) and plain file reads (no dequantization, no mapping),
+LM head for the GGUF file's own blocks, read from the header (`engine.gguf_header.gguf_tensors`) and plain file reads (no dequantization, no mapping),
 so each `Linear` runs `kernels.quant.quant_linear` on the file's bytes and its widened weight is dropped.
 
 Rows: the model fuses q/k/v and gate/up (row concatenation) and keeps q and k rows in the adjacent-pair
@@ -68,7 +68,7 @@ class _Unpackable(Exception):
 def pack_model(model, gguf_path: Path) -> PackedWeights:
     """Swap `model`'s projections (just loaded from the converted fp32 copy of `gguf_path`, in any dtype) for the
     file's packed blocks; raises ValueError with the reason when it cannot, the model untouched."""
-    from agentrt.engine.loader import gguf_tensors
+    from agentrt.engine.gguf_header import gguf_tensors
     from agentrt.engine.model import interleave_rope_rows
 
     tensors = gguf_tensors(gguf_path)

@@ -22,7 +22,7 @@ if __name__ == "kernels":  # this folder, found by its folder name from a checko
 
     hand_over()  # sys.modules["kernels"] is now the other package: nothing of this floor is loaded
 else:
-    from agentrt.kernels import cpu, moe
+    from agentrt.kernels import cpu, moe, quant
     from agentrt.kernels._dispatch import (
         copy_blocks,
         get_backend,
@@ -67,6 +67,7 @@ __all__ = [
     "paged_attention_cpu",
     "paged_attention_ref",
     "paged_attention_triton",
+    "quant",
     "rms_norm",
     "rms_norm_ref",
     "rms_norm_triton",

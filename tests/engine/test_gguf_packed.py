@@ -105,7 +105,7 @@ def test_cli_flag_reaches_the_engine_config():
 def test_header_reader_agrees_with_the_gguf_package():
     import gguf as gguf_pkg
 
-    from agentrt.engine.loader import gguf_tensors
+    from agentrt.engine.gguf_header import gguf_tensors
 
     path = gguf_source(None)
     ours = gguf_tensors(path)
