@@ -117,8 +117,9 @@ class Ownership:
         reuses rather than takes; with `pins`, only the pins of programs it accepts)."""
         return self.pool.available_to(owner) + self._num_pin_victims(owner, protect, pins)
 
-    def _pins(self, pins: PinFilter) -> list[_Owner]:
-        return list(self._pinned.values()) if pins is None else [o for pid, o in self._pinned.items() if pins(pid)]
+    def _pins(self, pins: PinFilter):
+        """The pinned owners `pins` accepts (all of them, not copied, without a filter)."""
+        return self._pinned.values() if pins is None else [o for pid, o in self._pinned.items() if pins(pid)]
 
     def _num_pin_victims(self, owner: str | None, protect: list[int] = (), pins: PinFilter = None) -> int:
         """len(_pin_victims(owner, protect, pins)), without sorting (the scheduler asks every step)."""
