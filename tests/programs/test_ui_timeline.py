@@ -49,8 +49,8 @@ def test_timeline_grows_charts_move_and_a_finished_program_comes_back_after_a_re
 
             async def run() -> None:
                 async with agentrt.connect(s.url):
-                    done["result"] = await mcts(Puzzle((3, 5, 7, 11), 999), budget=40, width=4, max_tokens=32,
-                                                max_expansions=10)
+                    done["result"] = await mcts(Puzzle((3, 5, 7, 11), 999), budget=160, width=4, max_tokens=32,
+                                                max_expansions=40)
 
             worker = threading.Thread(target=lambda: anyio.run(run), daemon=True)
             worker.start()
