@@ -29,6 +29,7 @@
 #include "linear.h"
 #include "moe.h"
 #include "quant.h"
+#include "quant_bf16.h"
 #include "team.h"
 #include "sampler.h"
 #include "vec.h"
@@ -132,9 +133,12 @@ const uint8_t* check_quant(const at::Tensor& w, int64_t type, int64_t N, int64_t
   return w.data_ptr<uint8_t>();
 }
 
+// A bf16 x gives a bf16 y (rounded once, after the bias): on AVX512-BF16 by the blocks' integer dot products
+// (quant_bf16.h), elsewhere widened to fp32 for the tiles above.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t N,
                         const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "quant_linear: x [M, K] contiguous fp32");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
+              "quant_linear: x [M, K] contiguous fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1);
   int64_t block = 0, bytes = 0;
   const uint8_t* wp = check_quant(w, type, N, K, "quant_linear", block, bytes);
@@ -143,6 +147,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, 
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "quant_linear: bias [N] fp32");
     b = bias->data_ptr<float>();
+  }
+  if (x.scalar_type() == at::kBFloat16) {
+#if defined(__AVX512BF16__)
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0 || N == 0) return y;
+    agentrt::by_quant_type(type, [&](auto f) {
+      agentrt::quant_linear_bf16<decltype(f)>(ptr<bf16>(x), M, K, wp, b, ptr<bf16>(y), N);
+    });
+    return y;
+#else
+    return quant_linear(x.to(at::kFloat), w, type, N, bias).to(at::kBFloat16);
+#endif
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;

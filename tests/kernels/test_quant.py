@@ -79,6 +79,25 @@ def test_quant_linear_matches_reference(name, rows, cpu_kind):
         assert ((got.double() - want).abs() <= bound).all(), (name, rows, n, k)
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rows", [1, 3, 5, 64, 300])
+def test_quant_linear_bf16_rows_match_reference(name, rows, cpu_kind):
+    # bf16 x (the engine's dtype): on AVX512-BF16 the blocks' integers times x (quant_bf16.h), elsewhere widened;
+    # the output is the fp32 sum rounded to bf16 once
+    block = FORMATS[TYPE_IDS[name]][1]
+    gen = torch.Generator().manual_seed(100 + rows)
+    for i, (n, k) in enumerate(SHAPES[block]):
+        w, _ = make_weight(name, n, k, seed=i)
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        bias = torch.randn(n, generator=gen) if i % 2 else None
+        got = quant_linear(x, w, bias)
+        want = quant_linear_ref(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        # fp32 sums of the factored products (c terms as large as the largest weight: 8x), then one bf16 rounding (half an ulp: <= 2^-8 relative)
+        bound = 8 * k * 2**-24 * (x.double().abs() @ dequantize_ref(w).abs().T) + 2**-8 * want.abs() + 1e-6
+        assert ((got.double() - want).abs() <= bound).all(), (name, rows, n, k)
+
+
 def test_quant_linear_bf16_and_leading_dims():
     w, _ = make_weight("Q4_1", 24, 64)
     x = torch.randn(2, 3, 64).bfloat16()
@@ -100,12 +119,13 @@ def test_quant_weight_rejects_bad_input():
         quant_linear(torch.randn(1, 32), w)
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q4_K"])
-def test_rows_do_not_depend_on_the_batch(name, cpu_kind):
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_the_batch(name, dtype, cpu_kind):
     # the engine's deterministic mode: a row's output is the same bits alone, in a few rows or in many
     block = FORMATS[TYPE_IDS[name]][1]
     w, _ = make_weight(name, 40, 2 * block)
-    x = torch.randn(37, 2 * block)
+    x = torch.randn(37, 2 * block).to(dtype)
     batched = quant_linear(x, w)
     for i in (0, 5, 36):
         assert torch.equal(quant_linear(x[i : i + 1], w)[0], batched[i])

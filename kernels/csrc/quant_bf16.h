@@ -1,0 +1,332 @@
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for bf16 rows x and a weight kept in a GGUF block format (quant.h), on
+// AVX512-BF16: the blocks' integers times x by `vdpbf16ps`, the blocks' scales applied once per 32 weights.
+//
+// Every format's weight is w_j = a_s * u_j + c_s over sub-blocks s of 32 (16 for Q6_K) weights, u_j a small
+// integer and a_s, c_s fp32 numbers that are exact products of the block's scales (quant.h's layouts):
+//
+//   Q8_0  u = q (-128..127)     a = d          c = 0       Q4_K  u = nibble       a = d * sc_i   c = -dmin * m_i
+//   Q4_0  u = nibble - 8        a = d          c = 0       Q5_K  u = 5 bits       a = d * sc_i   c = -dmin * m_i
+//   Q4_1  u = nibble            a = d          c = m       Q6_K  u = q - 32       a = d * sc_i   c = 0 (16-weight s)
+//   Q5_0  u = 5 bits - 16       a = d          c = 0
+//
+// Any integer of at most 8 bits is exact in bf16, so x . w_s = a_s * (u . x)_s + c_s * sum(x_s) is computed from
+// exact products: `vdpbf16ps` (32 bf16 products into 16 fp32 lanes, pairs summed) of u and x, then one FMA by a_s
+// per 32 weights; the c_s terms are one dot product of the c's with x's per-32 sums after the loop. u is made by a
+// table lookup (`vpermw`: a byte per weight widened to 16 bits indexes the bf16 of its integer). Per 32 weights
+// of a weight row: ~5 instructions to unpack (shared by every row of x), 2 per row of x — against ~14 and 2
+// FMAs per row for widening each weight to fp32 (quant.h's tiles). The output is rounded to bf16 once, after
+// the bias.
+//
+// Threads take groups of 4 weight rows; a group is unpacked once (u in bf16, a and c: [4, K] bf16 plus K / 16
+// floats, L1 / L2) and every row of x runs over it, 4 rows by 4 weight rows in registers. An output sums its
+// 32-weight products in one lane order and k order whatever M and the tile, so a row's output does not depend on
+// the other rows of the call (the engine's deterministic mode).
+//
+// Accuracy: products exact, sums in fp32, so |err| <= ~K * eps * (sum |a u x| + sum |c| |x|): with c = m
+// (Q4_1) or -dmin * m (K-quants) of the order of the largest weight, a few times the rounding of fp32 sums
+// over the decoded weights.
+
+#pragma once
+
+#if defined(__AVX512BF16__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "quant.h"
+#include "team.h"
+#include "vec.h"
+
+namespace agentrt {
+
+// bf16 bits of an integer |v| <= 255 (exact: 8 significant bits).
+constexpr uint16_t bf16_of_int(int v) {
+  if (v == 0) return 0;
+  const uint16_t sign = v < 0 ? 0x8000 : 0;
+  const int a = v < 0 ? -v : v;
+  int e = 0;
+  while ((a >> (e + 1)) != 0) ++e;
+  return uint16_t(sign | ((127 + e) << 7) | ((a << (7 - e)) & 0x7f));
+}
+
+// The lookup tables: entry i is the bf16 of i - offset, 64 entries (vpermw reads the first 32, vpermt2w all).
+template <int kOffset>
+struct IntTable {
+  alignas(64) uint16_t v[64];
+  constexpr IntTable() : v() {
+    for (int i = 0; i < 64; ++i) v[i] = bf16_of_int(i - kOffset);
+  }
+};
+inline constexpr IntTable<0> kTablePlain{};
+inline constexpr IntTable<8> kTableOff8{};
+inline constexpr IntTable<16> kTableOff16{};
+inline constexpr IntTable<32> kTableOff32{};
+
+// 32 weight bytes (each 0..31) -> the bf16 of table[byte], 32 words.
+inline __m512i lookup32(__m256i idx, const uint16_t* table) {
+  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx), _mm512_load_si512(table));
+}
+// 32 bytes (each 0..63) -> bf16 of (byte - 32).
+inline __m512i lookup64_off32(__m256i idx) {
+  return _mm512_permutex2var_epi16(_mm512_load_si512(kTableOff32.v), _mm512_cvtepu8_epi16(idx),
+                                   _mm512_load_si512(kTableOff32.v + 32));
+}
+
+inline __m256i nibbles32(const uint8_t* p) {  // 16 bytes -> 32 bytes: low nibbles, then high nibbles
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+inline void store_u(uint16_t* u, __m512i v) { _mm512_storeu_si512(u, v); }
+
+// Unpack one block: u (kBlock bf16), a (2 floats per 32 weights: the scales of its lanes 0-7 and 8-15), c (one
+// float per 32 weights).
+inline void unpack_q8_0(const uint8_t* blk, uint16_t* u, float* a, float* c) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18))));
+  store_u(u, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // exact: |q| <= 128
+  a[0] = a[1] = fp16_to_f32(blk);
+  c[0] = 0.f;
+}
+inline void unpack_q4_0(const uint8_t* blk, uint16_t* u, float* a, float* c) {
+  store_u(u, lookup32(nibbles32(blk + 2), kTableOff8.v));
+  a[0] = a[1] = fp16_to_f32(blk);
+  c[0] = 0.f;
+}
+inline void unpack_q4_1(const uint8_t* blk, uint16_t* u, float* a, float* c) {
+  store_u(u, lookup32(nibbles32(blk + 4), kTablePlain.v));
+  a[0] = a[1] = fp16_to_f32(blk);
+  c[0] = fp16_to_f32(blk + 2);
+}
+inline void unpack_q5_0(const uint8_t* blk, uint16_t* u, float* a, float* c) {
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  const __m256i idx = _mm256_or_si256(nibbles32(blk + 6), _mm256_maskz_set1_epi8(qh, 16));
+  store_u(u, lookup32(idx, kTableOff16.v));
+  a[0] = a[1] = fp16_to_f32(blk);
+  c[0] = 0.f;
+}
+template <bool kFifthBit>
+inline void unpack_k4_k5(const uint8_t* blk, uint16_t* u, float* a, float* c) {
+  const float d = fp16_to_f32(blk), dmin = fp16_to_f32(blk + 2);
+  const uint8_t* qs = blk + (kFifthBit ? 48 : 16);
+  const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi8(1);
+  __m256i qh = _mm256_setzero_si256();
+  if constexpr (kFifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+  for (int p = 0; p < 4; ++p) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
+    __m256i lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+    if constexpr (kFifthBit) {  // bit i of qh[l]: the fifth bit of sub-block i's weight l
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), ones), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), ones), 4));
+    }
+    store_u(u + 64 * p, lookup32(lo, kTablePlain.v));
+    store_u(u + 64 * p + 32, lookup32(hi, kTablePlain.v));
+    for (int s = 0; s < 2; ++s) {
+      float sc, m;
+      k_scale_min(blk + 4, 2 * p + s, sc, m);
+      a[2 * (2 * p + s)] = a[2 * (2 * p + s) + 1] = d * sc;  // exact: 11 x 6 bits
+      c[2 * p + s] = -(dmin * m);
+    }
+  }
+}
+inline void unpack_q6_k(const uint8_t* blk, uint16_t* u, float* a, float* c) {
+  const uint8_t* ql = blk;
+  const uint8_t* qh = blk + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  const float d = fp16_to_f32(blk + 208);
+  const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+    for (int t = 0; t < 4; ++t) {  // weights 128h + 32t + l, l < 32 (quant.h's dequant_q6_k)
+      const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32 * (t % 2)));
+      const __m256i lo = _mm256_and_si256(t / 2 ? _mm256_srli_epi16(lb, 4) : lb, m15);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * t), m3);
+      const int chunk = 4 * h + t;
+      store_u(u + 32 * chunk, lookup64_off32(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4))));
+      a[2 * chunk] = d * float(sc[8 * h + 2 * t]);  // exact: 11 x 8 bits
+      a[2 * chunk + 1] = d * float(sc[8 * h + 2 * t + 1]);
+      c[chunk] = 0.f;
+    }
+  }
+}
+
+template <typename F>
+struct Bf16Unpack;
+#define AGENTRT_BF16_UNPACK(Format, fn, offsets, half) \
+  template <>                                    \
+  struct Bf16Unpack<Format> {                    \
+    static constexpr bool kOffsets = offsets;    \
+    static constexpr bool kHalf = half;          \
+    static void unpack(const uint8_t* b, uint16_t* u, float* a, float* c) { fn(b, u, a, c); } \
+  };
+AGENTRT_BF16_UNPACK(FormatQ8_0, unpack_q8_0, false, false)
+AGENTRT_BF16_UNPACK(FormatQ4_0, unpack_q4_0, false, false)
+AGENTRT_BF16_UNPACK(FormatQ4_1, unpack_q4_1, true, false)
+AGENTRT_BF16_UNPACK(FormatQ5_0, unpack_q5_0, false, false)
+AGENTRT_BF16_UNPACK(FormatQ4_K, unpack_k4_k5<false>, true, false)
+AGENTRT_BF16_UNPACK(FormatQ5_K, unpack_k4_k5<true>, true, false)
+AGENTRT_BF16_UNPACK(FormatQ6_K, unpack_q6_k, false, true)
+#undef AGENTRT_BF16_UNPACK
+
+constexpr int64_t kQdotCols = 4;  // weight rows of a group
+constexpr int kQdotRows = 4;      // rows of x of a register tile
+
+// The partial sums of c . sx over chunks [0, n) in 16 lanes (lane i: chunks i, i + 16, ...).
+inline __m512 dot_lanes(const float* c, const float* sx, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, c + i), _mm512_maskz_loadu_ps(m, sx + i), acc);
+  }
+  return acc;
+}
+
+// One output: the lanes of its 32-weight products, plus (kOffsets) the lanes of c . sx, summed; + bias, to bf16.
+template <bool kOffsets>
+inline bf16 qdot_output(__m512 acc, const float* c, const float* sx, int64_t chunks, const float* bias, int64_t n) {
+  if constexpr (kOffsets) acc = _mm512_add_ps(acc, dot_lanes(c, sx, chunks));
+  return f32_to_bf16(_mm512_reduce_add_ps(acc) + (bias ? bias[n] : 0.f));
+}
+
+// The scales of a chunk's 16 lanes: one (a 32-weight sub-block) or lanes 0-7 and 8-15 (Q6_K's 16-weight ones).
+template <bool kHalf>
+inline __m512 chunk_scales(const float* a) {
+  if constexpr (kHalf) return _mm512_insertf32x8(_mm512_set1_ps(a[0]), _mm256_set1_ps(a[1]), 1);
+  return _mm512_set1_ps(a[0]);
+}
+
+// acc[m][n] += a . (u_n . x_m) over chunks [ch0, ch1): x rows K apart, u rows ldu apart from chunk ch0, a rows lda
+// apart (2 floats a chunk) from ch0.
+template <int MR, bool kHalf>
+inline void qdot_chunks(__m512 (&acc)[MR][kQdotCols], const bf16* x, int64_t K, int64_t ch0, int64_t ch1,
+                        const uint16_t* u, int64_t ldu, const float* a, int64_t lda) {
+  for (int64_t ch = ch0; ch < ch1; ++ch) {
+    __m512bh xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + 32 * ch);
+    for (int n = 0; n < kQdotCols; ++n) {
+      const __m512bh uv = (__m512bh)_mm512_loadu_si512(u + n * ldu + 32 * (ch - ch0));
+      const __m512 av = chunk_scales<kHalf>(a + n * lda + 2 * (ch - ch0));
+      for (int m = 0; m < MR; ++m)
+        acc[m][n] = _mm512_fmadd_ps(av, _mm512_dpbf16_ps(_mm512_setzero_ps(), uv, xv[m]), acc[m][n]);
+    }
+  }
+}
+
+// MR rows of x (bf16, rows K apart) through an unpacked group (u [4][K] bf16, a [4][K / 16], c [4][K / 32]);
+// sx [MR][K / 32]: x's per-32 sums (kOffsets). y[m * ldy + n] for n < ncols, rounded to bf16.
+template <int MR, bool kOffsets, bool kHalf>
+inline void qdot_tile(const bf16* x, int64_t K, const uint16_t* u, const float* a, const float* c, const float* sx,
+                      const float* bias, bf16* y, int64_t ldy, int64_t ncols) {
+  const int64_t chunks = K / 32;
+  __m512 acc[MR][kQdotCols];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < kQdotCols; ++n) acc[m][n] = _mm512_setzero_ps();
+  qdot_chunks<MR, kHalf>(acc, x, K, 0, chunks, u, K, a, 2 * chunks);
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < ncols; ++n)
+      y[m * ldy + n] = qdot_output<kOffsets>(acc[m][n], c + n * chunks, sx + m * chunks, chunks, bias, n);
+}
+
+// Few rows (decode): a group's blocks are unpacked one at a time into L1 (u [4][B], a) and every row dotted with
+// them at once, the same products in the same order as qdot_tile (the same bits); c [4][K / 32] kept whole.
+template <typename F, int MR>
+inline void qdot_rows_blockwise(const bf16* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t ncols,
+                                float* c, const float* sx, const float* bias, bf16* y, int64_t ldy) {
+  using U = Bf16Unpack<F>;
+  constexpr int64_t sub = F::kBlock / 32;
+  const int64_t chunks = K / 32;
+  alignas(64) uint16_t u[kQdotCols][F::kBlock];
+  alignas(64) float a[kQdotCols][2 * sub];
+  float cb[2 * sub];
+  for (int64_t n = ncols; n < kQdotCols; ++n) {  // past N: zero weights (their outputs are not stored)
+    std::fill(u[n], u[n] + F::kBlock, uint16_t(0));
+    std::fill(a[n], a[n] + 2 * sub, 0.f);
+  }
+  __m512 acc[MR][kQdotCols];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < kQdotCols; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / F::kBlock; ++b) {
+    for (int64_t n = 0; n < ncols; ++n)
+      U::unpack(w + n * row_bytes + b * F::kBytes, u[n], a[n], U::kOffsets ? c + n * chunks + b * sub : cb);
+    qdot_chunks<MR, U::kHalf>(acc, x, K, b * sub, (b + 1) * sub, u[0], F::kBlock, a[0], 2 * sub);
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < ncols; ++n)
+      y[m * ldy + n] = qdot_output<U::kOffsets>(acc[m][n], c + n * chunks, sx + m * chunks, chunks, bias, n);
+}
+
+// Per-32 sums of x's rows [M, K] bf16 -> sx [M, K / 32] fp32 (`vdpbf16ps` by ones: one order).
+inline void chunk_sums_bf16(const bf16* x, int64_t M, int64_t K, float* sx) {
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(int16_t(0x3f80));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t ch = 0; ch < K / 32; ++ch)
+      sx[m * (K / 32) + ch] = _mm512_reduce_add_ps(
+          _mm512_dpbf16_ps(_mm512_setzero_ps(), ones, (__m512bh)_mm512_loadu_si512(x + m * K + 32 * ch)));
+}
+
+// x [M, K] bf16, w [N, K / B * bytes] in format F, bias fp32 [N] or null -> y [M, N] bf16.
+template <typename F>
+inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t* w, const float* bias, bf16* y,
+                              int64_t N) {
+  using U = Bf16Unpack<F>;
+  const int64_t chunks = K / 32, blocks = K / F::kBlock, row_bytes = blocks * F::kBytes;
+  const int64_t sub = F::kBlock / 32;  // 32-weight chunks per block
+  std::vector<float> sx(U::kOffsets ? size_t(M * chunks) : 0);
+  if constexpr (U::kOffsets) chunk_sums_bf16(x, M, K, sx.data());
+  const int64_t groups = (N + kQdotCols - 1) / kQdotCols;
+  const int64_t per_task = M <= 4 ? 4 : 1;  // groups a task takes: decode's are short
+  agentrt::stealing_for((groups + per_task - 1) / per_task, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<uint16_t> ubuf;
+    thread_local std::vector<float> abuf, cbuf;
+    ubuf.resize(size_t(kQdotCols * K));
+    abuf.resize(size_t(kQdotCols * 2 * chunks));
+    cbuf.resize(size_t(kQdotCols * chunks));
+    uint16_t* u = ubuf.data();
+    float *a = abuf.data(), *c = cbuf.data();
+    for (int64_t g = t0 * per_task; g < std::min(groups, t1 * per_task); ++g) {
+      const int64_t n0 = g * kQdotCols, ncols = std::min(kQdotCols, N - n0);
+      const float* bg = bias ? bias + n0 : nullptr;
+      if (M <= kQdotRows) {
+        const uint8_t* wg = w + n0 * row_bytes;
+        switch (M) {
+          case 1: qdot_rows_blockwise<F, 1>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, N); break;
+          case 2: qdot_rows_blockwise<F, 2>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, N); break;
+          case 3: qdot_rows_blockwise<F, 3>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, N); break;
+          default: qdot_rows_blockwise<F, 4>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, N); break;
+        }
+        continue;
+      }
+      for (int64_t n = 0; n < kQdotCols; ++n) {
+        if (n >= ncols) {  // past N: zero weights (their outputs are not stored)
+          std::fill(u + n * K, u + (n + 1) * K, uint16_t(0));
+          std::fill(a + n * 2 * chunks, a + (n + 1) * 2 * chunks, 0.f);
+          std::fill(c + n * chunks, c + (n + 1) * chunks, 0.f);
+          continue;
+        }
+        const uint8_t* wr = w + (n0 + n) * row_bytes;
+        for (int64_t b = 0; b < blocks; ++b)
+          U::unpack(wr + b * F::kBytes, u + n * K + b * F::kBlock, a + n * 2 * chunks + b * sub * 2,
+                    c + n * chunks + b * sub);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kQdotRows) {
+        const bf16* xm = x + m0 * K;
+        const float* sm = U::kOffsets ? sx.data() + m0 * chunks : nullptr;
+        bf16* ym = y + m0 * N + n0;
+        switch (std::min<int64_t>(kQdotRows, M - m0)) {
+          case 1: qdot_tile<1, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, N, ncols); break;
+          case 2: qdot_tile<2, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, N, ncols); break;
+          case 3: qdot_tile<3, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, N, ncols); break;
+          default: qdot_tile<4, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, N, ncols); break;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace agentrt
+
+#endif  // __AVX512BF16__
