@@ -43,6 +43,7 @@ BENCHES = {
     "tiers": "agentrt.bench.tiers",
     "fanout": "agentrt.bench.fanout",
     "quant": "agentrt.bench.quant",
+    "paging": "agentrt.bench.paging",
 }
 
 

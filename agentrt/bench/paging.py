@@ -1,0 +1,454 @@
+"""Paging benchmark: what the block-table indirection, the block size and the step metadata cost (issue 51).
+
+Run as `agentrt bench paging [--cases 16x1024,16x4096,64x1024] [--repeats 25] [--threads N] [--json] [--docs]` (or
+`python -m agentrt.bench.paging`); `--docs` writes this CPU kind's section of docs/benchmarks/paging.md.
+Measured in one process, on the CPU kernels (`kernels.paged_attention` on CPU tensors), SmolLM2-135M's
+attention shape (9 query heads over 3 kv heads of 64, GQA 3):
+
+1. Decode attention with a shuffled block table (a random permutation of the pool, what a long-running
+   engine's free list hands out) against an identity table over contiguous blocks, fp32 and bf16, per
+   batch x context (the seed's §3.2 question: what does the indirection cost in decode?). The two tables
+   are timed call by call in turn, so a neighbour's load lands on both; reported: the best time of each
+   and their ratio (a neighbour only ever adds time), and the median over the pairs of shuffled / contiguous.
+2. Block-size sweep (16 ... 256 tokens): the same decode's time against block 16's; the prefix hit rate
+   of the agent workload (agentrt.bench.workload's agent programs, each call's prompt and reply fed
+   through the KV manager's block hashing, `prefix_hits`); and the KV bytes a stored token costs once
+   each call's last block is rounded up to a whole block (`kv_bytes_per_token`).
+3. Host preparation of a decode step at 64 sequences x 32k context: the block tables and slot mapping
+   as the runner built them before (per request: its block ids to numpy, the slots, a padded table) against
+   `engine.block_table.BlockTables` (rows kept across steps, new ids only), and the whole `ModelRunner._prepare`
+   of the engine now. Steps advance every sequence by one token; a sequence gains a block every 16 steps.
+4. `bench tiers` t1 with in-place reads of host-tier blocks: not built yet (issue 51's multi-level
+   block table); this page says so rather than guessing a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+
+DOCS_SECTION = "Paging (CPU {kind})"  # one section per kind of CPU kernels
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
+KV_BYTES_PER_POSITION = 30 * 2 * NUM_KV_HEADS * HEAD_DIM * 2  # SmolLM2-135M: 30 layers, K and V, bf16
+DTYPES = (torch.float32, torch.bfloat16)
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+PREP_SEQS, PREP_CONTEXT, PREP_BLOCK = 64, 32768, 16
+# the agent workload of the hit-rate sweep: full-size agents (coding, ReAct: tens of thousands of tokens) and the
+# CPU benchmarks' agent mix (short ReAct loops, 4-wide step programs)
+AGENT_SETS = {"full-size agents (coding, ReAct)": ("agent", 8), "CPU agent mix (react_few, steps)": ("wait", 24)}
+
+
+# ---- timing ---------------------------------------------------------------------------------------------
+def interleaved(fns: list[Callable[[], object]], repeats: int) -> list[list[float]]:
+    """Seconds of each call of each function, the functions called in turn `repeats` times (after one call each)."""
+    for f in fns:
+        f()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for f, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+    return times
+
+
+def pair_ratio(a: list[float], b: list[float]) -> float:
+    """Median over interleaved pairs of a / b."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+# ---- 1 and 2: decode attention --------------------------------------------------------------------------
+def _decode(batch: int, context: int, block_size: int, dtype: torch.dtype, seed: int = 0):
+    """(q, k_cache, v_cache, contiguous metadata, shuffled metadata) of one decode step over `context` positions."""
+    from agentrt import kernels
+
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-context // block_size)
+    num_blocks = batch * per_seq
+    k = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=g).to(dtype)
+
+    def meta(table: torch.Tensor):
+        return kernels.build_attention_metadata(torch.arange(batch + 1, dtype=torch.int32),
+                                                torch.full((batch,), context, dtype=torch.int32), table, 1, context)
+
+    identity = torch.arange(num_blocks, dtype=torch.int32).view(batch, per_seq)
+    shuffled = torch.randperm(num_blocks, generator=g).to(torch.int32).view(batch, per_seq)
+    return q, k, v, meta(identity), meta(shuffled)
+
+
+def decode_paging(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
+    from agentrt import kernels
+
+    rows = []
+    for dtype in DTYPES:
+        for batch, context in cases:
+            q, k, v, contiguous, shuffled = _decode(batch, context, 16, dtype)
+            scale = HEAD_DIM ** -0.5
+            ts, tc = interleaved([lambda: kernels.paged_attention(q, k, v, shuffled, scale),
+                                  lambda: kernels.paged_attention(q, k, v, contiguous, scale)], repeats)
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context,
+                         "shuffled_ms": min(ts) * 1e3, "contiguous_ms": min(tc) * 1e3,
+                         "shuffled_over_contiguous": min(ts) / min(tc), "pair_median": pair_ratio(ts, tc)})
+            del q, k, v, contiguous, shuffled
+    return rows
+
+
+def block_size_kernel(case: tuple[int, int], sizes: Iterable[int], repeats: int) -> list[dict]:
+    """Shuffled-table decode of `case` at each block size, the sizes timed in turn; ratios to the first size."""
+    from agentrt import kernels
+
+    batch, context = case
+    rows = []
+    for dtype in DTYPES:
+        inputs = {bs: _decode(batch, context, bs, dtype) for bs in sizes}
+        scale = HEAD_DIM ** -0.5
+        fns = [lambda x=x: kernels.paged_attention(x[0], x[1], x[2], x[4], scale) for x in inputs.values()]
+        times = interleaved(fns, repeats)
+        for bs, ts in zip(inputs, times):
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "block_size": bs,
+                         "ms": min(ts) * 1e3, "vs_first": min(ts) / min(times[0])})
+        del inputs
+    return rows
+
+
+# ---- 2: prefix hits and bytes per token on the agent workload ----------------------------------------------
+def program_calls(spec, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """The (prompt, reply) token ids of each call of a workload program (`agentrt.bench.workload.ProgramSpec`), in
+    order (a step's parallel calls one after another); replies are fresh random ids of the call's max_tokens."""
+    from agentrt.bench import workload
+
+    rng = random.Random(spec.seed ^ seed ^ 0x5EED)
+    gen, value, calls = workload.plan(spec), None, []
+    while True:
+        try:
+            action = gen.send(value)
+        except StopIteration:
+            return calls
+        if isinstance(action, workload.Call):
+            value = workload.tokens(rng, action.max_tokens)
+            calls.append((action.prompt, value))
+        elif isinstance(action, workload.Parallel):
+            value = [workload.tokens(rng, c.max_tokens) for c in action.calls]
+            calls.extend((c.prompt, out) for c, out in zip(action.calls, value))
+        else:
+            value = action.observation
+
+
+def prefix_hits(calls: Iterable[tuple[list[int], list[int]]], block_size: int, extra: bytes = b"") -> tuple[int, int]:
+    """(prompt tokens served from the prefix cache, prompt tokens) of `calls` run one after another on one engine
+    whose cache keeps every block, hashed as the KV manager hashes (`hash_block`, chained from `extra`): a call hits
+    the longest run of its prompt's full blocks that earlier calls computed, its last prompt token always left to
+    compute; it computes its prompt and reply but the reply's last token and leaves their full blocks cached."""
+    from agentrt.engine.kv_cache_manager import hash_block
+
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    cached: set[bytes] = set()
+    memo: dict[tuple[bytes | None, tuple[int, ...]], bytes] = {}  # the chain of a shared prefix is hashed once
+    hit = total = 0
+    for prompt, reply in calls:
+        seq = [*prompt, *reply]
+        hashes, parent = [], None
+        for i in range((len(seq) - 1) // block_size):
+            key = (parent, tuple(seq[i * block_size : (i + 1) * block_size]))
+            h = memo.get(key)
+            if h is None:
+                h = memo[key] = hash_block(parent, list(key[1]), extra)
+            hashes.append(h)
+            parent = h
+        n = 0
+        while n < (len(prompt) - 1) // block_size and hashes[n] in cached:
+            n += 1
+        hit += n * block_size
+        total += len(prompt)
+        cached.update(hashes)
+    return hit, total
+
+
+def kv_bytes_per_token(lengths: Iterable[int], block_size: int, bytes_per_position: int = KV_BYTES_PER_POSITION) -> float:
+    """KV bytes a stored token costs when each sequence of `lengths` tokens holds whole blocks of `block_size`."""
+    lengths = list(lengths)
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"need sequences of at least one token, got {lengths[:5]!r}...")
+    held = sum(-(-n // block_size) * block_size for n in lengths)
+    return held * bytes_per_position / sum(lengths)
+
+
+def agent_workloads(seed: int) -> dict[str, list[list[tuple[list[int], list[int]]]]]:
+    """Per agent set (AGENT_SETS), each program's calls."""
+    from agentrt.bench import workload
+
+    out = {}
+    for name, (kind, n) in AGENT_SETS.items():
+        mix = workload.AGENT_MIX if kind == "agent" else workload.AGENT_WAIT_MIX
+        out[name] = [program_calls(s, seed) for s in workload.make_agent_workload(n, 1.0, seed, mix)]
+    return out
+
+
+def block_size_workload(sizes: Iterable[int], seed: int) -> list[dict]:
+    rows = []
+    for name, programs in agent_workloads(seed).items():
+        calls = [c for p in programs for c in p]
+        lengths = [len(p) + len(r) for p, r in calls]
+        for bs in sizes:
+            hit, total = prefix_hits(calls, bs)
+            per_token = kv_bytes_per_token(lengths, bs)
+            rows.append({"workload": name, "block_size": bs, "programs": len(programs), "calls": len(calls),
+                         "prompt_tokens": total, "hit_rate": hit / total, "kv_bytes_per_token": per_token,
+                         "waste": per_token / KV_BYTES_PER_POSITION - 1})
+    return rows
+
+
+# ---- 3: host preparation of a step ------------------------------------------------------------------------
+def old_tables_and_slots(reqs, num_tokens: list[int], block_size: int):
+    """The runner's table / slot code before engine.block_table (per request: its block ids to numpy, the
+    slots of its new positions; then a padded table): (positions, slot mapping, block table) as torch tensors."""
+    bs = block_size
+    positions, slots, tables = [], [], []
+    for req, n in zip(reqs, num_tokens):
+        start = req.num_computed_tokens
+        pos = np.arange(start, start + n)
+        positions.append(pos)
+        table = np.asarray(req.block_ids, dtype=np.int64)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        tables.append(table)
+    max_blocks = max(len(t) for t in tables)
+    block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = t
+    return (torch.from_numpy(np.concatenate(positions)), torch.from_numpy(np.concatenate(slots)),
+            torch.from_numpy(block_tables))
+
+
+def new_tables_and_slots(block_tables, reqs, num_tokens: list[int]):
+    """The same through `BlockTables.prepare` (group 0)."""
+    st = block_tables.prepare(reqs, [r.num_computed_tokens for r in reqs], num_tokens)
+    return (torch.from_numpy(st.positions), torch.from_numpy(st.slot_mappings[0]),
+            torch.from_numpy(st.block_tables[0]))
+
+
+class _StubModel:
+    """What ModelRunner needs of a model to build a step's inputs (no forward is run)."""
+
+    batch_invariant = False
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.args = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1)
+
+    def set_kv_layout(self, layout) -> None:
+        pass
+
+
+def decode_requests(num_seqs: int, context: int, block_size: int, seed: int = 0):
+    """`num_seqs` running requests `context` tokens long, each about to decode its next token, their blocks a
+    shuffled pool with a spare block each (the requests end at different offsets within their last block)."""
+    from agentrt.engine.request import Request, RequestStatus
+    from agentrt.engine.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    per_seq = -(-(context + block_size) // block_size)
+    pool = rng.permutation(num_seqs * per_seq).tolist()
+    reqs = []
+    for i in range(num_seqs):
+        n = context - i % block_size
+        r = Request(f"r{i}", [7] * n, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
+        r.num_computed_tokens = n - 1
+        r.block_ids = pool[i * per_seq : i * per_seq + -(-n // block_size)]
+        r.status = RequestStatus.RUNNING
+        reqs.append((r, pool[i * per_seq + len(r.block_ids) : (i + 1) * per_seq]))
+    return reqs
+
+
+def _advance(reqs, block_size: int) -> None:
+    """One decode step's bookkeeping: each sequence's token computed and a new one appended; a block added where
+    the next token needs one (what the scheduler's allocate_slots does)."""
+    for r, spare in reqs:
+        r.num_computed_tokens += 1
+        r.all_token_ids.append(7)
+        if r.num_computed_tokens // block_size >= len(r.block_ids):
+            r.block_ids.append(spare.pop() if spare else 0)
+
+
+def host_prep(num_seqs: int, context: int, block_size: int, steps: int) -> dict:
+    from agentrt.engine.block_table import BlockTables
+    from agentrt.engine.runner import ModelRunner
+    from agentrt.engine.scheduler import SchedulerOutput
+
+    ones = [1] * num_seqs
+    result = {"seqs": num_seqs, "context": context, "block_size": block_size, "steps": steps}
+    for name in ("old", "new", "prepare"):
+        reqs = decode_requests(num_seqs, context, block_size)
+        batch = [r for r, _ in reqs]
+        if name == "old":
+            step = lambda: old_tables_and_slots(batch, ones, block_size)  # noqa: E731
+        elif name == "new":
+            bt = BlockTables(block_size)
+            step = lambda: new_tables_and_slots(bt, batch, ones)  # noqa: E731
+        else:
+            runner = ModelRunner(_StubModel(), 1, block_size, torch.float32, "cpu")
+            out = SchedulerOutput(batch, ones, [])
+            step = lambda: runner._prepare(out)  # noqa: E731
+        step()  # the first step writes every row: not the steady state
+        _advance(reqs, block_size)
+        times = []
+        for _ in range(steps if name != "old" else max(3, steps // 10)):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+            _advance(reqs, block_size)
+        result[f"{name}_us"] = statistics.median(times) * 1e6
+    result["old_over_new"] = result["old_us"] / result["new_us"]
+    return result
+
+
+def check_equal(num_seqs: int = 8, context: int = 300, block_size: int = 16, steps: int = 40) -> None:
+    """The new tables and slots equal the old code's on the benchmark's own steps (raises if not)."""
+    from agentrt.engine.block_table import BlockTables
+
+    reqs = decode_requests(num_seqs, context, block_size, seed=1)
+    batch, bt = [r for r, _ in reqs], BlockTables(block_size)
+    for _ in range(steps):
+        old = old_tables_and_slots(batch, [1] * num_seqs, block_size)
+        new = new_tables_and_slots(bt, batch, [1] * num_seqs)
+        width = old[2].shape[1]
+        if not (torch.equal(old[0], new[0]) and torch.equal(old[1], new[1]) and torch.equal(old[2], new[2][:, :width])
+                and not new[2][:, width:].any()):
+            raise AssertionError("BlockTables and the old per-request tables disagree")
+        _advance(reqs, block_size)
+
+
+# ---- the run ----------------------------------------------------------------------------------------------
+def measure(cases: list[tuple[int, int]], sizes: list[int], sweep_case: tuple[int, int], repeats: int,
+            prep_steps: int, seed: int) -> dict:
+    from agentrt.kernels import cpu
+
+    check_equal()
+    return {
+        "kernels": cpu.describe(), "threads": torch.get_num_threads(), "repeats": repeats,
+        "decode": decode_paging(cases, repeats),
+        "block_size_kernel": block_size_kernel(sweep_case, sizes, repeats), "sweep_case": list(sweep_case),
+        "block_size_workload": block_size_workload(sizes, seed),
+        "host_prep": host_prep(PREP_SEQS, PREP_CONTEXT, PREP_BLOCK, prep_steps),
+        "tiers_in_place": None,  # not built (module docstring, 4)
+    }
+
+
+def markdown(result: dict) -> str:
+    from agentrt.bench._common import markdown_table
+
+    d = result["decode"]
+    worst = max(abs(r["shuffled_over_contiguous"] - 1) for r in d)
+    lines = [
+        f"Kernels: {result['kernels']}; {result['threads']} threads; SmolLM2-135M attention ({NUM_HEADS} query / "
+        f"{NUM_KV_HEADS} kv heads x {HEAD_DIM}); kernel times are the best of {result['repeats']} calls, the "
+        "compared variants called in turn.",
+        "",
+        "### Decode attention: shuffled vs contiguous block table (block 16)",
+        "",
+        markdown_table(["dtype", "batch", "context", "shuffled ms", "contiguous ms", "shuffled / contiguous",
+                        "median of pairs"],
+                       [[r["dtype"], r["batch"], r["context"], f"{r['shuffled_ms']:.2f}", f"{r['contiguous_ms']:.2f}",
+                         f"**{r['shuffled_over_contiguous']:.3f}**", f"{r['pair_median']:.3f}"] for r in d]),
+        "",
+        f"Largest gap: **{100 * worst:.1f}%** (target <= 5%).",
+        "",
+        f"### Block size: decode time ({result['sweep_case'][0]} x {result['sweep_case'][1]}, shuffled table)",
+        "",
+    ]
+    k = result["block_size_kernel"]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in k))
+    sizes = list(dict.fromkeys(r["block_size"] for r in k))
+    by = {(r["dtype"], r["block_size"]): r for r in k}
+    lines += [markdown_table(["block size", *(f"{dt} ms" for dt in dtypes), *(f"{dt} / block {sizes[0]}" for dt in dtypes)],
+                             [[bs, *(f"{by[dt, bs]['ms']:.2f}" for dt in dtypes),
+                               *(f"{by[dt, bs]['vs_first']:.3f}" for dt in dtypes)] for bs in sizes]), ""]
+    w = result["block_size_workload"]
+    lines += ["### Block size: prefix hits and KV bytes on the agent workload", ""]
+    for name in dict.fromkeys(r["workload"] for r in w):
+        rows = [r for r in w if r["workload"] == name]
+        lines += [f"{name}: {rows[0]['programs']} programs, {rows[0]['calls']} calls, {rows[0]['prompt_tokens']:,} "
+                  "prompt tokens; every block kept (no eviction), hashed as the KV manager hashes.", "",
+                  markdown_table(["block size", "prefix hit rate", "KV bytes / stored token (bf16)", "last-block waste"],
+                                 [[r["block_size"], f"{100 * r['hit_rate']:.1f}%", f"{r['kv_bytes_per_token']:,.0f}",
+                                   f"{100 * r['waste']:.1f}%"] for r in rows]), ""]
+    h = result["host_prep"]
+    lines += [
+        f"### Host preparation of a decode step ({h['seqs']} sequences x {h['context'] // 1024}k context, "
+        f"block {h['block_size']})", "",
+        markdown_table(["what", "us a step (median)"], [
+            ["block tables + slot mapping, old (per request: ids to numpy, padded table)", f"{h['old_us']:,.0f}"],
+            ["block tables + slot mapping, BlockTables (rows kept, new ids only)", f"{h['new_us']:,.1f}"],
+            ["whole ModelRunner._prepare now (token ids, lengths, metadata too)", f"{h['prepare_us']:,.0f}"],
+        ]), "",
+        f"Old / new: **{h['old_over_new']:.0f}x** (target: new <= 50 us).", "",
+        "### `bench tiers` t1 with in-place reads", "",
+        "Not built: host-tier blocks are still copied into the pool before the step that reads them (issue 51's "
+        "multi-level block table is to come); no figure until it is.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _cases(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        b, _, c = part.strip().partition("x")
+        if not (b.isdigit() and c.isdigit()) or int(b) < 1 or int(c) < 1:
+            raise ValueError(f"a case is BATCHxCONTEXT with positive integers, got {part.strip()!r}")
+        out.append((int(b), int(c)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="agentrt bench paging", description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="16x1024,16x4096,64x1024", help="decode cases BATCHxCONTEXT, comma-separated")
+    ap.add_argument("--sweep-case", default="16x4096", help="the decode case of the block-size sweep")
+    ap.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)), help="block sizes of the sweep")
+    ap.add_argument("--repeats", type=int, default=25, help="timed calls per variant")
+    ap.add_argument("--prep-steps", type=int, default=300, help="decode steps timed for the host preparation")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the agent workload")
+    ap.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of the markdown tables")
+    ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
+                    help="write this CPU kind's section of docs/benchmarks/paging.md (default: no)")
+    a = ap.parse_args(argv)
+    try:
+        cases, (sweep,) = _cases(a.cases), _cases(a.sweep_case)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        sizes = [int(s) for s in a.block_sizes.split(",") if s.strip()]
+    except ValueError:
+        ap.error(f"--block-sizes must be comma-separated integers, got {a.block_sizes!r}")
+    if not sizes or min(sizes) < 1:
+        ap.error(f"--block-sizes must be positive, got {a.block_sizes!r}")
+    if a.repeats < 1 or a.prep_steps < 1:
+        ap.error(f"--repeats and --prep-steps must be >= 1, got {a.repeats} and {a.prep_steps}")
+    if a.threads is not None:
+        if a.threads < 1:
+            ap.error(f"--threads must be >= 1, got {a.threads}")
+        torch.set_num_threads(a.threads)
+    result = measure(cases, sizes, sweep, a.repeats, a.prep_steps, a.seed)
+    text = markdown(result)
+    print(json.dumps(result, indent=2) if a.json else text)
+    if a.docs:
+        from agentrt.bench._common import write_section
+        from agentrt.kernels import cpu
+
+        write_section(DOCS_SECTION.format(kind=cpu.kind()), text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""`agentrt bench paging`'s pure helpers (prefix-hit counting as the KV manager would serve the calls, KV bytes per
+stored token, the old and new step tables agreeing) and a smoke run that leaves the benchmark pages alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentrt.bench import paging as bench
+from tests.benchpages import pages
+
+
+def test_prefix_hits_counts_whole_cached_blocks_of_the_prompt():
+    first = list(range(100, 110))  # 10 tokens
+    reply = [7, 8, 9]  # computed but its last token: 12 tokens, 3 full blocks of 4 cached
+    second = first + reply + [1, 2]  # 15 tokens: at most (15 - 1) // 4 = 3 blocks, all cached
+    other = [5, *first[1:]]  # another first token: nothing in common
+    assert bench.prefix_hits([(first, reply)], 4) == (0, 10)
+    assert bench.prefix_hits([(first, reply), (second, [3])], 4) == (12, 25)
+    assert bench.prefix_hits([(first, reply), (second, [3]), (other, [1])], 4) == (12, 35)
+    assert bench.prefix_hits([(first, reply), (first, reply)], 4) == (8, 20)  # the last prompt token is computed
+    assert bench.prefix_hits([(first, reply), (second, [3])], 8) == (8, 25)  # one block of 8 is full
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        bench.prefix_hits([], 0)
+
+
+def test_prefix_hits_are_what_the_kv_manager_serves():
+    """The agent workload's calls through a KVCacheManager large enough to evict nothing: the same hit tokens."""
+    from agentrt.bench import workload
+    from agentrt.engine.kv_cache_manager import KVCacheManager
+    from agentrt.engine.request import Request
+    from agentrt.engine.sampling_params import SamplingParams
+
+    specs = workload.make_agent_workload(3, 1.0, seed=2, mix=workload.AGENT_WAIT_MIX)
+    calls = [c for s in specs for c in bench.program_calls(s)][:40]
+    for bs in (16, 64):
+        kv = KVCacheManager(num_blocks=4096, block_size=bs)
+        hit = 0
+        for i, (prompt, reply) in enumerate(calls):
+            req = Request(f"c{i}", prompt, SamplingParams(max_tokens=len(reply)))
+            hits, n = kv.get_computed_blocks(req)
+            assert kv.allocate_slots(req, len(prompt) - n, hits)
+            req.num_computed_tokens = len(prompt)
+            for t in reply:
+                req.append_token(t)
+            assert kv.allocate_slots(req, len(reply) - 1)
+            req.num_computed_tokens += len(reply) - 1
+            kv.cache_blocks(req)
+            kv.free(req)
+            hit += n
+        assert kv.stats.evictions == 0
+        assert bench.prefix_hits(calls, bs, f"|{req.cache_key}".encode()) == (hit, sum(len(p) for p, _ in calls))
+        assert hit > 0
+
+
+def test_kv_bytes_per_token_rounds_each_sequence_up_to_whole_blocks():
+    assert bench.kv_bytes_per_token([1, 16, 17], 16, bytes_per_position=34) == 64  # 64 slots held for 34 tokens
+    assert bench.kv_bytes_per_token([32], 16, bytes_per_position=10) == 10
+    with pytest.raises(ValueError, match="need sequences of at least one token"):
+        bench.kv_bytes_per_token([], 16)
+
+
+def test_the_new_step_tables_equal_the_old_per_request_ones():
+    bench.check_equal(num_seqs=5, context=70, block_size=4, steps=30)
+
+
+def test_program_calls_follow_the_plan():
+    from agentrt.bench import workload
+
+    (spec,) = workload.make_agent_workload(1, 1.0, seed=0, mix={"react_few": 1.0})
+    calls = bench.program_calls(spec)
+    assert 2 <= len(calls) <= 4 and all(len(r) == workload.REACT_FEW["max_tokens"] for _, r in calls)
+    for (p, r), (nxt, _) in zip(calls, calls[1:]):
+        assert nxt[: len(p) + len(r)] == p + r  # each call's prompt extends the last call's prompt and reply
+
+
+def test_bench_paging_smoke(capsys):
+    before = pages()
+    argv = ["--cases", "2x64", "--sweep-case", "2x64", "--block-sizes", "16,32", "--repeats", "1",
+            "--prep-steps", "3", "--json"]
+    assert bench.main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [(r["dtype"], r["batch"], r["context"]) for r in res["decode"]] == [("float32", 2, 64), ("bfloat16", 2, 64)]
+    assert all(r["shuffled_ms"] > 0 and r["shuffled_over_contiguous"] > 0 for r in res["decode"])
+    assert [r["block_size"] for r in res["block_size_kernel"]] == [16, 32, 16, 32]
+    w = res["block_size_workload"]
+    assert len(w) == 2 * len(bench.AGENT_SETS) and all(0 < r["hit_rate"] < 1 and r["waste"] >= 0 for r in w)
+    assert res["host_prep"]["old_us"] > 0 and res["host_prep"]["new_us"] > 0 and res["tiers_in_place"] is None
+    text = bench.markdown(res)
+    assert "Largest gap" in text and "Not built" in text
+    assert pages() == before
+
+
+@pytest.mark.parametrize("argv", [["--cases", "2x"], ["--cases", "0x64"], ["--block-sizes", "a"],
+                                  ["--block-sizes", "0"], ["--repeats", "0"], ["--threads", "0"]])
+def test_bench_paging_refuses_bad_arguments(argv):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
