@@ -30,6 +30,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # tokens in one step at most (chunked prefill beyond)
     max_model_len: int | None = None  # context limit; None = the model's
     enable_prefix_caching: bool = True  # reuse and dedup full blocks by content hash
+    recurrent_snapshots: int = 128  # a hybrid model's (Qwen3.5's) recurrent-state snapshots kept at block boundaries
+    # for prefix hits (engine.recurrent_state; least recently used dropped); 0 = none: its prompts are always computed
     policy: Any = "fcfs"  # scheduling policy name or engine.policy.SchedulingPolicy instance
     policy_kwargs: dict | None = None  # arguments for a policy given by name
     seed: int = 0  # seed for requests without their own
@@ -72,6 +74,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if isinstance(self.recurrent_snapshots, bool) or not isinstance(self.recurrent_snapshots, int) \
+                or self.recurrent_snapshots < 0:
+            raise ValueError(f"recurrent_snapshots must be an int >= 0, got {self.recurrent_snapshots!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -38,6 +38,7 @@ from agentrt.engine.outputs import Detokenizer, RequestOutput, StreamDelta
 from agentrt.engine.policy import make_policy
 from agentrt.engine.program_ops import ProgramOp
 from agentrt.engine.request import Request, RequestStatus
+from agentrt.engine.recurrent_state import RecurrentStatePool
 from agentrt.engine.runner import ModelRunner
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.scheduler import Scheduler, SchedulerOutput
@@ -109,6 +110,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, model_key=str(self.model_path),
                                  tiers=self.tiers)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, config.device)
+        self._attach_recurrent_states()
         if config.device == "cpu":
             kernels.cpu.ops()  # build (first time, ~30 s) or load the C++ CPU kernels now, not mid-request
         if config.deterministic and config.deterministic_default and kernels.cpu.ops() is None:
@@ -142,6 +144,22 @@ class EngineCore:
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None  # sees each batch before it runs
         self.num_draft_tokens = 0  # speculative drafts scheduled
         self.num_rejected_tokens = 0  # of which rejected
+
+    def _attach_recurrent_states(self) -> None:
+        """A hybrid model's recurrent-state pool (engine.recurrent_state), shared by the runner (slots, snapshots)
+        and the KV manager (prefix hits capped at snapshots, slots freed with the KV)."""
+        c = self.config
+        states = RecurrentStatePool.for_model(self.model.args, c.max_num_seqs, c.recurrent_snapshots, c.block_size,
+                                              c.device)
+        if states is None:
+            return
+        if c.num_speculative_tokens or c.num_scheduler_steps > 1:
+            raise ValueError(f"{self.model_path.name} has recurrent (linear-attention) layers, whose state cannot take "
+                             "back rejected drafts or run the multi-step decode loop: set num_speculative_tokens=0 and "
+                             "num_scheduler_steps=1")
+        if c.enable_prefix_caching:
+            states.block_hashes = self.kv.block_hashes
+        self.runner.states = self.kv.states = states
 
     def _make_tiers(self) -> KVTiers | None:
         """The KV hierarchy below the pool (engine.kv_tiers), if the config asks for one."""

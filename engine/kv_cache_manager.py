@@ -66,6 +66,10 @@ class KVCacheManager:
         self.tiers = tiers if enable_prefix_caching else None
         if self.tiers is not None:
             self.pool.on_evict = self.tiers.demote
+        # a hybrid model's recurrent states (engine.recurrent_state.RecurrentStatePool), or None: prefix hits end at
+        # a block boundary with a state snapshot (`usable_prefix`), a freed request's state slot goes back
+        # (`on_free`), a fork copies its parent's (`on_fork`)
+        self.states = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -172,6 +176,8 @@ class KVCacheManager:
             hits.append(b)
         if self.tiers is not None and len(hits) < len(hashes):
             req.num_tier_loaded_tokens += self._promote(hashes, hits, req.program_id, may_take_pinned) * self.block_size
+        if self.states is not None:  # resume only where a recurrent-state snapshot is kept
+            del hits[self.states.usable_prefix(hashes[: len(hits)]) :]
         return hits, len(hits) * self.block_size
 
     def prefetch(self, req: Request) -> None:
@@ -303,6 +309,8 @@ class KVCacheManager:
             for b in (req.block_ids[0], *req.block_ids[max(1, n - EXACT_WINDOW_BLOCKS) : n]):
                 self.pool.exact[b] = True
         self.pool.release(reversed(req.block_ids))
+        if self.states is not None:
+            self.states.on_free(req)
         req.block_ids = []
         req.num_cached_blocks = 0
 
@@ -314,10 +322,14 @@ class KVCacheManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
+        if self.states is not None:
+            self.states.on_fork(parent, child)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of the cached blocks no one holds (no later request hits them); blocks in use
         (block tables, pins) keep theirs. True when no cached block is left."""
+        if self.states is not None:
+            self.states.clear_snapshots()
         return self.pool.drop_unused_cached() == 0
 
     def take_pending_copies(self) -> list[tuple[int, int]]:

@@ -277,7 +277,9 @@ def _save_dequantized(hf, out: Path) -> None:
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "smollm3", "phi3", "gemma2",
                          "gemma3", "gemma3_text",  # HF config model_type (engine/model.py)
-                         "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")  # mixtures of experts (engine/moe.py)
+                         "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss",  # mixtures of experts (engine/moe.py)
+                         # hybrids of attention and Gated DeltaNet layers (engine/linear_attention.py)
+                         "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def load_hf_config(path: Path):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentrt import kernels
+from agentrt.engine.linear_attention import GatedDeltaNet, RecurrentSlot
 from agentrt.engine.lora import LoRASlot
 from agentrt.engine.model_args import ModelArgs, RopeFrequencies
 from agentrt.engine.moe import SparseMoE
@@ -124,6 +125,8 @@ class Attention(nn.Module):
         self.rope_key = a.rope_keys[layer] if a.rope_keys else "default"
         self.softcap = a.attn_softcap
         self.sinks = nn.Parameter(torch.zeros(a.num_heads)) if a.attn_sinks else None  # gpt-oss, [H] logits
+        # Qwen3.5: the output times sigmoid(x @ gate), the gate rows the second half of each head's q_proj rows
+        self.gate_proj = Linear(a.hidden_size, self.q_size, bias=a.qkv_bias) if a.attn_output_gate else None
 
     def forward(self, x, rope: Rope, k_cache, v_cache, meta, slot_mapping):
         # x: [T, hidden]
@@ -146,10 +149,15 @@ class Attention(nn.Module):
             q = q * rope.q_scale
         o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window, sinks=self.sinks,
                                     softcap=self.softcap).reshape(T, self.q_size)
+        if self.gate_proj is not None:
+            o = o * torch.sigmoid(self.gate_proj(x))
         out = self.o_proj(o)
         if lb is not None:
             lb.apply(self.layer, "o", o, out)
         return out
+
+    def streamed_weights(self) -> list[tuple[PackCache, torch.Tensor]]:
+        return [(lin.pack_cache, lin.weight) for lin in (self.qkv_proj, self.o_proj)]
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
         """Qwen3's per-head RMSNorm of q and k, in place in the fused projection's output [T, q + 2 kv]."""
@@ -190,10 +198,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, layer: int = 0, lora: LoRASlot | None = None):
+    def __init__(self, a: ModelArgs, layer: int = 0, lora: LoRASlot | None = None,
+                 recurrent: RecurrentSlot | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = Attention(a, layer, lora)
+        # the token mixer: attention, or a hybrid model's linear attention (its recurrent state in `recurrent`)
+        if a.layer_kinds and a.layer_kinds[layer] == "linear_attention":
+            self.self_attn = GatedDeltaNet(a.hidden_size, a.linear, a.rms_norm_eps,
+                                           a.layer_kinds[:layer].count("linear_attention"), recurrent)
+        else:
+            self.self_attn = Attention(a, layer, lora)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         # Gemma 2 / 3: the attention output is normed before the residual add, and the MLP sits between two norms
         sandwich = a.sandwich_norms
@@ -224,7 +238,9 @@ class LlamaForCausalLM(nn.Module):
         self.args = a
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.lora = LoRASlot()  # the runner sets .batch around a forward whose rows use LoRA adapters
-        self.layers = nn.ModuleList(DecoderLayer(a, i, self.lora) for i in range(a.num_layers))
+        # a hybrid model's runner sets .step around a forward (engine.recurrent_state.RecurrentStep)
+        self.recurrent = RecurrentSlot()
+        self.layers = nn.ModuleList(DecoderLayer(a, i, self.lora, self.recurrent) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else Linear(a.hidden_size, a.vocab_size, bias=False)
         # a sequence classifier's head: class logits of the last token's final-norm hidden state (`classify`)
@@ -349,8 +365,7 @@ class LlamaForCausalLM(nn.Module):
         """(pack cache, weight) of every weight a decode step streams: each layer's projections, then the
         LM head (the embedding when tied)."""
         caches = [c for layer in self.layers
-                  for c in [(lin.pack_cache, lin.weight) for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
-                  + layer.mlp.streamed_weights()]
+                  for c in layer.self_attn.streamed_weights() + layer.mlp.streamed_weights()]
         caches.append((self.lm_head.pack_cache, self.lm_head.weight) if self.lm_head is not None
                       else (self._tied_head_pack, self.embed_tokens.weight))
         return caches
@@ -483,23 +498,32 @@ class LlamaForCausalLM(nn.Module):
                 if (module := getattr(layer, name)) is not None:
                     module.weight.copy_(norm(p + f"{name}.weight"))
             att = layer.self_attn
-            heads = {"q": att.num_heads, "k": att.num_kv_heads}
-            for kind in ("weight", "bias") if att.qkv_proj.bias is not None else ("weight",):
-                if p + f"self_attn.qkv_proj.{kind}" in sd:  # Phi-3: q, k, v in one projection
-                    parts = list(take(p + f"self_attn.qkv_proj.{kind}").split([att.q_size, att.kv_size, att.kv_size]))
-                else:
-                    parts = [take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"]
-                parts[:2] = [interleave_rope_rows(t, heads[n], att.head_dim, att.rotary_dim) for n, t in zip("qk", parts)]
-                getattr(att.qkv_proj, kind).copy_(torch.cat(parts))
-            att.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
-            if att.o_proj.bias is not None:
-                att.o_proj.bias.copy_(take(p + "self_attn.o_proj.bias"))
-            if att.sinks is not None:
-                att.sinks.copy_(take(p + "self_attn.sinks"))
-            if att.q_norm is not None:  # same rope layout as the q and k rows
-                for n, qk_norm in (("q", att.q_norm), ("k", att.k_norm)):
-                    qk_norm.weight.copy_(interleave_rope_rows(norm(p + f"self_attn.{n}_norm.weight"), 1, att.head_dim,
-                                                              att.rotary_dim))
+            if isinstance(att, GatedDeltaNet):  # a hybrid model's linear-attention layer
+                att.load_hf(take, p + "linear_attn.")
+            else:
+                heads = {"q": att.num_heads, "k": att.num_kv_heads}
+                for kind in ("weight", "bias") if att.qkv_proj.bias is not None else ("weight",):
+                    if p + f"self_attn.qkv_proj.{kind}" in sd:  # Phi-3: q, k, v in one projection
+                        parts = list(take(p + f"self_attn.qkv_proj.{kind}").split([att.q_size, att.kv_size,
+                                                                                   att.kv_size]))
+                    else:
+                        parts = [take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"]
+                    if att.gate_proj is not None:  # Qwen3.5: per head, D query rows then D gate rows
+                        q_gate = parts[0].view(att.num_heads, 2, att.head_dim, *parts[0].shape[1:])
+                        parts[0] = q_gate[:, 0].reshape(att.q_size, *parts[0].shape[1:])
+                        getattr(att.gate_proj, kind).copy_(q_gate[:, 1].reshape(att.q_size, *parts[0].shape[1:]))
+                    parts[:2] = [interleave_rope_rows(t, heads[n], att.head_dim, att.rotary_dim)
+                                 for n, t in zip("qk", parts)]
+                    getattr(att.qkv_proj, kind).copy_(torch.cat(parts))
+                att.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+                if att.o_proj.bias is not None:
+                    att.o_proj.bias.copy_(take(p + "self_attn.o_proj.bias"))
+                if att.sinks is not None:
+                    att.sinks.copy_(take(p + "self_attn.sinks"))
+                if att.q_norm is not None:  # same rope layout as the q and k rows
+                    for n, qk_norm in (("q", att.q_norm), ("k", att.k_norm)):
+                        qk_norm.weight.copy_(interleave_rope_rows(norm(p + f"self_attn.{n}_norm.weight"), 1,
+                                                                  att.head_dim, att.rotary_dim))
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.load_hf(sd, p)
                 continue
@@ -516,7 +540,8 @@ class LlamaForCausalLM(nn.Module):
 
 _MULTIMODAL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                         ("language_model.lm_head.", "lm_head."))
-_OTHER_MODALITIES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+_OTHER_MODALITIES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
+                     "model.visual.", "visual.", "mtp.")  # Qwen3.5's vision tower and multi-token-prediction head
 
 
 def _language_model_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrt.engine.linear_attention import LINEAR_MODEL_TYPES, LinearAttentionArgs
 from agentrt.engine.moe import MoEArgs
 
 
@@ -44,6 +45,11 @@ class ModelArgs:
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden), rounded to the model dtype)
     hidden_act: str = "silu"  # the MLP gate's activation: "silu" or "gelu_tanh"
     attn_temperature: tuple[float, int] | None = None  # Ministral 3: q *= 1 + beta * log(1 + floor(pos / n))
+    # Hybrid decoders (Qwen3.5): per layer "attention" or "linear_attention" (a Gated DeltaNet layer with a recurrent
+    # state and no KV, engine.linear_attention); empty = every layer attention
+    layer_kinds: tuple[str, ...] = ()
+    attn_output_gate: bool = False  # attention output times sigmoid(gate), the gate a second half of q_proj (Qwen3.5)
+    linear: LinearAttentionArgs | None = None  # the linear-attention layers' shapes
 
     @property
     def plain(self) -> bool:
@@ -53,7 +59,8 @@ class ModelArgs:
                 and self.attn_scale is None and self.attn_softcap is None and self.final_softcap is None
                 and not self.attn_sinks and not self.o_bias and self.rotary_dim in (0, self.head_dim)
                 and not self.gemma_norms and not self.sandwich_norms and self.embed_scale is None
-                and self.hidden_act == "silu" and self.attn_temperature is None)
+                and self.hidden_act == "silu" and self.attn_temperature is None and not self.attn_output_gate
+                and self.linear is None)
     moe: MoEArgs | None = None  # the mixture of experts of Mixtral, Qwen-MoE, gpt-oss (engine.moe); None = dense
 
     @classmethod
@@ -64,7 +71,7 @@ class ModelArgs:
             **_layer_description(cfg, head_dim),
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
+            intermediate_size=getattr(cfg, "intermediate_size", None) or cfg.moe_intermediate_size,  # Qwen3.5-MoE: no dense MLP
             num_layers=cfg.num_hidden_layers,
             num_heads=cfg.num_attention_heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
@@ -74,7 +81,7 @@ class ModelArgs:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
                      or bool(getattr(cfg, "qkv_bias", False)),  # Qwen2-MoE's name
-            qk_norm=cfg.model_type == "gemma3_text" or cfg.model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=cfg.model_type == "gemma3_text" or cfg.model_type in ("qwen3", "qwen3_moe", *LINEAR_MODEL_TYPES),
             num_labels=cfg.num_labels if any(a.endswith("ForSequenceClassification")
                                              for a in getattr(cfg, "architectures", None) or ()) else 0,
             moe=MoEArgs.from_hf(cfg),
@@ -82,11 +89,12 @@ class ModelArgs:
 
 
 GEMMA_TYPES = ("gemma2", "gemma3_text")
+MULTIMODAL_TYPES = ("gemma3", "qwen3_5", "qwen3_5_moe")  # configs whose decoder is their `text_config`
 
 
 def text_config(cfg):
-    """The decoder's config: a multimodal config's text part (Gemma 3's `text_config`), else cfg."""
-    if cfg.model_type == "gemma3" and getattr(cfg, "text_config", None) is not None:
+    """The decoder's config: a multimodal config's text part (Gemma 3's, Qwen3.5's `text_config`), else cfg."""
+    if cfg.model_type in MULTIMODAL_TYPES and getattr(cfg, "text_config", None) is not None:
         return cfg.text_config
     return cfg
 
@@ -102,10 +110,10 @@ def layer_windows(cfg) -> tuple[int | None, ...]:
         return (int(window) if window else None,) * n
     if len(types) != n:
         raise ValueError(f"config has {len(types)} layer_types for {n} layers")
-    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    bad = sorted(set(types) - {"sliding_attention", "full_attention", "linear_attention"})
     if bad:
-        raise ValueError(f"unsupported layer type {bad[0]!r} in layer_types: expected sliding_attention or "
-                         "full_attention")
+        raise ValueError(f"unsupported layer type {bad[0]!r} in layer_types: expected sliding_attention, "
+                         "full_attention or linear_attention")
     return tuple(int(window) if t == "sliding_attention" and window else None for t in types)
 
 
@@ -144,7 +152,16 @@ def _layer_description(cfg, head_dim: int) -> dict:
     if t == "ministral3" and params.get("llama_4_scaling_beta") is not None:
         temperature = (float(params["llama_4_scaling_beta"]), int(params["original_max_position_embeddings"]))
     scalar = getattr(cfg, "query_pre_attn_scalar", None) if gemma else None
+    linear = LinearAttentionArgs.from_hf(cfg)
+    kinds = tuple("linear_attention" if k == "linear_attention" else "attention"
+                  for k in getattr(cfg, "layer_types", None) or ()) if linear is not None else ()
+    if linear is None and "linear_attention" in (getattr(cfg, "layer_types", None) or ()):
+        raise ValueError(f"{t!r} config has linear_attention layers: the engine runs them for "
+                         f"{', '.join(LINEAR_MODEL_TYPES)} only")
     return dict(
+        layer_kinds=kinds,
+        attn_output_gate=linear is not None,  # Qwen3.5's gated attention
+        linear=linear,
         windows=layer_windows(cfg),
         rope_keys=keys,
         attn_scale=float(scalar) ** -0.5 if scalar else None,
@@ -153,7 +170,7 @@ def _layer_description(cfg, head_dim: int) -> dict:
         attn_sinks=t == "gpt_oss",
         o_bias=bool(getattr(cfg, "attention_bias", False)) and t not in ("qwen2", "qwen3"),
         rotary_dim=rotary_dim(cfg, head_dim),
-        gemma_norms=gemma,
+        gemma_norms=gemma or linear is not None,  # Qwen3.5's norms are 1 + w too (q/k norms included)
         sandwich_norms=gemma,
         embed_scale=math.sqrt(cfg.hidden_size) if gemma else None,
         hidden_act=acts[act],

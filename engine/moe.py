@@ -33,7 +33,7 @@ from agentrt import kernels
 from agentrt.kernels.linear import Linear, PackCache
 from agentrt.kernels.moe import ExpertPackCache, grouped_linear, route_topk, sort_by_expert
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "gpt_oss")
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,7 +69,8 @@ class MoEArgs:
         dense = set(getattr(cfg, "mlp_only_layers", None) or ())
         step = getattr(cfg, "decoder_sparse_step", 1) or 1
         sparse = tuple(i for i in layers if i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0)
-        return cls(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob),
+        renormalize = bool(getattr(cfg, "norm_topk_prob", True))  # Qwen3.5-MoE always renormalizes
+        return cls(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, renormalize,
                    sparse, "qwen", shared_intermediate_size=int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0))
 
 

@@ -51,6 +51,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        self.states = None  # a hybrid model's RecurrentStatePool (engine.recurrent_state), set by the engine
         # kv_cache: [layers, K/V, num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(
             a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype, device=self.device
@@ -123,8 +124,18 @@ class ModelRunner:
         if out.num_steps > 1:
             return self._execute_steps(out, t0)
         input_ids, positions, slot_mapping, meta, sample_rows, sample_reqs, prompt_rows, pool_rows = self._prepare(out)
-        with self.model.lora.use([r.lora for r in out.reqs], out.num_tokens, self.device):
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, slot_mapping)
+        # a hybrid model's recurrent states: each request's slot, the snapshots this step saves (engine.recurrent_state)
+        step = self.states.prepare(out.reqs, out.num_tokens) if self.states is not None else None
+        try:
+            with (self.model.lora.use([r.lora for r in out.reqs], out.num_tokens, self.device),
+                  self.model.recurrent.use(step)):
+                hidden = self.model(input_ids, positions, self.kv_cache, meta, slot_mapping)
+        except BaseException:
+            if step is not None:
+                self.states.abandon(step)
+            raise
+        if step is not None:
+            self.states.commit(step)
         tokens, logprobs, tops, rejected = [], None, None, None
         prompt_lps = [self._prompt_logprobs(hidden, *p) for p in prompt_rows] if prompt_rows else None
         pooled = [(req, start, self.model.norm(hidden[row : row + count]).float().sum(dim=0).cpu() if count else None)
