@@ -6,10 +6,17 @@ process (so that each peak RSS is its own), on the same GGUF file, the same thre
 - `packed`: `quantization="gguf"`, the file's blocks run by kernels.quant (engine.gguf_weights);
 - `widened`: `quantization="none"`, the weights widened to the engine's dtype at load, as before.
 
+- `llama.cpp`: the issue's peer, `llama-cpp-python` run by another interpreter (`--llama-python`, a venv where
+  it is installed: a benchmark-only peer built from its sdist, never a dependency of agentrt or of CI), on the
+  same file and threads; the row is left out, with the reason under the table, where that interpreter cannot
+  import `llama_cpp`.
+
 Reported per mode: the weights line of the engine's start-up, resident memory after load and its peak
 through the run (`LLM` with a `--kv-mib` KV pool), single-stream decode tokens/s (one prompt, `--max-tokens`
 greedy tokens, EOS ignored, best of `--repeats`) and batched output tokens/s (`--concurrency` prompts at
-once). Not measured yet: llama.cpp (`llama-cpp-python`, the issue's peer), to be run in the same table.
+once). llama-cpp-python has no batched generation of several sequences: its batched figure is the
+`--concurrency` prompts one after another (what a program issuing them concurrently gets from it without a
+server), which the table says.
 """
 
 from __future__ import annotations
@@ -71,9 +78,76 @@ def measure_one(mode: str, model: str | None, threads: int, kv_mib: int, prompt_
             "batched_tok_s": batched}
 
 
+# Run by the peer's interpreter (no agentrt, no torch there): argv[1] is a JSON object of the run's settings; prints
+# one JSON line of the same fields as measure_one.
+_LLAMA_CHILD = r"""
+import json, random, resource, sys, time
+import llama_cpp
+a = json.loads(sys.argv[1])
+def rss():
+    with open("/proc/self/status") as f:
+        now = next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+llm = llama_cpp.Llama(a["model"], n_threads=a["threads"], n_threads_batch=a["threads"], verbose=False,
+                      n_ctx=a["prompt_len"] + a["max_tokens"] + 8, n_batch=max(32, a["prompt_len"]), seed=0)
+loaded, _ = rss()
+rng = random.Random(0)
+vocab = llm.n_vocab()
+def run(prompt):
+    llm.reset()
+    n = 0
+    for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        n += 1
+        if n == a["max_tokens"]:
+            break
+    return n
+run([rng.randrange(100, vocab) for _ in range(8)])
+def tok_s(n):
+    best = float("inf")
+    for _ in range(a["repeats"]):
+        prompts = [[rng.randrange(100, vocab) for _ in range(a["prompt_len"])] for _ in range(n)]
+        t0 = time.perf_counter()
+        got = sum(run(p) for p in prompts)
+        best = min(best, time.perf_counter() - t0)
+    assert got == n * a["max_tokens"], got
+    return n * a["max_tokens"] / best
+single, batched = tok_s(1), tok_s(a["concurrency"])
+now, peak = rss()
+print(json.dumps({"mode": "llama.cpp", "weights": "llama-cpp-python " + llama_cpp.__version__ + ", mmap",
+                  "dtype": "-", "cpu_kind": "llama.cpp", "threads": a["threads"], "rss_loaded_mb": loaded,
+                  "rss_end_mb": now, "rss_peak_mb": peak, "single_tok_s": single, "batched_tok_s": batched,
+                  "batched_note": "one after another"}))
+"""
+
+
+def llama_cpp_missing(python: str | None) -> str | None:
+    """Why the llama.cpp row cannot run with interpreter `python` (None: it can)."""
+    if not python:
+        return "no --llama-python given (a python where `llama-cpp-python` is installed)"
+    try:
+        out = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"--llama-python {python!r} cannot run: {e}"
+    if out.returncode != 0:
+        return f"--llama-python {python!r} cannot import llama_cpp ({(out.stderr.strip().splitlines() or ['?'])[-1]})"
+    return None
+
+
+def measure_llama_cpp(python: str, model: str, threads: int, prompt_len: int, max_tokens: int, concurrency: int,
+                      repeats: int) -> dict:
+    """The peer's row: `_LLAMA_CHILD` run by `python` on the same file and threads."""
+    args = {"model": model, "threads": threads, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "concurrency": concurrency, "repeats": repeats}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run([python, "-c", _LLAMA_CHILD, json.dumps(args)], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench quant: the llama.cpp run failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def measure(model: str | None, threads: int, kv_mib: int, prompt_len: int, max_tokens: int, concurrency: int,
-            repeats: int) -> dict:
-    """Every mode, each in a child process."""
+            repeats: int, llama_python: str | None = None) -> dict:
+    """Every mode, each in a child process; the llama.cpp row where `llama_python` imports llama_cpp."""
     runs = []
     for mode in MODES:
         cmd = [sys.executable, "-m", "agentrt.bench.quant", "--one", mode, "--threads", str(threads), "--kv-mib",
@@ -83,28 +157,53 @@ def measure(model: str | None, threads: int, kv_mib: int, prompt_len: int, max_t
         if out.returncode != 0:
             raise RuntimeError(f"bench quant: the {mode} run failed: {out.stderr.strip().splitlines()[-1:]}")
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    llama_skipped = llama_cpp_missing(llama_python)
+    if llama_skipped is None:
+        from agentrt.engine.loader import default_gguf_path
+
+        runs.append(measure_llama_cpp(llama_python, model or str(default_gguf_path()), threads, prompt_len,
+                                      max_tokens, concurrency, repeats))
     return {"model": model or "SmolLM2-135M-Instruct (Q4_1 GGUF)", "prompt_len": prompt_len, "max_tokens": max_tokens,
-            "concurrency": concurrency, "kv_mib": kv_mib, "repeats": repeats, "runs": runs}
+            "concurrency": concurrency, "kv_mib": kv_mib, "repeats": repeats, "runs": runs,
+            "llama_cpp_skipped": llama_skipped, "isa_env": os.environ.get("AGENTRT_CPU_ISA")}
 
 
 def markdown(result: dict) -> str:
     from agentrt.bench._common import markdown_table
 
     base = next(r for r in result["runs"] if r["mode"] == "widened")
-    rows = [[r["mode"], r["weights"], r["cpu_kind"], r["threads"], f"{r['rss_loaded_mb']:,.0f}",
-             f"{r['rss_peak_mb']:,.0f}", f"{r['single_tok_s']:,.1f}", f"{r['single_tok_s'] / base['single_tok_s']:.2f}x",
-             f"{r['batched_tok_s']:,.1f}", f"{r['batched_tok_s'] / base['batched_tok_s']:.2f}x"]
-            for r in result["runs"]]
+    peer = next((r for r in result["runs"] if r["mode"] == "llama.cpp"), None)
+    forced = f" `AGENTRT_CPU_ISA={result['isa_env']}`." if result.get("isa_env") else ""
+    headers = ["mode", "weights", "CPU kind", "threads", "RSS loaded MB", "RSS peak MB", "single tok/s", "vs widened",
+               "batched tok/s", "vs widened"] + (["single vs llama.cpp", "batched vs llama.cpp"] if peer else [])
+    rows = []
+    for r in result["runs"]:
+        row = [r["mode"], r["weights"], r["cpu_kind"], r["threads"], f"{r['rss_loaded_mb']:,.0f}",
+               f"{r['rss_peak_mb']:,.0f}", f"{r['single_tok_s']:,.1f}", f"{r['single_tok_s'] / base['single_tok_s']:.2f}x",
+               f"{r['batched_tok_s']:,.1f}" + (" (one after another)" if r.get("batched_note") else ""),
+               f"{r['batched_tok_s'] / base['batched_tok_s']:.2f}x"]
+        if peer:
+            row += [f"{r['single_tok_s'] / peer['single_tok_s']:.2f}x", f"{r['batched_tok_s'] / peer['batched_tok_s']:.2f}x"]
+        rows.append(row)
     return "\n".join([
         (f"Model: {result['model']}; `LLM` with a {result['kv_mib']} MiB KV pool; single stream: one "
          f"{result['prompt_len']}-token random prompt, {result['max_tokens']} greedy tokens; batched: "
-         f"{result['concurrency']} such prompts at once; best of {result['repeats']}. Each mode in its own process."),
+         f"{result['concurrency']} such prompts at once; best of {result['repeats']}. Each mode in its own process.{forced}"),
         "",
-        markdown_table(["mode", "weights", "CPU kind", "threads", "RSS loaded MB", "RSS peak MB", "single tok/s",
-                        "vs widened", "batched tok/s", "vs widened"], rows),
+        markdown_table(headers, rows),
         "",
-        "llama.cpp (`llama-cpp-python`, the issue's peer on the same file and threads) is not measured yet.",
+        _llama_line(result),
     ]) + "\n"
+
+
+def _llama_line(result: dict) -> str:
+    if result.get("llama_cpp_skipped"):
+        return f"llama.cpp row left out: {result['llama_cpp_skipped']}."
+    if not any(r["mode"] == "llama.cpp" for r in result["runs"]):
+        return "llama.cpp (`llama-cpp-python`, the issue's peer on the same file and threads) is not measured yet."
+    return ("llama.cpp: `llama-cpp-python` (built from its sdist in a separate venv, `--llama-python`), same file "
+            "and threads, weights mapped from the file; its batched figure is the prompts one after another "
+            "(no batched generation of several sequences in its Python API).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=32, help="prompts of the batched workload")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--llama-python", default=None,
+                    help="a python where llama-cpp-python is installed (e.g. /work/llamacpp/bin/python): adds the "
+                         "llama.cpp row; without it the row is left out, saying why")
     ap.add_argument("--one", choices=sorted(MODES), default=None, help=argparse.SUPPRESS)  # a child's mode
     ap.add_argument("--json", action="store_true", help="print JSON instead of the markdown table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
@@ -130,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.one is not None:
         print(json.dumps(measure_one(a.one, *args)))
         return 0
-    result = measure(*args)
+    result = measure(*args, llama_python=a.llama_python)
     print(json.dumps(result, indent=2) if a.json else markdown(result))
     if a.docs:
         from agentrt.bench._common import write_section
