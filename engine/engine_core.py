@@ -37,8 +37,8 @@ from agentrt.engine.output_processor import OutputProcessor
 from agentrt.engine.outputs import Detokenizer, RequestOutput, StreamDelta
 from agentrt.engine.policy import make_policy
 from agentrt.engine.program_ops import ProgramOp
-from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.recurrent_state import RecurrentStatePool
+from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.runner import ModelRunner
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.scheduler import Scheduler, SchedulerOutput

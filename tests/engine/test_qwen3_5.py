@@ -196,3 +196,52 @@ def test_forks_copy_the_state(checkpoint):
     (out,) = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=0, ignore_eos=True), progress=False)
     assert [c.token_ids for c in out.outputs] == [want] * 3
     assert_all_states_free(llm.core)
+
+
+def _tokens(n, seed):
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _ttft(o) -> float:
+    return o.metrics.first_token_time - o.metrics.arrival_time
+
+
+def test_react_conversation_resumes_from_snapshots(checkpoint):
+    """A 10-call ReAct-style conversation growing past 4k tokens (each call's prompt: the previous prompt, its
+    32-token reply, a new 200-token tool result): from call 2 on the call's cached tokens are >= 90% of what it
+    shares with the previous call (its prompt and reply), the last call's time to first token is <= 0.2x a cold
+    prefill of the same prompt, and its reply equals a cold engine's. Every slot and block is free afterwards, and
+    every snapshot entry held once (the LRU of 16 entries evicted along the way)."""
+    from agentrt.engine import LLM, SamplingParams
+    from tests.conftest import assert_all_blocks_free
+
+    name, path, hf = checkpoint
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", num_blocks=600, block_size=16, max_num_batched_tokens=512,
+              recurrent_snapshots=16)
+    prompt, calls = _tokens(2200, 11), []
+    for k in range(10):
+        (o,) = llm.generate([{"prompt_token_ids": prompt}], params, progress=False)
+        calls.append((prompt, o.token_ids, o.num_cached_tokens, _ttft(o)))
+        prompt = prompt + o.token_ids + _tokens(200, 100 + k)
+    for (prev, reply, _, _), (p, _, cached, _) in zip(calls, calls[1:]):
+        shared = len(prev) + len(reply)
+        assert p[:shared] == prev + reply
+        assert cached >= 0.9 * shared, (cached, shared)
+    last, reply, _, warm_ttft = calls[-1]
+    assert len(last) > 4096
+    states = llm.core.runner.states
+    assert states.hits >= 9 and states.saves > states.num_snapshots  # the LRU was full and dropped entries
+    assert_all_blocks_free(llm.core)
+    assert_all_states_free(llm.core)
+    assert llm.core.reset_prefix_cache()
+    assert not states.snapshots and len(states.free_entries) == states.num_snapshots
+    (cold,) = llm.generate([{"prompt_token_ids": last}], params, progress=False)
+    assert cold.num_cached_tokens == 0
+    assert cold.token_ids == reply
+    print(f"ttft warm {warm_ttft:.3f} s, cold {_ttft(cold):.3f} s: {warm_ttft / _ttft(cold):.2f}x")
+    assert warm_ttft <= 0.2 * _ttft(cold), (warm_ttft, _ttft(cold))
+    other = LLM(str(path), dtype="float32", num_blocks=600, block_size=16, max_num_batched_tokens=512,
+                enable_prefix_caching=False)
+    (o,) = other.generate([{"prompt_token_ids": last}], params, progress=False)
+    assert o.token_ids == reply
