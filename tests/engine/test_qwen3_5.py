@@ -1,7 +1,7 @@
 """Qwen3.5's hybrid decoder (three Gated DeltaNet layers per gated full-attention layer; `qwen3_5_text`, and
 `qwen3_5_moe_text` with 4 experts and a shared expert) against transformers on tiny checkpoints made from its own
 config classes (seeded random weights, A_log / dt_bias / conv / norms random too): logits at every prefill and
-decode position within NMSE 1e-4 in fp32, two sequences in every step (chunked prefill over cached context with
+decode position within NMSE 1e-4 in fp32 (C++ kernels, torch path, Triton attention interpreted), two sequences in every step (chunked prefill over cached context with
 shuffled block tables, then batched decode), the recurrent state carried in the engine's state pool; greedy tokens
 through the whole engine equal to HF's generate, every state slot free afterwards."""
 
@@ -114,14 +114,15 @@ def checkpoint(request, tmp_path_factory):
     return request.param, path, hf
 
 
-@pytest.mark.parametrize("path_name", ["cpp", "torch"])
+@pytest.mark.parametrize("path_name", ["cpp", "torch", "triton"])
 def test_fp32_logits_match_hf(checkpoint, path_name):
     name, path, hf = checkpoint
     if path_name == "cpp" and not kernels_cpu.available():
         pytest.skip("C++ CPU kernels cannot be built here")
     seqs = sequences()
     want = hf_logits(hf, seqs)
-    with kernels_cpu.use_cpu_kernels(path_name == "cpp"):
+    with (kernels_cpu.use_cpu_kernels(path_name == "cpp"),
+          kernels.use_backend("triton" if path_name == "triton" else "auto")):
         model, _ = load_model(path, torch.float32, "cpu")
         got = engine_logits(model, seqs)
     assert model.args.layer_kinds == ("linear_attention",) * 3 + ("attention", "linear_attention")
@@ -245,3 +246,29 @@ def test_react_conversation_resumes_from_snapshots(checkpoint):
                 enable_prefix_caching=False)
     (o,) = other.generate([{"prompt_token_ids": last}], params, progress=False)
     assert o.token_ids == reply
+
+
+def test_preemption_and_abort_give_slots_back(checkpoint):
+    """A KV cache too small for four requests at once preempts some (their slots go back; they resume from a
+    snapshot or from scratch) and every reply is still HF's greedy one; a request aborted mid-decode gives its slot
+    back; in the end every slot and block is free."""
+    from agentrt.engine import LLM, SamplingParams
+    from tests.conftest import assert_all_blocks_free
+
+    name, path, hf = checkpoint
+    prompts = [s[:n] for s, n in zip(sequences(seed=14) + sequences(seed=15), (10, 13, 9, 14))]
+    want = hf_greedy(hf, prompts, 12)
+    llm = LLM(str(path), dtype="float32", num_blocks=14, block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
+              recurrent_snapshots=8)
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                             progress=False)]
+    assert llm.core.scheduler.num_preemptions > 0
+    assert got == want
+    core = llm.core
+    req = core.add_request(prompts[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        core.step()
+    assert core.runner.states.slot_of == {req.request_id: 0}
+    core.abort(req.request_id)
+    assert_all_blocks_free(core)
+    assert_all_states_free(core)
