@@ -272,3 +272,21 @@ def test_preemption_and_abort_give_slots_back(checkpoint):
     core.abort(req.request_id)
     assert_all_blocks_free(core)
     assert_all_states_free(core)
+
+
+@pytest.mark.parametrize("overrides", [{"num_speculative_tokens": 2}, {"num_scheduler_steps": 4}])
+def test_drafts_and_multi_step_are_refused_by_name(checkpoint, overrides):
+    from agentrt.engine import LLM
+
+    name, path, hf = checkpoint
+    with pytest.raises(ValueError, match="recurrent .linear-attention. layers.*num_speculative_tokens=0 and "
+                                         "num_scheduler_steps=1"):
+        LLM(str(path), dtype="float32", num_blocks=16, **overrides)
+
+
+def test_recurrent_snapshots_must_be_a_count():
+    from agentrt.engine.config import EngineConfig
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"recurrent_snapshots must be an int >= 0, got {bad!r}"):
+            EngineConfig(recurrent_snapshots=bad, device="cpu")
