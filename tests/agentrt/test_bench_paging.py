@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from agentrt.bench import paging as bench
 from tests.benchpages import pages
@@ -61,6 +62,15 @@ def test_kv_bytes_per_token_rounds_each_sequence_up_to_whole_blocks():
         bench.kv_bytes_per_token([], 16)
 
 
+def test_huge_pages_empty_is_an_aligned_writable_tensor():
+    if not bench.huge_pages_supported():
+        pytest.skip("no transparent huge pages here")
+    t = bench.huge_pages_empty((3, 5, 7), torch.bfloat16)
+    assert t.shape == (3, 5, 7) and t.dtype == torch.bfloat16 and t.data_ptr() % bench.HUGE_PAGE == 0
+    t.copy_(torch.arange(105, dtype=torch.bfloat16).view(3, 5, 7))
+    assert t.flatten().tolist() == list(range(105))
+
+
 def test_the_new_step_tables_equal_the_old_per_request_ones():
     bench.check_equal(num_seqs=5, context=70, block_size=4, steps=30)
 
@@ -81,7 +91,9 @@ def test_bench_paging_smoke(capsys):
             "--prep-steps", "3", "--json"]
     assert bench.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
-    assert [(r["dtype"], r["batch"], r["context"]) for r in res["decode"]] == [("float32", 2, 64), ("bfloat16", 2, 64)]
+    kinds = ["4 KB", "2 MB"] if bench.huge_pages_supported() else ["4 KB"]
+    assert [(r["pages"], r["dtype"], r["batch"], r["context"]) for r in res["decode"]] == [
+        (k, d, 2, 64) for k in kinds for d in ("float32", "bfloat16")]
     assert all(r["shuffled_ms"] > 0 and r["shuffled_over_contiguous"] > 0 for r in res["decode"])
     assert [r["block_size"] for r in res["block_size_kernel"]] == [16, 32, 16, 32]
     w = res["block_size_workload"]
