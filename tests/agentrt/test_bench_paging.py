@@ -85,10 +85,11 @@ def test_program_calls_follow_the_plan():
         assert nxt[: len(p) + len(r)] == p + r  # each call's prompt extends the last call's prompt and reply
 
 
-def test_bench_paging_smoke(capsys):
+def test_bench_paging_smoke(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "MIN_TIME_S", 0.0)
     before = pages()
     argv = ["--cases", "2x64", "--sweep-case", "2x64", "--block-sizes", "16,32", "--repeats", "1",
-            "--prep-steps", "3", "--json"]
+            "--prep-steps", "12", "--json"]
     assert bench.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     kinds = ["4 KB", "2 MB"] if bench.huge_pages_supported() else ["4 KB"]
