@@ -149,10 +149,14 @@ class EngineCore:
         """A hybrid model's recurrent-state pool (engine.recurrent_state), shared by the runner (slots, snapshots)
         and the KV manager (prefix hits capped at snapshots, slots freed with the KV)."""
         c = self.config
-        states = RecurrentStatePool.for_model(self.model.args, c.max_num_seqs, c.recurrent_snapshots, c.block_size,
-                                              c.device)
+        # live slots start few and double when the running set needs more (a state is ~MiBs a sequence)
+        states = RecurrentStatePool.for_model(self.model.args, min(8, c.max_num_seqs), c.recurrent_snapshots,
+                                              c.block_size, c.device)
         if states is None:
             return
+        logger.info("recurrent states: %.1f MiB a sequence, %d snapshots at block boundaries (%.0f MiB)",
+                    states.shape.bytes_per_state() / 2**20, states.num_snapshots,
+                    states.num_snapshots * states.shape.bytes_per_state() / 2**20)
         if c.num_speculative_tokens or c.num_scheduler_steps > 1:
             raise ValueError(f"{self.model_path.name} has recurrent (linear-attention) layers, whose state cannot take "
                              "back rejected drafts or run the multi-step decode loop: set num_speculative_tokens=0 and "

@@ -101,10 +101,8 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty(T, la.num_v_heads, la.value_dim, dtype=torch.float32, device=x.device)
         qsl = step.query_start_loc
-        decode = [i for i in range(len(step.slots)) if qsl[i + 1] - qsl[i] == 1]
+        decode, rows, slots = step.decode()
         if decode:
-            rows = torch.tensor([qsl[i] for i in decode], dtype=torch.long, device=x.device)
-            slots = step.slot_tensor()[rows.new_tensor(decode)] if len(decode) < len(step.slots) else step.slot_tensor()
             out[rows] = self._decode(mixed[rows], g[rows], beta[rows], slots, step, decode)
         for i in range(len(step.slots)):
             s, e = qsl[i], qsl[i + 1]

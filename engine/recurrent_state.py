@@ -50,13 +50,19 @@ class RecurrentStep:
     starts: list[int]  # per sequence, the position of its first token this step
     query_start_loc: list[int]  # per sequence its first row in the flat batch; one past the last at the end
     snapshots: list[list[tuple[int, int]]]  # per sequence: (tokens of this step, snapshot entry) saved after them
-    slots_t: torch.Tensor | None = None  # `slots` on the device (int64), made on first use
     pending: list[tuple[bytes, int]] = field(default_factory=list)  # (key, entry) registered by `commit`
+    decode_rows: tuple | None = None  # see `decode`, made by the first layer that asks
 
-    def slot_tensor(self) -> torch.Tensor:
-        if self.slots_t is None:
-            self.slots_t = torch.tensor(self.slots, dtype=torch.long, device=self.pool.device)
-        return self.slots_t
+    def decode(self) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        """The sequences with one row this step (they take one recurrent step together): (their indices in the
+        batch, their rows in the flat batch, their slots), the tensors on the pool's device (None if none)."""
+        if self.decode_rows is None:
+            qsl = self.query_start_loc
+            seqs = [i for i in range(len(self.slots)) if qsl[i + 1] - qsl[i] == 1]
+            dev = self.pool.device
+            self.decode_rows = (seqs, torch.tensor([qsl[i] for i in seqs], dtype=torch.long, device=dev) if seqs else None,
+                                torch.tensor([self.slots[i] for i in seqs], dtype=torch.long, device=dev) if seqs else None)
+        return self.decode_rows
 
 
 class RecurrentStatePool:
