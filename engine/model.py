@@ -254,6 +254,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cis: torch.Tensor | None = None
         self.rope_cos_sin: torch.Tensor | None = None
         self._decode_cache: tuple | None = None  # see _decode_weights
+        self._decode_quant_types: list[int] = []  # see _decode_weights
         self._packs_homed = False  # see _packs_on_huge_pages
         self.batch_invariant = False  # see set_batch_invariant
         # projections kept in GGUF block formats (engine.gguf_weights.pack_model): no fused C++ decode step, no
@@ -315,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
             return ops.decode_forward(x, *self._decode_weights(), kv_cache, positions, slot_mapping, self.rope_cos_sin,
                                       meta.query_start_loc, meta.seq_lens, meta.block_tables, a.num_heads,
                                       a.intermediate_size, a.rms_norm_eps, self.layers[0].self_attn.scale,
-                                      meta.batch_invariant)
+                                      meta.batch_invariant, self._decode_quant_types)
         q_scale = None
         if (temperature := self.args.attn_temperature) is not None:
             beta, span = temperature
@@ -332,21 +333,33 @@ class LlamaForCausalLM(nn.Module):
     def _decode_fusable(self, rows: int, max_query_len: int, kv_cache: torch.Tensor) -> bool:
         """Whether a step of `rows` rows can run as one `decode_forward` call: decode rows (at most 16 per
         sequence, the C++ attention's), few enough for the packed projections, a head_dim and layout the
-        C++ kernels take (the cache in the model's dtype), and Llama's layer layout exactly (`ModelArgs.plain`)."""
-        if not self.args.plain or self.quantized:
+        C++ kernels take (the cache in the model's dtype), and Llama's layer layout exactly (`ModelArgs.plain`).
+        Packed GGUF weights (`quantized`) too, as bf16 on an AVX512-BF16 build (kernels/csrc/quant_bf16.h)."""
+        if not self.args.plain or (self.quantized and not self._quant_fusable()):
             return False
         return (self.args.moe is None and max_query_len <= CPP_MAX_QUERY_ROWS and rows <= BF16_PACKED_MAX_ROWS
                 and self.args.head_dim in (32, 64, 128, 256) and self.args.num_heads <= 64
                 and kv_cache.dtype == self.embed_tokens.weight.dtype and kv_cache.is_contiguous())
 
+    def _quant_fusable(self) -> bool:
+        """Whether `decode_forward` takes this model's packed GGUF weights: every projection packed, bf16, and
+        the kernels built with AVX512-BF16."""
+        lins = [lin for layer in self.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        return (self.embed_tokens.weight.dtype == torch.bfloat16 and kernels.cpu.compiled_isa() == "avx512_bf16"
+                and all(getattr(lin, "quant", None) is not None for lin in lins)
+                and (self.lm_head is None or len(self.lm_head.quant or ()) == 1))
+
     def _decode_weights(self) -> tuple:
         """Per-layer weight lists of `decode_forward`, packed; built on the first decode step and dropped
-        when weights are loaded or the model is moved (the engine never changes them in between)."""
+        when weights are loaded or the model is moved (the engine never changes them in between). A packed
+        GGUF model's lists are its projections' block parts, their ggml types in `_decode_quant_types`."""
         if self._decode_cache is None:
             bf16 = self.embed_tokens.weight.dtype == torch.bfloat16
+            self._decode_quant_types = []
 
-            def packed(lin: Linear) -> torch.Tensor:
-                return lin.pack_cache.get(lin.weight)
+            def packed(lin: Linear) -> torch.Tensor | None:
+                return None if self.quantized else lin.pack_cache.get(lin.weight)  # packed GGUF: the parts below
 
             def bias(lin: Linear) -> torch.Tensor | None:
                 return None if lin.bias is None else (lin.pack_cache.get_bias_f32(lin.bias) if bf16 else lin.bias)
@@ -359,6 +372,14 @@ class LlamaForCausalLM(nn.Module):
                 [packed(layer.mlp.down_proj) for layer in ls],
                 [n.weight for layer in ls if layer.self_attn.q_norm is not None
                  for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)])  # Qwen3's, else empty
+            if self.quantized:  # each projection's parts, flat, in the order decode_forward reads their types
+                kinds = [[layer.self_attn.qkv_proj for layer in ls], [layer.self_attn.o_proj for layer in ls],
+                         [layer.mlp.gate_up_proj for layer in ls], [layer.mlp.down_proj for layer in ls]]
+                parts = [[p for lin in kind for p in lin.quant] for kind in kinds]
+                c = self._decode_cache
+                self._decode_cache = (c[0], [p.data for p in parts[0]], c[2], [p.data for p in parts[1]], c[4],
+                                      [p.data for p in parts[2]], [p.data for p in parts[3]], c[7])
+                self._decode_quant_types = [p.type_id for kind in parts for p in kind]
         return self._decode_cache
 
     def streamed_weights(self) -> list[tuple[PackCache, torch.Tensor]]:
@@ -420,17 +441,25 @@ class LlamaForCausalLM(nn.Module):
         argmax: on CPU with the C++ kernels, one `decode_steps` call (kernels/csrc/cpu_ops.cpp)."""
         rows, a = input_ids.shape[0], self.args
         w = self.embed_tokens.weight
-        ops = _cpu_ops(w)
+        ops = _cpu_ops(w) if self.embed_quant is None else (kernels.cpu.ops() if w.device.type == "cpu" else None)
         if ops is not None:
             self._packs_on_huge_pages()
         if (ops is not None and self.lora.batch is None and self._decode_fusable(rows, 1, kv_cache)
                 and self.norm.weight.dtype == w.dtype):
-            head = (self.lm_head.pack_cache.get(self.lm_head.weight) if self.lm_head is not None
+            head_q = self.lm_head.quant if self.lm_head is not None else self.tied_head_quant
+            head = (head_q[0].data if head_q is not None and len(head_q) == 1
+                    else self.lm_head.pack_cache.get(self.lm_head.weight) if self.lm_head is not None
                     else self._tied_head_pack.get(w))
-            return ops.decode_steps(input_ids, w, *self._decode_weights(), kv_cache, positions, self.rope_cos_sin,
+            embed = w if self.embed_quant is None else self.embed_quant.data
+            weights = self._decode_weights()
+            quant_types = self._decode_quant_types
+            if self.quantized:  # then the embedding's and the LM head's types (0: widened)
+                quant_types = [*quant_types, 0 if self.embed_quant is None else self.embed_quant.type_id,
+                               0 if head_q is None else head_q[0].type_id]
+            return ops.decode_steps(input_ids, embed, *weights, kv_cache, positions, self.rope_cos_sin,
                                     block_tables, self.norm.weight, head, a.vocab_size, stop_ids, steps, a.num_heads,
                                     a.intermediate_size, a.rms_norm_eps, self.layers[0].self_attn.scale,
-                                    self.batch_invariant)
+                                    self.batch_invariant, quant_types)
         dev, bs = input_ids.device, kv_cache.shape[3]
         width = block_tables.shape[1]
         last = (positions + steps - 1) // bs  # a row's blocks are a prefix of its table row

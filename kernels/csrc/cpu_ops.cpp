@@ -153,7 +153,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, 
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0 || N == 0) return y;
     agentrt::by_quant_type(type, [&](auto f) {
-      agentrt::quant_linear_bf16<decltype(f)>(ptr<bf16>(x), M, K, wp, b, ptr<bf16>(y), N);
+      agentrt::quant_linear_bf16<decltype(f)>(ptr<bf16>(x), M, K, wp, b, ptr<bf16>(y), N, N);
     });
     return y;
 #else
@@ -388,6 +388,38 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions, con
   return q;
 }
 
+// A projection kept in GGUF blocks (kernels.quant): its row parts, each in one format (a fused q/k/v may hold
+// q and k in Q4_K and v in Q6_K).
+struct QuantPart {
+  const uint8_t* w;
+  int64_t type, rows;
+};
+
+// decode_forward's projections of one kind (K inputs, N outputs) of every layer from the flat list `parts` (each
+// layer's parts in row order, their rows adding up to N) and their ggml types from types[next...]; next advances.
+std::vector<std::vector<QuantPart>> quant_projections(at::TensorList parts, at::IntArrayRef types, size_t& next,
+                                                      int64_t layers, int64_t K, int64_t N, const char* what) {
+  std::vector<std::vector<QuantPart>> out(layers);
+  size_t p = 0;
+  for (int64_t i = 0; i < layers; ++i) {
+    int64_t rows = 0;
+    while (rows < N) {
+      TORCH_CHECK(p < parts.size() && next < types.size(), "decode_forward: the packed ", what, " parts of layer ", i,
+                  " cover ", rows, " of its ", N, " rows");
+      const at::Tensor& w = parts[p++];
+      const int64_t type = types[next++], n = w.dim() == 2 ? w.size(0) : -1;
+      int64_t block = 0, bytes = 0;
+      TORCH_CHECK(n > 0 && rows + n <= N, "decode_forward: a packed ", what, " part of layer ", i, " has ", n,
+                  " rows past the projection's ", N);
+      check_quant(w, type, n, K, "decode_forward", block, bytes);
+      out[i].push_back({w.data_ptr<uint8_t>(), type, n});
+      rows += n;
+    }
+  }
+  TORCH_CHECK(p == parts.size(), "decode_forward: ", parts.size() - p, " packed ", what, " parts past the last layer");
+  return out;
+}
+
 // The decoder layers of a decode step in one call (every op above, no Python between them): x [T, hidden]
 // embeddings of T rows, sequences of 1-16 rows each; per layer the input norm, packed weights (fp32:
 // [N / 16, K, 16]; bf16: [N / 32, K / 2, 32, 2] with fp32 biases), post-attention norm; kv_cache
@@ -402,10 +434,14 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
                           const at::Tensor& slot_mapping, const at::Tensor& cos_sin,
                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                           const at::Tensor& block_tables, int64_t num_heads, int64_t intermediate, double eps,
-                          double scale, bool invariant) {
+                          double scale, bool invariant, at::IntArrayRef quant_types) {
   const int64_t layers = input_norms.size();
-  TORCH_CHECK(qkv.size() == layers && qkv_bias.size() == layers && o_proj.size() == layers &&
-                  post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
+  // quant_types empty: one packed bf16 / fp32 weight per layer in each list; else the lists hold GGUF block parts
+  // (quant_projections) with their types in quant_types, qkv's then o_proj's, gate_up's, down's.
+  const bool quant = !quant_types.empty();
+  TORCH_CHECK(qkv_bias.size() == layers && post_norms.size() == layers &&
+                  (quant || (qkv.size() == layers && o_proj.size() == layers && gate_up.size() == layers &&
+                             down.size() == layers)) &&
                   kv_cache.dim() == 6 && kv_cache.size(0) == layers && kv_cache.size(1) == 2 && layers >= 1,
               "decode_forward: one weight of each kind per layer (at least one layer) and kv_cache "
               "[layers, 2, blocks, block_size, KVH, D]");
@@ -419,9 +455,31 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
               "decode_forward: head_dim 32, 64, 128 or 256, whole GQA groups, at most ", agentrt::kMaxHeads, " heads");
   // every check before the team starts: nothing may throw inside it
   std::vector<const float*> biases(layers);
+  std::vector<std::vector<QuantPart>> q_qkv, q_o, q_gu, q_down;
+  if (quant) {
+#if defined(__AVX512BF16__)
+    TORCH_CHECK(bf, "decode_forward: GGUF block weights take bf16 rows");
+#else
+    TORCH_CHECK(false, "decode_forward: GGUF block weights need the AVX512-BF16 build (this one is ", isa(), ")");
+#endif
+    size_t next = 0;
+    q_qkv = quant_projections(qkv, quant_types, next, layers, hidden, qkv_n, "qkv");
+    q_o = quant_projections(o_proj, quant_types, next, layers, H * D, hidden, "o_proj");
+    q_gu = quant_projections(gate_up, quant_types, next, layers, hidden, 2 * intermediate, "gate_up");
+    q_down = quant_projections(down, quant_types, next, layers, intermediate, hidden, "down");
+    TORCH_CHECK(next == quant_types.size(), "decode_forward: ", quant_types.size() - next, " quant types past the parts");
+  }
   for (int64_t i = 0; i < layers; ++i) {
     check_norm(x, input_norms[i]);
     check_norm(x, post_norms[i]);
+    if (quant) {
+      const std::optional<at::Tensor>& b = qkv_bias.get(i);
+      const bool has = b.has_value() && b->defined();
+      TORCH_CHECK(!has || (b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == qkv_n),
+                  "decode_forward: a qkv bias of packed weights is fp32 [", qkv_n, "]");
+      biases[i] = has ? b->data_ptr<float>() : nullptr;
+      continue;
+    }
     biases[i] = check_packed(qkv[i], qkv_bias.get(i), hidden, qkv_n, bf);
     check_packed(o_proj[i], std::nullopt, H * D, hidden, bf);
     check_packed(gate_up[i], std::nullopt, hidden, 2 * intermediate, bf);
@@ -483,11 +541,25 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const float* cs = cos_sin.data_ptr<float>();
     const float feps = static_cast<float>(eps), fscale = static_cast<float>(scale);
-    auto linear = [&](const E* in, int64_t K, const at::Tensor& w, const float* bias, E* out, int64_t N) {
+    // layer i's projection: `lists` (packed bf16 / fp32) or `parts` (GGUF blocks, one call per part)
+    auto linear = [&](const E* in, int64_t K, at::TensorList lists, const std::vector<std::vector<QuantPart>>& parts,
+                      int64_t i, const float* bias, E* out, int64_t N) {
       if constexpr (std::is_same_v<E, float>) {
-        agentrt::packed_linear_f32(in, T, K, w.data_ptr<float>(), bias, out, N);
+        agentrt::packed_linear_f32(in, T, K, lists[i].data_ptr<float>(), bias, out, N);
       } else {
-        agentrt::packed_linear_bf16(in, T, K, ptr<bf16>(w), bias, out, N);
+        if (!quant) {
+          agentrt::packed_linear_bf16(in, T, K, ptr<bf16>(lists[i]), bias, out, N);
+          return;
+        }
+#if defined(__AVX512BF16__)
+        int64_t r0 = 0;
+        for (const QuantPart& p : parts[i]) {
+          agentrt::by_quant_type(p.type, [&](auto f) {
+            agentrt::quant_linear_bf16<decltype(f)>(in, T, K, p.w, bias ? bias + r0 : nullptr, out + r0, p.rows, N);
+          });
+          r0 += p.rows;
+        }
+#endif
       }
     };
     agentrt::run_team([&] {
@@ -522,7 +594,7 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
                                T, hidden);
           if (i == 0) std::copy(xp, xp + T * hidden, resp);
         });
-        linear(np, hidden, qkv[i], biases[i], qkvp, qkv_n);
+        linear(np, hidden, qkv, q_qkv, i, biases[i], qkvp, qkv_n);
         agentrt::single([&] {
           if (!qk_norms.empty())
             agentrt::qk_head_norms<E>(qkvp, qkv_n, ptr<E>(qk_norms[2 * i]), ptr<E>(qk_norms[2 * i + 1]), feps, T, H,
@@ -541,13 +613,13 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
         agentrt::paged_attention_small_q<E>(qp, H * D, attnp, kc, vc, qsl, lens, tables, max_blocks, seqs.data(),
                                             seqs.size(), H, KVH, D, block_size, fscale, invariant);
 #endif
-        linear(attnp, H * D, o_proj[i], nullptr, op, hidden);
+        linear(attnp, H * D, o_proj, q_o, i, nullptr, op, hidden);
         agentrt::single([&] {
           agentrt::rms_norm<E>(op, resp, ptr<E>(post_norms[i]), feps, np, resp, T, hidden);
         });
-        linear(np, hidden, gate_up[i], nullptr, gup, 2 * intermediate);
+        linear(np, hidden, gate_up, q_gu, i, nullptr, gup, 2 * intermediate);
         agentrt::single([&] { agentrt::silu_and_mul<E>(gup, actp, T, intermediate); });
-        linear(actp, intermediate, down[i], nullptr, hp, hidden);
+        linear(actp, intermediate, down, q_down, i, nullptr, hp, hidden);
       }
     });
   });
@@ -646,13 +718,24 @@ std::tuple<at::Tensor, at::Tensor> decode_steps(
     at::TensorList gate_up, at::TensorList down, at::TensorList qk_norms, at::Tensor& kv_cache,
     const at::Tensor& positions, const at::Tensor& cos_sin, const at::Tensor& block_tables, const at::Tensor& final_norm,
     const at::Tensor& lm_head, int64_t vocab, const at::Tensor& stop_ids, int64_t steps, int64_t num_heads,
-    int64_t intermediate, double eps, double scale, bool invariant) {
+    int64_t intermediate, double eps, double scale, bool invariant, at::IntArrayRef quant_types) {
   const int64_t R = input_ids.numel();
+  // quant_types non-empty: decode_forward's (the layers' GGUF block parts), then the embedding's and the LM head's
+  // ggml types, 0 where that one is widened (bf16 / fp32, packed as above)
+  TORCH_CHECK(quant_types.empty() || quant_types.size() >= 2, "decode_steps: quant_types ends with the embedding's "
+              "and the LM head's types");
+  const at::IntArrayRef layer_types = quant_types.empty() ? quant_types : quant_types.slice(0, quant_types.size() - 2);
+  const int64_t embed_type = quant_types.empty() ? 0 : quant_types[quant_types.size() - 2];
+  const int64_t head_type = quant_types.empty() ? 0 : quant_types.back();
+  const int64_t hidden = input_norms.empty() ? 0 : input_norms[0].numel();
+  int64_t block = 0, bytes = 0;
+  if (embed_type) check_quant(embed, embed_type, embed.size(0), hidden, "decode_steps (embedding)", block, bytes);
+  if (head_type) check_quant(lm_head, head_type, vocab, hidden, "decode_steps (LM head)", block, bytes);
   TORCH_CHECK(steps >= 1, "decode_steps: steps must be >= 1, got ", steps);
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.dim() == 1 && R >= 1 &&
                   positions.scalar_type() == at::kLong && positions.sizes() == input_ids.sizes(),
               "decode_steps: input_ids and positions [R] int64, R >= 1");
-  TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == kv_cache.scalar_type() && embed.is_contiguous() &&
+  TORCH_CHECK(embed.dim() == 2 && (embed_type || embed.scalar_type() == kv_cache.scalar_type()) && embed.is_contiguous() &&
                   kv_cache.dim() == 6,
               "decode_steps: embed [vocab, hidden] contiguous, of the cache's dtype; kv_cache 6-D");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == R &&
@@ -684,7 +767,7 @@ std::tuple<at::Tensor, at::Tensor> decode_steps(
   int32_t* lenp = seq_lens.data_ptr<int32_t>();
   const int64_t* stops = stop_ids.data_ptr<int64_t>();
   const int64_t S = stop_ids.size(1);
-  const bool bf = embed.scalar_type() == at::kBFloat16;
+  const bool bf = kv_cache.scalar_type() == at::kBFloat16;
   std::vector<char> done(R, 0);
   int64_t remaining = R;
   for (int64_t j = 0; j < steps && remaining; ++j) {
@@ -692,13 +775,16 @@ std::tuple<at::Tensor, at::Tensor> decode_steps(
       slotp[r] = (int64_t)tables[r * width + posp[r] / bs] * bs + posp[r] % bs;
       lenp[r] = static_cast<int32_t>(posp[r] + 1);
     }
-    const at::Tensor x = embed.index_select(0, ids);
+    const at::Tensor x = embed_type ? quant_dequantize(embed.index_select(0, ids), embed_type, R, hidden)
+                                          .to(kv_cache.scalar_type())
+                                    : embed.index_select(0, ids);
     const at::Tensor h = decode_forward(x, input_norms, qkv, qkv_bias, o_proj, post_norms, gate_up, down, qk_norms,
                                         kv_cache, pos, slots, cos_sin, qsl, seq_lens, block_tables, num_heads, intermediate,
-                                        eps, scale, invariant);
+                                        eps, scale, invariant, layer_types);
     const at::Tensor normed = rms_norm(h, final_norm, eps);
-    const at::Tensor logits = bf ? packed_linear_bf16(normed, lm_head, std::nullopt, vocab, invariant)
-                                 : packed_linear(normed, lm_head, std::nullopt, vocab);
+    const at::Tensor logits = head_type ? quant_linear(normed, lm_head, head_type, vocab, std::nullopt)
+                              : bf      ? packed_linear_bf16(normed, lm_head, std::nullopt, vocab, invariant)
+                                        : packed_linear(normed, lm_head, std::nullopt, vocab);
     const at::Tensor next = argmax_rows(logits);
     const int64_t* best = next.data_ptr<int64_t>();
     for (int64_t r = 0; r < R; ++r) {
@@ -751,13 +837,14 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
       "decode_forward(Tensor x, Tensor[] input_norms, Tensor[] qkv, Tensor?[] qkv_bias, Tensor[] o_proj, "
       "Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor[] qk_norms, Tensor(a!) kv_cache, "
       "Tensor positions, Tensor slot_mapping, Tensor cos_sin, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
-      "int num_heads, int intermediate, float eps, float scale, bool invariant=False) -> Tensor");
+      "int num_heads, int intermediate, float eps, float scale, bool invariant=False, int[] quant_types=[]) -> Tensor");
   m.def(
       "decode_steps(Tensor input_ids, Tensor embed, Tensor[] input_norms, Tensor[] qkv, Tensor?[] qkv_bias, "
       "Tensor[] o_proj, Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor[] qk_norms, Tensor(a!) kv_cache, "
       "Tensor positions, "
       "Tensor cos_sin, Tensor block_tables, Tensor final_norm, Tensor lm_head, int vocab, Tensor stop_ids, int steps, "
-      "int num_heads, int intermediate, float eps, float scale, bool invariant=False) -> (Tensor, Tensor)");
+      "int num_heads, int intermediate, float eps, float scale, bool invariant=False, int[] quant_types=[]) -> "
+      "(Tensor, Tensor)");
   m.def(
       "rope_store_kv(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, int num_heads) -> Tensor");

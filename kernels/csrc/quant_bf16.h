@@ -268,10 +268,11 @@ inline void chunk_sums_bf16(const bf16* x, int64_t M, int64_t K, float* sx) {
           _mm512_dpbf16_ps(_mm512_setzero_ps(), ones, (__m512bh)_mm512_loadu_si512(x + m * K + 32 * ch)));
 }
 
-// x [M, K] bf16, w [N, K / B * bytes] in format F, bias fp32 [N] or null -> y [M, N] bf16.
+// x [M, K] bf16, w [N, K / B * bytes] in format F, bias fp32 [N] or null -> y [M, N] bf16, rows ldy apart (N: a
+// whole output; more: these N columns of a wider one, e.g. a fused projection's part).
 template <typename F>
 inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t* w, const float* bias, bf16* y,
-                              int64_t N) {
+                              int64_t N, int64_t ldy) {
   using U = Bf16Unpack<F>;
   const int64_t chunks = K / 32, blocks = K / F::kBlock, row_bytes = blocks * F::kBytes;
   const int64_t sub = F::kBlock / 32;  // 32-weight chunks per block
@@ -293,10 +294,10 @@ inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t
       if (M <= kQdotRows) {
         const uint8_t* wg = w + n0 * row_bytes;
         switch (M) {
-          case 1: qdot_rows_blockwise<F, 1>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, N); break;
-          case 2: qdot_rows_blockwise<F, 2>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, N); break;
-          case 3: qdot_rows_blockwise<F, 3>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, N); break;
-          default: qdot_rows_blockwise<F, 4>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, N); break;
+          case 1: qdot_rows_blockwise<F, 1>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, ldy); break;
+          case 2: qdot_rows_blockwise<F, 2>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, ldy); break;
+          case 3: qdot_rows_blockwise<F, 3>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, ldy); break;
+          default: qdot_rows_blockwise<F, 4>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, ldy); break;
         }
         continue;
       }
@@ -315,12 +316,12 @@ inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t
       for (int64_t m0 = 0; m0 < M; m0 += kQdotRows) {
         const bf16* xm = x + m0 * K;
         const float* sm = U::kOffsets ? sx.data() + m0 * chunks : nullptr;
-        bf16* ym = y + m0 * N + n0;
+        bf16* ym = y + m0 * ldy + n0;
         switch (std::min<int64_t>(kQdotRows, M - m0)) {
-          case 1: qdot_tile<1, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, N, ncols); break;
-          case 2: qdot_tile<2, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, N, ncols); break;
-          case 3: qdot_tile<3, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, N, ncols); break;
-          default: qdot_tile<4, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, N, ncols); break;
+          case 1: qdot_tile<1, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, ldy, ncols); break;
+          case 2: qdot_tile<2, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, ldy, ncols); break;
+          case 3: qdot_tile<3, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, ldy, ncols); break;
+          default: qdot_tile<4, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, ldy, ncols); break;
         }
       }
     }

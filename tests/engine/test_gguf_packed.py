@@ -73,6 +73,58 @@ def test_greedy_matches_hf(models):
         assert o.token_ids == (ref[: ref.index(eos) + 1] if eos in ref else ref)
 
 
+@pytest.fixture(scope="module")
+def bf16_models():
+    from agentrt.kernels import cpu
+
+    if cpu.compiled_isa() != "avx512_bf16":
+        pytest.skip("the bf16 block kernels and the fused packed decode need an AVX512-BF16 build")
+    path, gguf = resolve_model(None), gguf_source(None)
+    packed, _ = load_model(path, torch.bfloat16, "cpu", packed_from=gguf)
+    widened, _ = load_model(path, torch.bfloat16, "cpu")
+    return packed, widened
+
+
+@requires_default_model
+def test_bf16_logits_match_the_widened_engine_and_the_fused_step_the_module_path(bf16_models, monkeypatch):
+    packed, widened = bf16_models
+    tokens = torch.randint(100, 20000, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert packed._decode_fusable(1, 1, torch.empty(1, dtype=torch.bfloat16))  # decode steps run decode_forward
+    fused = engine_logits(packed, tokens, 20, 7)
+    assert _nmse(fused, engine_logits(widened, tokens, 20, 7)) <= 1e-3  # bf16 rounding at other places
+    monkeypatch.setattr(type(packed), "_decode_fusable", lambda *a: False)
+    assert torch.equal(fused, engine_logits(packed, tokens, 20, 7))  # decode_forward on block parts: the same bits
+
+
+@requires_default_model
+def test_bf16_multi_step_decode_matches_step_by_step(bf16_models, monkeypatch):
+    # decode_steps (one C++ call: packed embedding lookup, layers, the tied Q8_0 head, argmax) against the
+    # runner's step-by-step path on the same model
+    packed, _ = bf16_models
+    a = packed.args
+    kv = torch.zeros(a.num_layers, 2, 9, 4, a.num_kv_heads, a.head_dim, dtype=torch.bfloat16)
+    table = torch.arange(1, 9, dtype=torch.int32).view(1, -1)
+    ids, pos, stops = torch.tensor([5, 900]), torch.tensor([0, 3]), torch.full((2, 1), -1)
+    tables = torch.cat([table, table.flip(1)])
+    from agentrt.kernels import cpu
+
+    ops, calls = cpu.ops(), []
+
+    class Spy:  # the C++ ops, counting decode_steps calls
+        def __getattr__(self, name):
+            if name == "decode_steps":
+                calls.append(name)
+            return getattr(ops, name)
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu, "ops", lambda *a: Spy())
+        fused = packed.decode_steps(ids, pos, kv.clone(), tables, stops, 6)
+    assert calls == ["decode_steps"]
+    monkeypatch.setattr(type(packed), "_decode_fusable", lambda *a: False)
+    looped = packed.decode_steps(ids, pos, kv.clone(), tables, stops, 6)
+    assert torch.equal(fused[0], looped[0]) and torch.equal(fused[1], looped[1])
+
+
 def test_quantization_refusals(monkeypatch):
     with pytest.raises(ValueError, match="quantization must be None, 'gguf' or 'none', got 'int4'.*not implemented"):
         EngineConfig(quantization="int4", device="cpu")
