@@ -2,7 +2,7 @@
 `qwen3_5_moe_text` with 4 experts and a shared expert) against transformers on tiny checkpoints made from its own
 config classes (seeded random weights, A_log / dt_bias / conv / norms random too): logits at every prefill and
 decode position within NMSE 1e-4 in fp32 (C++ kernels, torch path, Triton attention interpreted), two sequences in every step (chunked prefill over cached context with
-shuffled block tables, then batched decode), the recurrent state carried in the engine's state pool; greedy tokens
+shuffled block tables, then batched decode), bf16 within twice transformers' bf16 error; the recurrent state carried in the engine's state pool; greedy tokens
 through the whole engine equal to HF's generate, every state slot free afterwards."""
 
 import os
@@ -130,12 +130,18 @@ def test_fp32_logits_match_hf(checkpoint, path_name):
     assert nmse(got, want) < 1e-4
 
 
-def test_bf16_close_to_hf(checkpoint):
+def test_bf16_error_within_twice_hf_bf16(checkpoint):
+    """bf16 against fp32: the engine's error no more than twice transformers' own bf16 error (flash-attention's rule;
+    on these flat random logits bf16 flips the top token at ~20% of positions on either side, so vLLM's top-5 rule
+    does not apply)."""
     name, path, hf = checkpoint
     seqs = sequences(seed=4)
     want = hf_logits(hf, seqs)
+    theirs = hf_logits(make_hf(hf.config).to(torch.bfloat16), seqs)
     model, _ = load_model(path, torch.bfloat16, "cpu")
-    assert nmse(engine_logits(model, seqs), want) < 5e-2
+    got = engine_logits(model, seqs)
+    assert nmse(got, want) <= 2 * nmse(theirs, want)
+    assert nmse(got, want) < 0.1  # bf16 rounding, not a wrong weight (that is ~1)
 
 
 def assert_all_states_free(core):

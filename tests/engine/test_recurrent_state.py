@@ -8,6 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from agentrt.engine.recurrent_state import RecurrentStatePool, StateShape
 
@@ -117,3 +120,92 @@ def test_clear_snapshots_frees_every_entry():
     p.clear_snapshots()
     assert not p.snapshots and sorted(p.free_entries) == [0, 1, 2]
     p.check()
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random requests taking slots, stepping (snapshots planned, then committed or abandoned), forking, freeing and
+    resetting the cache: every slot and entry held once; a request's slot holds exactly what its steps wrote; a
+    restored slot equals the snapshot it resumed from."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = pool(slots=1, snapshots=3, block_size=4)
+        self.live: dict[str, SimpleNamespace] = {}
+        self.n = 0
+
+    @rule(length=st.integers(1, 14))
+    def arrive(self, length):
+        self.n += 1
+        r = req(f"r{self.n}", [self.n % 3] * length)  # few distinct contents: prefixes repeat
+        hashes = self.p.block_hashes(r, (length - 1) // 4)
+        r.num_computed_tokens = self.p.usable_prefix(hashes) * 4
+        before = None
+        if r.num_computed_tokens:
+            entry = self.p.snapshots[hashes[r.num_computed_tokens // 4 - 1]]
+            before = self.p.snap_ssm[:, entry].clone()
+        slot = self.p.slot(r)
+        if before is not None:
+            assert torch.equal(self.p.ssm[:, slot], before)
+        else:
+            assert float(self.p.ssm[:, slot].abs().sum()) == 0
+        self.live[r.request_id] = r
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), fail=st.booleans())
+    def step(self, data, fail):
+        reqs = [r for r in self.live.values() if r.num_computed_tokens < r.num_tokens]
+        if not reqs:
+            return
+        ns = [data.draw(st.integers(1, r.num_tokens - r.num_computed_tokens)) for r in reqs]
+        step = self.p.prepare(reqs, ns)
+        entries = [e for s in step.snapshots for _, e in s]
+        assert len(entries) == len(set(entries)) and all(e not in self.p.snapshots.values() for e in entries)
+        for r, n, s in zip(reqs, ns, step.snapshots):  # at most one, at the last block boundary the step reaches
+            assert [d for d, _ in s] in ([], [(r.num_computed_tokens + n) // 4 * 4 - r.num_computed_tokens])
+        if fail:
+            self.p.abandon(step)
+            return
+        for r, n, s, slot in zip(reqs, ns, step.snapshots, step.slots):
+            for done, e in s:  # the state after `done` of the step's tokens
+                self.p.snap_ssm[:, e] = self.p.ssm[:, slot] + done
+            self.p.ssm[:, slot] += n  # what "the model" writes: the slot counts its tokens
+            r.num_computed_tokens += n
+        self.p.commit(step)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        self.n += 1
+        child = req(f"r{self.n}", list(parent.tokens), parent.num_computed_tokens)
+        self.p.on_fork(parent, child)
+        if child.request_id in self.p.slot_of:
+            assert torch.equal(self.p.ssm[:, self.p.slot_of[child.request_id]], self.p.ssm[:, self.p.slot_of[parent.request_id]])
+            self.live[child.request_id] = child
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        r = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
+        self.p.on_free(r)
+
+    @rule()
+    def reset(self):
+        self.p.clear_snapshots()
+
+    @invariant()
+    def accounted(self):
+        self.p.check()
+        assert set(self.p.slot_of) == set(self.live)
+        for rid, r in self.live.items():  # each slot holds its own tokens' count (restored or computed)
+            assert float(self.p.ssm[:, self.p.slot_of[rid]].max()) == r.num_computed_tokens
+
+    def teardown(self):
+        for r in self.live.values():
+            self.p.on_free(r)
+        assert self.p.num_free_slots == self.p.num_slots and not self.p.slot_of
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                    suppress_health_check=[HealthCheck.too_slow])
