@@ -28,7 +28,8 @@ _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
     "--dtype": (str, "auto, float32, bfloat16 or float16 (default: auto, the fastest on this machine)"),
     "--device": (str, "cpu, cuda or cuda:N (default: cuda when there is one)"),
     "--quantization": (str, ("vLLM's flag. gguf: a GGUF model's projections stay in the file's block formats "
-                             "(Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K; CPU); none: widened to --dtype (the default)")),
+                             "(Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K; CPU); int8 / int4: a safetensors model's quantized "
+                             "at load, weight-only, blocks of 32 (CPU); none: widened to --dtype (the default)")),
     "--seed": (int, "seed for calls without their own (default 0)"),
     "--num-speculative-tokens": (int, "n-gram (prompt lookup) drafts per step for greedy calls (default 0: off)"),
     "--num-scheduler-steps": (int, ("greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens "

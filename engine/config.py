@@ -63,8 +63,10 @@ class EngineConfig:
     kv_disk_gib: float | None = None  # T2's bound (least recently used files deleted beyond it); None = 8 GiB
     quantization: str | None = None  # vLLM's name. "gguf": a GGUF model's projections stay in the file's block
     # formats (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K), run by kernels.quant (CPU only; engine.gguf_weights), or an
-    # error saying why they cannot; "none" or None: widened to `dtype` at load. Not the default yet: on the default
-    # model a packed bf16 decode step is still slower than the widened one's fused C++ step (docs/engine.md)
+    # error saying why they cannot; "int8" / "int4": a safetensors model's projections quantized at load to blocks
+    # of 32 (Q8_0 / Q4_1, weight-only, per-block fp16 scales; engine.gguf_weights.quantize_model), CPU only; "none" or
+    # None: widened to `dtype` at load. Not the default yet: on the default model a packed bf16 decode step is still
+    # slower than the widened one's (docs/benchmarks/quant.md)
     dtype_reason: str = field(default="", init=False)  # how `dtype` was chosen, for the start-up line
     deterministic_default: bool = field(default=False, init=False)  # `deterministic` was None, chosen here: the
     # engine turns it off where the C++ kernels turn out unavailable instead of refusing to start
@@ -150,16 +152,14 @@ class EngineConfig:
                              "cuBLAS picks its GEMM kernel by the batch's row count (README, Deterministic outputs)")
         if self.deterministic and self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"deterministic needs dtype float32 or bfloat16 (the C++ kernels'), got {self.dtype!r}")
-        if self.quantization not in (None, "gguf", "none"):
-            hint = (" (weight-only int8 / int4 of safetensors checkpoints is not implemented yet)"
-                    if self.quantization in ("int8", "int4") else "")
-            raise ValueError(f"quantization must be None, 'gguf' or 'none', got {self.quantization!r}{hint}")
-        if self.quantization == "gguf" and self.device != "cpu":
-            raise ValueError(f"quantization='gguf' runs on CPU only (no GPU kernel for packed GGUF blocks yet), "
+        if self.quantization not in (None, "gguf", "none", "int8", "int4"):
+            raise ValueError(f"quantization must be None, 'gguf', 'int8', 'int4' or 'none', got {self.quantization!r}")
+        if self.quantization in ("gguf", "int8", "int4") and self.device != "cpu":
+            raise ValueError(f"quantization={self.quantization!r} runs on CPU only (no GPU kernel for packed blocks yet), "
                              f"not on device {self.device!r}; use quantization='none' to widen the weights")
-        if self.quantization == "gguf" and self.enable_lora:
-            raise ValueError("quantization='gguf' does not serve LoRA adapters yet: pass enable_lora=False or "
-                             "quantization='none'")
+        if self.quantization in ("gguf", "int8", "int4") and self.enable_lora:
+            raise ValueError(f"quantization={self.quantization!r} does not serve LoRA adapters yet: pass "
+                             "enable_lora=False or quantization='none'")
 
     @property
     def torch_dtype(self) -> torch.dtype:

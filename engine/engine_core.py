@@ -96,7 +96,9 @@ class EngineCore:
             logger.info("sampling defaults from the model's generation config: %s", self.generation_defaults)
         self.tokenizer = load_tokenizer(self.model_path)
         gguf = gguf_source(config.model) if config.quantization == "gguf" else None
-        self.model, self.hf_config = load_model(self.model_path, config.torch_dtype, config.device, packed_from=gguf)
+        self.model, self.hf_config = load_model(self.model_path, config.torch_dtype, config.device, packed_from=gguf,
+                                                quantize=config.quantization if config.quantization in ("int8", "int4")
+                                                else None)
         packed = self.model.packed_weights
         if config.quantization == "gguf" and packed is None:
             raise ValueError(f"quantization='gguf' cannot keep {self.model_path.name}'s weights packed: "

@@ -1,4 +1,5 @@
-"""A GGUF file's projection weights kept in their block formats (`EngineConfig.quantization="gguf"`).
+"""A GGUF file's projection weights kept in their block formats (`EngineConfig.quantization="gguf"`), and a
+safetensors checkpoint's quantized to such blocks at load (`quantization="int8" | "int4"`, `quantize_model`).
 
 The model still loads from the converted safetensors copy (engine/loader.py: config, tokenizer, norms,
 embeddings), then `pack_model` swaps every decoder projection (q/k/v, o, gate/up, down) and an untied
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from agentrt.kernels.linear import Linear
-from agentrt.kernels.quant import FORMATS, QuantWeight, dequantize
+from agentrt.kernels.quant import FORMATS, QuantWeight, dequantize, quantize
 
 # fused projection of a decoder layer -> the GGUF tensors whose rows it concatenates
 _LAYER_PROJECTIONS = {
@@ -47,11 +48,14 @@ class PackedWeights:
     embedding_packed: bool = False  # the token embedding too (looked up from its blocks), else widened
     widened_bytes: int = 0  # bytes of the weights left widened (norms, biases; the embedding) in the model's dtype
 
+    source: str = "gguf"  # "gguf": the file's blocks; "int8" / "int4": quantized at load (quantize_model)
+
     def describe(self) -> str:
-        """e.g. "gguf Q4_1+Q8_0 kept packed, 96 MB (+ 0 MB widened: norms)"."""
+        """e.g. "gguf Q4_1+Q8_0 kept packed, 96 MB (+ 0 MB widened: norms)", "int4 (Q4_1+Q8_0 blocks of 32) ..."."""
         names = "+".join(name for name, _ in self.formats.most_common())
         widened = "norms" if self.embedding_packed else "embeddings, norms"
-        return (f"gguf {names} kept packed, {self.nbytes / 1e6:.0f} MB (+ {self.widened_bytes / 1e6:.0f} MB "
+        what = f"gguf {names}" if self.source == "gguf" else f"{self.source} ({names} blocks of 32)"
+        return (f"{what} kept packed, {self.nbytes / 1e6:.0f} MB (+ {self.widened_bytes / 1e6:.0f} MB "
                 f"widened: {widened})")
 
 
@@ -116,6 +120,51 @@ def pack_model(model, gguf_path: Path) -> PackedWeights:
         nbytes += sum(p.nbytes for p in parts)
     model.quantized = True
     return PackedWeights(formats, nbytes, embedding_packed=embed is not None)
+
+
+# --quantization -> the block format of the projections (the token embedding, and a tied LM head on it, take Q8_0)
+QUANTIZE_FORMATS = {"int8": "Q8_0", "int4": "Q4_1"}
+
+
+def quantize_model(model, scheme: str) -> PackedWeights:
+    """Weight-only `--quantization int8 | int4` of a model loaded from safetensors: every decoder projection and an
+    untied LM head quantized to blocks of 32 weights with fp16 scales (int8: Q8_0, symmetric; int4: Q4_1, a scale
+    and a minimum per block) and run by the same packed kernels as a GGUF file's; the token embedding (and a tied
+    LM head on it) in Q8_0 (at 4 bits the embedding's and head's error is the largest single loss; llama.cpp's Q4
+    files keep them at 6-8 bits too). Their widened weights are dropped. Norms and biases stay widened."""
+    if scheme not in QUANTIZE_FORMATS:
+        raise ValueError(f"quantize_model: scheme must be one of {', '.join(QUANTIZE_FORMATS)}, got {scheme!r}")
+    fmt = QUANTIZE_FORMATS[scheme]
+    lins = [(f"layers.{i}.{attr}", getattr(getattr(layer, attr.split(".")[0]), attr.split(".")[1]))
+            for i, layer in enumerate(model.layers) for attr in _LAYER_PROJECTIONS]
+    if model.lm_head is not None:
+        lins.append(("lm_head", model.lm_head))
+    for where, lin in lins:
+        if not isinstance(lin, Linear):
+            raise ValueError(f"--quantization {scheme}: {where} is not a plain projection (a mixture of experts: "
+                             "not quantized yet)")
+        if lin.weight.shape[1] % 32:
+            raise ValueError(f"--quantization {scheme}: {where} takes {lin.weight.shape[1]} inputs, not a multiple "
+                             "of the 32-weight blocks")
+    formats: Counter = Counter()
+    nbytes = 0
+    for _, lin in lins:
+        qw = quantize(lin.weight.detach(), fmt)
+        lin.quant = (qw,)
+        lin.weight = torch.nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
+        formats[fmt] += 1
+        nbytes += qw.nbytes
+    embed = None
+    if model.embed_tokens.weight.shape[1] % 32 == 0:
+        embed = quantize(model.embed_tokens.weight.detach(), "Q8_0")
+        model.embed_quant = embed
+        model.embed_tokens.weight = torch.nn.Parameter(torch.empty(0, dtype=model.embed_tokens.weight.dtype),
+                                                       requires_grad=False)
+        formats["Q8_0"] += 1
+        nbytes += embed.nbytes
+    model.tied_head_quant = (embed,) if embed is not None and model.lm_head is None else None
+    model.quantized = True
+    return PackedWeights(formats, nbytes, embedding_packed=embed is not None, source=scheme)
 
 
 def _matching_rows(data: torch.Tensor, type_id: int, shape: tuple[int, int], want: torch.Tensor, name: str, model,

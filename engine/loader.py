@@ -294,12 +294,14 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | None = None):
+def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | None = None,
+               quantize: str | None = None):
     """Our LlamaForCausalLM with the checkpoint's weights, in eval mode on `device`.
 
     `packed_from`: the GGUF file `path` was converted from, whose projection blocks the model then keeps packed
     (engine.gguf_weights; CPU only): `model.packed_weights` says what was kept, or `model.widen_reason` why the
-    model stayed widened."""
+    model stayed widened. `quantize` ("int8" / "int4"): the projections quantized to blocks at load instead
+    (engine.gguf_weights.quantize_model; CPU only)."""
     from safetensors.torch import load_file
 
     from agentrt.engine.model import LlamaForCausalLM
@@ -336,6 +338,10 @@ def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | 
                 model.packed_weights = pack_model(model, packed_from)
             except ValueError as e:
                 model.widen_reason = str(e)
+        elif quantize is not None:
+            from agentrt.engine.gguf_weights import quantize_model
+
+            model.packed_weights = quantize_model(model, quantize)
         model.to(dtype)
         if model.packed_weights is not None:
             model.packed_weights.widened_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

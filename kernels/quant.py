@@ -134,6 +134,38 @@ def dequantize_ref(w: QuantWeight) -> torch.Tensor:
     return out.reshape(n, k)
 
 
+def quantize(w: torch.Tensor, name: str, rows: int = 4096) -> QuantWeight:
+    """A float weight [N, K] (K a multiple of 32) as Q8_0 or Q4_1 blocks of 32, ggml's layouts: the weight-only int8 /
+    int4 of `--quantization int8|int4`. Q8_0: d = max|w| / 127 (fp16), q = round(w / d); Q4_1: d = (max - min) / 15,
+    m = min (both fp16), q = round((w - m) / d) in 0..15; per block of 32 weights, from the fp16-rounded scales (what
+    the kernels decode with). In slices of `rows` rows (no fp32 copy of a whole large weight)."""
+    if name not in ("Q8_0", "Q4_1"):
+        raise ValueError(f"quantize makes Q8_0 or Q4_1 blocks, not {name!r}")
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"quantize: in_features {k} of a {tuple(w.shape)} weight is not a multiple of 32")
+    _, _, nbytes = FORMATS[TYPE_IDS[name]]
+    out = torch.empty(n, k // 32 * nbytes, dtype=torch.uint8)
+    for r in range(0, n, rows):
+        b = w[r : r + rows].float().reshape(-1, 32)
+        dst = out[r : r + rows].view(-1, nbytes)
+        if name == "Q8_0":
+            d = (b.abs().amax(1) / 127).half()
+            inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+            q = torch.round(b * inv[:, None]).clamp(-127, 127).to(torch.int8)
+            dst[:, 0:2] = d.view(torch.uint8).view(-1, 2)
+            dst[:, 2:] = q.view(torch.uint8)
+        else:
+            lo, hi = b.amin(1), b.amax(1)
+            d, m = ((hi - lo) / 15).half(), lo.half()
+            inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+            q = torch.round((b - m.float()[:, None]) * inv[:, None]).clamp(0, 15).to(torch.uint8)
+            dst[:, 0:2] = d.view(torch.uint8).view(-1, 2)
+            dst[:, 2:4] = m.view(torch.uint8).view(-1, 2)
+            dst[:, 4:] = q[:, :16] | (q[:, 16:] << 4)
+    return QuantWeight(out, TYPE_IDS[name], (n, k))
+
+
 def quant_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: `F.linear` over the exactly decoded weight, in float64."""
     return F.linear(x.double(), dequantize_ref(w), None if bias is None else bias.double())

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from agentrt.kernels import cpu
-from agentrt.kernels.quant import FORMATS, TYPE_IDS, QuantWeight, dequantize_ref, quant_linear, quant_linear_ref
+from agentrt.kernels.quant import (FORMATS, TYPE_IDS, QuantWeight, dequantize_ref, quant_linear, quant_linear_ref,
+                                  quantize)
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -130,3 +131,28 @@ def test_rows_do_not_depend_on_the_batch(name, dtype, cpu_kind):
     for i in (0, 5, 36):
         assert torch.equal(quant_linear(x[i : i + 1], w)[0], batched[i])
         assert torch.equal(quant_linear(x[i : i + 3], w)[0], batched[i])
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+def test_quantize_makes_blocks_gguf_decodes_within_half_a_step(name):
+    # --quantization int8 / int4: ggml's layouts (the gguf package decodes them), each weight within half a step of
+    # its block (plus the fp16 rounding of Q4_1's minimum)
+    w = torch.randn(37, 160, generator=torch.Generator().manual_seed(3)) * 0.02
+    w[5, :32] = 0  # an all-zero block: scale 0, weights 0
+    qw = quantize(w.bfloat16(), name, rows=16)  # slices of rows: the same bytes as one pass
+    assert torch.equal(qw.data, quantize(w.bfloat16(), name).data) and qw.shape == (37, 160)
+    got = dequantize_ref(qw)
+    assert np.array_equal(got.float().numpy(), gguf_dequantize(qw.data.numpy(), gguf.GGMLQuantizationType[name]))
+    nbytes = FORMATS[TYPE_IDS[name]][2]
+    step = qw.data.view(-1, nbytes)[:, :2].contiguous().view(torch.float16).double()  # d per block: [blocks, 1]
+    b, wb = got.reshape(-1, 32), w.bfloat16().double().reshape(-1, 32)
+    slack = 0 if name == "Q8_0" else wb.abs().amax(1, keepdim=True) * 2**-11  # Q4_1's minimum rounded to fp16
+    assert ((b - wb).abs() <= step / 2 * (1 + 1e-3) + slack).all()
+    assert (got[5, :32] == 0).all()
+
+
+def test_quantize_rejects_bad_input():
+    with pytest.raises(ValueError, match="Q8_0 or Q4_1 blocks, not 'Q4_K'"):
+        quantize(torch.zeros(2, 32), "Q4_K")
+    with pytest.raises(ValueError, match="in_features 48 of a \\(2, 48\\) weight is not a multiple of 32"):
+        quantize(torch.zeros(2, 48), "Q8_0")
