@@ -11,8 +11,9 @@ boundaries kept as prefix-cache entries.
 - **Snapshots**: the state after the token that ends a block, keyed by that block's chained hash (the KV
   manager's `block_hashes`: same prefix, same key), in a bounded LRU of `num_snapshots` entries (its tensors
   allocated once). A step that crosses a block boundary saves one: in decode at the token completing a block,
-  in prefill at the last boundary of the scheduled chunk (the scan is chunked at absolute multiples of
-  `chunk`, which divides the block size, so any boundary is a chunk end). `usable_prefix` caps a prefix hit at
+  in prefill at the last boundary of the scheduled chunk and at every multiple of `interval` tokens (256) it
+  crosses (the scan is chunked at absolute multiples of `chunk`, which divides the block size, so any boundary
+  is a chunk end). `usable_prefix` caps a prefix hit at
   the last block whose boundary has a snapshot: a request resumes from it, exactly (fp32 copies).
 
 Accounting: `num_free_slots + len(slot_of) == num_slots`, `num_free_snapshots + len(snapshots) ==
@@ -67,7 +68,7 @@ class RecurrentStep:
 
 class RecurrentStatePool:
     def __init__(self, shape: StateShape, num_slots: int, num_snapshots: int, block_size: int, device,
-                 chunk: int = 64):
+                 chunk: int = 64, interval: int = 256):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots!r}")
         if num_snapshots < 0:
@@ -76,6 +77,9 @@ class RecurrentStatePool:
         self.device = torch.device(device)
         self.block_size = block_size
         self.chunk = min(chunk, block_size)  # block sizes are powers of two: it divides them
+        # a long prefill also saves the state every `interval` tokens (a multiple of the block size), so a request
+        # sharing only its head (a system prompt, a program's other thread) resumes within `interval` of it
+        self.interval = max(block_size, interval // block_size * block_size)
         self.conv, self.ssm = self._alloc(num_slots)  # live states
         self.snap_conv, self.snap_ssm = self._alloc(num_snapshots)
         self.free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: lowest first
@@ -201,7 +205,8 @@ class RecurrentStatePool:
     # ---- a step ------------------------------------------------------------------------------
     def prepare(self, reqs, num_tokens: list[int]) -> RecurrentStep:
         """The step's slots (taken and restored where new) and the snapshots it saves: for each request, at the
-        last block boundary its tokens this step reach, when that boundary has none yet."""
+        last block boundary its tokens this step reach and at each multiple of `interval` tokens they cross, where
+        that boundary has none yet."""
         slots, starts, qsl, snaps = [], [], [0], []
         for req, n in zip(reqs, num_tokens):
             slots.append(self.slot(req))
@@ -212,24 +217,25 @@ class RecurrentStatePool:
         step = RecurrentStep(self, slots, starts, qsl, snaps)
         if self.block_hashes is None or not self.num_snapshots:
             return step
-        bs = self.block_size
+        bs, every = self.block_size, self.interval
         for i, (req, n) in enumerate(zip(reqs, num_tokens)):
             start = starts[i]
             end = min(start + n, req.num_tokens)  # known tokens only (drafts are not hashed)
-            boundary = end // bs * bs
-            if boundary <= start:
+            last = end // bs * bs
+            if last <= start:
                 continue
-            key = self._key(req, boundary)
-            if key in self.snapshots:
-                self.snapshots.move_to_end(key)
-                continue
-            if any(key == k for k, _ in step.pending):
-                continue
-            entry = self._take_entry(step)
-            if entry is None:
-                continue
-            step.pending.append((key, entry))
-            snaps[i].append((boundary - start, entry))
+            for boundary in [*range((start // every + 1) * every, last, every), last]:
+                key = self._key(req, boundary)
+                if key in self.snapshots:
+                    self.snapshots.move_to_end(key)
+                    continue
+                if any(key == k for k, _ in step.pending):
+                    continue
+                entry = self._take_entry(step)
+                if entry is None:
+                    break
+                step.pending.append((key, entry))
+                snaps[i].append((boundary - start, entry))
         return step
 
     def _take_entry(self, step: RecurrentStep) -> int | None:

@@ -296,3 +296,21 @@ def test_recurrent_snapshots_must_be_a_count():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=f"recurrent_snapshots must be an int >= 0, got {bad!r}"):
             EngineConfig(recurrent_snapshots=bad, device="cpu")
+
+
+def test_a_shared_head_resumes_within_the_snapshot_interval(checkpoint):
+    """Two calls sharing a 600-token head (a system prompt) with different tails, each prefilled in one step: the
+    first saves the state every 256 tokens, so the second resumes at 512 (not at 0), and its reply is HF's."""
+    from agentrt.engine import LLM, SamplingParams
+
+    name, path, hf = checkpoint
+    head = _tokens(600, 21)
+    prompts = [head + _tokens(90, 22), head + _tokens(70, 23)]
+    want = hf_greedy(hf, prompts[1:], 6)
+    llm = LLM(str(path), dtype="float32", num_blocks=128, block_size=16, max_num_batched_tokens=1024)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], params, progress=False)
+    (o,) = llm.generate([{"prompt_token_ids": prompts[1]}], params, progress=False)
+    assert o.num_cached_tokens == 512
+    assert [o.token_ids] == want
+    assert_all_states_free(llm.core)

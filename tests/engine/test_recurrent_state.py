@@ -17,8 +17,8 @@ from agentrt.engine.recurrent_state import RecurrentStatePool, StateShape
 SHAPE = StateShape(num_layers=2, conv_dim=3, conv_width=2, num_heads=1, key_dim=2, value_dim=2)
 
 
-def pool(slots=2, snapshots=3, block_size=4):
-    p = RecurrentStatePool(SHAPE, slots, snapshots, block_size, "cpu")
+def pool(slots=2, snapshots=3, block_size=4, interval=256):
+    p = RecurrentStatePool(SHAPE, slots, snapshots, block_size, "cpu", interval=interval)
     p.block_hashes = lambda req, n: [f"{req.tokens[: (i + 1) * block_size]}".encode() for i in range(n)]
     return p
 
@@ -101,6 +101,15 @@ def test_resume_without_snapshot_is_refused_and_releases_the_slot():
     assert not p.slot_of and p.num_free_slots == p.num_slots
 
 
+def test_a_long_prefill_saves_every_interval_and_its_last_boundary():
+    p = pool(snapshots=8, block_size=4, interval=8)
+    r = req("r", list(range(30)), computed=2)
+    p.slot_of["r"] = p.new_slot()  # it computed 2 tokens in an earlier step
+    step = p.prepare([r], [27])  # positions 2..28: crosses 8, 16, 24; its last boundary is 28
+    assert [d for d, _ in step.snapshots[0]] == [6, 14, 22, 26]
+    assert [k for k, _ in step.pending] == [p.block_hashes(r, b // 4)[-1] for b in (8, 16, 24, 28)]
+
+
 def test_no_snapshots_without_prefix_caching_or_entries():
     p = pool(snapshots=0)
     step = p.prepare([req("a", list(range(9)))], [9])
@@ -129,7 +138,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.p = pool(slots=1, snapshots=3, block_size=4)
+        self.p = pool(slots=1, snapshots=3, block_size=4, interval=8)
         self.live: dict[str, SimpleNamespace] = {}
         self.n = 0
 
@@ -160,8 +169,12 @@ class PoolMachine(RuleBasedStateMachine):
         step = self.p.prepare(reqs, ns)
         entries = [e for s in step.snapshots for _, e in s]
         assert len(entries) == len(set(entries)) and all(e not in self.p.snapshots.values() for e in entries)
-        for r, n, s in zip(reqs, ns, step.snapshots):  # at most one, at the last block boundary the step reaches
-            assert [d for d, _ in s] in ([], [(r.num_computed_tokens + n) // 4 * 4 - r.num_computed_tokens])
+        for r, n, s in zip(reqs, ns, step.snapshots):  # at multiples of 8 it crosses and the last block boundary
+            start, last = r.num_computed_tokens, (r.num_computed_tokens + n) // 4 * 4
+            planned = [b - start for b in [*range((start // 8 + 1) * 8, last, 8), last] if b > start]
+            got = [d for d, _ in s]
+            assert got == [d for d in planned if d in got] and (not got or got[-1] == planned[-1] or
+                                                                 len(self.p.snapshots) + len(got) >= 3)
         if fail:
             self.p.abandon(step)
             return
