@@ -71,7 +71,8 @@ class ModelArgs:
             **_layer_description(cfg, head_dim),
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
-            intermediate_size=getattr(cfg, "intermediate_size", None) or cfg.moe_intermediate_size,  # Qwen3.5-MoE: no dense MLP
+            # Qwen3.5-MoE has no dense MLP (every layer a mixture)
+            intermediate_size=getattr(cfg, "intermediate_size", None) or cfg.moe_intermediate_size,
             num_layers=cfg.num_hidden_layers,
             num_heads=cfg.num_attention_heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,

@@ -61,8 +61,11 @@ class RecurrentStep:
             qsl = self.query_start_loc
             seqs = [i for i in range(len(self.slots)) if qsl[i + 1] - qsl[i] == 1]
             dev = self.pool.device
-            self.decode_rows = (seqs, torch.tensor([qsl[i] for i in seqs], dtype=torch.long, device=dev) if seqs else None,
-                                torch.tensor([self.slots[i] for i in seqs], dtype=torch.long, device=dev) if seqs else None)
+
+            def tensor(values):
+                return torch.tensor(values, dtype=torch.long, device=dev) if seqs else None
+
+            self.decode_rows = (seqs, tensor([qsl[i] for i in seqs]), tensor([self.slots[i] for i in seqs]))
         return self.decode_rows
 
 

@@ -1,9 +1,11 @@
 """Qwen3.5's hybrid decoder (three Gated DeltaNet layers per gated full-attention layer; `qwen3_5_text`, and
 `qwen3_5_moe_text` with 4 experts and a shared expert) against transformers on tiny checkpoints made from its own
 config classes (seeded random weights, A_log / dt_bias / conv / norms random too): logits at every prefill and
-decode position within NMSE 1e-4 in fp32 (C++ kernels, torch path, Triton attention interpreted), two sequences in every step (chunked prefill over cached context with
-shuffled block tables, then batched decode), bf16 within twice transformers' bf16 error; the recurrent state carried in the engine's state pool; greedy tokens
-through the whole engine equal to HF's generate, every state slot free afterwards."""
+decode position within NMSE 1e-4 in fp32 (C++ kernels, torch path, Triton attention interpreted), two sequences
+in every step (chunked prefill over cached context with shuffled block tables, then batched decode), bf16 within
+twice transformers' bf16 error; the recurrent state carried in the engine's state pool. Through the whole engine:
+greedy tokens equal to HF's generate with prefix caching on and off, forks, preemption, abort, an agent loop
+resuming from state snapshots; every state slot free afterwards."""
 
 import os
 

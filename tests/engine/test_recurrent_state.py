@@ -193,7 +193,8 @@ class PoolMachine(RuleBasedStateMachine):
         child = req(f"r{self.n}", list(parent.tokens), parent.num_computed_tokens)
         self.p.on_fork(parent, child)
         if child.request_id in self.p.slot_of:
-            assert torch.equal(self.p.ssm[:, self.p.slot_of[child.request_id]], self.p.ssm[:, self.p.slot_of[parent.request_id]])
+            slots = self.p.slot_of
+            assert torch.equal(self.p.ssm[:, slots[child.request_id]], self.p.ssm[:, slots[parent.request_id]])
             self.live[child.request_id] = child
 
     @precondition(lambda self: self.live)
