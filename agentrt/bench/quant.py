@@ -4,8 +4,9 @@ Run as `agentrt bench quant [--model FILE.gguf] [--threads 2] [--json] [--docs]`
 process (so that each peak RSS is its own), on the same GGUF file, the same threads and the same CPU kind
 (`AGENTRT_CPU_ISA=avx2` to force the AVX2 kernels):
 - `packed`: `quantization="gguf"`, the file's blocks run by kernels.quant (engine.gguf_weights);
-- `widened`: `quantization="none"`, the weights widened to the engine's dtype at load, as before.
-
+- `widened`: `quantization="none"`, the weights widened to the engine's dtype at load, as before;
+- `int8` / `int4`: `quantization="int8" | "int4"`, the widened checkpoint quantized at load to Q8_0 / Q4_1 blocks
+  of 32 (engine.gguf_weights.quantize_model; what a safetensors model gets);
 - `llama.cpp`: the issue's peer, `llama-cpp-python` run by another interpreter (`--llama-python`, a venv where
   it is installed: a benchmark-only peer built from its sdist, never a dependency of agentrt or of CI), on the
   same file and threads; the row is left out, with the reason under the table, where that interpreter cannot
@@ -29,7 +30,7 @@ import sys
 import time
 
 DOCS_SECTION = "Packed vs widened GGUF weights"
-MODES = {"packed": "gguf", "widened": "none"}
+MODES = {"packed": "gguf", "widened": "none", "int8": "int8", "int4": "int4"}
 
 
 def _rss_mb() -> tuple[float, float]:
@@ -146,10 +147,10 @@ def measure_llama_cpp(python: str, model: str, threads: int, prompt_len: int, ma
 
 
 def measure(model: str | None, threads: int, kv_mib: int, prompt_len: int, max_tokens: int, concurrency: int,
-            repeats: int, llama_python: str | None = None) -> dict:
-    """Every mode, each in a child process; the llama.cpp row where `llama_python` imports llama_cpp."""
+            repeats: int, llama_python: str | None = None, modes: tuple[str, ...] = tuple(MODES)) -> dict:
+    """Each of `modes`, each in a child process; the llama.cpp row where `llama_python` imports llama_cpp."""
     runs = []
-    for mode in MODES:
+    for mode in modes:
         cmd = [sys.executable, "-m", "agentrt.bench.quant", "--one", mode, "--threads", str(threads), "--kv-mib",
                str(kv_mib), "--prompt-len", str(prompt_len), "--max-tokens", str(max_tokens), "--concurrency",
                str(concurrency), "--repeats", str(repeats)] + (["--model", model] if model else [])
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-python", default=None,
                     help="a python where llama-cpp-python is installed (e.g. /work/llamacpp/bin/python): adds the "
                          "llama.cpp row; without it the row is left out, saying why")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"the agentrt modes to run, comma-separated (default: all: {','.join(MODES)}; widened is "
+                         "the table's reference and always runs)")
     ap.add_argument("--one", choices=sorted(MODES), default=None, help=argparse.SUPPRESS)  # a child's mode
     ap.add_argument("--json", action="store_true", help="print JSON instead of the markdown table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
@@ -228,11 +232,16 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.model is not None and not a.model.endswith(".gguf"):
         ap.error(f"--model must be a .gguf file (packed vs widened compares one GGUF file), got {a.model!r}")
+    modes = tuple(m for m in a.modes.split(",") if m)
+    if bad := [m for m in modes if m not in MODES]:
+        ap.error(f"--modes: unknown mode {bad[0]!r} (modes: {', '.join(MODES)})")
+    if "widened" not in modes:
+        modes = (*modes, "widened")
     args = (a.model, a.threads, a.kv_mib, a.prompt_len, a.max_tokens, a.concurrency, a.repeats)
     if a.one is not None:
         print(json.dumps(measure_one(a.one, *args)))
         return 0
-    result = measure(*args, llama_python=a.llama_python)
+    result = measure(*args, llama_python=a.llama_python, modes=modes)
     print(json.dumps(result, indent=2) if a.json else markdown(result))
     if a.docs:
         from agentrt.bench._common import write_section

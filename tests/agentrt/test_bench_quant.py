@@ -49,7 +49,8 @@ def test_llama_cpp_row_is_skipped_with_its_reason(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "message"), [(["--threads", "0"], "--threads must be >= 1, got 0"),
-                                               (["--model", "x.safetensors"], "--model must be a .gguf file")])
+                                               (["--model", "x.safetensors"], "--model must be a .gguf file"),
+                                               (["--modes", "packed,int3"], "--modes: unknown mode 'int3'")])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         quant.main(argv)
