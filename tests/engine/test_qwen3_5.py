@@ -316,3 +316,21 @@ def test_a_shared_head_resumes_within_the_snapshot_interval(checkpoint):
     assert o.num_cached_tokens == 512
     assert [o.token_ids] == want
     assert_all_states_free(llm.core)
+
+
+def test_beam_search_resumes_beams_from_snapshots(checkpoint):
+    """Beam search runs every live beam as a new request each step: on Qwen3.5 those resume from the state snapshots
+    their shared prefixes left (block size 4: beams cross block boundaries), and the beams equal the same search
+    over transformers' log-probs."""
+    from agentrt.engine import LLM
+    from agentrt.engine.beam_search import BeamSearchParams
+    from tests.engine.test_beam_search import hf_beam_search
+
+    name, path, hf = checkpoint
+    prompt = sequences(seed=16, lens=(10,))[0][:10]
+    llm = LLM(str(path), dtype="float32", num_blocks=128, block_size=4)
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))
+    want = hf_beam_search(hf, prompt, 2, 4, frozenset())
+    assert [s.tokens for s in out.sequences] == [t for t, _ in want]
+    assert llm.core.runner.states.hits > 0
+    assert_all_states_free(llm.core)
