@@ -250,6 +250,8 @@ inline void qdot_rows_blockwise(const bf16* x, int64_t K, const uint8_t* w, int6
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < kQdotCols; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / F::kBlock; ++b) {
+    for (int64_t n = 0; n < ncols; ++n)  // 4 streams: a prefetch 1 KiB ahead in each (Q8_0 49152 x 576: ~1.5x)
+      _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + b * F::kBytes) + 1024, _MM_HINT_T0);
     for (int64_t n = 0; n < ncols; ++n)
       U::unpack(w + n * row_bytes + b * F::kBytes, u[n], a[n], U::kOffsets ? c + n * chunks + b * sub : cb);
     qdot_chunks<MR, U::kHalf>(acc, x, K, b * sub, (b + 1) * sub, u[0], F::kBlock, a[0], 2 * sub);
