@@ -82,14 +82,25 @@ class BlockTables:
         row_of, lists, lens, versions, sync = self._row_of, self._lists, self._lens, self._versions, self._sync
         rows = []
         if self.num_groups == 1:
-            for req in reqs:  # the common case inline: a row whose table is the same list, same version, same length
+            table, cols, nblocks = self._tables[0], self._tables[0].shape[1], self._nblocks
+            for req in reqs:  # the common cases inline: a row whose table is the same list at the same version,
+                # as long as before or one block longer
                 row = row_of.get(req)
-                if (row is None or req.block_ids is not lists[row][0] or versions[row] is None
-                        or getattr(req, "blocks_version", None) != versions[row] or len(req.block_ids) != lens[row][0]):
+                ids = req.block_ids
+                if (row is None or ids is not lists[row][0] or versions[row] is None
+                        or getattr(req, "blocks_version", None) != versions[row]):
                     row = sync(req)
+                    table, cols, nblocks = self._tables[0], self._tables[0].shape[1], self._nblocks  # may have grown
+                elif (n := len(ids)) != (have := lens[row][0]):
+                    if n == have + 1 and n <= cols:
+                        table[row, have] = max(ids[have], 0)
+                        lens[row][0] = nblocks[row] = n
+                    else:
+                        row = sync(req)
+                        table, cols, nblocks = self._tables[0], self._tables[0].shape[1], self._nblocks
                 rows.append(row)
         else:
-            rows = [sync(req) for req in reqs]
+            rows = [self._sync_groups(req) for req in reqs]
         if len(row_of) > b:
             self._release_unused(rows)
         rows_a = np.asarray(rows, dtype=np.int64)
@@ -115,6 +126,29 @@ class BlockTables:
         blocks, within = np.divmod(positions, bs)
         slots = [t[tok_rows, blocks].astype(np.int64) * bs + within for t in self._tables]
         return StepTables(positions, tables, slots)
+
+    def _sync_groups(self, req) -> int:
+        """`_sync` with layer groups, the common case inline: every table the same list at the same version, as long
+        as before or one block longer."""
+        row = self._row_of.get(req)
+        if row is None or self._versions[row] is None or getattr(req, "blocks_version", None) != self._versions[row]:
+            return self._sync(req)
+        held, have, tables = self._lists[row], self._lens[row], self._tables
+        extra = req.extra_tables
+        if len(extra) + 1 != self.num_groups:
+            return self._sync(req)  # raises: the request's layout is not the runner's
+        cols = tables[0].shape[1]
+        for g, ids in enumerate((req.block_ids, *extra)):
+            if ids is not held[g]:
+                return self._sync(req)
+            n, h = len(ids), have[g]
+            if n != h:
+                if n != h + 1 or n > cols:
+                    return self._sync(req)  # what this loop wrote so far is in `have`: _sync goes on from there
+                tables[g][row, h] = max(ids[h], 0)
+                have[g] = n
+        self._nblocks[row] = have[0]
+        return row
 
     def _sync(self, req) -> int:
         """The row of `req`, brought up to date with its tables."""
