@@ -119,6 +119,12 @@ def test_layer_groups_each_get_a_row_and_null_entries_read_as_block_0():
         t.append(t[-1] + 10)
     check(bt, [a, b], [11, 4], [2, 1])
     assert bt.row(a, 1).tolist() == [0, 0, 6, 16] and bt.row(a, 2).tolist() == [0, 0, 9, 19]
+    for t in a.tables:  # a block more in every group, no bump: copied inline
+        t.append(t[-1] + 1)
+    b.extra_tables[1].extend([30, 31])  # two more in one group: the general path
+    check(bt, [a, b], [13, 5], [4, 1])
+    assert bt.row(a, 0).tolist() == [1, 2, 3, 13, 14] and bt.row(a, 2).tolist() == [0, 0, 9, 19, 20]
+    assert bt.row(b, 2).tolist() == [8, 18, 30, 31] and bt.row(b, 1).tolist() == [7, 17]
     with pytest.raises(ValueError, match=r"request 'c' has 1 block tables, the runner's layout has 3 layer groups"):
         bt.prepare([Req("c", [1])], [0], [1])
 
@@ -162,4 +168,48 @@ def test_random_steps_match_the_per_request_computation():
     for r, _ in live:
         r.status = RequestStatus.FINISHED_ABORTED
     bt.prepare([], [], [])
+    assert bt.num_rows == 0 and not bt._tables[0].any()
+
+
+def test_the_runner_s_kept_tables_equal_each_request_s_through_preemption_forks_and_aborts(tiny_model_path):
+    """On the engine: every step's block table and slot mapping equal what the request's table gives (copy-on-write
+    of forks, dedup merges of a shared prefix, preemptions and an abort all change tables), and the rows of
+    requests that left are released at the next step."""
+    from agentrt.engine import LLM, SamplingParams
+    from tests.engine.test_engine import prompts_of
+
+    llm = LLM(str(tiny_model_path), num_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+    core, runner = llm.core, llm.core.runner
+    bt = runner.block_tables
+    prepare, seen = runner._prepare, {"steps": 0, "rewrites": 0}
+
+    def checked(out):
+        held_before = {r for r in bt._row_of}
+        res = prepare(out)
+        _, positions, slots, meta = res[:4]
+        starts = [r.num_computed_tokens for r in out.reqs]
+        pos, want_slots, padded = expected(out.reqs, starts, out.num_tokens, 4)
+        assert positions.tolist() == pos.tolist() and slots.tolist() == want_slots.tolist()
+        assert meta.block_tables[:, : padded.shape[1]].tolist() == padded.tolist()
+        for r in held_before - set(out.reqs):  # outside the batch: kept only while running
+            assert bt.holds(r) == (r.status == RequestStatus.RUNNING)
+        seen["steps"] += 1
+        return res
+
+    runner._prepare = checked
+    shared = prompts_of([12], seed=3)[0]
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True, n=2)
+    reqs = [core.add_request(shared + p, params) for p in prompts_of([5, 9, 7], seed=4)]
+    aborted = core.add_request(prompts_of([10], seed=5)[0], SamplingParams(max_tokens=30, ignore_eos=True))
+    for i in range(400):
+        if not core.has_work():
+            break
+        core.step()
+        if i == 3:
+            core.abort(aborted.request_id)
+    stats = llm.kv_stats()
+    assert stats.num_preemptions > 0 and stats.cow_copies > 0, "the shapes no longer preempt or copy on write"
+    assert seen["steps"] > 10 and all(r.finished for r in reqs)
+    held = bt.num_rows  # the last step's requests: they leave the running set after it
+    assert held > 0 and bt.release_ended() == held
     assert bt.num_rows == 0 and not bt._tables[0].any()
