@@ -227,7 +227,10 @@ class RecurrentStatePool:
             last = end // bs * bs
             if last <= start:
                 continue
-            for boundary in [*range((start // every + 1) * every, last, every), last]:
+            # the last boundary first: when entries run short it is the one worth most (a call's next call resumes there)
+            for boundary in [last, *range(last - 1 - (last - 1) % every, start, -every)]:
+                if boundary <= start or (boundary != last and boundary % every):
+                    continue
                 key = self._key(req, boundary)
                 if key in self.snapshots:
                     self.snapshots.move_to_end(key)
@@ -239,6 +242,7 @@ class RecurrentStatePool:
                     break
                 step.pending.append((key, entry))
                 snaps[i].append((boundary - start, entry))
+            snaps[i].sort()
         return step
 
     def _take_entry(self, step: RecurrentStep) -> int | None:

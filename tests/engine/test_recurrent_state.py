@@ -107,7 +107,11 @@ def test_a_long_prefill_saves_every_interval_and_its_last_boundary():
     p.slot_of["r"] = p.new_slot()  # it computed 2 tokens in an earlier step
     step = p.prepare([r], [27])  # positions 2..28: crosses 8, 16, 24; its last boundary is 28
     assert [d for d, _ in step.snapshots[0]] == [6, 14, 22, 26]
-    assert [k for k, _ in step.pending] == [p.block_hashes(r, b // 4)[-1] for b in (8, 16, 24, 28)]
+    # entries taken for the last boundary first, then back through the intervals
+    assert [k for k, _ in step.pending] == [p.block_hashes(r, b // 4)[-1] for b in (28, 24, 16, 8)]
+    q = pool(snapshots=2, block_size=4, interval=8)
+    q.slot_of["r"] = q.new_slot()
+    assert [d for d, _ in q.prepare([r], [27]).snapshots[0]] == [22, 26]  # two entries: 24 and the last, 28
 
 
 def test_no_snapshots_without_prefix_caching_or_entries():
@@ -169,12 +173,17 @@ class PoolMachine(RuleBasedStateMachine):
         step = self.p.prepare(reqs, ns)
         entries = [e for s in step.snapshots for _, e in s]
         assert len(entries) == len(set(entries)) and all(e not in self.p.snapshots.values() for e in entries)
+        keys = set(self.p.snapshots) | {k for k, _ in step.pending}
+        full = not self.p.free_entries
         for r, n, s in zip(reqs, ns, step.snapshots):  # at multiples of 8 it crosses and the last block boundary
             start, last = r.num_computed_tokens, (r.num_computed_tokens + n) // 4 * 4
-            planned = [b - start for b in [*range((start // 8 + 1) * 8, last, 8), last] if b > start]
-            got = [d for d, _ in s]
-            assert got == [d for d in planned if d in got] and (not got or got[-1] == planned[-1] or
-                                                                 len(self.p.snapshots) + len(got) >= 3)
+            planned = [b for b in [*range((start // 8 + 1) * 8, last, 8), last] if b > start]
+            got = [start + d for d, _ in s]
+            assert got == sorted(got) and set(got) <= set(planned)
+            for b in planned:  # each saved here, already kept, or no entry was left
+                assert b in got or self.p.block_hashes(r, b // 4)[-1] in keys or full
+            if planned and last not in got and self.p.block_hashes(r, last // 4)[-1] not in keys:
+                assert not got  # the last boundary is taken before any interval one
         if fail:
             self.p.abandon(step)
             return
