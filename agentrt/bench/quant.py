@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.docs:
         from agentrt.bench._common import write_section
 
-        write_section(DOCS_SECTION, markdown(result))
+        isa = result.get("isa_env")  # a forced CPU kind's run is a section of its own
+        write_section(DOCS_SECTION if not isa else f"{DOCS_SECTION} (AGENTRT_CPU_ISA={isa})", markdown(result))
     return 0
 
 
