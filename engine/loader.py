@@ -302,8 +302,6 @@ def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | 
     (engine.gguf_weights; CPU only): `model.packed_weights` says what was kept, or `model.widen_reason` why the
     model stayed widened. `quantize` ("int8" / "int4"): the projections quantized to blocks at load instead
     (engine.gguf_weights.quantize_model; CPU only)."""
-    from safetensors.torch import load_file
-
     from agentrt.engine.model import LlamaForCausalLM
     from agentrt.engine.model_args import ModelArgs, rope_frequencies
 
@@ -315,19 +313,15 @@ def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | 
     freqs = rope_frequencies(hf_config, args)
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
-    if packed_from is not None:  # loaded straight into `dtype`: no fp32 copy of the weights packing drops
-        model.to(dtype)
-    model = model.to_empty(device=device)
+    # built straight in `dtype` (copy_ rounds a checkpoint tensor as `.to(dtype)` would): no fp32 copy of the
+    # weights beside the served ones; blocks quantized at load are made from the fp32 weights
+    model = (model if quantize is not None else model.to(dtype)).to_empty(device=device)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no safetensors weights in {str(path)!r}")
     with _status(f"loading {path.name} onto {device}"):
-        if packed_from is not None:  # each tensor read when the model takes it: no second copy of the checkpoint
-            sd: dict[str, torch.Tensor] = _LazyStateDict(files)
-        else:
-            sd = {}
-            for f in files:
-                sd.update(load_file(f))
+        # each tensor read when the model takes it: no second copy of the checkpoint beside the model
+        sd: dict[str, torch.Tensor] = _LazyStateDict(files)
         model.load_hf_state_dict(sd)
         del sd
         model.packed_weights, model.widen_reason = None, None
@@ -346,14 +340,13 @@ def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | 
         if model.packed_weights is not None:
             model.packed_weights.widened_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         model.init_ropes(freqs)
-    if packed_from is not None:
-        _release_freed_memory()  # the dropped widened projections
+    _release_freed_memory()  # the checkpoint's tensors read while loading (and any dropped widened projections)
     return model.eval(), hf_config
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class _LazyStateDict(dict):

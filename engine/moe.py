@@ -31,7 +31,7 @@ from torch import nn
 
 from agentrt import kernels
 from agentrt.kernels.linear import Linear, PackCache
-from agentrt.kernels.moe import ExpertPackCache, grouped_linear, route_topk, sort_by_expert
+from agentrt.kernels.moe import ExpertPackCache, expert_placeholder, grouped_linear, route_topk, sort_by_expert
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "gpt_oss")
 
@@ -126,6 +126,21 @@ class SparseMoE(nn.Module):
             return ops.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def free_unpacked(self) -> bool:
+        """On CPU with the C++ kernels (fp32 or bf16): pack the expert weights and drop the unpacked ones
+        (`w13`, `w2` become one-element placeholders of their shapes, `ExpertPackCache.adopt`), so the experts
+        sit in memory once. Returns whether they were dropped. After it, only the C++ path runs this layer, and
+        loading new weights into it is refused (the placeholders take no writes)."""
+        w = self.w13
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or kernels.cpu.ops() is None:
+            return False
+        for cache, param in ((self.w13_pack, self.w13), (self.w2_pack, self.w2)):
+            if not cache.source_freed:
+                cache.get(param)
+                param.data = expert_placeholder(param)
+                cache.adopt(param)
+        return True
 
     def streamed_weights(self) -> list[tuple[PackCache, torch.Tensor]]:
         """(pack cache, weight) of the weights a decode step streams (every expert's, an upper bound)."""

@@ -10,7 +10,8 @@ tokens picked it; an expert nobody picked is not read at all.
 Paths:
 - CPU, fp32 or bf16, C++ kernels built (kernels/cpu.py, kernels/csrc/moe.h): one call over all experts,
   every (expert, panel) pair a work item of one parallel loop, from per-expert weights packed once in
-  `packed_linear`'s panels (`ExpertPackCache`; the packed copy costs the weights' memory a second time).
+  `packed_linear`'s panels (`ExpertPackCache`; the packed copy costs the weights' memory a second time
+  unless the caller drops the weights for a placeholder, `ExpertPackCache.adopt`).
 - Elsewhere (GPU, other dtypes, no compiler): torch, one `x @ W.T` per expert that has rows (the
   offsets are read on the host once per call); on CUDA in bf16 `torch._grouped_mm` where this torch has it,
   all experts in one launch.
@@ -74,15 +75,39 @@ def pack_expert_weights(weight: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertPackCache(PackCache):
-    """`PackCache` for a stack of expert weights [E, N, K] (and their biases [E, N] in fp32)."""
+    """`PackCache` for a stack of expert weights [E, N, K] (and their biases [E, N] in fp32).
 
-    __slots__ = ()
+    `adopt` lets the packed copy serve alone: the caller swaps the weight for a placeholder of its shape
+    (`expert_placeholder`, one element) and the cache takes the placeholder as the packed copy's source,
+    so the experts stay in memory once, not twice; a later change of the weight cannot be repacked and
+    is refused, as is any path that would read the placeholder (`grouped_linear` off the C++ kernels)."""
+
+    __slots__ = ("source_freed",)
+
+    def __init__(self):
+        super().__init__()
+        self.source_freed = False
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         key = _version_key(weight)
         if key != self.key:
+            if self.source_freed:
+                raise RuntimeError(f"expert weights {list(weight.shape)} were freed once packed (SparseMoE."
+                                   "free_unpacked); a changed weight cannot be repacked: load the model again")
             self.packed, self.key = pack_expert_weights(weight), key
         return self.packed
+
+    def adopt(self, placeholder: torch.Tensor) -> None:
+        """Serve the current packed copy for `placeholder`, which now stands where its weight was."""
+        if self.packed is None:
+            raise RuntimeError("ExpertPackCache.adopt before the weight was packed")
+        self.key, self.source_freed = _version_key(placeholder), True
+
+
+def expert_placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """A tensor of `weight`'s shape, dtype and device holding one zero (every stride 0): what stands in for
+    expert weights whose packed copy serves alone (`ExpertPackCache.adopt`)."""
+    return weight.new_zeros(()).expand(weight.shape)
 
 
 def grouped_linear_ref(x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor,
@@ -116,6 +141,10 @@ def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor,
             and pack_cache is not None and not torch.is_grad_enabled() and (ops := cpu.ops()) is not None):
         b = None if bias is None else pack_cache.get_bias_f32(bias)
         return ops.grouped_linear(x.contiguous(), offsets.contiguous(), pack_cache.get(weight), b, weight.shape[1])
+    if pack_cache is not None and pack_cache.source_freed:
+        raise RuntimeError(f"grouped_linear: the expert weights {list(weight.shape)} were freed once packed and only "
+                           f"the C++ kernels read the packed copy (here: {x.device.type}, {x.dtype}, weight "
+                           f"{weight.dtype}, grad {'on' if torch.is_grad_enabled() else 'off'})")
     return grouped_linear_torch(x, offsets, weight, bias)
 
 

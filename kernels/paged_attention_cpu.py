@@ -23,8 +23,9 @@ A layer with features (sliding `window`, attention `sinks`, `softcap`): sequence
 `CPP_MAX_QUERY_ROWS` rows go to `paged_attention_small_q`, which takes all three (its walk starts at the
 window's first block); longer runs, and every row without the C++ kernels, go one sequence at a time to
 SDPA over the positions the window can see (a sink is one more key of zeros whose additive mask is its
-logit), or, with a softcap, to the fp32 softmax written out in chunks of query rows. The tiled bf16 kernel
-does not take them yet.
+logit), or, with a softcap, to the fp32 softmax written out in chunks of query rows. In bf16 on AVX512-BF16
+a layer with a window alone (Gemma 3's local layers, Mistral's) goes to the tiled kernel like any other
+(every row's walk starts at the tile of its window); it does not take sinks or a softcap yet.
 """
 
 from __future__ import annotations
@@ -329,11 +330,11 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    if window or sinks is not None or softcap:
-        return _paged_attention_featured(q, k_cache, v_cache, meta, scale, window, sinks, softcap, out)
     use_cpp = _cpp_applies(q, k_cache, v_cache)
-    plan = _cpu_plan(meta, k_cache.shape[1], use_cpp, use_cpp and q.dtype == torch.bfloat16
-                     and cpu.compiled_isa() == "avx512_bf16")
+    tiled = use_cpp and q.dtype == torch.bfloat16 and cpu.compiled_isa() == "avx512_bf16"
+    if sinks is not None or softcap or (window and not tiled):  # the tiled kernel takes a window alone
+        return _paged_attention_featured(q, k_cache, v_cache, meta, scale, window, sinks, softcap, out)
+    plan = _cpu_plan(meta, k_cache.shape[1], use_cpp, tiled)
     invariant = meta.batch_invariant
     if plan.use_cpp and plan.small_seqs.numel():
         cpu.ops().paged_attention_small_q(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
@@ -342,7 +343,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         cpu.ops().paged_attention_small_q(q, k_cache, v_cache, *plan.pieces, scale, out, True)
     if plan.tiled_seqs is not None and plan.tiled_seqs.numel():
         cpu.ops().paged_attention_bf16(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                          meta.block_tables, plan.tiled_seqs, scale, out, invariant)
+                                          meta.block_tables, plan.tiled_seqs, scale, out, invariant, window)
     for part in plan.decode:
         num_seqs = part.rows.shape[0]
         q_dec = q if part.in_order else q.index_select(0, part.rows)

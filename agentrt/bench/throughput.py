@@ -28,9 +28,12 @@ On a GPU machine without the checkpoint, `--random-weights smollm2-135m|llama-3.
 model of that shape with random weights (tokenizer from `--tokenizer`, default: the default
 model's); the engine and HF then run the same weights, and a check prints how many of the first
 `--check-requests` requests get HF's greedy tokens (first token, and all `--check-tokens`). The mixtures
-of experts `qwen3-30b-a3b` and `gpt-oss-20b` take `--layers N` (their first N layers: 4 fit a workstation);
-with `--max-num-seqs 8 --num-requests 8` the batched row is 8 concurrent calls, against the
-single-request rows' one.
+of experts `qwen3-30b-a3b` and `gpt-oss-20b` take `--layers N` (their first N layers: 4 fit a workstation
+beside HF's copy: the engine loads tensor by tensor in its dtype, keeps the experts packed only, and HF shares
+its embedding and LM head; the page gives the run's peak RSS).
+
+`--concurrent N` (default 8 for a mixture of experts): the workload's first N requests as N concurrent calls
+(one `generate`) against the same N calls one at a time, output tokens/s of each, prefill included.
 """
 
 from __future__ import annotations
@@ -114,6 +117,31 @@ def cpu_flags_note() -> str:
     shown = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16",
                          "amx_tile") if f in flags]
     return f"CPU flags: {' '.join(shown) or 'unknown'} (C++ kernels: {cpu.describe()})"
+
+
+def share_embeddings(hf, model) -> int:
+    """Point HF's token embedding and LM head at the engine's equal tensors (a random-weight run, both loaded
+    from one checkpoint; the two largest matrices of a mixture's first layers), so the run holds them once;
+    returns the bytes HF let go. The engine's copies are not written (it serves them read-only)."""
+    pairs = [(hf.get_input_embeddings(), model.embed_tokens)]
+    if model.lm_head is not None and hf.get_output_embeddings() is not None:
+        pairs.append((hf.get_output_embeddings(), model.lm_head))
+    freed = 0
+    for theirs, ours in pairs:
+        w, v = theirs.weight, ours.weight
+        if w is v or w.shape != v.shape or w.dtype != v.dtype or w.device != v.device or not torch.equal(w, v):
+            continue
+        freed += w.numel() * w.element_size()
+        theirs.weight = v
+    return freed
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
 
 
 def run_engine(llm, reqs) -> float:
@@ -218,6 +246,30 @@ def engines_decode_paired(engines: dict, prompt, new: int) -> dict:
     return seconds
 
 
+def concurrency(llm, reqs, repeats: int) -> dict:
+    """Output tokens/s of `reqs` as concurrent calls (one `LLM.generate`, all of them seated together) against
+    the same calls one at a time (a `generate` each), same engine, prefill included on both sides (every run's
+    prompts get a first token no earlier run used: no prefix-cache hits); the two alternate `repeats` times,
+    each side's median kept."""
+    useful = sum(o for _, o in reqs)
+    together: list[float] = []
+    alone: list[float] = []
+    for r in range(repeats):
+        fresh = [([p[0] + 3 + 2 * r, *p[1:]], o) for p, o in reqs]
+        again = [([p[0] + 4 + 2 * r, *p[1:]], o) for p, o in reqs]
+        for side in ("together", "alone") if r % 2 == 0 else ("alone", "together"):
+            if side == "together":
+                together.append(run_engine(llm, fresh))
+            else:
+                alone.append(sum(run_engine(llm, [req]) for req in again))
+            print(f"concurrency repeat {r} {side}: {(together if side == 'together' else alone)[-1]:.1f} s",
+                  file=sys.stderr)
+    t_together, t_alone = statistics.median(together), statistics.median(alone)
+    return {"calls": len(reqs), "output_tokens": useful, "repeats": repeats, "concurrent_s": t_together,
+            "one_at_a_time_s": t_alone, "concurrent_tok_s": useful / t_together, "one_at_a_time_tok_s": useful / t_alone,
+            "ratio": t_alone / t_together}
+
+
 def deterministic_cost(a, kw: dict) -> tuple[dict, str]:
     """The deterministic (batch-invariant) engine, the CPU default, against the batch-variant one
     (`deterministic=False`, `--no-deterministic`), same run, same requests: batched
@@ -310,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--sampling-steps", type=int, default=8,
                     help="decode steps per run of the sampling-processors row (bench.sampling; 0 = skip)")
+    ap.add_argument("--concurrent", type=int, default=None,
+                    help="the workload's first N requests as N concurrent calls vs one call at a time, output tok/s of "
+                         "each (prefill included; 0 = skip; N <= --max-num-seqs); default 8 for a mixture of experts, "
+                         "else 0")
+    ap.add_argument("--concurrent-repeats", type=int, default=1, help="alternated runs of each side of --concurrent")
     ap.add_argument("--deterministic-cost", action="store_true",
                     help="only the deterministic (batch-invariant) engine against the batch-variant one (no HF)")
     ap.add_argument("--det-repeats", type=int, default=2, help="batched runs per engine with --deterministic-cost")
@@ -317,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
                     help="write this benchmark's section of docs/benchmarks/throughput.md (default: no)")
     a = ap.parse_args(argv)
+    if a.concurrent is not None and not 0 <= a.concurrent <= min(a.max_num_seqs, a.num_requests):
+        ap.error(f"--concurrent {a.concurrent} must be between 0 and --max-num-seqs ({a.max_num_seqs}) and "
+                 f"--num-requests ({a.num_requests}): the calls are the workload's first, all seated at once")
     if a.layers is not None and a.random_weights is None:
         ap.error(f"--layers {a.layers} cuts a --random-weights preset; give one ({', '.join(PRESETS)})")
 
@@ -350,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
             write_section(f"Deterministic mode ({dtype_on_cpu(getattr(torch, res['dtype']))})", section)
         return 0
     llm = LLM(a.model, **kw)
+    if hf is not None:
+        print(f"HF shares the engine's embedding and LM head: {share_embeddings(hf, llm.core.model) / 2**30:.2f} GiB "
+              "held once", file=sys.stderr)
     config = llm.core.config
     spec = LLM(a.model, num_speculative_tokens=a.speculative, **kw) if a.speculative else None
     dtype, device = config.torch_dtype, config.device
@@ -458,6 +521,21 @@ def main(argv: list[str] | None = None) -> int:
             results["ratio_single_decode_spec"] = best_hf_dec / spec_dec
         results["spec_draft_tokens"] = spec.core.num_draft_tokens
         results["spec_acceptance"] = 1 - spec.core.num_rejected_tokens / max(1, spec.core.num_draft_tokens)
+    concurrency_note = ""
+    if a.concurrent is None:
+        a.concurrent = min(8, a.max_num_seqs, a.num_requests) if getattr(args, "moe", None) is not None else 0
+    if a.concurrent:
+        c = results["concurrency"] = concurrency(llm, reqs[: a.concurrent], max(1, a.concurrent_repeats))
+        crows = [[f"{c['calls']} concurrent calls (one generate)", f"{c['concurrent_s']:.1f}", c["concurrent_tok_s"],
+                  c["ratio"]],
+                 [f"the same {c['calls']} calls one at a time", f"{c['one_at_a_time_s']:.1f}",
+                  c["one_at_a_time_tok_s"], 1.0]]
+        target = " (target >= 4x for a mixture of experts)" if getattr(args, "moe", None) is not None else ""
+        concurrency_note = (
+            f"{markdown_table(['engine calls', 'wall s', 'output tok/s', 'vs one at a time'], crows)}\n\n"
+            f"{c['calls']} concurrent calls / one call at a time, output tok/s: **{c['ratio']:.2f}x**{target}; the "
+            f"workload's first {c['calls']} requests ({c['output_tokens']} output tokens), prefill included on both "
+            f"sides, the median of {c['repeats']} alternated runs each\n\n")
     sampling_note = ""
     if a.sampling_steps > 0:
         from agentrt.bench import sampling
@@ -469,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sampling processors: {results['sampling']['overhead']}", file=sys.stderr)
         sampling_note = f"{sampling.table(results['sampling'])}\n\n"
     results["load_average_end"] = os.getloadavg()[0]
+    results["peak_rss_gib"] = peak_rss_gib()
 
     name = _name(dtype)
     rows = [[f"agentrt engine (continuous batching), {name}", f"{results['engine_s']:.1f}", results["engine_tok_s"], 1.0]]
@@ -517,13 +596,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     model_note = f"Model: random weights of {a.random_weights}'s shape. " if a.random_weights else ""
     machine_note = (f"{results['cpu']}. Load average {results['load_average_start']:.1f} at the start, "
-                    f"{results['load_average_end']:.1f} at the end.  \n" if device == "cpu" else "")
+                    f"{results['load_average_end']:.1f} at the end; peak RSS {results['peak_rss_gib']:.1f} GiB (engine "
+                    f"and HF together).  \n" if device == "cpu" else "")
     summary = (
         f"{machine_note}Engine: `{llm.core.startup_line}`; every engine row with num_scheduler_steps="
         f"{a.num_scheduler_steps} (greedy decode steps per scheduler call), the float32 one too\n\n"
         f"{model_note}{a.num_requests} requests, prompts 16-512, outputs 16-256 ({useful} output tokens), ignore_eos, "
         f"greedy.\n\n{table}\n\nEngine / best HF batched ({best_hf}): **{results['ratio_vs_hf_batched']:.2f}x** "
-        f"(target >= 3x)\n\n{compute_note}{single_note}{spec_note}{sampling_note}{check_note}"
+        f"(target >= 3x)\n\n{compute_note}{single_note}{concurrency_note}{spec_note}{sampling_note}{check_note}"
     )
     if a.json:
         print(json.dumps(results, indent=2, default=str))
@@ -532,10 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.docs:
         if a.random_weights is not None:
             title = f"Throughput ({a.random_weights}, random weights, {results['device']})"
-        elif device == "cpu":
-            title = f"Throughput ({dtype_on_cpu(dtype)})"
-        else:
-            title = "Throughput"
+        else:  # a model other than the default one named first
+            parts = (([os.path.basename(str(a.model).rstrip("/"))] if a.model is not None else [])
+                     + ([dtype_on_cpu(dtype)] if device == "cpu" else []))
+            title = f"Throughput ({', '.join(parts)})" if parts else "Throughput"
         write_section(title, summary)
     return 0
 

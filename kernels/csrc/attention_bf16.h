@@ -155,9 +155,15 @@ struct Tile {
 // One row's online-softmax step over a tile's 32 scores s0, s1 (log2 units, hidden ones -inf): its
 // running max and sum updated, its output accumulators o[NC] rescaled when the max grew, P rounded to
 // bf16 pairs into pbuf[16].
+// A tile whose scores are all hidden while the row's are so far (a tile before the row's window, walked for
+// another row of its register tile) changes nothing: P is zero and the running max, sum and output stay.
 template <int NC>
 inline void softmax_tile(v16 s0, v16 s1, float& m_run, float& l_run, __m512* o, uint32_t* pbuf) {
   const float m_new = std::max(m_run, _mm512_reduce_max_ps(_mm512_max_ps((__m512)s0, (__m512)s1)));
+  if (m_new == -std::numeric_limits<float>::infinity()) {
+    _mm512_store_si512(pbuf, _mm512_setzero_si512());
+    return;
+  }
   const v16 p0 = exp2_16(s0 - m_new), p1 = exp2_16(s1 - m_new);
   if (m_new != m_run) {
     const float alpha = std::exp2(m_run - m_new);
@@ -192,13 +198,25 @@ inline void finish_rows(const __m512 (&o)[MR][NC], const float* m_run, const flo
   }
 }
 
+// hides the scores of tile positions before a row's sliding window (`window` > 0: position pos sees
+// (pos - window, pos]); t0 = the tile's first position
+inline void hide_before_window(v16& s0, v16& s1, int64_t t0, int64_t pos, int64_t window) {
+  if (window <= 0 || t0 > pos - window) return;
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const float first = static_cast<float>(pos - window + 1 - t0);  // the first visible lane
+  const v16 inf = splat16(-std::numeric_limits<float>::infinity());
+  s0 = lane < first ? inf : s0;
+  s1 = lane + 16.f < first ? inf : s1;
+}
+
 // MR query rows (bf16 pairs qp[m][dd], positions pos[m]) against the K/V of positions [base, base + Lp),
-// at most every row's position for `base`, a tile at a time from tiles(n0) (n0 from base); writes out
-// rows, or with `partial` each row's unnormalized output, running max and sum (D + 2 floats at
-// partial[m]: one part of a split walk).
+// at most every row's position for `base`, a tile at a time from tiles(n0), n0 from `from` (a multiple
+// of kPrefillTile: the tiles before it hidden from every row by its window); writes out rows, or with
+// `partial` each row's unnormalized output, running max and sum (D + 2 floats at partial[m]: one part
+// of a split walk).
 template <int MR, int NC, typename Tiles>
-inline void walk_rows(const uint32_t* qp, const int64_t* pos, int64_t Lp, int64_t base, float scale_log2e,
-                      bf16* const* out, float* const* partial, Tiles&& tiles) {
+inline void walk_rows(const uint32_t* qp, const int64_t* pos, int64_t Lp, int64_t base, int64_t from, int64_t window,
+                      float scale_log2e, bf16* const* out, float* const* partial, Tiles&& tiles) {
   constexpr int64_t D = NC * 16, half = D / 2;
   __m512 o[MR][NC];
   float m_run[MR], l_run[MR];
@@ -212,7 +230,7 @@ inline void walk_rows(const uint32_t* qp, const int64_t* pos, int64_t Lp, int64_
   last = std::min(last, Lp - 1);
   alignas(64) uint32_t pbuf[MR][kPrefillTile / 2];
   const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int64_t n0 = 0; n0 <= last; n0 += kPrefillTile) {
+  for (int64_t n0 = from; n0 <= last; n0 += kPrefillTile) {
     const Tile t = tiles(n0);
     __m512 s[MR][2];
     for (int m = 0; m < MR; ++m) s[m][0] = s[m][1] = _mm512_setzero_ps();
@@ -233,6 +251,7 @@ inline void walk_rows(const uint32_t* qp, const int64_t* pos, int64_t Lp, int64_
         s0 = lane > lim ? inf : s0;
         s1 = lane + 16.f > lim ? inf : s1;
       }
+      hide_before_window(s0, s1, base + n0, pos[m], window);
       softmax_tile<NC>(s0, s1, m_run[m], l_run[m], o[m], pbuf[m]);
     }
     for (int64_t nn = 0; nn < kPrefillTile / 2; ++nn) {
@@ -269,7 +288,7 @@ inline __m512 sum16x16(const __m512 v[16]) {
 // accumulators' lanes hold the dims in that interleaved order, put back once at the end). Against
 // packing each tile (walk_rows with a tile source) it skips the 16 x 16 transposes and the stores of
 // the packed copy. Positions [base, end) of the kv head at kv_off of each cache row; row m sees up to
-// pos[m]. Outputs as walk_rows.
+// pos[m] (and, with `window`, from pos[m] - window + 1). Outputs as walk_rows.
 // INV (batch-invariant mode): each 16 x 32-dim block of K rows is transposed in registers
 // (transpose16x16, as pack_kv does) and the scores are summed over dim pairs in walk_rows's order, so a
 // decode row's output is bit-identical to the same row's in a prefill chunk (walk_rows), still without
@@ -277,7 +296,8 @@ inline __m512 sum16x16(const __m512 v[16]) {
 template <int MR, int KZ, bool INV = false>
 inline void walk_direct(const uint32_t* qp, const int64_t* pos, int64_t base, int64_t end, const bf16* k_cache,
                         const bf16* v_cache, const int32_t* table, int64_t block_size, int64_t row_stride,
-                        int64_t kv_off, float scale_log2e, bf16* const* out, float* const* partial) {
+                        int64_t kv_off, int64_t window, float scale_log2e, bf16* const* out,
+                        float* const* partial) {
   constexpr int64_t D = KZ * 32, half = D / 2, NC = 2 * KZ;
   alignas(64) static const bf16 zeros[D] = {};
   __m512 o[MR][NC];
@@ -363,7 +383,9 @@ inline void walk_direct(const uint32_t* qp, const int64_t* pos, int64_t base, in
       // hide positions past the row's own and past the walk's end
       const float lim = static_cast<float>(std::min(pos[m] - base - n0, count - 1));
       const v16 inf = splat16(-std::numeric_limits<float>::infinity());
-      softmax_tile<NC>(lane > lim ? inf : s[0], lane + 16.f > lim ? inf : s[1], m_run[m], l_run[m], o[m], pbuf[m]);
+      v16 s0 = lane > lim ? inf : s[0], s1 = lane + 16.f > lim ? inf : s[1];
+      hide_before_window(s0, s1, base + n0, pos[m], window);
+      softmax_tile<NC>(s0, s1, m_run[m], l_run[m], o[m], pbuf[m]);
     }
     const int64_t pairs = (std::min(count, last - n0 + 1) + 1) / 2;
     for (int64_t nn = 0; nn < pairs; ++nn) {
@@ -410,7 +432,7 @@ struct Item {
 template <int NC>
 void run_item(const bf16* q, int64_t q_row_stride, bf16* out, int64_t H, int64_t G, const Item& it,
               const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t KVH, int64_t block_size,
-              float scale_log2e, bool invariant) {
+              float scale_log2e, bool invariant, int64_t window) {
   constexpr int64_t D = NC * 16, half = D / 2;
   constexpr int MR = walk_rows_per_tile(D);
   alignas(64) uint32_t qp[MR * half];
@@ -431,19 +453,23 @@ void run_item(const bf16* q, int64_t q_row_stride, bf16* out, int64_t H, int64_t
       part[m] = it.partial && real ? it.partial + (r * H + h) * (D + 2) : part_sink[m];
     }
     float* const* po = it.partial ? part : nullptr;
+    // the walk starts at the tile of the first row's window (the rows' positions do not decrease), tiles
+    // counted from position 0 whatever the rows (batch invariance); the item's base is such a tile's too
+    int64_t start = it.base;
+    if (window > 0) start = std::max(start, std::max<int64_t>(0, pos[0] - window + 1) / kPrefillTile * kPrefillTile);
     if (it.whole) {
-      walk_rows<MR, NC>(qp, pos, it.Lp, it.base, scale_log2e, dst, po, packed);
+      walk_rows<MR, NC>(qp, pos, it.Lp, it.base, start - it.base, window, scale_log2e, dst, po, packed);
     } else {  // one register tile of rows: from the cache as it lies
       static_assert(NC % 2 == 0, "walk_direct reads whole 32-dim vectors");
       const int64_t rows = it.row1 - i0;  // no padding row for a GQA group of 3
       auto direct = [&](auto tile_rows) {
         constexpr int rows_ = decltype(tile_rows)::value;
         if (invariant) {
-          walk_direct<rows_, NC / 2, true>(qp, pos, it.base, it.end, k_cache, v_cache, table, block_size, KVH * D,
-                                           it.kvh * D, scale_log2e, dst, po);
+          walk_direct<rows_, NC / 2, true>(qp, pos, start, it.end, k_cache, v_cache, table, block_size, KVH * D,
+                                           it.kvh * D, window, scale_log2e, dst, po);
         } else {
-          walk_direct<rows_, NC / 2>(qp, pos, it.base, it.end, k_cache, v_cache, table, block_size, KVH * D,
-                                     it.kvh * D, scale_log2e, dst, po);
+          walk_direct<rows_, NC / 2>(qp, pos, start, it.end, k_cache, v_cache, table, block_size, KVH * D,
+                                     it.kvh * D, window, scale_log2e, dst, po);
         }
       };
       if (rows >= MR) {
@@ -513,13 +539,15 @@ inline void merge_parts(const std::vector<Item>& list, const std::vector<int64_t
 // decode rows' walk_direct sums each score's products in walk_rows's order (its INV form). Each row
 // then sums over tiles of 32 positions from position 0, its dim pairs in one order, the same whether
 // it is a decode row, one of a prefill chunk of any size, or a recomputed one.
+// `window` > 0 (a sliding-window layer: position p sees (p - window, p]): a sequence's walks and packed
+// K/V start at the tile of its first row's window, each register tile's walk at its own first row's.
 constexpr int64_t kMinSplit = 64;
 
 inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out, const bf16* k_cache,
                                     const bf16* v_cache, const int32_t* qsl, const int32_t* lens,
                                     const int32_t* tables, int64_t max_blocks, const int64_t* seqs, int64_t S,
                                     int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,
-                                    bool invariant = false) {
+                                    bool invariant = false, int64_t window = 0) {
   const int64_t G = H / KVH, threads = num_threads();
   const float scale_log2e = scale * 1.4426950408889634f;
   // Items go to all threads from kParallelWork (query row x head, position) pairs on: one decode row
@@ -527,10 +555,12 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
   // decode step at 20 positions, 2 cores).
   int64_t work = 0, items = 0;
   for (int64_t i = 0; i < S; ++i) work += (qsl[seqs[i] + 1] - qsl[seqs[i]]) * H * lens[seqs[i]];
-  std::vector<int64_t> lp(S), chunks(S), parts(S, 1), offset(S + 1, 0);
+  std::vector<int64_t> lp(S), lo(S, 0), chunks(S), parts(S, 1), offset(S + 1, 0);
   for (int64_t i = 0; i < S; ++i) {
     const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b];
-    lp[i] = (lens[b] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
+    if (window > 0)  // the tile of the first row's window: no row sees a position before it
+      lo[i] = std::max<int64_t>(0, lens[b] - R - window + 1) / kPrefillTile * kPrefillTile;
+    lp[i] = (lens[b] - lo[i] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
     chunks[i] = (R * G + kRowsPerItem - 1) / kRowsPerItem;
     items += KVH * chunks[i];
     offset[i + 1] = offset[i] + (chunks[i] > 1 ? KVH * lp[i] * D : 0);  // uint32s: Lp * D / 2 for K, as many for V
@@ -541,11 +571,12 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
   std::vector<int64_t> seq_of;  // each item's index in seqs
   for (int64_t i = 0; i < S; ++i) {
     const int64_t b = seqs[i], R = qsl[b + 1] - qsl[b], L = lens[b], span = L - R + 1;  // positions every row sees
-    if (split) parts[i] = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, span / kMinSplit));
-    const int64_t step = ((span + parts[i] - 1) / parts[i] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
-    parts[i] = (span + step - 1) / step;  // whole tiles per part may leave fewer parts
+    const int64_t seen = span - lo[i];  // the positions every row may see, from the first tile any row sees
+    if (split) parts[i] = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, seen / kMinSplit));
+    const int64_t step = ((seen + parts[i] - 1) / parts[i] + kPrefillTile - 1) / kPrefillTile * kPrefillTile;
+    parts[i] = (seen + step - 1) / step;  // whole tiles per part may leave fewer parts
     const bool by_tile = R * G <= walk_rows_per_tile(D);
-    for (int64_t begin = 0; begin < span; begin += step)  // a part's kv heads side by side: whole rows
+    for (int64_t begin = lo[i]; begin < span; begin += step)  // a part's kv heads side by side: whole rows
       for (int64_t kvh = 0; kvh < KVH; ++kvh)
         for (int64_t c = 0; c < chunks[i]; ++c) {
           const int64_t end = parts[i] > 1 && begin + step < span ? begin + step : L;
@@ -579,8 +610,8 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
         const int64_t i = w / KVH, kvh = w % KVH, b = seqs[i];
         if (chunks[i] < 2) continue;
         uint32_t* kt = shared + offset[i] + kvh * lp[i] * D;
-        pack_kv(k_cache, v_cache, tables + b * max_blocks, 0, lens[b], kvh, kvh + 1, KVH, D, block_size, kt,
-                lp[i]);
+        pack_kv(k_cache, v_cache, tables + b * max_blocks, lo[i], lens[b] - lo[i], kvh, kvh + 1, KVH, D, block_size,
+                kt, lp[i]);
       }
     });
   }
@@ -602,7 +633,7 @@ inline void paged_attention_bf16(const bf16* q, int64_t q_row_stride, bf16* out,
       }
       auto run = [&](auto fn) {
         fn(q, q_row_stride, out, H, G, it, k_cache, v_cache, tables + b * max_blocks, KVH, block_size, scale_log2e,
-           invariant);
+           invariant, window);
       };
       switch (D) {
         case 32: run(run_item<2>); break;

@@ -270,11 +270,11 @@ void paged_attention_small_q(const at::Tensor& q, const at::Tensor& k_cache, con
 }
 
 // Like paged_attention_small_q for sequences with any number of query rows, bf16 only, in the
-// AVX512-BF16 build only (attention_bf16.h).
+// AVX512-BF16 build only (attention_bf16.h); of a layer's features the sliding window (0 = none).
 void paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                              const at::Tensor& block_tables, const at::Tensor& seqs, double scale, at::Tensor& out,
-                             bool invariant) {
+                             bool invariant, int64_t window) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
@@ -294,9 +294,10 @@ void paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* sp = seqs.data_ptr<int64_t>();
   check_rows(qsl, lens, sp, S, block_size, max_blocks, std::numeric_limits<int64_t>::max(), "paged_attention_bf16");
+  TORCH_CHECK(window >= 0, "paged_attention_bf16: window ", window, " must be >= 0 (0 = none)");
   agentrt::paged_attention_bf16(ptr<bf16>(q), q.stride(0), ptr<bf16>(out), ptr<bf16>(k_cache), ptr<bf16>(v_cache),
                                    qsl, lens, block_tables.data_ptr<int32_t>(), max_blocks, sp, S, H, KVH, D,
-                                   block_size, static_cast<float>(scale), invariant);
+                                   block_size, static_cast<float>(scale), invariant, window);
 #else
   TORCH_CHECK(false, "paged_attention_bf16: needs the avx512_bf16 build, this is ", agentrt::compiled_isa());
 #endif
@@ -832,7 +833,7 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
       "Tensor? sinks=None, float softcap=0.0) -> ()");
   m.def(
       "paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-      "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out, bool invariant=False) -> ()");
+      "Tensor block_tables, Tensor seqs, float scale, Tensor(a!) out, bool invariant=False, int window=0) -> ()");
   m.def(
       "decode_forward(Tensor x, Tensor[] input_norms, Tensor[] qkv, Tensor?[] qkv_bias, Tensor[] o_proj, "
       "Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor[] qk_norms, Tensor(a!) kv_cache, "

@@ -149,6 +149,27 @@ def test_fp32_logits_match_hf(checkpoint, path_name):
     assert nmse(got, want) < 1e-4
 
 
+def test_packed_experts_serve_alone(checkpoint):
+    """On the C++ kernels the experts' packed copy serves alone: after the first forward every mixture layer's
+    `w13` / `w2` hold one element (the experts sit in memory once, not twice), the logits are still HF's, and a
+    path that would read the dropped weights (the torch path, taken with grad on) is refused by name."""
+    from agentrt.engine.moe import SparseMoE
+
+    name, path, hf = checkpoint
+    if not kernels_cpu.available():
+        pytest.skip("C++ CPU kernels cannot be built here")
+    seqs = sequences()
+    model, _ = load_model(path, torch.float32, "cpu")
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert moes and all(m.w13.untyped_storage().nbytes() == m.w13.numel() * 4 for m in moes)
+    assert nmse(engine_logits(model, seqs), hf_logits(hf, seqs)) < 1e-4
+    for m in moes:
+        assert [w.untyped_storage().nbytes() for w in (m.w13, m.w2)] == [4, 4]
+        assert m.w13_pack.source_freed and m.w2_pack.source_freed
+    with pytest.raises(RuntimeError, match="freed once packed"):
+        moes[0](torch.randn(3, model.args.hidden_size))
+
+
 def test_bf16_top5_rule(checkpoint):
     name, path, hf = checkpoint
     seqs = sequences(seed=4)

@@ -104,6 +104,35 @@ def test_cpp_decode_window_on_split_sequences(window):
         torch.testing.assert_close(out, gold, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("window", [1, 5, 32, 45, 100, 1000])
+@pytest.mark.parametrize(("H", "KVH", "D", "block_size"), [(4, 1, 256, 16), (6, 2, 64, 4), (8, 2, 128, 32)])
+def test_tiled_bf16_kernel_takes_a_window(threads, window, H, KVH, D, block_size):
+    """A window alone goes to the AVX512-BF16 tiled kernel (Gemma 3's local layers): decode rows (short and long
+    contexts, split across threads when not batch-invariant), drafts, prefill chunks over a context and fresh
+    prompts (packed whole), windows shorter than a tile, starting mid-tile and mid-block, and longer than every
+    context; against dense fp32 attention with the window by the kernel rule, both modes, 1, 2 and 4 threads."""
+    if cpu.compiled_isa() != "avx512_bf16":
+        pytest.skip("needs the avx512_bf16 kernels")
+    batch = make_paged_batch([1, 1, 5, 40, 70, 1], [300, 9, 157, 120, 70, 613], H, KVH, D, block_size,
+                             torch.bfloat16, seed=window + D)
+    scale = D**-0.5
+    gold, same = (_dense(batch, scale, window, None, None, dtype=d) for d in (torch.float32, torch.bfloat16))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for invariant in (False, True):
+            batch.meta.batch_invariant = invariant
+            batch.meta._cpu_plan = None
+            out = paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, window=window)
+            assert batch.meta._cpu_plan.tiled
+            assert not out.isnan().any()
+            err = (out.double() - gold.double()).abs().max().item()
+            assert err <= 2 * (same.double() - gold.double()).abs().max().item() + 1e-2, (invariant, err)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize(("H", "KVH"), [(4, 4), (6, 2)])
 def test_triton_kernel(feature, H, KVH):
