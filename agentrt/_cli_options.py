@@ -50,7 +50,7 @@ _KV_TIER_FLAGS: dict[str, tuple[type, str]] = {
     "--kv-disk-gib": (float, "T2's size; least recently used files are deleted beyond it (default 8)"),
 }
 _ENGINE_FLAGS.update(_KV_TIER_FLAGS)
-_SWITCHES = ("enable_prefix_caching", "enable_lora", "deterministic")
+_SWITCHES = ("enable_prefix_caching", "enable_lora", "deterministic", "swa_full")
 DETERMINISTIC_HELP = ("batch-invariant kernels: a greedy call's tokens do not depend on the other calls, prefix-cache "
                       "hits, chunking or preemption (default: on for CPU in float32 / bfloat16 with the C++ kernels, "
                       "off on GPU; --no-deterministic turns it off; its speed per CPU kind: docs/engine.md)")
@@ -86,6 +86,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of shared prompt prefixes (default: on)")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None, help=DETERMINISTIC_HELP)
+    g.add_argument("--swa-full", action="store_true", default=None,
+                   help=("llama.cpp's flag: sliding-window layers keep every KV block instead of freeing those that "
+                         "left their window (default: freed; docs/engine.md)"))
     g.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters (PEFT directories): a request names one as its model")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",

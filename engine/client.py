@@ -104,7 +104,7 @@ def request_info(core: EngineCore, request_id: str) -> RequestInfo | None:
     req = core.requests.get(request_id)
     if req is None:
         return None
-    return RequestInfo(request_id, req.program_id, tuple(req.block_ids), _level(core, req), req.first_scheduled_time,
+    return RequestInfo(request_id, req.program_id, tuple(req.held_blocks()[::-1]), _level(core, req), req.first_scheduled_time,
                        req.num_preemptions)
 
 

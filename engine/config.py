@@ -30,6 +30,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # tokens in one step at most (chunked prefill beyond)
     max_model_len: int | None = None  # context limit; None = the model's
     enable_prefix_caching: bool = True  # reuse and dedup full blocks by content hash
+    swa_full: bool = False  # llama.cpp's --swa-full: sliding-window layers keep every block, in one layer group with
+    # the full layers, instead of freeing the blocks that left their window (engine.kv_layout)
     recurrent_snapshots: int = 128  # a hybrid model's (Qwen3.5's) recurrent-state snapshots kept at block boundaries
     # for prefix hits (engine.recurrent_state; least recently used dropped); 0 = none: its prompts are always computed
     policy: Any = "fcfs"  # scheduling policy name or engine.policy.SchedulingPolicy instance

@@ -29,6 +29,7 @@ from agentrt.engine.config import EngineConfig, kv_budget
 from agentrt.engine.errors import InvalidRequestError, InvalidRequestTypeError, show_value
 from agentrt.engine.generation_config import generation_defaults
 from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.kv_layout import KVLayout
 from agentrt.engine.kv_host import TierStats, block_key
 from agentrt.engine.kv_tiers import KVTiers
 from agentrt.engine.loader import gguf_source, load_model, load_tokenizer, resolve_model
@@ -107,11 +108,13 @@ class EngineCore:
         args = self.model.args
         self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
         self.eos_token_ids = _eos_ids(self.tokenizer, self.hf_config)
+        self.kv_layout = KVLayout.from_args(args, swa_full=config.swa_full)
         num_blocks, budget_from = (config.num_blocks, "num_blocks") if config.num_blocks else self._blocks_from_budget()
         self.tiers = self._make_tiers()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, model_key=str(self.model_path),
-                                 tiers=self.tiers)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, config.device)
+                                 tiers=self.tiers, layout=self.kv_layout)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, config.device,
+                                  layout=self.kv_layout)
         self._attach_recurrent_states()
         if config.device == "cpu":
             kernels.cpu.ops()  # build (first time, ~30 s) or load the C++ CPU kernels now, not mid-request
@@ -123,9 +126,15 @@ class EngineCore:
                                  f"({kernels.cpu.describe()}: no C++ compiler, or ${kernels.cpu.ENV_VAR}=0)")
             self.model.set_batch_invariant(True)
         self.policy = make_policy(config.policy, **(config.policy_kwargs or {}))
-        kv_bytes = num_blocks * ModelRunner.bytes_per_block(self.model.args, config.block_size, config.torch_dtype)
+        kv_bytes = num_blocks * ModelRunner.bytes_per_block(self.model.args, config.block_size, config.torch_dtype,
+                                                            self.kv_layout)
+        groups = self.kv_layout.groups
+        kv_shape = "" if len(groups) == 1 and groups[0].window is None else (
+            f" in pages of {self.kv_layout.page_layers} layers ("
+            + ", ".join(f"{sum(g.window == w for g in groups)} {'full' if w is None else f'window {w}'}"
+                        for w in dict.fromkeys(g.window for g in groups)) + " layer groups)")
         self.startup_line = (f"agentrt engine: {self.model_path.name} on {config.device}, {config.dtype} "
-                             f"({config.dtype_reason}), weights: {weights}, {num_blocks} KV blocks of {config.block_size} tokens "
+                             f"({config.dtype_reason}), weights: {weights}, {num_blocks} KV blocks of {config.block_size} tokens{kv_shape} "
                              f"({kv_bytes / 2**20:.0f} MiB, from {budget_from}), policy "
                              f"{getattr(self.policy, 'name', type(self.policy).__name__)}"
                              + (f", kernels: {kernels.cpu.describe()}" if config.device == "cpu" else "")
@@ -172,7 +181,7 @@ class EngineCore:
         c, a = self.config, self.model.args
         if not c.kv_host_gib and c.kv_disk_dir is None:
             return None
-        shape = (a.num_layers, 2, c.block_size, a.num_kv_heads, a.head_dim)
+        shape = (self.kv_layout.page_layers, 2, c.block_size, a.num_kv_heads, a.head_dim)
         disk_gib = 8.0 if c.kv_disk_gib is None else c.kv_disk_gib
         tiers = KVTiers(shape, c.torch_dtype, block_key(str(self.model_path), c.torch_dtype, shape),
                         host_bytes=int(c.kv_host_gib * 2**30), disk_dir=c.kv_disk_dir, disk_bytes=int(disk_gib * 2**30),
@@ -191,7 +200,7 @@ class EngineCore:
 
     def _blocks_from_budget(self) -> tuple[int, str]:
         c = self.config
-        per_block = ModelRunner.bytes_per_block(self.model.args, c.block_size, c.torch_dtype)
+        per_block = ModelRunner.bytes_per_block(self.model.args, c.block_size, c.torch_dtype, self.kv_layout)
         budget, source = kv_budget(c)
         return max(1, budget // per_block), source
 

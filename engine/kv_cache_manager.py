@@ -23,12 +23,13 @@ import hashlib
 from collections.abc import Callable
 
 from agentrt.engine.block_pool import BlockPool, PrefixCacheStats
+from agentrt.engine.kv_layout import NULL_BLOCK, KVLayout
 from agentrt.engine.kv_tiers import KVTiers, Moves
 from agentrt.engine.ownership import OwnerKV, Ownership, PinFilter, RetentionStats
 from agentrt.engine.program_ops import ProgramOp
 from agentrt.engine.request import Request
 
-__all__ = ["BlockPool", "KVCacheManager", "OwnerKV", "PrefixCacheStats", "RetentionStats", "hash_block"]
+__all__ = ["BlockPool", "Hits", "KVCacheManager", "OwnerKV", "PrefixCacheStats", "RetentionStats", "hash_block"]
 
 
 EXACT_WINDOW_BLOCKS = 2  # the last full blocks of a call a lossy KV tier keeps exact (the recent window)
@@ -46,12 +47,33 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes) -> byte
     return m.digest()
 
 
+def group_hash(h: bytes, group: int) -> bytes:
+    """The hash a block of layer group `group` is cached under: group 0's is the chain hash itself, the others'
+    a digest of it and the group (each group's pages hold other layers' K/V for the same tokens)."""
+    return h if group == 0 else hashlib.blake2b(h + group.to_bytes(2, "little"), digest_size=16).digest()
+
+
+class Hits(list):
+    """A prefix hit: group 0's cached blocks (a list, as with one group), and `extra`, the other groups' tables for
+    the same positions (NULL_BLOCK where a window group needs no block)."""
+
+    __slots__ = ("extra",)
+
+    def __init__(self, blocks=(), extra: list[list[int]] | None = None):
+        super().__init__(blocks)
+        self.extra = extra or []
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model_key: str = "",
-                 max_reserved_fraction: float = 0.5, tiers: KVTiers | None = None):
+                 max_reserved_fraction: float = 0.5, tiers: KVTiers | None = None, layout: KVLayout | None = None):
         if not 0 <= max_reserved_fraction < 1:
             raise ValueError(f"max_reserved_fraction must be in [0, 1), got {max_reserved_fraction!r}")
         self.block_size = block_size
+        # the layer groups (engine.kv_layout): one block table per group per request; one group without a layout
+        self.layout = layout if layout is not None else KVLayout.single(1)
+        self.num_groups = self.layout.num_groups
+        self._windowed = [g for g in range(self.num_groups) if self.layout.groups[g].window is not None]
         self.enable_prefix_caching = enable_prefix_caching
         self.model_key = model_key
         self.max_reserved_blocks = int(num_blocks * max_reserved_fraction)  # all reservations together
@@ -75,6 +97,12 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer group frees what left its window: it holds a prefill chunk's every block while the chunk
+        runs, so a smaller chunk needs fewer blocks (the scheduler halves a chunk that does not fit)."""
+        return bool(self._windowed)
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,13 +139,27 @@ class KVCacheManager:
         output = req.sampling.max_tokens if output_tokens is None else min(req.sampling.max_tokens, output_tokens)
         total = min(req.num_tokens + output, req.max_model_len)
         owner = req.program_id
-        reclaimable = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+        live, reclaimable = self._hit_counts(hits)
         pins = may_take_pinned if callable(may_take_pinned) else None
         room = self.num_allocatable(owner, hits, pins) if may_take_pinned else self.pool.available_to(owner)
-        return self.blocks_for(total) - len(hits) + reclaimable <= room
+        return self.blocks_for(total) - live + reclaimable <= room
+
+    def _hit_counts(self, hits: list[int]) -> tuple[int, int]:
+        """(blocks, free blocks) among a prefix hit's blocks, every group's: free ones use up free room."""
+        ref = self.pool.ref_cnt
+        live = free = 0
+        for t in (hits, *getattr(hits, "extra", ())):
+            for b in t:
+                if b >= 0:
+                    live += 1
+                    free += ref[b] == 0
+        return live, free
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """Blocks a sequence of `num_tokens` tokens holds between steps, over every layer group."""
+        if self.num_groups == 1 and not self._windowed:
+            return -(-num_tokens // self.block_size)
+        return sum(self.layout.live_blocks(g, num_tokens, self.block_size) for g in range(self.num_groups))
 
     def capacity_error(self, req: Request) -> str | None:
         """Why `req` could never fit the cache, even alone (its prompt and whole output); None if it can."""
@@ -167,8 +209,12 @@ class KVCacheManager:
                 or (p.pooling is not None and not p.pooling.reads_cache)):
             return [], 0  # prompt_logprobs, mean / cls pooling: those prompt positions' rows are needed
         self.ownership.reuse_last_hashes(req)
-        hits: list[int] = []
         hashes = self.block_hashes(req, (req.num_tokens - 1) // self.block_size)
+        if self.num_groups > 1 or self._windowed:
+            if self.states is not None:
+                raise NotImplementedError("recurrent states beside several KV layer groups")
+            return self._group_hits(req, hashes, may_take_pinned)
+        hits: list[int] = []
         for h in hashes:
             b = self.pool.lookup(h)
             if b is None:
@@ -179,6 +225,48 @@ class KVCacheManager:
         if self.states is not None:  # resume only where a recurrent-state snapshot is kept
             del hits[self.states.usable_prefix(hashes[: len(hits)]) :]
         return hits, len(hits) * self.block_size
+
+    def _group_hits(self, req: Request, hashes: list[bytes], may_take_pinned) -> tuple[Hits, int]:
+        """get_computed_blocks with layer groups: the longest prefix of n blocks such that every full group has
+        its n blocks cached and every window group the blocks its window sees from position n * block_size (the
+        ones before it left the window long ago; they are NULL_BLOCK in its table). Group 0, when full, goes
+        down the chain (and the tiers) as with one group; the other groups are looked up in T0."""
+        bs, layout, lookup = self.block_size, self.layout, self.pool.lookup
+        full0 = layout.groups[0].window is None
+        chain: list[int] = []
+        if full0:
+            for h in hashes:
+                b = lookup(h)
+                if b is None:
+                    break
+                chain.append(b)
+            if self.tiers is not None and len(chain) < len(hashes):
+                req.num_tier_loaded_tokens += self._promote(hashes, chain, req.program_id, may_take_pinned) * bs
+        n = len(chain) if full0 else len(hashes)
+        others = range(1 if full0 else 0, self.num_groups)
+        found: dict[tuple[int, int], int] = {}  # (group, block index) -> cached block
+        while n > 0:
+            missing = -1
+            for g in others:
+                for i in range(n - 1, layout.first_needed_block(g, n * bs, bs) - 1, -1):
+                    b = found.get((g, i))
+                    if b is None:
+                        b = lookup(group_hash(hashes[i], g))
+                        if b is None:
+                            missing = max(missing, i)
+                            break
+                        found[g, i] = b
+            if missing < 0:
+                break
+            n = missing  # a boundary before the missing block
+        tables = []
+        for g in range(self.num_groups):
+            if g == 0 and full0:
+                tables.append(chain[:n])
+                continue
+            lo = min(n, layout.first_needed_block(g, n * bs, bs))
+            tables.append([NULL_BLOCK] * lo + [found[g, i] for i in range(lo, n)])
+        return Hits(tables[0], tables[1:]), n * bs
 
     def prefetch(self, req: Request) -> None:
         """A request arrived: have the tiers read ahead the disk blocks of its prompt past its T0 hits (engine.kv_tiers;
@@ -240,6 +328,8 @@ class KVCacheManager:
         (`fits_whole`). False = does not fit; then nothing changed."""
         if whole and not self.fits_whole(req, new_computed_blocks, may_take_pinned, whole_output):
             return False
+        if self.num_groups > 1 or self._windowed:
+            return self._allocate_groups(req, num_new_tokens, new_computed_blocks, may_take_reserved, may_take_pinned)
         bs = self.block_size
         num_hit_tokens = len(new_computed_blocks) * bs
         total = req.num_computed_tokens + num_hit_tokens + num_new_tokens
@@ -264,8 +354,61 @@ class KVCacheManager:
                 self.stats.cow_copies += 1
             req.block_ids[write_block] = dst
             self.pool.release([src])
+            req.blocks_version += 1
         if need:
             req.block_ids.extend(self.pool.allocate(need, owner))
+        return True
+
+    def _allocate_groups(self, req: Request, num_new_tokens: int, hits: list[int], may_take_reserved: bool,
+                         may_take_pinned: bool | Callable[[str], bool]) -> bool:
+        """allocate_slots with layer groups: each group's table grows to the new length (copy-on-write of a shared
+        block being written, per group), and a window group first frees the blocks before what its window sees
+        from the first position computed (they keep their hash: a cached, evictable block)."""
+        bs, pool, layout = self.block_size, self.pool, self.layout
+        extra = req.extra_tables if len(req.extra_tables) == self.num_groups - 1 else [[] for _ in range(self.num_groups - 1)]
+        tables = [req.block_ids, *extra]
+        hit_tables = [hits, *getattr(hits, "extra", ())] if hits else [[]] * self.num_groups
+        start = req.num_computed_tokens + len(hits) * bs
+        n_blocks = -(-(start + num_new_tokens) // bs)
+        write_block = start // bs
+        frees: list[tuple[list[int], int]] = []  # (table, index) of blocks that left a window
+        need = cow = 0
+        for g, (table, got) in enumerate(zip(tables, hit_tables, strict=True)):
+            if g in self._windowed:
+                lo = min(len(table), layout.first_needed_block(g, start, bs))
+                frees.extend((table, i) for i in range(lo) if table[i] >= 0)
+            need += max(0, n_blocks - len(table) - len(got))
+            if write_block < len(table) and table[write_block] >= 0 and pool.ref_cnt[table[write_block]] > 1:
+                cow += 1
+        protect = [b for t in hit_tables for b in t if b >= 0]
+        _, reclaimable = self._hit_counts(hits) if hits else (0, 0)
+        returning = sum(1 for t, i in frees if pool.ref_cnt[t[i]] == 1)
+        owner = req.program_id
+        short = need + cow + reclaimable - returning - pool.available_to(owner)
+        if short > 0 and not self.ownership.give_way(short, owner, protect, may_take_reserved, may_take_pinned):
+            return False
+        req.extra_tables = extra
+        if frees:
+            pool.release([t[i] for t, i in frees])  # oldest first: the first evicted
+            for t, i in frees:
+                t[i] = NULL_BLOCK
+            # no version bump: a runner's kept row may go on naming the old block, which no query attends to
+            # (rewriting a 32k-token request's rows every 16 tokens per group would cost a millisecond a step)
+        if protect:
+            pool.touch(protect, owner)
+        for g, (table, got) in enumerate(zip(tables, hit_tables, strict=True)):
+            table.extend(got)
+            if write_block < len(table) and table[write_block] >= 0 and pool.ref_cnt[table[write_block]] > 1:
+                src = table[write_block]
+                (dst,) = pool.allocate(1, owner)
+                if start % bs:
+                    self._pending_copies.append((src, dst))
+                    self.stats.cow_copies += 1
+                table[write_block] = dst
+                pool.release([src])
+                req.blocks_version += 1
+            if n_blocks > len(table):
+                table.extend(pool.allocate(n_blocks - len(table), owner))
         return True
 
     def cache_blocks(self, req: Request) -> None:
@@ -277,24 +420,26 @@ class KVCacheManager:
         if num_full <= req.num_cached_blocks:
             return
         hashes = self.block_hashes(req, num_full)
-        for i in range(req.num_cached_blocks, num_full):
-            block, h = req.block_ids[i], hashes[i]
-            if self.pool.block_hash[block] == h:
-                continue  # a prefix hit or a shared (forked) block: already registered
-            existing = self.pool.lookup(h)
-            if existing is None:
-                self.pool.register(block, h)
-                if self.tiers is not None:
-                    self.tiers.cached(block, h)
-            elif existing != block:
-                # merging a free cached block takes it from the free queue and gives `block` back: no
-                # net change, unless `block` is shared (then skip: others' reservations must stay whole)
-                if self.pool.ref_cnt[existing] == 0 and self.pool.ref_cnt[block] > 1:
-                    continue
-                self.pool.touch([existing], req.program_id)
-                req.block_ids[i] = existing
-                self.pool.release([block])
-                self.stats.dedup_merges += 1
+        for g, table in enumerate(req.tables):
+            for i in range(req.num_cached_blocks, min(num_full, len(table))):
+                block, h = table[i], group_hash(hashes[i], g)
+                if block < 0 or self.pool.block_hash[block] == h:
+                    continue  # left a window, a prefix hit or a shared (forked) block: already registered
+                existing = self.pool.lookup(h)
+                if existing is None:
+                    self.pool.register(block, h)
+                    if self.tiers is not None:
+                        self.tiers.cached(block, h)
+                elif existing != block:
+                    # merging a free cached block takes it from the free queue and gives `block` back: no
+                    # net change, unless `block` is shared (then skip: others' reservations must stay whole)
+                    if self.pool.ref_cnt[existing] == 0 and self.pool.ref_cnt[block] > 1:
+                        continue
+                    self.pool.touch([existing], req.program_id)
+                    table[i] = existing
+                    self.pool.release([block])
+                    self.stats.dedup_merges += 1
+                    req.blocks_version += 1
         req.num_cached_blocks = num_full
 
     def free(self, req: Request, now: float = 0.0, retain: bool = True) -> None:
@@ -307,18 +452,23 @@ class KVCacheManager:
             # exact; flags that last while the blocks stay free (engine.kv_host.HostTier)
             n = req.num_cached_blocks
             for b in (req.block_ids[0], *req.block_ids[max(1, n - EXACT_WINDOW_BLOCKS) : n]):
-                self.pool.exact[b] = True
-        self.pool.release(reversed(req.block_ids))
+                if b >= 0:
+                    self.pool.exact[b] = True
+        self.pool.release(req.held_blocks())
         if self.states is not None:
             self.states.on_free(req)
         req.block_ids = []
+        req.extra_tables = []
         req.num_cached_blocks = 0
+        req.blocks_version += 1
 
     def fork(self, parent: Request, child: Request) -> None:
         """`child` shares every block of `parent`; writes into shared blocks copy first."""
         assert not child.block_ids, f"fork target {child.request_id!r} already holds blocks"
-        self.pool.touch(parent.block_ids)
+        self.pool.touch(parent.held_blocks())
         child.block_ids = list(parent.block_ids)
+        child.extra_tables = [list(t) for t in parent.extra_tables]
+        child.blocks_version += 1
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks

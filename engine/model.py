@@ -238,6 +238,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
+        self.kv_slots: list[tuple[int, int] | None] | None = None  # per layer (group, page slot); None = layer i at i
         self.args = a
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.lora = LoRASlot()  # the runner sets .batch around a forward whose rows use LoRA adapters
@@ -314,7 +315,8 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         if (ops := _cpu_ops(x)) is not None and not torch.is_grad_enabled():
             self._packs_on_huge_pages()
-        if ops is not None and self.lora.batch is None and self._decode_fusable(x.shape[0], meta.max_query_len, kv_cache):
+        if (ops is not None and self.lora.batch is None and not isinstance(meta, list)
+                and self._decode_fusable(x.shape[0], meta.max_query_len, kv_cache)):
             a = self.args
             return ops.decode_forward(x, *self._decode_weights(), kv_cache, positions, slot_mapping, self.rope_cos_sin,
                                       meta.query_start_loc, meta.seq_lens, meta.block_tables, a.num_heads,
@@ -328,10 +330,22 @@ class LlamaForCausalLM(nn.Module):
                  else Rope(positions, None, cis[positions].unsqueeze(1), q_scale)
                  for key, (cis, cos_sin) in self.rope_tables.items()}
         residual = None
+        if isinstance(meta, list):  # layer groups (engine.kv_layout): each layer reads its group's page slot and table
+            for layer, place in zip(self.layers, self.kv_slots, strict=True):
+                g, j = place if place is not None else (0, 0)
+                x, residual = layer(x, residual, ropes[layer.self_attn.rope_key], kv_cache[j, 0], kv_cache[j, 1],
+                                    meta[g], slot_mapping[g])
+            return x + residual
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, ropes[layer.self_attn.rope_key], kv_cache[i, 0], kv_cache[i, 1], meta,
+            j = i if self.kv_slots is None else (self.kv_slots[i] or (0, 0))[1]  # a layer without KV: unused
+            x, residual = layer(x, residual, ropes[layer.self_attn.rope_key], kv_cache[j, 0], kv_cache[j, 1], meta,
                                 slot_mapping)
         return x + residual  # [T, hidden], before the final norm
+
+    def set_kv_layout(self, layout) -> None:
+        """Where each layer's K/V live (engine.kv_layout.KVLayout): its group's table and its slot in a page."""
+        slots = layout.layer_slots()
+        self.kv_slots = None if slots == [(0, i) for i in range(len(self.layers))] else slots
 
     def _decode_fusable(self, rows: int, max_query_len: int, kv_cache: torch.Tensor) -> bool:
         """Whether a step of `rows` rows can run as one `decode_forward` call: decode rows (at most 16 per
@@ -469,26 +483,31 @@ class LlamaForCausalLM(nn.Module):
                                     a.intermediate_size, a.rms_norm_eps, self.layers[0].self_attn.scale,
                                     self.batch_invariant, quant_types)
         dev, bs = input_ids.device, kv_cache.shape[3]
-        width = block_tables.shape[1]
+        grouped = isinstance(block_tables, list)  # one table per layer group (engine.kv_layout)
+        group_tables = block_tables if grouped else [block_tables]
         last = (positions + steps - 1) // bs  # a row's blocks are a prefix of its table row
-        missing = (last >= width) | (block_tables.gather(1, last.clamp(max=width - 1).unsqueeze(1)).squeeze(1) < 0)
-        if bool(missing.any()):
-            r = int(missing.nonzero()[0])
-            raise RuntimeError(f"decode_steps: row {r} at position {int(positions[r])} has no block table entry "
-                               f"for {steps} steps")
+        for table in group_tables:
+            width = table.shape[1]
+            missing = (last >= width) | (table.gather(1, last.clamp(max=width - 1).unsqueeze(1)).squeeze(1) < 0)
+            if bool(missing.any()):
+                r = int(missing.nonzero()[0])
+                raise RuntimeError(f"decode_steps: row {r} at position {int(positions[r])} has no block table entry "
+                                   f"for {steps} steps")
         tokens = torch.zeros(rows, steps, dtype=torch.long, device=dev)
         counts = torch.full((rows,), steps, dtype=torch.long, device=dev)
         done = torch.zeros(rows, dtype=torch.bool, device=dev)
         ids, pos = input_ids.clone(), positions.clone()
-        tables = block_tables.long()
+        tables = [t.long() for t in group_tables]
         qsl = torch.arange(rows + 1, dtype=torch.int32, device=dev)
         for j in range(steps):
-            slots = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
-            meta = kernels.build_attention_metadata(query_start_loc=qsl, seq_lens=(pos + 1).int(),
-                                                    block_tables=block_tables, max_query_len=1,
-                                                    max_seq_len=int(pos.max()) + 1,
-                                                    batch_invariant=self.batch_invariant)
-            logits = self.compute_logits(self.forward(ids, pos, kv_cache, meta, slots))
+            slots = [t.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs for t in tables]
+            metas = [kernels.build_attention_metadata(query_start_loc=qsl, seq_lens=(pos + 1).int(),
+                                                      block_tables=t, max_query_len=1,
+                                                      max_seq_len=int(pos.max()) + 1,
+                                                      batch_invariant=self.batch_invariant) for t in group_tables]
+            if not grouped:
+                metas, slots = metas[0], slots[0]
+            logits = self.compute_logits(self.forward(ids, pos, kv_cache, metas, slots))
             # on CPU max's indices are argmax's (the first maximum, a NaN largest) without an fp32 copy of the
             # logits, at ~1/4 of argmax's time ([64, 262144] bf16, Gemma 3's vocabulary: 26 vs 112 ms, 1 thread)
             ids = logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.float().argmax(dim=-1)
@@ -576,7 +595,6 @@ class LlamaForCausalLM(nn.Module):
         leftover = [k for k in sd if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"checkpoint has weights this model does not use: {leftover[:5]}")
-
 
 _MULTIMODAL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                         ("language_model.lm_head.", "lm_head."))

@@ -159,7 +159,7 @@ class Ownership:
         o.last_tokens, o.last_len = req.all_token_ids, req.num_computed_tokens  # a finished call's ids stay put
         o.last_hashes, o.last_key = req.block_hashes, req.cache_key
         if o.ttl_s > 0:
-            keep = [b for b in req.block_ids if self.pool.block_hash[b] is not None and b not in o.pin]
+            keep = [b for b in reversed(req.held_blocks()) if self.pool.block_hash[b] is not None and b not in o.pin]
             self.pool.touch(keep)
             o.pin.update(dict.fromkeys(keep))
             o.deadline = now + o.ttl_s

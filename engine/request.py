@@ -48,7 +48,11 @@ class Request:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per output token:
     # the sampling.top_logprobs most likely (token id, log-prob), best first, when top_logprobs > 0
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_ids: list[int] = field(default_factory=list)  # block table, one id per block_size tokens
+    block_ids: list[int] = field(default_factory=list)  # block table, one id per block_size tokens (layer group 0)
+    extra_tables: list[list[int]] = field(default_factory=list)  # the block tables of layer groups 1.. (engine.kv_layout;
+    # empty for a model of one group); a window group's entries for blocks that left its window are NULL_BLOCK (-1)
+    blocks_version: int = 0  # bumped on every change to a block table other than appending (a runner keeping
+    # tables across steps rewrites the request's rows then)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (prefix cache)
     num_cached_blocks: int = 0  # leading blocks already registered in the hash index
     status: RequestStatus = RequestStatus.WAITING
@@ -102,6 +106,19 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """Its block tables, one per layer group (group 0 first)."""
+        return [self.block_ids, *self.extra_tables]
+
+    def held_blocks(self) -> list[int]:
+        """Every block its tables hold, deepest position first across groups (the order they are freed in)."""
+        if not self.extra_tables:
+            return [b for b in reversed(self.block_ids) if b >= 0]
+        tables = self.tables
+        width = max(map(len, tables))
+        return [t[i] for i in range(width - 1, -1, -1) for t in tables if i < len(t) and t[i] >= 0]
 
     @property
     def constrained(self) -> bool:

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 
 from agentrt import kernels
+from agentrt.engine.block_table import BlockTables
+from agentrt.engine.kv_layout import NULL_BLOCK, KVLayout
 from agentrt.engine.request import Request
 from agentrt.engine.sampling import RowContext, SamplerOutput, TokenHistory, sample
 from agentrt.engine.sampling_params import SamplingParams
@@ -46,24 +48,31 @@ class PromptLogprobs:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: str):
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
+                 layout: KVLayout | None = None):
         a = model.args
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        self.layout = layout if layout is not None else KVLayout.single(a.num_layers)
         self.states = None  # a hybrid model's RecurrentStatePool (engine.recurrent_state), set by the engine
-        # kv_cache: [layers, K/V, num_blocks, block_size, kv_heads, head_dim]
+        model.set_kv_layout(self.layout)
+        self.block_tables = BlockTables(block_size, self.layout.num_groups)  # rows kept across steps, per group
+        # kv_cache: [page layers, K/V, num_blocks, block_size, kv_heads, head_dim]; a block (page) holds one layer
+        # group's page_layers layers (engine.kv_layout), the model's every layer with one group
         self.kv_cache = torch.zeros(
-            a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype, device=self.device
+            self.layout.page_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype,
+            device=self.device
         )
 
     @staticmethod
-    def bytes_per_block(args, block_size: int, dtype: torch.dtype) -> int:
-        return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+    def bytes_per_block(args, block_size: int, dtype: torch.dtype, layout: KVLayout | None = None) -> int:
+        layers = layout.page_layers if layout is not None else args.num_layers
+        return layers * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
 
     def _prepare(self, out: SchedulerOutput):
-        bs = self.block_size
-        ids, positions, slots, qsl, seq_lens, tables, sample_rows, sample_reqs = [], [], [], [0], [], [], [], []
+        num_groups = self.layout.num_groups
+        ids, starts, qsl, seq_lens, sample_rows, sample_reqs = [], [], [0], [], [], []
         prompt_rows: list[tuple[Request, int, int, int]] = []  # (request, first position, first row, rows)
         pool_rows: list[tuple[Request, int, int, int]] = []  # (request, first position, first row, rows)
         for req, n in zip(out.reqs, out.num_tokens):
@@ -71,11 +80,7 @@ class ModelRunner:
             base = min(n, req.num_tokens - start)  # known tokens; the rest are draft tokens
             ids.extend(req.all_token_ids[start : start + base])
             ids.extend(req.spec_token_ids[: n - base])
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            table = np.asarray(req.block_ids, dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            tables.append(table)
+            starts.append(start)
             if req.sampling.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 # row of position p predicts prompt token p + 1
                 prompt_rows.append((req, start, qsl[-1], min(start + base, req.num_prompt_tokens - 1) - start))
@@ -90,24 +95,24 @@ class ModelRunner:
             if start + base == req.num_tokens:  # reaches the end: sample at the last row and each draft's row
                 sample_rows.extend(range(qsl[-1] - 1 - (n - base), qsl[-1]))
                 sample_reqs.append(req)
-        max_blocks = max(len(t) for t in tables)
-        block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
+        step = self.block_tables.prepare(out.reqs, starts, out.num_tokens)  # positions, tables, slots per group
         dev = self.device
-        meta = kernels.build_attention_metadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
+        query_start_loc = torch.tensor(qsl, dtype=torch.int32, device=dev)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        metas = [kernels.build_attention_metadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_t,
+            block_tables=torch.from_numpy(group_tables).to(dev),
             max_query_len=max(out.num_tokens),
             max_seq_len=max(seq_lens),
             batch_invariant=self.model.batch_invariant,
-        )
+        ) for group_tables in step.block_tables]
+        slot_mappings = [torch.from_numpy(s).to(dev) for s in step.slot_mappings]
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.from_numpy(np.concatenate(positions)).to(dev),
-            torch.from_numpy(np.concatenate(slots)).to(dev),
-            meta,
+            torch.from_numpy(step.positions).to(dev),
+            slot_mappings[0] if num_groups == 1 else slot_mappings,
+            metas[0] if num_groups == 1 else metas,
             torch.tensor(sample_rows, dtype=torch.long, device=dev),
             sample_reqs,
             prompt_rows,
@@ -120,6 +125,7 @@ class ModelRunner:
         if out.block_copies:
             kernels.copy_blocks(self.kv_cache, torch.tensor(out.block_copies, dtype=torch.long, device=self.device))
         if not out.reqs:
+            self.block_tables.release_ended()
             return ModelOutput([], [], None, time.perf_counter() - t0)
         if out.num_steps > 1:
             return self._execute_steps(out, t0)
@@ -188,12 +194,12 @@ class ModelRunner:
         them by the scheduler), each row's argmax its next input: the tokens up to each request's first
         EOS or stop id; the steps computed past it count as rejected."""
         reqs, k, dev = out.reqs, out.num_steps, self.device
-        width = max(len(r.block_ids) for r in reqs)
-        tables = np.full((len(reqs), width), -1, dtype=np.int32)
-        stops = []
-        for i, r in enumerate(reqs):
-            tables[i, : len(r.block_ids)] = r.block_ids
-            stops.append([*(() if r.sampling.ignore_eos else sorted(r.eos_token_ids)), *r.sampling.stop_token_ids])
+        stops = [[*(() if r.sampling.ignore_eos else sorted(r.eos_token_ids)), *r.sampling.stop_token_ids] for r in reqs]
+        if self.layout.num_groups == 1:
+            tables = torch.from_numpy(_padded([r.block_ids for r in reqs], fill=-1, null=NULL_BLOCK)).to(dev)
+        else:  # one table per layer group (a window group's left blocks read as block 0: never attended)
+            tables = [torch.from_numpy(_padded([r.tables[g] for r in reqs], fill=-1)).to(dev)
+                      for g in range(self.layout.num_groups)]
         stop_ids = np.full((len(reqs), max(1, max(map(len, stops)))), -1, dtype=np.int64)
         for i, ids in enumerate(stops):
             stop_ids[i, : len(ids)] = ids
@@ -201,7 +207,7 @@ class ModelRunner:
             tokens, counts = self.model.decode_steps(
                 torch.tensor([r.all_token_ids[r.num_computed_tokens] for r in reqs], dtype=torch.long, device=dev),
                 torch.tensor([r.num_computed_tokens for r in reqs], dtype=torch.long, device=dev), self.kv_cache,
-                torch.from_numpy(tables).to(dev), torch.from_numpy(stop_ids).to(dev), k)
+                tables, torch.from_numpy(stop_ids).to(dev), k)
         counts = counts.tolist()
         token_ids = [row[:c] for row, c in zip(tokens.tolist(), counts, strict=True)]
         return ModelOutput(reqs, token_ids, None, time.perf_counter() - t0, [k - c for c in counts])
@@ -219,6 +225,18 @@ class ModelRunner:
             vals, ids = logp.topk(n, dim=-1)
             top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
         return PromptLogprobs(req, start + 1, lps, top, ranks)
+
+
+def _padded(tables, fill: int = 0, null: int = 0) -> np.ndarray:
+    """Block tables as one [rows, longest] int32 array, `fill` past a row's end and `null` for NULL_BLOCK entries
+    (a window group's blocks that left the window: the kernels never attend there, block 0 reads as anything)."""
+    out = np.full((len(tables), max(map(len, tables))), fill, dtype=np.int32)
+    for i, t in enumerate(tables):
+        row = out[i, : len(t)]
+        row[:] = t
+        if null != NULL_BLOCK:
+            np.maximum(row, null, out=row)
+    return out
 
 
 def _context(req: Request) -> RowContext | None:

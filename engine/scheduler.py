@@ -193,6 +193,10 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, n, may_take_reserved=True):
+                if steps == 1 and n > 1 and self.kv.windowed:  # a window group holds the chunk's every block
+                    n //= 2
+                    del req.spec_token_ids[max(0, n - base) :]
+                    continue
                 victims = [r for r in self.running if id(r) not in scheduled and r is not req]
                 victim = self._pick_victim(victims) if victims else req
                 self._preempt(victim, out)
@@ -232,9 +236,13 @@ class Scheduler:
                     j += 1
                     continue
             n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits, may_take_reserved=idle, may_take_pinned=take_pins,
-                                          whole=protect_pins and not idle,
-                                          whole_output=self.policy.admit_output_tokens):
+            while not (fits := self.kv.allocate_slots(req, n, hits, may_take_reserved=idle, may_take_pinned=take_pins,
+                                                      whole=protect_pins and not idle,
+                                                      whole_output=self.policy.admit_output_tokens)):
+                if not (idle and n > 1 and self.kv.windowed):
+                    break
+                n //= 2  # alone, with a window group holding a chunk's every block: a smaller first chunk
+            if not fits:
                 break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
             self.waiting.pop(j)
             if req.num_preemptions:
