@@ -11,7 +11,8 @@ sliding-window model holds (layer groups, engine.kv_layout) against keeping ever
    out: which blocks are held depends on token counts alone): a `--long-tokens` conversation's KV bytes at its
    last step against the bytes its layer rules require (full layers x every position + window layers x W),
    with layer groups and with `swa_full`; and at one KV budget (`--budget-mib`), how many `--program-tokens`
-   programs (prompt + 64 output tokens, all arriving at once) run at the same time. Targets: <= 1.1x the
+   programs (prompt + 64 output tokens, all arriving at once; a step's token budget of 64k, so admission waits
+   for blocks rather than for prefill time) run at the same time. Targets: <= 1.1x the
    rules' bytes; >= 4x the programs of swa_full.
 """
 
@@ -120,7 +121,8 @@ def memory(model: str | None, long_tokens: int, program_tokens: int, programs: i
         # the prompt prefilled in the engine's default chunks (1024 tokens), then a decode step at the last position
         one = _Blocks(args, layout, n_long, block_size, 1, 1024).run([[5] * (long_tokens - 1)], 2)
         budget_blocks = int(budget_mib * 2**20 // page_bytes)
-        many = _Blocks(args, layout, budget_blocks, block_size, 256, 1024).run(
+        # a step's token budget large enough that admission waits for blocks, not for prefill time
+        many = _Blocks(args, layout, budget_blocks, block_size, 256, 65536).run(
             [[i % 97 + 3] + [5 + i] * (program_tokens - 65) for i in range(programs)], 64)
         out[name] = {"groups": layout.num_groups, "page_layers": layout.page_layers,
                      "long_bytes": one["held_blocks_at_last_step"] * page_bytes,
@@ -129,11 +131,11 @@ def memory(model: str | None, long_tokens: int, program_tokens: int, programs: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="agentrt bench agentloop", description=__doc__,
+    ap = argparse.ArgumentParser(prog="agentrt bench agent-loop", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma-3-270m", help="model name, HF directory or .gguf (default: gemma-3-270m)")
     ap.add_argument("--calls", type=int, default=10)
-    ap.add_argument("--tool-words", type=int, default=160, help="words per tool result (~2 tokens each)")
+    ap.add_argument("--tool-words", type=int, default=400, help="words per tool result (~1.1 tokens each)")
     ap.add_argument("--max-tokens", type=int, default=32, help="greedy reply length per call")
     ap.add_argument("--long-tokens", type=int, default=32768, help="the long conversation of the memory rows")
     ap.add_argument("--program-tokens", type=int, default=8192, help="each program's context in the concurrency row")
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-loop", action="store_true", help="the memory rows only (no model run)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
-                    help="write docs/benchmarks/agentloop.md's section (default: no)")
+                    help="write docs/benchmarks/agent-loop.md's section (default: no)")
     a = ap.parse_args(argv)
     for name in ("calls", "tool_words", "max_tokens", "long_tokens", "program_tokens", "programs"):
         if getattr(a, name) < 1:

@@ -44,7 +44,7 @@ BENCHES = {
     "fanout": "agentrt.bench.fanout",
     "quant": "agentrt.bench.quant",
     "paging": "agentrt.bench.paging",
-    "agentloop": "agentrt.bench.agent_loop",
+    "agent-loop": "agentrt.bench.agent_loop",
 }
 
 
