@@ -168,6 +168,10 @@ class EngineCore:
         logger.info("recurrent states: %.1f MiB a sequence, %d snapshots at block boundaries (%.0f MiB)",
                     states.shape.bytes_per_state() / 2**20, states.num_snapshots,
                     states.num_snapshots * states.shape.bytes_per_state() / 2**20)
+        if self.kv_layout.num_groups > 1 or self.kv_layout.windowed:
+            raise ValueError(f"{self.model_path.name} has recurrent (linear-attention) layers and attention layers "
+                             f"of several KV rules ({self.kv_layout.num_groups} layer groups): prefix hits through "
+                             "state snapshots are built for one full-attention group only")
         if c.num_speculative_tokens or c.num_scheduler_steps > 1:
             raise ValueError(f"{self.model_path.name} has recurrent (linear-attention) layers, whose state cannot take "
                              "back rejected drafts or run the multi-step decode loop: set num_speculative_tokens=0 and "

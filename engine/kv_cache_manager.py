@@ -210,9 +210,7 @@ class KVCacheManager:
             return [], 0  # prompt_logprobs, mean / cls pooling: those prompt positions' rows are needed
         self.ownership.reuse_last_hashes(req)
         hashes = self.block_hashes(req, (req.num_tokens - 1) // self.block_size)
-        if self.num_groups > 1 or self._windowed:
-            if self.states is not None:
-                raise NotImplementedError("recurrent states beside several KV layer groups")
+        if self.num_groups > 1 or self._windowed:  # (a hybrid model of several groups is refused at start-up)
             return self._group_hits(req, hashes, may_take_pinned)
         hits: list[int] = []
         for h in hashes:
@@ -245,6 +243,23 @@ class KVCacheManager:
         n = len(chain) if full0 else len(hashes)
         others = range(1 if full0 else 0, self.num_groups)
         found: dict[tuple[int, int], int] = {}  # (group, block index) -> cached block
+        if self.tiers is not None and n > 0:
+            # the other groups' blocks the boundary needs, loaded from below T0 where demoted (each group's run
+            # from its window's first block; a run stops at its first block found nowhere, capping the boundary)
+            loaded, held = 0, list(chain)
+            self.pool.touch(held)  # what is found stays while the next group's loads take free blocks
+            try:
+                for g in others:
+                    lo = layout.first_needed_block(g, n * bs, bs)
+                    run: list[int] = []
+                    loaded += self._promote([group_hash(h, g) for h in hashes[lo:n]], run, req.program_id,
+                                            may_take_pinned)
+                    self.pool.touch(run)
+                    held.extend(run)
+                    found.update({(g, lo + k): b for k, b in enumerate(run)})
+            finally:
+                self.pool.release(reversed(held))
+            req.num_tier_loaded_tokens += loaded * bs
         while n > 0:
             missing = -1
             for g in others:

@@ -216,3 +216,34 @@ class GroupedKVMachine(props.KVMachine):
 TestGroupedKV = GroupedKVMachine.TestCase
 TestGroupedKV.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_window_blocks_come_back_from_the_host_tier():
+    """A conversation's window-group blocks demoted to T1 with the rest: the next turn's hit loads them back
+    (every group's blocks before the boundary), instead of stopping where T0 lost them."""
+    import torch
+
+    from agentrt.engine.kv_tiers import KVTiers
+
+    layout = KVLayout((KVGroup(None, (1,)), KVGroup(8, (0,))), 1, 2)
+    shape = (1, 2, BS, 1, 4)
+    tiers = KVTiers(shape, torch.float32, "fake", host_bytes=64 * 2 * BS * 4 * 4)
+    kv = KVCacheManager(14, BS, layout=layout, tiers=tiers)
+    a = req("a", range(20))
+    run(kv, a)
+    kv.free(a)
+    other = req("o", range(100, 128))  # takes every block (7 per group): a's are demoted
+    run(kv, other, 27)
+    kv.free(other)
+    assert not any(h in kv.pool.cached for h in kv.block_hashes(a, 5))
+    b = req("b", [*range(20), 7])
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 20 and len(hits) == 5 and hits.extra[0][:3] == [NULL_BLOCK] * 3
+    h = kv.block_hashes(b, 5)
+    assert [kv.pool.block_hash[x] for x in hits] == h
+    assert [kv.pool.block_hash[x] for x in hits.extra[0][3:]] == [group_hash(h[3], 1), group_hash(h[4], 1)]
+    assert b.num_tier_loaded_tokens == 7 * BS  # five full-group blocks and the window group's two
+    assert kv.allocate_slots(b, 1, hits)
+    kv.free(b)
+    assert kv.num_free_blocks == 14
+    tiers.close()
