@@ -59,7 +59,7 @@ def test_greedy_32_tokens_equal_transformers(gemma3, hf_model):
     short = _chat(tok, "Name three things an agent runtime schedules.")
     long = _chat(tok, "Summarize this list in one sentence: " + _long_text(620))
     assert len(short) < 512 < len(long)  # within the window, and past it
-    llm = LLM(str(path), dtype="float32", num_blocks=96, block_size=16, max_num_batched_tokens=256)
+    llm = LLM(str(path), dtype="float32", num_blocks=576, block_size=16, max_num_batched_tokens=256)
     assert llm.core.max_model_len == 32768  # the model's own context
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     got = [o.token_ids for o in llm.generate([{"prompt_token_ids": short}, {"prompt_token_ids": long}], params)]
@@ -70,6 +70,29 @@ def test_greedy_32_tokens_equal_transformers(gemma3, hf_model):
                                      do_sample=False)[0, len(prompt):].tolist()
         assert list(ours) == want
     assert_all_blocks_free(llm.core)
+
+
+def test_greedy_equal_with_prefix_caching_on_off_and_every_block_kept(gemma3):
+    """Three turns of one conversation past the 512-token window, each turn the last one's prompt + reply + new
+    text: the same greedy tokens with the prefix cache on (later turns hit past many windows: the local layers'
+    freed blocks are not needed, their last window is), off, and with every block kept (`swa_full`)."""
+    path, tok = gemma3
+    prompt = _chat(tok, "Summarize these notes: " + _long_text(560))
+    assert len(prompt) > 512
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    runs = {}
+    for name, kw in (("on", {}), ("off", {"enable_prefix_caching": False}), ("swa_full", {"swa_full": True})):
+        llm = LLM(str(path), dtype="float32", num_blocks=600, block_size=16, max_num_batched_tokens=256, **kw)
+        p, replies, cached = list(prompt), [], []
+        for turn in range(3):
+            (o,) = llm.generate([{"prompt_token_ids": p}], params)
+            replies.append(o.token_ids)
+            cached.append(o.num_cached_tokens)
+            p = p + o.token_ids + tok(" more notes: " + _long_text(60 + 20 * turn), add_special_tokens=False)["input_ids"]
+        assert_all_blocks_free(llm.core)
+        runs[name] = (replies, cached)
+    assert runs["off"][0] == runs["on"][0] == runs["swa_full"][0]
+    assert runs["on"][1][0] == 0 and min(runs["on"][1][1:]) >= len(prompt) - 16  # each later turn hit its past
 
 
 @pytest.mark.slow  # ~40 s on 2 cores: a 4k-token prefill
