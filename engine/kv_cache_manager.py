@@ -389,9 +389,13 @@ class KVCacheManager:
         frees: list[tuple[list[int], int]] = []  # (table, index) of blocks that left a window
         need = cow = 0
         for g, (table, got) in enumerate(zip(tables, hit_tables, strict=True)):
-            if g in self._windowed:
-                lo = min(len(table), layout.first_needed_block(g, start, bs))
-                frees.extend((table, i) for i in range(lo) if table[i] >= 0)
+            if g in self._windowed:  # what left the window: freed entries are always a prefix of the table
+                i = min(len(table), layout.first_needed_block(g, start, bs)) - 1
+                left = []
+                while i >= 0 and table[i] >= 0:
+                    left.append((table, i))
+                    i -= 1
+                frees.extend(reversed(left))
             need += max(0, n_blocks - len(table) - len(got))
             if write_block < len(table) and table[write_block] >= 0 and pool.ref_cnt[table[write_block]] > 1:
                 cow += 1
