@@ -105,7 +105,7 @@ def test_served_over_http_at_a_4k_prompt(gemma3):
     text = "Here are my notes: " + _long_text(4100) + "\nWhat is the most frequent word?"
     n_prompt = len(_chat(tok, text))
     assert 4000 <= n_prompt < 5000
-    config = tiny_config(path, engine={"num_blocks": 330, "block_size": 16, "max_num_batched_tokens": 1024})
+    config = tiny_config(path, engine={"num_blocks": 1980, "block_size": 16, "max_num_batched_tokens": 1024})
     with live_server(config) as srv:
         r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=600, json={
             "model": path.name, "messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0})
