@@ -22,7 +22,7 @@ if __name__ == "kernels":  # this folder, found by its folder name from a checko
 
     hand_over()  # sys.modules["kernels"] is now the other package: nothing of this floor is loaded
 else:
-    from agentrt.kernels import cpu, moe, quant
+    from agentrt.kernels import cpu, gated_delta, moe, quant
     from agentrt.kernels._dispatch import (
         copy_blocks,
         get_backend,
@@ -57,6 +57,7 @@ __all__ = [
     "copy_blocks_triton",
     "cpu",
     "dense_causal_attention_ref",
+    "gated_delta",
     "get_backend",
     "grouped_linear",
     "grouped_linear_ref",
