@@ -5,10 +5,11 @@ table in group 0: `req.block_ids`; groups 1..G-1: `req.extra_tables`), taken whe
 and given back when it leaves the running set (finished, aborted, failed or preempted). Each step a row
 changes by the block ids its request's table gained since the last step (its tail), and is rewritten
 whole only when the request's `blocks_version` changed (the KV manager replaced, merged or dropped an
-entry: copy-on-write, dedup, a window group's freed block, free, fork), when its table is another list
-object, or when the request carries no version (then it is rewritten every step: correct, not fast).
-Entries past a row's table are 0, and a window group's entries for blocks that left its window (-1 in
-the request's table) are written as block 0: the kernels never read them.
+entry: copy-on-write, dedup, free, fork), when its table is another list object, or when the request
+carries no version (then it is rewritten every step: correct, not fast). Entries past a row's table are 0,
+and a window group's entries for blocks that left its window (-1 in the request's table) are written as
+block 0 when a row is written; a block that leaves the window later does not bump the version, so the row
+keeps naming it: no query attends there, whatever the block holds now.
 
 Per step, `prepare` walks the batch once (a few attribute reads per sequence, never a loop over a
 sequence's blocks) and computes positions and slot mappings with numpy: `slot = table[row, pos //
