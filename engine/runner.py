@@ -12,7 +12,7 @@ import torch
 
 from agentrt import kernels
 from agentrt.engine.block_table import BlockTables
-from agentrt.engine.kv_layout import NULL_BLOCK, KVLayout
+from agentrt.engine.kv_layout import KVLayout
 from agentrt.engine.request import Request
 from agentrt.engine.sampling import RowContext, SamplerOutput, TokenHistory, sample
 from agentrt.engine.sampling_params import SamplingParams
@@ -195,11 +195,10 @@ class ModelRunner:
         EOS or stop id; the steps computed past it count as rejected."""
         reqs, k, dev = out.reqs, out.num_steps, self.device
         stops = [[*(() if r.sampling.ignore_eos else sorted(r.eos_token_ids)), *r.sampling.stop_token_ids] for r in reqs]
-        if self.layout.num_groups == 1:
-            tables = torch.from_numpy(_padded([r.block_ids for r in reqs], fill=-1, null=NULL_BLOCK)).to(dev)
-        else:  # one table per layer group (a window group's left blocks read as block 0: never attended)
-            tables = [torch.from_numpy(_padded([r.tables[g] for r in reqs], fill=-1)).to(dev)
-                      for g in range(self.layout.num_groups)]
+        # one table per layer group, -1 past a row's blocks (a window group's left blocks read as block 0)
+        tables = [torch.from_numpy(_padded([r.tables[g] for r in reqs])).to(dev) for g in range(self.layout.num_groups)]
+        if len(tables) == 1:
+            tables = tables[0]
         stop_ids = np.full((len(reqs), max(1, max(map(len, stops)))), -1, dtype=np.int64)
         for i, ids in enumerate(stops):
             stop_ids[i, : len(ids)] = ids
@@ -227,15 +226,14 @@ class ModelRunner:
         return PromptLogprobs(req, start + 1, lps, top, ranks)
 
 
-def _padded(tables, fill: int = 0, null: int = 0) -> np.ndarray:
-    """Block tables as one [rows, longest] int32 array, `fill` past a row's end and `null` for NULL_BLOCK entries
+def _padded(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one [rows, longest] int32 array, -1 past a row's end and block 0 for NULL_BLOCK entries
     (a window group's blocks that left the window: the kernels never attend there, block 0 reads as anything)."""
-    out = np.full((len(tables), max(map(len, tables))), fill, dtype=np.int32)
+    out = np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32)
     for i, t in enumerate(tables):
         row = out[i, : len(t)]
         row[:] = t
-        if null != NULL_BLOCK:
-            np.maximum(row, null, out=row)
+        np.maximum(row, 0, out=row)
     return out
 
 
