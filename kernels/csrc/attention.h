@@ -126,9 +126,15 @@ inline const float* block_f32(const T* block, int64_t m, int64_t KVH, int64_t kv
   }
 }
 
+// A block's lines prefetched into L2 (prefetcht1), kPrefetchBlocks blocks ahead of the walk: a shuffled block
+// table breaks the hardware's stream prefetch at every block, and a burst of L1 prefetches (prefetcht0) stalls on
+// the core's few L1 miss buffers. On a 2-core AMD EPYC (fp32, 16 x 4096 positions, 4 KB pages) this took the
+// shuffled walk from 1.45x the contiguous one to ~1.2x (`agentrt bench paging`).
+constexpr int64_t kPrefetchBlocks = 2;
+
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
 // One work item of a sequence: kv heads [kvh0, kvh1) and the cached positions [begin, end) (begin a
@@ -144,7 +150,7 @@ struct SeqPart {
 // One item's R query rows x G heads each: row r sits at position L - R + r and sees positions
 // [0, L - R + r] (causal), or its last `window` of them. Blocks outer, kv heads and their queries inner: a block's K (then V) is
 // read from memory once, converted to fp32 once (bf16), and stays in L1 for all the query heads
-// reading it; the next block is prefetched meanwhile. ND = head_dim / 8.
+// reading it; the blocks ahead are prefetched meanwhile. ND = head_dim / 8.
 template <typename T, int ND>
 void attend_one(const T* q, int64_t q_row_stride, T* out, const T* k_cache, const T* v_cache, const int32_t* table,
                 int64_t q0, int64_t R, int64_t L, const SeqPart& it, int64_t H, int64_t KVH, int64_t G,
@@ -172,7 +178,11 @@ void attend_one(const T* q, int64_t q_row_stride, T* out, const T* k_cache, cons
   // skipped by the softmax below, which stops at each row's own last position.
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t t0 = b * block_size, m = std::min(block_size, end - t0);
-    if (b + 1 < b1) prefetch_block(k_cache + (int64_t)table[b + 1] * block_elems, block_elems * sizeof(T));
+    if (b == b0)  // the blocks ahead of the first
+      for (int64_t j = b0 + 1; j < std::min(b1, b0 + kPrefetchBlocks); ++j)
+        prefetch_block(k_cache + (int64_t)table[j] * block_elems, block_elems * sizeof(T));
+    if (b + kPrefetchBlocks < b1)
+      prefetch_block(k_cache + (int64_t)table[b + kPrefetchBlocks] * block_elems, block_elems * sizeof(T));
     const float* kf = block_f32<T, ND>(k_cache + (int64_t)table[b] * block_elems, m, KVH, kvh0, kvh1, scratch);
     for (int64_t kvh = kvh0; kvh < kvh1; ++kvh) {
       const int64_t i0 = (kvh - kvh0) * per_kvh;
@@ -225,7 +235,11 @@ void attend_one(const T* q, int64_t q_row_stride, T* out, const T* k_cache, cons
   for (int64_t j = 0; j < nq * D; ++j) acc[j] = 0.f;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t t0 = b * block_size, m = std::min(block_size, end - t0);
-    if (b + 1 < b1) prefetch_block(v_cache + (int64_t)table[b + 1] * block_elems, block_elems * sizeof(T));
+    if (b == b0)  // the blocks ahead of the first
+      for (int64_t j = b0 + 1; j < std::min(b1, b0 + kPrefetchBlocks); ++j)
+        prefetch_block(v_cache + (int64_t)table[j] * block_elems, block_elems * sizeof(T));
+    if (b + kPrefetchBlocks < b1)
+      prefetch_block(v_cache + (int64_t)table[b + kPrefetchBlocks] * block_elems, block_elems * sizeof(T));
     const float* vf = block_f32<T, ND>(v_cache + (int64_t)table[b] * block_elems, m, KVH, kvh0, kvh1, scratch);
     for (int64_t kvh = kvh0; kvh < kvh1; ++kvh) {
       const int64_t i0 = (kvh - kvh0) * per_kvh;
