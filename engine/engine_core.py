@@ -283,6 +283,9 @@ class EngineCore:
         request_id: str | None = None,
         program_id: str | None = None,
         thread_id: str | None = None,
+        if (error := self.kv.capacity_error_of(len(ids), params.max_tokens, self.max_model_len)) is not None:
+            # it would wait forever (or fail on the worker thread): refused here, as a bad max_tokens
+            raise InvalidRequestError(error, parameter="max_tokens", value=params.max_tokens)
         cache_salt: str | None = None,
         lora_request: LoRARequest | LoRAAdapter | None = None,
     ) -> Request:

@@ -163,13 +163,19 @@ class KVCacheManager:
 
     def capacity_error(self, req: Request) -> str | None:
         """Why `req` could never fit the cache, even alone (its prompt and whole output); None if it can."""
-        max_tokens = min(req.num_prompt_tokens + req.sampling.max_tokens, req.max_model_len)
-        need = self.blocks_for(max_tokens)
+        return self.capacity_error_of(req.num_prompt_tokens, req.sampling.max_tokens, req.max_model_len,
+                                      f"request {req.request_id!r}")
+
+    def capacity_error_of(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int,
+                          what: str = "the request") -> str | None:
+        """`capacity_error` before there is a Request (the engine's checks on the caller's thread: it reads only
+        the cache's fixed shape)."""
+        need = self.blocks_for(min(num_prompt_tokens + max_tokens, max_model_len))
         if need <= self.num_blocks:
             return None
-        return (f"request {req.request_id!r} needs {need} KV blocks for {req.num_prompt_tokens} prompt + "
-                f"{req.sampling.max_tokens} output tokens but the cache has only {self.num_blocks} blocks of "
-                f"{self.block_size} tokens")
+        return (f"{what} needs {need} KV blocks for {num_prompt_tokens} prompt + {max_tokens} output tokens "
+                f"(max_tokens={max_tokens}) but the cache has only {self.num_blocks} blocks of {self.block_size} "
+                "tokens: lower max_tokens, shorten the prompt, or give the engine more KV memory")
 
     def next_block_hash(self, req: Request, num_hit_blocks: int) -> bytes | None:
         """The hash of a waiting request's first full block past its `num_hit_blocks` cached ones, if its

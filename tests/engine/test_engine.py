@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from agentrt.engine import LLM, AsyncEngine, EngineCore, RequestStatus, SamplingParams
+from agentrt.engine.errors import InvalidRequestError
 from tests.conftest import assert_all_blocks_free
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -50,13 +51,39 @@ def test_preemption_keeps_greedy_outputs(tiny_model_path):
     assert_all_blocks_free(small.core)
 
 
-def test_request_that_never_fits_fails_alone(tiny_model_path):
+def test_request_that_never_fits_is_refused_before_the_engine(tiny_model_path):
     small = LLM(str(tiny_model_path), num_blocks=4, block_size=4)
     ok, too_big = prompts_of([5, 40], seed=2)
-    outs = small.generate([ok, too_big], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match=r"needs 11 KV blocks for 40 prompt \+ 3 output tokens") as e:
+        small.generate([ok, too_big], params)
+    assert e.value.parameter == "max_tokens" and e.value.value == 3
+    with pytest.raises(InvalidRequestError, match=r"needs 5 KV blocks for 5 prompt \+ 15 output"):
+        small.generate([ok], SamplingParams(max_tokens=15))  # the output counts too
+    assert not small.core.has_work()
+    outs = small.generate([ok], params)  # nothing of the refused ones reached the engine
     assert outs[0].finish_reason == "length" and outs[0].num_output_tokens == 3
-    assert outs[1].finish_reason == "error" and "needs 11 KV blocks" in outs[1].outputs[0].error
     assert_all_blocks_free(small.core)
+
+
+def test_scheduler_still_fails_a_request_that_never_fits_alone(tiny_model_path):
+    """The scheduler's own check stays (a request added without the engine's checks): it fails alone."""
+    from agentrt.engine.admission import CheckedRequest, RequestOwner
+
+    core = EngineCore(model=str(tiny_model_path), num_blocks=4, block_size=4)
+    ok, too_big = prompts_of([5, 40], seed=2)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    core.add_checked(core.admit(ok, params, request_id="ok"))
+    core.add_checked(CheckedRequest("big", core.validate_prompt(too_big, None), core.validate_params(params),
+                                    RequestOwner(), None))  # past the engine's checks
+    done = {}
+    while core.has_work():
+        for d in core.step():
+            if d.finished:
+                done[d.request_id] = d
+    assert done["ok"].finish_reason == "length"
+    assert done["big"].finish_reason == "error" and "needs 11 KV blocks" in done["big"].error
+    assert_all_blocks_free(core)
 
 
 def test_params_per_prompt_and_seeded_sampling_is_reproducible(llm):

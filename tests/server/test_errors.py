@@ -233,6 +233,20 @@ def test_errors_leave_the_server_serving(http, srv):
     assert not srv.state.runtime.program_manager.inflight
 
 
+def test_call_larger_than_the_kv_cache_is_a_400(tiny_model_path):
+    """A call whose prompt and max_tokens could never fit the KV cache, even alone, is refused before the engine
+    (vLLM answers 400 too), naming max_tokens; the server goes on serving, every block free."""
+    with live_server(tiny_config(tiny_model_path, engine={"num_blocks": 8})) as small:  # 128 tokens of KV
+        with httpx.Client(base_url=small.url, timeout=60) as client:
+            for path, body in ((COMPLETIONS, {"prompt": [5] * 100, "max_tokens": 100}),
+                               (CHAT, {"messages": [{"role": "user", "content": "hello " * 60}], "max_tokens": 200})):
+                err = assert_error(client.post(path, json=body), 400, "max_tokens")
+                assert "KV blocks" in err["message"] and f"max_tokens={body['max_tokens']}" in err["message"]
+            r = client.post(COMPLETIONS, json={"prompt": [5] * 20, "max_tokens": 8, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        idle_and_free(small)
+
+
 # --- a client that goes away aborts its call ----------------------------------------------------
 LONG = {"messages": HI, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
