@@ -261,6 +261,9 @@ class EngineCore:
                 parameter="request_id", value=request_id)
         if params.constraint is not None:
             self.compile_constraint(params.constraint)
+        if (error := self.kv.capacity_error_of(len(ids), params.max_tokens, self.max_model_len)) is not None:
+            # it would wait forever (or fail on the worker thread): refused here, as a bad max_tokens
+            raise InvalidRequestError(error, parameter="max_tokens", value=params.max_tokens)
         return CheckedRequest(request_id, ids, params, RequestOwner(program_id, thread_id, cache_salt), adapter)
 
     def lora_adapter(self, lora_request: LoRARequest | LoRAAdapter | None) -> LoRAAdapter | None:
@@ -283,9 +286,6 @@ class EngineCore:
         request_id: str | None = None,
         program_id: str | None = None,
         thread_id: str | None = None,
-        if (error := self.kv.capacity_error_of(len(ids), params.max_tokens, self.max_model_len)) is not None:
-            # it would wait forever (or fail on the worker thread): refused here, as a bad max_tokens
-            raise InvalidRequestError(error, parameter="max_tokens", value=params.max_tokens)
         cache_salt: str | None = None,
         lora_request: LoRARequest | LoRAAdapter | None = None,
     ) -> Request:
