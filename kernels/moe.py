@@ -16,6 +16,13 @@ Paths:
   offsets are read on the host once per call); on CUDA in bf16 `torch._grouped_mm` where this torch has it,
   all experts in one launch.
 `grouped_linear_ref` is the float64 reference the tests hold both against.
+
+Experts kept in a GGUF block format (`kernels.quant.QuantExperts`: Q8_0 / Q4_1 of `--quantization int8|int4`,
+gpt-oss's MXFP4) run through `grouped_quant_linear`: on CPU with the C++ kernels one call, every (expert with rows,
+16 weight rows) a work item, each run by `quant_linear`'s own per-panel code, so a row's output is bit for bit what
+`quant_linear` gives it with its expert's weight (a bf16 x on AVX512-BF16 by the blocks' integers times x,
+kernels/csrc/quant_bf16.h; on AVX2 widened to fp32 in registers). Without the kernels: `quant_linear` per expert
+with rows. `grouped_quant_linear_ref` is its float64 reference.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch.nn.functional as F
 
 from agentrt.kernels import cpu
 from agentrt.kernels.linear import PANEL, PANEL_BF16, PackCache, _version_key
+from agentrt.kernels.quant import QuantExperts, dequantize_ref, quant_linear
 
 
 def route_topk(logits: torch.Tensor, top_k: int, *, renormalize: bool,
@@ -177,4 +185,39 @@ def grouped_mm_linear(x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tens
     if bias is not None:
         expert = torch.searchsorted(offsets[1:], torch.arange(x.shape[0], device=x.device), right=True)
         y = y + bias.to(y.dtype)[expert]
+    return y
+
+
+def grouped_quant_linear_ref(x: torch.Tensor, offsets: torch.Tensor, w: QuantExperts,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference of `grouped_quant_linear`, in float64: `grouped_linear_ref` over the exactly decoded experts."""
+    weight = torch.stack([dequantize_ref(w.expert(e)) for e in range(w.shape[0])])
+    return grouped_linear_ref(x, offsets, weight, bias)
+
+
+def grouped_quant_linear(x: torch.Tensor, offsets: torch.Tensor, w: QuantExperts,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 or bf16 (rows sorted by expert), offsets [E + 1] int64 (expert e's rows at offsets[e] ..
+    offsets[e + 1], offsets[E] = M), w: the experts [E, N, K] in a block format, bias [E, N] or None -> [M, N] in
+    x's dtype (another float dtype runs in fp32). CPU only."""
+    e, n, k = w.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"grouped_quant_linear: x [M, K = {k}] expected for {w.format_name} experts {w.shape}, got "
+                         f"{tuple(x.shape)}")
+    if offsets.shape != (e + 1,):
+        raise ValueError(f"grouped_quant_linear: offsets [E + 1] = [{e + 1}] expected, got {tuple(offsets.shape)}")
+    if bias is not None and bias.shape != (e, n):
+        raise ValueError(f"grouped_quant_linear: bias [E, N] = {[e, n]} expected, got {tuple(bias.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"grouped_quant_linear runs on CPU only, got x on {x.device}")
+    b = None if bias is None else bias.float().contiguous()
+    if (ops := cpu.ops()) is not None:
+        x2 = x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous()
+        return ops.grouped_quant_linear(x2, offsets.contiguous(), w.data, w.type_id, n, b).to(x.dtype)
+    y = x.new_empty(x.shape[0], n)
+    bounds = offsets.tolist()
+    for j in range(e):
+        r0, r1 = bounds[j], bounds[j + 1]
+        if r1 > r0:
+            y[r0:r1] = quant_linear(x[r0:r1], w.expert(j), None if b is None else b[j])
     return y

@@ -15,6 +15,12 @@ block's small integers (exact in bf16) times x by `vdpbf16ps`, the block's scale
 (at 1 row ~1.2-1.5x the fp32 tiles' rate on 4-bit formats, ~2x on Q6_K), the same products and order for every
 row count; elsewhere it is widened to fp32 on entry. The output is rounded to bf16 once; accumulation is fp32.
 
+MXFP4 (ggml type 39: gpt-oss's experts) is one of the formats: a block of 32 is an E8M0 byte e and 32 4-bit E2M1
+codes, w = 2^(e - 128) * v, v the code's value doubled, an integer in {0, 1, 2, 3, 4, 6, 8, 12} with a sign: "small
+integers times a per-32 scale" like the others. A checkpoint's MXFP4 (OCP layout: `*_blocks` with codes 2j and 2j + 1
+in byte j, `*_scales`) becomes ggml's by `mxfp4_from_ocp`, values unchanged. A mixture of experts keeps its experts
+as `QuantExperts` ([E, N, K / B * bytes], one format), multiplied by `kernels.moe.grouped_quant_linear`.
+
 `dequantize_ref` is the reference: the exact block decoding in float64, in plain torch (tests hold it
 against the `gguf` package's own `gguf.quants.dequantize`); `quant_linear_ref` is `F.linear` over it.
 Without the C++ kernels (no compiler, or off x86 kinds that failed to build) `quant_linear` widens the
@@ -39,6 +45,7 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    39: ("MXFP4", 32, 17),
 }
 TYPE_IDS = {name: t for t, (name, _, _) in FORMATS.items()}
 
@@ -73,6 +80,63 @@ class QuantWeight:
         return self.data.numel()
 
 
+@dataclass(slots=True, frozen=True)
+class QuantExperts:
+    """A mixture's expert weights [E, N, K] kept in one GGUF block format: expert e's rows as a `QuantWeight` of
+    shape (N, K) holds them."""
+
+    data: torch.Tensor  # [E, N, K / block * block_bytes] uint8, contiguous
+    type_id: int  # ggml type id (FORMATS)
+    shape: tuple[int, int, int]  # (E, N, K): experts, out_features, in_features
+
+    def __post_init__(self):
+        if len(self.shape) != 3 or self.shape[0] < 1:
+            raise ValueError(f"QuantExperts shape (E, N, K) with E >= 1 expected, got {self.shape}")
+        if self.data.dim() != 3 or self.data.shape[0] != self.shape[0] or not self.data.is_contiguous():
+            raise ValueError(f"QuantExperts of shape {self.shape} needs contiguous data [E, N, bytes] with E = "
+                             f"{self.shape[0]}, got {tuple(self.data.shape)}")
+        QuantWeight(self.data[0], self.type_id, self.shape[1:])  # the format, K and each row's bytes
+
+    @property
+    def format_name(self) -> str:
+        return FORMATS[self.type_id][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def expert(self, e: int) -> QuantWeight:
+        return QuantWeight(self.data[e], self.type_id, self.shape[1:])
+
+
+def quantize_experts(w: torch.Tensor, name: str) -> QuantExperts:
+    """Expert weights [E, N, K] as `quantize` makes each expert's blocks (Q8_0 or Q4_1)."""
+    if w.dim() != 3:
+        raise ValueError(f"quantize_experts: weights [E, N, K] expected, got {tuple(w.shape)}")
+    parts = [quantize(w[e], name) for e in range(w.shape[0])]
+    return QuantExperts(torch.stack([p.data for p in parts]), parts[0].type_id, tuple(w.shape))
+
+
+def mxfp4_from_ocp(blocks: torch.Tensor, scales: torch.Tensor, rows: int = 256) -> torch.Tensor:
+    """MXFP4 in the OCP layout a checkpoint ships (gpt-oss's `*_blocks` [..., G, 16] uint8, codes 2j and 2j + 1 in
+    byte j's low and high nibble; `*_scales` [..., G] uint8, 2^(s - 127)) -> ggml's MXFP4 blocks [..., G * 17]
+    (byte 0 the same exponent, then codes j and j + 16 in byte j + 1's low and high nibble): the same values,
+    since ggml's codes count halves and its scale 2^(e - 128). In slices of `rows` leading rows (no wide copy)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1] != 16 \
+            or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks [..., G, 16] and scales [..., G] of uint8 expected, got "
+                         f"{tuple(blocks.shape)} {blocks.dtype} and {tuple(scales.shape)} {scales.dtype}")
+    lead, groups = blocks.shape[:-2], blocks.shape[-2]
+    b, s = blocks.reshape(-1, groups, 16), scales.reshape(-1, groups)
+    out = torch.empty(b.shape[0], groups, 17, dtype=torch.uint8)
+    for r in range(0, b.shape[0], rows):
+        part = b[r : r + rows]
+        codes = torch.stack([part & 15, part >> 4], dim=-1).flatten(-2)  # [rows, G, 32] in weight order
+        out[r : r + rows, :, 0] = s[r : r + rows]
+        out[r : r + rows, :, 1:] = codes[..., :16] | (codes[..., 16:] << 4)
+    return out.reshape(*lead, groups * 17)
+
+
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """[..., 2] uint8 little-endian fp16 -> [...] float64."""
     return b.contiguous().view(torch.float16)[..., 0].double()
@@ -85,6 +149,10 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi_sc = (q[:, 8:12] & 15) | ((q[:, 0:4] >> 6) << 4)
     hi_m = (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)
     return torch.cat([lo_sc, hi_sc], 1).double(), torch.cat([lo_m, hi_m], 1).double()
+
+
+# MXFP4's E2M1 codes as integers: each value doubled (bit 3 the sign), the block scale then 2^(e - 128)
+_MXFP4_INTS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -129,6 +197,10 @@ def dequantize_ref(w: QuantWeight) -> torch.Tensor:
         high = (qh.reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).reshape(1, 1, 4, 1)) & 3
         q = ((low | (high << 4)) - 32).reshape(-1, 16, 16).double()
         out = (d * sc)[:, :, None] * q
+    elif name == "MXFP4":
+        e = b[:, 0:1].double()
+        values = torch.tensor(_MXFP4_INTS, dtype=torch.float64)[_nibbles(b[:, 1:])]
+        out = torch.exp2(e - 128) * values
     else:  # pragma: no cover - FORMATS and this function list the same names
         raise AssertionError(name)
     return out.reshape(n, k)

@@ -7,7 +7,8 @@
 // - attention.h: paged_attention_small_q, attention of few-row sequences from the paged cache;
 // - attention_bf16.h: paged_attention_bf16, tiled attention of any rows on AVX512-BF16 (bf16 only);
 // - elementwise.h: rms_norm (optionally after the residual add), silu_and_mul, rope_store_kv;
-// - moe.h: grouped_linear, a mixture-of-experts layer's expert projections, one GEMM per expert;
+// - moe.h: grouped_linear, a mixture-of-experts layer's expert projections, one GEMM per expert, and
+//   grouped_quant_linear, the same from experts kept in a GGUF block format;
 // - quant.h: quant_linear and quant_dequantize, x @ w^T from a weight kept in a GGUF block format;
 // - sampler.h: topk_rows, logsumexp_rows and penalize_rows, the sampler's row kernels;
 // - decode_forward (here): all decoder layers of a decode step in one call; decode_steps: greedy
@@ -125,7 +126,7 @@ const uint8_t* check_quant(const at::Tensor& w, int64_t type, int64_t N, int64_t
     bytes = decltype(f)::kBytes;
   });
   TORCH_CHECK(known, op, ": unsupported GGUF block type ", type, " (supported: Q4_0=2 Q4_1=3 Q5_0=6 Q8_0=8 Q4_K=12 "
-              "Q5_K=13 Q6_K=14)");
+              "Q5_K=13 Q6_K=14 MXFP4=39)");
   TORCH_CHECK(K % block == 0, op, ": K=", K, " is not a multiple of the format's ", block, "-weight block");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * (K / block) * bytes, op,
               ": w [", N, ", ", K / block * bytes, "] contiguous uint8 for N=", N, " K=", K, ", got ", w.sizes(), " ",
@@ -177,19 +178,29 @@ at::Tensor quant_dequantize(const at::Tensor& w, int64_t type, int64_t N, int64_
   return y;
 }
 
+// The checks of grouped_linear's x and offsets: x [M, K] contiguous fp32 or bf16, offsets [E + 1] int64 from 0 to M,
+// not decreasing. Returns E.
+int64_t check_grouped_rows(const at::Tensor& x, const at::Tensor& offsets, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && is_float_or_bf16(x) && x.is_contiguous(), op, ": x [M, K] contiguous fp32 or bf16");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong &&
+                  offsets.is_contiguous(),
+              op, ": offsets [E + 1] int64");
+  const int64_t M = x.size(0), E = offsets.size(0) - 1;
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == M, op, ": offsets run from 0 to the ", M, " rows of x, got ", off[0], " .. ",
+              off[E]);
+  for (int64_t e = 0; e < E; ++e) TORCH_CHECK(off[e] <= off[e + 1], op, ": offsets decrease at expert ", e);
+  return E;
+}
+
 // x [M, K] (fp32 or bf16) with its rows sorted by expert, offsets [E + 1] int64 (expert e's rows at
 // offsets[e] .. offsets[e + 1]), w_packed one packed weight per expert ([E, ...] of packed_linear's layout in
 // x's dtype), bias [E, N] fp32 or None -> [M, N] in x's dtype: each row times its expert's weight.
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& w_packed,
                           const std::optional<at::Tensor>& bias, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && is_float_or_bf16(x) && x.is_contiguous(), "grouped_linear: x [M, K] contiguous fp32 or bf16");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 2 && offsets.scalar_type() == at::kLong && offsets.is_contiguous(),
-              "grouped_linear: offsets [E + 1] int64");
-  const int64_t M = x.size(0), K = x.size(1), E = offsets.size(0) - 1;
+  const int64_t E = check_grouped_rows(x, offsets, "grouped_linear");
+  const int64_t M = x.size(0), K = x.size(1);
   const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[E] == M, "grouped_linear: offsets run from 0 to the ", M, " rows of x, got ", off[0],
-              " .. ", off[E]);
-  for (int64_t e = 0; e < E; ++e) TORCH_CHECK(off[e] <= off[e + 1], "grouped_linear: offsets decrease at expert ", e);
   TORCH_CHECK(w_packed.size(0) == E && w_packed.scalar_type() == x.scalar_type(), "grouped_linear: w_packed [", E,
               ", ...] in x's dtype, got ", w_packed.sizes(), " ", w_packed.scalar_type());
   const bool bf = x.scalar_type() == at::kBFloat16;
@@ -208,6 +219,47 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   } else {
     agentrt::grouped_linear_f32(x.data_ptr<float>(), off, E, K, w_packed.data_ptr<float>(), b, y.data_ptr<float>(), N);
   }
+  return y;
+}
+
+// x [M, K] (fp32 or bf16) with its rows sorted by expert, offsets [E + 1] int64, w [E, N, K / B * bytes] uint8: each
+// expert's weight in GGUF block format `type` (quant_linear's layout), bias [E, N] fp32 or None -> [M, N] in x's
+// dtype: each row times its expert's weight, the bits quant_linear gives it.
+at::Tensor grouped_quant_linear(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& w, int64_t type,
+                                int64_t N, const std::optional<at::Tensor>& bias) {
+  const int64_t E = check_grouped_rows(x, offsets, "grouped_quant_linear");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 3 && w.size(0) == E && w.size(1) == N, "grouped_quant_linear: w [E, N, bytes] = [", E, ", ",
+              N, ", ...] expected, got ", w.sizes());
+  TORCH_CHECK(w.is_contiguous(), "grouped_quant_linear: w contiguous");
+  int64_t block = 0, bytes = 0;
+  check_quant(w[0], type, N, K, "grouped_quant_linear", block, bytes);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->dim() == 2 && bias->size(0) == E &&
+                    bias->size(1) == N,
+                "grouped_quant_linear: bias [E, N] fp32, got ", bias->sizes(), " ", bias->scalar_type());
+    b = bias->data_ptr<float>();
+  }
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  if (x.scalar_type() == at::kBFloat16) {
+#if defined(__AVX512BF16__)
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0 || N == 0) return y;
+    agentrt::by_quant_type(type, [&](auto f) {
+      agentrt::grouped_quant_linear_bf16<decltype(f)>(ptr<bf16>(x), off, E, M, K, wp, b, ptr<bf16>(y), N);
+    });
+    return y;
+#else
+    return grouped_quant_linear(x.to(at::kFloat), offsets, w, type, N, bias).to(at::kBFloat16);
+#endif
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  agentrt::by_quant_type(type, [&](auto f) {
+    agentrt::grouped_quant_linear_f32<decltype(f)>(x.data_ptr<float>(), off, E, K, wp, b, y.data_ptr<float>(), N);
+  });
   return y;
 }
 
@@ -825,6 +877,7 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("packed_linear(Tensor x, Tensor w_packed, Tensor? bias, int N) -> Tensor");
   m.def("packed_linear_bf16(Tensor x, Tensor w_packed, Tensor? bias, int N, bool invariant=False) -> Tensor");
   m.def("grouped_linear(Tensor x, Tensor offsets, Tensor w_packed, Tensor? bias, int N) -> Tensor");
+  m.def("grouped_quant_linear(Tensor x, Tensor offsets, Tensor w, int type, int N, Tensor? bias=None) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor w, int type, int N, Tensor? bias=None) -> Tensor");
   m.def("quant_dequantize(Tensor w, int type, int N, int K) -> Tensor");
   m.def(
@@ -858,6 +911,7 @@ AGENTRT_LIBRARY_IMPL(AGENTRT_NS, CPU, m) {
   m.impl("packed_linear", packed_linear);
   m.impl("packed_linear_bf16", packed_linear_bf16);
   m.impl("grouped_linear", grouped_linear);
+  m.impl("grouped_quant_linear", grouped_quant_linear);
   m.impl("quant_linear", quant_linear);
   m.impl("quant_dequantize", quant_dequantize);
   m.impl("paged_attention_small_q", paged_attention_small_q);

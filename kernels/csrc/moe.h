@@ -8,6 +8,12 @@
 // Weights are the packed panels of linear.h, one block per expert: fp32 [E, ceil(N / 16), K, 16], bf16
 // [E, ceil(N / 32), ceil(K / 2), 32, 2]; biases fp32 [E, N]. The per-panel kernels are linear.h's own
 // (bf16 on AMX where it applies), so a row's output is what packed_linear gives it with that expert's weight.
+//
+// Experts kept in a GGUF block format (quant.h: Q8_0, Q4_1, MXFP4, ...): w [E, N, K / B * bytes] uint8, each
+// expert's rows as quant_linear takes them. The work items are (expert with rows, 16 weight rows), each run by
+// quant_linear's own per-panel code (quant_panel in fp32; qdot_group, 4 groups of 4 rows, for bf16 x on
+// AVX512-BF16), so a row's output is bit for bit what quant_linear gives it with that expert's weight. Elsewhere
+// a bf16 x is widened to fp32 on entry and its output rounded once, as quant_linear does.
 
 #pragma once
 
@@ -15,6 +21,8 @@
 #include <vector>
 
 #include "linear.h"
+#include "quant.h"
+#include "quant_bf16.h"
 #include "team.h"
 
 namespace agentrt {
@@ -58,5 +66,45 @@ inline void grouped_linear_bf16(const bf16* x, const int64_t* offsets, int64_t E
     }
   });
 }
+
+// x [M, K] fp32 -> y [M, N] fp32, w [E, N, K / B * bytes] in format F.
+template <typename F>
+inline void grouped_quant_linear_f32(const float* x, const int64_t* offsets, int64_t E, int64_t K, const uint8_t* w,
+                                     const float* bias, float* y, int64_t N) {
+  const int64_t row_bytes = K / F::kBlock * F::kBytes, panels = (N + kQuantPanelRows - 1) / kQuantPanelRows;
+  const std::vector<int64_t> used = experts_with_rows(offsets, E);
+  agentrt::stealing_for(static_cast<int64_t>(used.size()) * panels, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> panel;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = used[i / panels], n0 = (i % panels) * kQuantPanelRows, r0 = offsets[e];
+      quant_panel<F>(x + r0 * K, offsets[e + 1] - r0, K, w + (e * N + n0) * row_bytes, row_bytes,
+                     std::min(kQuantPanelRows, N - n0), bias ? bias + e * N + n0 : nullptr, y + r0 * N + n0, N, panel);
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+// x [M, K] bf16 -> y [M, N] bf16, w [E, N, K / B * bytes] in format F.
+template <typename F>
+inline void grouped_quant_linear_bf16(const bf16* x, const int64_t* offsets, int64_t E, int64_t M, int64_t K,
+                                      const uint8_t* w, const float* bias, bf16* y, int64_t N) {
+  constexpr int64_t kGroupsPerItem = 4;  // 16 weight rows, as the fp32 panels
+  const int64_t row_bytes = K / F::kBlock * F::kBytes, chunks = K / 32;
+  const int64_t items = (N + kQdotCols * kGroupsPerItem - 1) / (kQdotCols * kGroupsPerItem);
+  const std::vector<float> sx = offset_sums_bf16<F>(x, M, K);
+  const std::vector<int64_t> used = experts_with_rows(offsets, E);
+  agentrt::stealing_for(static_cast<int64_t>(used.size()) * items, [&](int64_t i0, int64_t i1) {
+    QdotBuffers& buf = qdot_buffers(K);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = used[i / items], r0 = offsets[e], rows = offsets[e + 1] - r0;
+      const int64_t first = (i % items) * kQdotCols * kGroupsPerItem;
+      for (int64_t n0 = first; n0 < std::min(N, first + kQdotCols * kGroupsPerItem); n0 += kQdotCols)
+        qdot_group<F>(x + r0 * K, rows, K, w + (e * N + n0) * row_bytes, row_bytes, std::min(kQdotCols, N - n0),
+                      sx.empty() ? nullptr : sx.data() + r0 * chunks, bias ? bias + e * N + n0 : nullptr,
+                      y + r0 * N + n0, N, buf);
+    }
+  });
+}
+#endif
 
 }  // namespace agentrt

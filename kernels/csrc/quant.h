@@ -14,6 +14,9 @@
 //   Q5_K 176 B: as Q4_K plus u8 qh[32] (after scales)  the fifth bit of sub-block i's weight l is bit i of qh[l]
 //   Q6_K 210 B: u8 ql[128], u8 qh[64], int8 sc[16],    16 sub-blocks of 16, w = d * sc_i * (q - 32), q six bits:
 //               fp16 d                                 four from ql, two from qh (layout in dequant_q6_k)
+//   MXFP4 17 B: u8 e (E8M0), u8 qs[16]                 w_j = 2^(e - 128) * v(nibble_j), v the E2M1 code's value
+//                                                       doubled: {0, 1, 2, 3, 4, 6, 8, 12}, sign bit 3 (gpt-oss's
+//                                                       experts; ggml's type 39); nibbles as Q4_0's
 //
 // The weight keeps that byte layout ([N, K / B * bytes], as the GGUF file stores it), so memory holds the
 // file's bytes and a decode step reads them once. Many rows (prefill): threads take panels of 16 weight rows;
@@ -45,7 +48,9 @@
 namespace agentrt {
 
 // ggml's type ids (ggml.h enum ggml_type), as GGUF files and gguf.GGMLQuantizationType number them
-enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum QuantType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kMXFP4 = 39
+};
 
 
 // Eight bytes are handled as one uint64 (GCC's byte vectors shift and convert lane by lane through scalar
@@ -233,6 +238,34 @@ inline void dequant_q6_k(const uint8_t* blk, float* y) {
   }
 }
 
+// MXFP4: the integers of the 16 E2M1 codes (their values doubled, so the block scale is 2^(e - 128)), and that scale
+// from its E8M0 byte as ggml's ggml_e8m0_to_fp32_half computes it (e < 2: the fp32 subnormals 2^-128, 2^-127).
+inline constexpr int8_t kMxfp4Ints[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? (0x00200000u << e) : (uint32_t(e - 1) << 23);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Every product is exact in fp32 (a power of two times at most 4 significant bits).
+inline void dequant_mxfp4(const uint8_t* blk, float* y) {
+  const float d = e8m0_half(blk[0]);
+#if defined(__AVX512F__)
+  alignas(64) static constexpr float kValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  const __m512 table = _mm512_load_ps(kValues);
+  const f32x16 d16 = splat_f32x16(d);
+  const __m128i q = load16b(blk + 1);
+  store_f32x16(y, d16 * (f32x16)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(low_nibbles(q)), table));
+  store_f32x16(y + 16, d16 * (f32x16)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(high_nibbles(q)), table));
+#else
+  for (int i = 0; i < 16; ++i) {
+    y[i] = d * float(kMxfp4Ints[blk[1 + i] & 15]);
+    y[i + 16] = d * float(kMxfp4Ints[blk[1 + i] >> 4]);
+  }
+#endif
+}
+
 // A format as the kernels take it: weights and bytes per block, and the block decoder.
 template <int64_t kBlockWeights, int64_t kBlockBytes, void (*kDecode)(const uint8_t*, float*)>
 struct QuantFormat {
@@ -246,6 +279,7 @@ using FormatQ5_0 = QuantFormat<32, 22, dequant_q5_0>;
 using FormatQ4_K = QuantFormat<256, 144, dequant_k4_k5<false>>;
 using FormatQ5_K = QuantFormat<256, 176, dequant_k4_k5<true>>;
 using FormatQ6_K = QuantFormat<256, 210, dequant_q6_k>;
+using FormatMXFP4 = QuantFormat<32, 17, dequant_mxfp4>;
 
 // Calls fn(Format{}) for a supported type; false for any other.
 template <typename Fn>
@@ -258,6 +292,7 @@ inline bool by_quant_type(int64_t type, Fn fn) {
     case kQ4_K: fn(FormatQ4_K{}); return true;
     case kQ5_K: fn(FormatQ5_K{}); return true;
     case kQ6_K: fn(FormatQ6_K{}); return true;
+    case kMXFP4: fn(FormatMXFP4{}); return true;
     default: return false;
   }
 }
@@ -350,65 +385,67 @@ inline void quant_rows_blockwise(const float* x, int64_t K, const uint8_t* w, in
     for (int n = 0; n < nrows; ++n) y[m * ldy + n] = hsum_acc(acc[m][n]) + (bias ? bias[n] : 0.f);
 }
 
+// Weight rows n0 .. n0 + rows (rows <= kQuantPanelRows; w, bias and y start at row n0, weight rows row_bytes apart)
+// against the M rows of x: y[m * ldy + j] for j < rows. quant_linear's work item, shared with the grouped expert
+// projection (moe.h): 1-4 rows of x take the blockwise path (groups of 4 weight rows through L1), more decode
+// the panel to fp32 once (`panel`, the caller's thread buffer) and run the register tiles over it.
 template <typename F>
-inline void quant_linear_few(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* bias, float* y,
-                             int64_t N) {
-  const int64_t row_bytes = K / F::kBlock * F::kBytes, groups = (N + kQuantTileColsFew - 1) / kQuantTileColsFew;
-  constexpr int64_t kGroupsPerTask = 4;
-  agentrt::stealing_for((groups + kGroupsPerTask - 1) / kGroupsPerTask, [&](int64_t t0, int64_t t1) {
-    for (int64_t g = t0 * kGroupsPerTask; g < std::min(groups, t1 * kGroupsPerTask); ++g) {
-      const int64_t n0 = g * kQuantTileColsFew, nrows = std::min(kQuantTileColsFew, N - n0);
-      const uint8_t* wg = w + n0 * row_bytes;
-      const float* bg = bias ? bias + n0 : nullptr;
+inline void quant_panel(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t rows,
+                        const float* bias, float* y, int64_t ldy, std::vector<float>& panel) {
+  if (M <= kQuantFewRows) {
+    for (int64_t c = 0; c < rows; c += kQuantTileColsFew) {
+      const int64_t nrows = std::min(kQuantTileColsFew, rows - c);
+      const uint8_t* wg = w + c * row_bytes;
+      const float* bg = bias ? bias + c : nullptr;
       switch (M) {
-        case 1: quant_rows_blockwise<F, 1>(x, K, wg, row_bytes, nrows, bg, y + n0, N); break;
-        case 2: quant_rows_blockwise<F, 2>(x, K, wg, row_bytes, nrows, bg, y + n0, N); break;
-        case 3: quant_rows_blockwise<F, 3>(x, K, wg, row_bytes, nrows, bg, y + n0, N); break;
-        default: quant_rows_blockwise<F, 4>(x, K, wg, row_bytes, nrows, bg, y + n0, N); break;
+        case 1: quant_rows_blockwise<F, 1>(x, K, wg, row_bytes, nrows, bg, y + c, ldy); break;
+        case 2: quant_rows_blockwise<F, 2>(x, K, wg, row_bytes, nrows, bg, y + c, ldy); break;
+        case 3: quant_rows_blockwise<F, 3>(x, K, wg, row_bytes, nrows, bg, y + c, ldy); break;
+        default: quant_rows_blockwise<F, 4>(x, K, wg, row_bytes, nrows, bg, y + c, ldy); break;
       }
     }
-  });
+    return;
+  }
+  const int64_t blocks = K / F::kBlock;
+  panel.resize(size_t(K * kQuantPanelRows));
+  for (int64_t r = 0; r < kQuantPanelRows; ++r) {
+    float* dst = panel.data() + r * K;
+    if (r >= rows) {
+      std::fill(dst, dst + K, 0.f);
+      continue;
+    }
+    for (int64_t b = 0; b < blocks; ++b) F::dequant(w + r * row_bytes + b * F::kBytes, dst + b * F::kBlock);
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kQuantTileRows) {
+    const float* xm = x + m0 * K;
+    for (int64_t c = 0; c < rows; c += kQuantTileCols) {
+      const float* wc = panel.data() + c * K;
+      const float* bc = bias ? bias + c : nullptr;
+      float* yc = y + m0 * ldy + c;
+      const int64_t nc = std::min(kQuantTileCols, rows - c);
+      switch (std::min<int64_t>(kQuantTileRows, M - m0)) {
+        case 1: quant_dot_tile<1, kQuantTileCols>(xm, wc, K, bc, yc, ldy, nc); break;
+        case 2: quant_dot_tile<2, kQuantTileCols>(xm, wc, K, bc, yc, ldy, nc); break;
+#if defined(__AVX512F__)
+        case 3: quant_dot_tile<3, kQuantTileCols>(xm, wc, K, bc, yc, ldy, nc); break;
+#endif
+        default: quant_dot_tile<kQuantTileRows, kQuantTileCols>(xm, wc, K, bc, yc, ldy, nc); break;
+      }
+    }
+  }
 }
 
+// Threads take panels of 16 weight rows (quant_panel).
 template <typename F>
 inline void quant_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* bias, float* y,
                          int64_t N) {
-  if (M <= kQuantFewRows) {
-    quant_linear_few<F>(x, M, K, w, bias, y, N);
-    return;
-  }
-  const int64_t panels = (N + kQuantPanelRows - 1) / kQuantPanelRows, blocks = K / F::kBlock;
-  const int64_t row_bytes = blocks * F::kBytes;
+  const int64_t panels = (N + kQuantPanelRows - 1) / kQuantPanelRows, row_bytes = K / F::kBlock * F::kBytes;
   agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> panel;
-    panel.resize(size_t(K * kQuantPanelRows));
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kQuantPanelRows, rows = std::min(kQuantPanelRows, N - n0);
-      for (int64_t r = 0; r < kQuantPanelRows; ++r) {
-        float* dst = panel.data() + r * K;
-        if (r >= rows) {
-          std::fill(dst, dst + K, 0.f);
-          continue;
-        }
-        for (int64_t b = 0; b < blocks; ++b) F::dequant(w + (n0 + r) * row_bytes + b * F::kBytes, dst + b * F::kBlock);
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kQuantTileRows) {
-        const float* xm = x + m0 * K;
-        for (int64_t c = 0; c < rows; c += kQuantTileCols) {
-          const float* wc = panel.data() + c * K;
-          const float* bc = bias ? bias + n0 + c : nullptr;
-          float* yc = y + m0 * N + n0 + c;
-          const int64_t nc = std::min(kQuantTileCols, rows - c);
-          switch (std::min<int64_t>(kQuantTileRows, M - m0)) {
-            case 1: quant_dot_tile<1, kQuantTileCols>(xm, wc, K, bc, yc, N, nc); break;
-            case 2: quant_dot_tile<2, kQuantTileCols>(xm, wc, K, bc, yc, N, nc); break;
-#if defined(__AVX512F__)
-            case 3: quant_dot_tile<3, kQuantTileCols>(xm, wc, K, bc, yc, N, nc); break;
-#endif
-            default: quant_dot_tile<kQuantTileRows, kQuantTileCols>(xm, wc, K, bc, yc, N, nc); break;
-          }
-        }
-      }
+      const int64_t n0 = p * kQuantPanelRows;
+      quant_panel<F>(x, M, K, w + n0 * row_bytes, row_bytes, std::min(kQuantPanelRows, N - n0),
+                     bias ? bias + n0 : nullptr, y + n0, N, panel);
     }
   });
 }

@@ -7,7 +7,7 @@
 //   Q8_0  u = q (-128..127)     a = d          c = 0       Q4_K  u = nibble       a = d * sc_i   c = -dmin * m_i
 //   Q4_0  u = nibble - 8        a = d          c = 0       Q5_K  u = 5 bits       a = d * sc_i   c = -dmin * m_i
 //   Q4_1  u = nibble            a = d          c = m       Q6_K  u = q - 32       a = d * sc_i   c = 0 (16-weight s)
-//   Q5_0  u = 5 bits - 16       a = d          c = 0
+//   Q5_0  u = 5 bits - 16       a = d          c = 0       MXFP4 u = 2 x E2M1 value a = 2^(e - 128)  c = 0
 //
 // Any integer of at most 8 bits is exact in bf16, so x . w_s = a_s * (u . x)_s + c_s * sum(x_s) is computed from
 // exact products: `vdpbf16ps` (32 bf16 products into 16 fp32 lanes, pairs summed) of u and x, then one FMA by a_s
@@ -64,6 +64,14 @@ inline constexpr IntTable<0> kTablePlain{};
 inline constexpr IntTable<8> kTableOff8{};
 inline constexpr IntTable<16> kTableOff16{};
 inline constexpr IntTable<32> kTableOff32{};
+// MXFP4: entry i < 16 the bf16 of E2M1 code i's value doubled (quant.h's kMxfp4Ints), the rest unused.
+struct Mxfp4Table {
+  alignas(64) uint16_t v[64];
+  constexpr Mxfp4Table() : v() {
+    for (int i = 0; i < 16; ++i) v[i] = bf16_of_int(kMxfp4Ints[i]);
+  }
+};
+inline constexpr Mxfp4Table kTableMxfp4{};
 
 // 32 weight bytes (each 0..31) -> the bf16 of table[byte], 32 words.
 inline __m512i lookup32(__m256i idx, const uint16_t* table) {
@@ -107,6 +115,11 @@ inline void unpack_q5_0(const uint8_t* blk, uint16_t* u, float* a, float* c) {
   const __m256i idx = _mm256_or_si256(nibbles32(blk + 6), _mm256_maskz_set1_epi8(qh, 16));
   store_u(u, lookup32(idx, kTableOff16.v));
   a[0] = a[1] = fp16_to_f32(blk);
+  c[0] = 0.f;
+}
+inline void unpack_mxfp4(const uint8_t* blk, uint16_t* u, float* a, float* c) {
+  store_u(u, lookup32(nibbles32(blk + 1), kTableMxfp4.v));
+  a[0] = a[1] = e8m0_half(blk[0]);
   c[0] = 0.f;
 }
 template <bool kFifthBit>
@@ -170,6 +183,7 @@ AGENTRT_BF16_UNPACK(FormatQ5_0, unpack_q5_0, false, false)
 AGENTRT_BF16_UNPACK(FormatQ4_K, unpack_k4_k5<false>, true, false)
 AGENTRT_BF16_UNPACK(FormatQ5_K, unpack_k4_k5<true>, true, false)
 AGENTRT_BF16_UNPACK(FormatQ6_K, unpack_q6_k, false, true)
+AGENTRT_BF16_UNPACK(FormatMXFP4, unpack_mxfp4, false, false)
 #undef AGENTRT_BF16_UNPACK
 
 constexpr int64_t kQdotCols = 4;  // weight rows of a group
@@ -270,62 +284,89 @@ inline void chunk_sums_bf16(const bf16* x, int64_t M, int64_t K, float* sx) {
           _mm512_dpbf16_ps(_mm512_setzero_ps(), ones, (__m512bh)_mm512_loadu_si512(x + m * K + 32 * ch)));
 }
 
+// A group's buffers (one per thread): u [4][K] bf16, a [4][K / 16], c [4][K / 32].
+struct QdotBuffers {
+  std::vector<uint16_t> u;
+  std::vector<float> a, c;
+  void size_for(int64_t K) {
+    u.resize(size_t(kQdotCols * K));
+    a.resize(size_t(kQdotCols * 2 * (K / 32)));
+    c.resize(size_t(kQdotCols * (K / 32)));
+  }
+};
+inline QdotBuffers& qdot_buffers(int64_t K) {
+  thread_local QdotBuffers b;
+  b.size_for(K);
+  return b;
+}
+
+// Weight rows n0 .. n0 + ncols (ncols <= 4; w, bias and y start at row n0, weight rows row_bytes apart) against the
+// M rows of x (sx: their per-32 sums where the format has offsets): y[m * ldy + j] for j < ncols. quant_linear_bf16's
+// work item, shared with the grouped expert projection (moe.h).
+template <typename F>
+inline void qdot_group(const bf16* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t ncols,
+                       const float* sx, const float* bias, bf16* y, int64_t ldy, QdotBuffers& buf) {
+  using U = Bf16Unpack<F>;
+  const int64_t chunks = K / 32, blocks = K / F::kBlock, sub = F::kBlock / 32;
+  uint16_t* u = buf.u.data();
+  float *a = buf.a.data(), *c = buf.c.data();
+  if (M <= kQdotRows) {
+    switch (M) {
+      case 1: qdot_rows_blockwise<F, 1>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+      case 2: qdot_rows_blockwise<F, 2>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+      case 3: qdot_rows_blockwise<F, 3>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+      default: qdot_rows_blockwise<F, 4>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+    }
+    return;
+  }
+  for (int64_t n = 0; n < kQdotCols; ++n) {
+    if (n >= ncols) {  // past N: zero weights (their outputs are not stored)
+      std::fill(u + n * K, u + (n + 1) * K, uint16_t(0));
+      std::fill(a + n * 2 * chunks, a + (n + 1) * 2 * chunks, 0.f);
+      std::fill(c + n * chunks, c + (n + 1) * chunks, 0.f);
+      continue;
+    }
+    const uint8_t* wr = w + n * row_bytes;
+    for (int64_t b = 0; b < blocks; ++b)
+      U::unpack(wr + b * F::kBytes, u + n * K + b * F::kBlock, a + n * 2 * chunks + b * sub * 2,
+                c + n * chunks + b * sub);
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kQdotRows) {
+    const bf16* xm = x + m0 * K;
+    const float* sm = U::kOffsets ? sx + m0 * chunks : nullptr;
+    bf16* ym = y + m0 * ldy;
+    switch (std::min<int64_t>(kQdotRows, M - m0)) {
+      case 1: qdot_tile<1, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
+      case 2: qdot_tile<2, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
+      case 3: qdot_tile<3, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
+      default: qdot_tile<4, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
+    }
+  }
+}
+
+// x's per-32 sums where format F has offsets (c terms), else empty.
+template <typename F>
+inline std::vector<float> offset_sums_bf16(const bf16* x, int64_t M, int64_t K) {
+  std::vector<float> sx(Bf16Unpack<F>::kOffsets ? size_t(M * (K / 32)) : 0);
+  if constexpr (Bf16Unpack<F>::kOffsets) chunk_sums_bf16(x, M, K, sx.data());
+  return sx;
+}
+
 // x [M, K] bf16, w [N, K / B * bytes] in format F, bias fp32 [N] or null -> y [M, N] bf16, rows ldy apart (N: a
 // whole output; more: these N columns of a wider one, e.g. a fused projection's part).
 template <typename F>
 inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t* w, const float* bias, bf16* y,
                               int64_t N, int64_t ldy) {
-  using U = Bf16Unpack<F>;
-  const int64_t chunks = K / 32, blocks = K / F::kBlock, row_bytes = blocks * F::kBytes;
-  const int64_t sub = F::kBlock / 32;  // 32-weight chunks per block
-  std::vector<float> sx(U::kOffsets ? size_t(M * chunks) : 0);
-  if constexpr (U::kOffsets) chunk_sums_bf16(x, M, K, sx.data());
+  const int64_t row_bytes = K / F::kBlock * F::kBytes;
+  const std::vector<float> sx = offset_sums_bf16<F>(x, M, K);
   const int64_t groups = (N + kQdotCols - 1) / kQdotCols;
   const int64_t per_task = M <= 4 ? 4 : 1;  // groups a task takes: decode's are short
   agentrt::stealing_for((groups + per_task - 1) / per_task, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<uint16_t> ubuf;
-    thread_local std::vector<float> abuf, cbuf;
-    ubuf.resize(size_t(kQdotCols * K));
-    abuf.resize(size_t(kQdotCols * 2 * chunks));
-    cbuf.resize(size_t(kQdotCols * chunks));
-    uint16_t* u = ubuf.data();
-    float *a = abuf.data(), *c = cbuf.data();
+    QdotBuffers& buf = qdot_buffers(K);
     for (int64_t g = t0 * per_task; g < std::min(groups, t1 * per_task); ++g) {
-      const int64_t n0 = g * kQdotCols, ncols = std::min(kQdotCols, N - n0);
-      const float* bg = bias ? bias + n0 : nullptr;
-      if (M <= kQdotRows) {
-        const uint8_t* wg = w + n0 * row_bytes;
-        switch (M) {
-          case 1: qdot_rows_blockwise<F, 1>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, ldy); break;
-          case 2: qdot_rows_blockwise<F, 2>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, ldy); break;
-          case 3: qdot_rows_blockwise<F, 3>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, ldy); break;
-          default: qdot_rows_blockwise<F, 4>(x, K, wg, row_bytes, ncols, c, sx.data(), bg, y + n0, ldy); break;
-        }
-        continue;
-      }
-      for (int64_t n = 0; n < kQdotCols; ++n) {
-        if (n >= ncols) {  // past N: zero weights (their outputs are not stored)
-          std::fill(u + n * K, u + (n + 1) * K, uint16_t(0));
-          std::fill(a + n * 2 * chunks, a + (n + 1) * 2 * chunks, 0.f);
-          std::fill(c + n * chunks, c + (n + 1) * chunks, 0.f);
-          continue;
-        }
-        const uint8_t* wr = w + (n0 + n) * row_bytes;
-        for (int64_t b = 0; b < blocks; ++b)
-          U::unpack(wr + b * F::kBytes, u + n * K + b * F::kBlock, a + n * 2 * chunks + b * sub * 2,
-                    c + n * chunks + b * sub);
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kQdotRows) {
-        const bf16* xm = x + m0 * K;
-        const float* sm = U::kOffsets ? sx.data() + m0 * chunks : nullptr;
-        bf16* ym = y + m0 * ldy + n0;
-        switch (std::min<int64_t>(kQdotRows, M - m0)) {
-          case 1: qdot_tile<1, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, ldy, ncols); break;
-          case 2: qdot_tile<2, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, ldy, ncols); break;
-          case 3: qdot_tile<3, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, ldy, ncols); break;
-          default: qdot_tile<4, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bg, ym, ldy, ncols); break;
-        }
-      }
+      const int64_t n0 = g * kQdotCols;
+      qdot_group<F>(x, M, K, w + n0 * row_bytes, row_bytes, std::min(kQdotCols, N - n0), sx.data(),
+                    bias ? bias + n0 : nullptr, y + n0, ldy, buf);
     }
   });
 }
