@@ -66,9 +66,10 @@ class EngineConfig:
     quantization: str | None = None  # vLLM's name. "gguf": a GGUF model's projections stay in the file's block
     # formats (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K), run by kernels.quant (CPU only; engine.gguf_weights), or an
     # error saying why they cannot; "int8" / "int4": a safetensors model's projections quantized at load to blocks
-    # of 32 (Q8_0 / Q4_1, weight-only, per-block fp16 scales; engine.gguf_weights.quantize_model), CPU only; "none" or
-    # None: widened to `dtype` at load. Not the default yet: on the default model a packed bf16 decode step is still
-    # slower than the widened one's (docs/benchmarks/quant.md)
+    # of 32 (Q8_0 / Q4_1, weight-only, per-block fp16 scales; engine.gguf_weights.quantize_model), a mixture's experts
+    # included (per expert), CPU only; None: widened to `dtype` at load, but for a mixture's experts shipped in MXFP4
+    # (gpt-oss), kept in their blocks on CPU (engine.moe); "none": everything widened. Not the default yet: on the
+    # default model a packed bf16 decode step is still slower than the widened one's (docs/benchmarks/quant.md)
     dtype_reason: str = field(default="", init=False)  # how `dtype` was chosen, for the start-up line
     deterministic_default: bool = field(default=False, init=False)  # `deterministic` was None, chosen here: the
     # engine turns it off where the C++ kernels turn out unavailable instead of refusing to start

@@ -99,7 +99,7 @@ class EngineCore:
         gguf = gguf_source(config.model) if config.quantization == "gguf" else None
         self.model, self.hf_config = load_model(self.model_path, config.torch_dtype, config.device, packed_from=gguf,
                                                 quantize=config.quantization if config.quantization in ("int8", "int4")
-                                                else None)
+                                                else None, keep_mxfp4=config.quantization != "none")
         packed = self.model.packed_weights
         if config.quantization == "gguf" and packed is None:
             raise ValueError(f"quantization='gguf' cannot keep {self.model_path.name}'s weights packed: "

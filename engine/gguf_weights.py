@@ -17,16 +17,22 @@ tensor) and the model stays widened, with the reason for the start-up line.
 Not packed: the token embedding (a lookup of a few rows; it stays widened in the model's dtype), norms and
 biases (small, fp32 in the file). A tied model's LM head (SmolLM2's) runs on the embedding's blocks
 (`model.tied_head_quant`) where their format is one the kernels take.
+
+A mixture of experts' experts are put in blocks as they load (engine.moe, `SparseMoE.expert_blocks`): a
+checkpoint's MXFP4 kept (the default on CPU, `experts_packed` describes it), or Q8_0 / Q4_1 under
+`--quantization int8 | int4`, whose `quantize_model` then packs the rest (the router stays widened: E outputs,
+and the routing decides which weights run). A GGUF file's experts are not kept packed yet (`pack_model` refuses).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from agentrt.engine.moe import SparseMoE
 from agentrt.kernels.linear import Linear
 from agentrt.kernels.quant import FORMATS, QuantWeight, dequantize, quantize
 
@@ -48,14 +54,25 @@ class PackedWeights:
     embedding_packed: bool = False  # the token embedding too (looked up from its blocks), else widened
     widened_bytes: int = 0  # bytes of the weights left widened (norms, biases; the embedding) in the model's dtype
 
-    source: str = "gguf"  # "gguf": the file's blocks; "int8" / "int4": quantized at load (quantize_model)
+    source: str = "gguf"  # "gguf": the file's blocks; "int8" / "int4": quantized at load (quantize_model);
+    # "experts": only a mixture's experts, as the checkpoint ships them (MXFP4; experts_packed)
+    expert_formats: Counter = field(default_factory=Counter)  # of the experts among `formats` (per [E, N, K] stack)
+    expert_bytes: int = 0  # of the experts among `nbytes`
 
     def describe(self) -> str:
-        """e.g. "gguf Q4_1+Q8_0 kept packed, 96 MB (+ 0 MB widened: norms)", "int4 (Q4_1+Q8_0 blocks of 32) ..."."""
+        """e.g. "gguf Q4_1+Q8_0 kept packed, 96 MB (+ 0 MB widened: norms)", "int4 (Q4_1+Q8_0 blocks of 32) ...",
+        "experts MXFP4 kept packed, 1528 MB (+ 2860 MB widened: attention, router, embeddings, LM head, norms)"."""
+        experts = "+".join(name for name, _ in self.expert_formats.most_common())
+        if self.source == "experts":
+            return (f"experts {experts} kept packed, {self.expert_bytes / 1e6:.0f} MB (+ {self.widened_bytes / 1e6:.0f} "
+                    "MB widened: attention, router, embeddings, LM head, norms)")
         names = "+".join(name for name, _ in self.formats.most_common())
         widened = "norms" if self.embedding_packed else "embeddings, norms"
+        if self.expert_bytes:
+            widened = "router, " + widened
         what = f"gguf {names}" if self.source == "gguf" else f"{self.source} ({names} blocks of 32)"
-        return (f"{what} kept packed, {self.nbytes / 1e6:.0f} MB (+ {self.widened_bytes / 1e6:.0f} MB "
+        of_it = f" ({experts} experts {self.expert_bytes / 1e6:.0f} MB of it)" if self.expert_bytes else ""
+        return (f"{what} kept packed, {self.nbytes / 1e6:.0f} MB{of_it} (+ {self.widened_bytes / 1e6:.0f} MB "
                 f"widened: {widened})")
 
 
@@ -135,14 +152,22 @@ def quantize_model(model, scheme: str) -> PackedWeights:
     if scheme not in QUANTIZE_FORMATS:
         raise ValueError(f"quantize_model: scheme must be one of {', '.join(QUANTIZE_FORMATS)}, got {scheme!r}")
     fmt = QUANTIZE_FORMATS[scheme]
-    lins = [(f"layers.{i}.{attr}", getattr(getattr(layer, attr.split(".")[0]), attr.split(".")[1]))
-            for i, layer in enumerate(model.layers) for attr in _LAYER_PROJECTIONS]
+    lins = []
+    for i, layer in enumerate(model.layers):
+        moe = layer.mlp if isinstance(layer.mlp, SparseMoE) else None
+        if moe is not None and moe.w13_quant is None:
+            raise ValueError(f"--quantization {scheme}: layers.{i}'s experts were loaded widened (load the model with "
+                             f"SparseMoE.expert_blocks = {fmt!r}: engine.loader.load_model(quantize={scheme!r}))")
+        lins += [(f"layers.{i}.{attr}", getattr(getattr(layer, attr.split(".")[0]), attr.split(".")[1]))
+                 for attr in _LAYER_PROJECTIONS if moe is None or not attr.startswith("mlp.")]
+        if moe is not None and moe.shared_gate_up is not None:
+            lins += [(f"layers.{i}.mlp.shared_gate_up", moe.shared_gate_up),
+                     (f"layers.{i}.mlp.shared_down", moe.shared_down)]
     if model.lm_head is not None:
         lins.append(("lm_head", model.lm_head))
     for where, lin in lins:
         if not isinstance(lin, Linear):
-            raise ValueError(f"--quantization {scheme}: {where} is not a plain projection (a mixture of experts: "
-                             "not quantized yet)")
+            raise ValueError(f"--quantization {scheme}: {where} is not a plain projection")
         if lin.weight.shape[1] % 32:
             raise ValueError(f"--quantization {scheme}: {where} takes {lin.weight.shape[1]} inputs, not a multiple "
                              "of the 32-weight blocks")
@@ -164,7 +189,24 @@ def quantize_model(model, scheme: str) -> PackedWeights:
         nbytes += embed.nbytes
     model.tied_head_quant = (embed,) if embed is not None and model.lm_head is None else None
     model.quantized = True
-    return PackedWeights(formats, nbytes, embedding_packed=embed is not None, source=scheme)
+    experts = experts_packed(model)
+    if experts is not None:
+        formats.update(experts.expert_formats)
+        nbytes += experts.expert_bytes
+    return PackedWeights(formats, nbytes, embedding_packed=embed is not None, source=scheme,
+                         expert_formats=experts.expert_formats if experts else Counter(),
+                         expert_bytes=experts.expert_bytes if experts else 0)
+
+
+def experts_packed(model) -> PackedWeights | None:
+    """What a mixture's experts kept in blocks are (engine.moe, `SparseMoE.expert_blocks`), or None when no
+    experts are: `source="experts"` (the rest of the model widened)."""
+    stacks = [q for layer in model.layers if isinstance(layer.mlp, SparseMoE) for q in layer.mlp.packed_experts()]
+    if not stacks:
+        return None
+    formats = Counter(q.format_name for q in stacks)
+    nbytes = sum(q.nbytes for q in stacks)
+    return PackedWeights(Counter(formats), nbytes, source="experts", expert_formats=formats, expert_bytes=nbytes)
 
 
 def _matching_rows(data: torch.Tensor, type_id: int, shape: tuple[int, int], want: torch.Tensor, name: str, model,

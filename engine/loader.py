@@ -295,15 +295,18 @@ def load_tokenizer(path: Path):
 
 
 def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | None = None,
-               quantize: str | None = None):
+               quantize: str | None = None, keep_mxfp4: bool = True):
     """Our LlamaForCausalLM with the checkpoint's weights, in eval mode on `device`.
 
     `packed_from`: the GGUF file `path` was converted from, whose projection blocks the model then keeps packed
     (engine.gguf_weights; CPU only): `model.packed_weights` says what was kept, or `model.widen_reason` why the
     model stayed widened. `quantize` ("int8" / "int4"): the projections quantized to blocks at load instead
-    (engine.gguf_weights.quantize_model; CPU only)."""
+    (engine.gguf_weights.quantize_model; CPU only), a mixture's experts included. `keep_mxfp4`: a mixture's
+    experts shipped in MXFP4 (gpt-oss) stay in their blocks on CPU where the C++ kernels are built (engine.moe;
+    False, `quantization="none"`: widened)."""
     from agentrt.engine.model import LlamaForCausalLM
     from agentrt.engine.model_args import ModelArgs, rope_frequencies
+    from agentrt.engine.moe import SparseMoE
 
     hf_config = load_hf_config(path)
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -316,6 +319,10 @@ def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | 
     # built straight in `dtype` (copy_ rounds a checkpoint tensor as `.to(dtype)` would): no fp32 copy of the
     # weights beside the served ones; blocks quantized at load are made from the fp32 weights
     model = (model if quantize is not None else model.to(dtype)).to_empty(device=device)
+    expert_blocks = _expert_blocks(device, quantize, keep_mxfp4)
+    for layer in model.layers:
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.expert_blocks = expert_blocks
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no safetensors weights in {str(path)!r}")
@@ -336,12 +343,31 @@ def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | 
             from agentrt.engine.gguf_weights import quantize_model
 
             model.packed_weights = quantize_model(model, quantize)
+        else:
+            from agentrt.engine.gguf_weights import experts_packed
+
+            model.packed_weights = experts_packed(model)
         model.to(dtype)
         if model.packed_weights is not None:
             model.packed_weights.widened_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         model.init_ropes(freqs)
     _release_freed_memory()  # the checkpoint's tensors read while loading (and any dropped widened projections)
     return model.eval(), hf_config
+
+
+def _expert_blocks(device: str, quantize: str | None, keep_mxfp4: bool) -> str | None:
+    """The block format a mixture's experts load into (engine.moe.SparseMoE.expert_blocks), None = widened."""
+    if device != "cpu":
+        return None
+    if quantize is not None:
+        from agentrt.engine.gguf_weights import QUANTIZE_FORMATS
+
+        if quantize not in QUANTIZE_FORMATS:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_FORMATS)}, got {quantize!r}")
+        return QUANTIZE_FORMATS[quantize]
+    from agentrt.kernels import cpu
+
+    return "MXFP4" if keep_mxfp4 and cpu.available() else None
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,

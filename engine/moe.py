@@ -18,7 +18,14 @@ transformers' GptOssExperts computes it (alpha 1.702, limit 7). gpt-oss stores g
 Weights load from the checkpoint's names (per-expert tensors `experts.{j}.w1/w3/w2` or
 `gate/up/down_proj`, fused `experts.gate_up_proj` as transformers holds them in memory, which is what
 a GGUF conversion writes), and gpt-oss's MXFP4 experts (`*_blocks` 4-bit E2M1 values, two a byte, with
-one power-of-two `*_scales` byte per 32) are widened at load (`dequantize_mxfp4`).
+one power-of-two `*_scales` byte per 32).
+
+Experts kept in blocks (`expert_blocks`, set by the loader before the weights load): "MXFP4" keeps a
+checkpoint's MXFP4 experts as they ship (repacked once to ggml's MXFP4 blocks, `kernels.quant.mxfp4_from_ocp`,
+gate and up rows reordered as bytes; no widened copy is made) and widens any other; "Q8_0" / "Q4_1"
+(`--quantization int8 | int4`) quantize each expert as it loads (MXFP4 ones stay MXFP4: already 4.25 bits a
+weight). The experts then run through `kernels.moe.grouped_quant_linear` (CPU) and `w13` / `w2` are empty. None:
+widened to the model's dtype (`dequantize_mxfp4`), what a GPU and `quantization="none"` get.
 """
 
 from __future__ import annotations
@@ -31,9 +38,12 @@ from torch import nn
 
 from agentrt import kernels
 from agentrt.kernels.linear import Linear, PackCache
-from agentrt.kernels.moe import ExpertPackCache, expert_placeholder, grouped_linear, route_topk, sort_by_expert
+from agentrt.kernels.moe import (ExpertPackCache, expert_placeholder, grouped_linear, grouped_quant_linear, route_topk,
+                                 sort_by_expert)
+from agentrt.kernels.quant import TYPE_IDS, QuantExperts, QuantWeight, mxfp4_from_ocp, quantize, quantize_experts
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "gpt_oss")
+EXPERT_BLOCKS = ("MXFP4", "Q8_0", "Q4_1")  # SparseMoE.expert_blocks: the formats experts are kept in
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,6 +95,9 @@ class SparseMoE(nn.Module):
         self.w13_bias = nn.Parameter(torch.empty(E, 2 * inter), requires_grad=False) if m.gpt_oss else None
         self.w2_bias = nn.Parameter(torch.empty(E, hidden_size), requires_grad=False) if m.gpt_oss else None
         self.w13_pack, self.w2_pack = ExpertPackCache(), ExpertPackCache()
+        self.expert_blocks: str | None = None  # EXPERT_BLOCKS entry the experts load into, None = widened
+        self.w13_quant: QuantExperts | None = None  # the experts in blocks (w13 and w2 then empty)
+        self.w2_quant: QuantExperts | None = None
         if m.shared_intermediate_size:
             self.shared_gate_up = Linear(hidden_size, 2 * m.shared_intermediate_size, bias=False)
             self.shared_down = Linear(m.shared_intermediate_size, hidden_size, bias=False)
@@ -99,8 +112,8 @@ class SparseMoE(nn.Module):
         weights, ids = route_topk(self.router(x), m.top_k, renormalize=m.renormalize, softmax_after_topk=m.gpt_oss)
         order, offsets = sort_by_expert(ids, m.num_experts)
         rows = x.index_select(0, order // m.top_k)  # [T * k, hidden], grouped by expert
-        h = self._activate(grouped_linear(rows, offsets, self.w13, self.w13_bias, self.w13_pack))
-        out = grouped_linear(h, offsets, self.w2, self.w2_bias, self.w2_pack)  # [T * k, hidden]
+        h = self._activate(self._experts(rows, offsets, self.w13, self.w13_quant, self.w13_bias, self.w13_pack))
+        out = self._experts(h, offsets, self.w2, self.w2_quant, self.w2_bias, self.w2_pack)  # [T * k, hidden]
         by_choice = torch.empty_like(out)
         by_choice[order] = out
         y = (by_choice.view(T, m.top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
@@ -108,6 +121,13 @@ class SparseMoE(nn.Module):
             shared = self.shared_down(self._silu_and_mul(self.shared_gate_up(x)))
             y = y + torch.sigmoid(self.shared_gate(x)) * shared
         return y
+
+    @staticmethod
+    def _experts(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, quant: QuantExperts | None,
+                 bias: torch.Tensor | None, cache: ExpertPackCache) -> torch.Tensor:
+        if quant is not None:
+            return grouped_quant_linear(x, offsets, quant, None if bias is None else cache.get_bias_f32(bias))
+        return grouped_linear(x, offsets, w, bias, cache)
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [rows, 2I], gate columns first -> [rows, I]
@@ -133,7 +153,8 @@ class SparseMoE(nn.Module):
         sit in memory once. Returns whether they were dropped. After it, only the C++ path runs this layer, and
         loading new weights into it is refused (the placeholders take no writes)."""
         w = self.w13
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or kernels.cpu.ops() is None:
+        if (self.w13_quant is not None or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
+                or kernels.cpu.ops() is None):
             return False
         for cache, param in ((self.w13_pack, self.w13), (self.w2_pack, self.w2)):
             if not cache.source_freed:
@@ -143,42 +164,98 @@ class SparseMoE(nn.Module):
         return True
 
     def streamed_weights(self) -> list[tuple[PackCache, torch.Tensor]]:
-        """(pack cache, weight) of the weights a decode step streams (every expert's, an upper bound)."""
+        """(pack cache, weight) of the widened weights a decode step streams (every expert's, an upper bound;
+        none of experts kept in blocks, `expert_bytes`)."""
         lins = [self.router] + ([self.shared_gate_up, self.shared_down] if self.shared_gate_up is not None else [])
-        return [(self.w13_pack, self.w13), (self.w2_pack, self.w2)] + [(lin.pack_cache, lin.weight) for lin in lins]
+        experts = [] if self.w13_quant is not None else [(self.w13_pack, self.w13), (self.w2_pack, self.w2)]
+        return experts + [(lin.pack_cache, lin.weight) for lin in lins]
+
+    def packed_experts(self) -> list[QuantExperts]:
+        """The experts kept in blocks (w13's, w2's), or none."""
+        return [q for q in (self.w13_quant, self.w2_quant) if q is not None]
 
     @torch.no_grad()
     def load_hf(self, sd: dict[str, torch.Tensor], prefix: str) -> None:
         """Pop this layer's mixture weights (`prefix` = "model.layers.{i}.") from a HF state dict."""
         take = _taker(sd)
         m = self.args
+        if self.expert_blocks not in (None, *EXPERT_BLOCKS):
+            raise ValueError(f"expert_blocks must be None or one of {', '.join(EXPERT_BLOCKS)}, "
+                             f"got {self.expert_blocks!r}")
+        hidden = self.router.weight.shape[1]
+        if self.expert_blocks in ("Q8_0", "Q4_1") and (hidden % 32 or m.intermediate_size % 32):
+            raise ValueError(f"{prefix}mlp: experts in {self.expert_blocks} blocks of 32 need in_features that are "
+                             f"multiples of 32; gate/up take {hidden}, down {m.intermediate_size}")
         if m.gpt_oss:
             p = prefix + "mlp."
             self.router.weight.copy_(take(p + "router.weight"))
             self.router.bias.copy_(take(p + "router.bias"))
-            gate_up = _gpt_oss_experts(sd, take, p + "experts.gate_up_proj")  # [E, 2I, H], gate and up interleaved
-            self.w13.copy_(torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
-            bias = take(p + "experts.gate_up_proj_bias")
-            self.w13_bias.copy_(torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1))
-            self.w2.copy_(_gpt_oss_experts(sd, take, p + "experts.down_proj"))
+            # [E, 2I, H], gate and up interleaved: gate rows (even), then up rows (odd)
+            gate_then_up = torch.cat([torch.arange(0, 2 * m.intermediate_size, 2),
+                                      torch.arange(1, 2 * m.intermediate_size, 2)])
+            gate_up = self._gpt_oss_experts(sd, take, p + "experts.gate_up_proj")
+            if isinstance(gate_up, QuantExperts):
+                gate_up = QuantExperts(gate_up.data[:, gate_then_up].contiguous(), gate_up.type_id, gate_up.shape)
+            else:
+                gate_up = gate_up[:, gate_then_up]
+            self._set("w13", gate_up)
+            self.w13_bias.copy_(take(p + "experts.gate_up_proj_bias")[:, gate_then_up])
+            self._set("w2", self._gpt_oss_experts(sd, take, p + "experts.down_proj"))
             self.w2_bias.copy_(take(p + "experts.down_proj_bias"))
             return
         p = prefix + ("block_sparse_moe." if prefix + "block_sparse_moe.gate.weight" in sd else "mlp.")
         self.router.weight.copy_(take(p + "gate.weight"))
         if p + "experts.gate_up_proj" in sd:  # transformers' in-memory layout (a GGUF conversion's)
-            self.w13.copy_(take(p + "experts.gate_up_proj"))
-            self.w2.copy_(take(p + "experts.down_proj"))
+            self._set("w13", take(p + "experts.gate_up_proj"))
+            self._set("w2", take(p + "experts.down_proj"))
         else:
             gate, up, down = ("w1", "w3", "w2") if m.layout == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-            for j in range(m.num_experts):
-                e = f"{p}experts.{j}."
-                self.w13[j].copy_(torch.cat([take(f"{e}{gate}.weight"), take(f"{e}{up}.weight")]))
-                self.w2[j].copy_(take(f"{e}{down}.weight"))
+            names = [(f"{p}experts.{j}.{gate}.weight", f"{p}experts.{j}.{up}.weight", f"{p}experts.{j}.{down}.weight")
+                     for j in range(m.num_experts)]
+            if self.expert_blocks in (None, "MXFP4"):  # widened (only gpt-oss ships MXFP4)
+                for j, (g, u, d) in enumerate(names):
+                    self.w13[j].copy_(torch.cat([take(g), take(u)]))
+                    self.w2[j].copy_(take(d))
+            else:  # one expert at a time into blocks: no widened stack
+                fmt = self.expert_blocks
+                self._set("w13", _stack([quantize(torch.cat([take(g), take(u)]), fmt) for g, u, _ in names]))
+                self._set("w2", _stack([quantize(take(d), fmt) for _, _, d in names]))
         if self.shared_gate_up is not None:
             s = p + "shared_expert."
             self.shared_gate_up.weight.copy_(torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")]))
             self.shared_down.weight.copy_(take(s + "down_proj.weight"))
             self.shared_gate.weight.copy_(take(p + "shared_expert_gate.weight"))
+
+    def _set(self, name: str, w: torch.Tensor | QuantExperts) -> None:
+        """Experts `name` ("w13" / "w2") from `w` [E, out, in]: kept as blocks if they are (and `expert_blocks` is
+        set), quantized to `expert_blocks` if that is Q8_0 / Q4_1, else copied into the widened parameter."""
+        param = getattr(self, name)
+        if self.expert_blocks in ("Q8_0", "Q4_1") and not isinstance(w, QuantExperts):
+            w = quantize_experts(w, self.expert_blocks)
+        if not isinstance(w, QuantExperts):
+            param.copy_(w)
+            return
+        if w.shape != tuple(param.shape):
+            raise ValueError(f"experts {name}: the checkpoint's are {list(w.shape)}, the model's {list(param.shape)}")
+        setattr(self, name + "_quant", w)
+        setattr(self, name, nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), requires_grad=False))
+
+    def _gpt_oss_experts(self, sd: dict[str, torch.Tensor], take, name: str) -> torch.Tensor | QuantExperts:
+        """gpt-oss's expert weight `name` as [E, out, in]: from MXFP4 blocks and scales (stored [E, out, in]) where
+        the checkpoint has them (kept as blocks when `expert_blocks` is set, else widened), else the plain tensor
+        (stored [E, in, out], x @ W's layout)."""
+        if name + "_blocks" not in sd:
+            return take(name).transpose(1, 2)
+        blocks, scales = take(name + "_blocks"), take(name + "_scales")
+        if self.expert_blocks is None:
+            return dequantize_mxfp4(blocks, scales)
+        e, n, groups, _ = blocks.shape
+        return QuantExperts(mxfp4_from_ocp(blocks, scales), TYPE_IDS["MXFP4"], (e, n, groups * 32))
+
+
+def _stack(parts: list[QuantWeight]) -> QuantExperts:
+    """Per-expert blocks of one format (each [N, K]) as one [E, N, K] stack."""
+    return QuantExperts(torch.stack([p.data for p in parts]), parts[0].type_id, (len(parts), *parts[0].shape))
 
 
 def _taker(sd: dict[str, torch.Tensor]):
@@ -189,14 +266,6 @@ def _taker(sd: dict[str, torch.Tensor]):
             raise ValueError(f"checkpoint is missing weight {name!r}") from None
 
     return take
-
-
-def _gpt_oss_experts(sd: dict[str, torch.Tensor], take, name: str) -> torch.Tensor:
-    """gpt-oss's expert weight `name` as [E, out, in]: from MXFP4 blocks and scales (stored [E, out, in]) where
-    the checkpoint has them, else the plain tensor (stored [E, in, out], x @ W's layout)."""
-    if name + "_blocks" in sd:
-        return dequantize_mxfp4(take(name + "_blocks"), take(name + "_scales"))
-    return take(name).transpose(1, 2)
 
 
 # The 16 values of a 4-bit E2M1 code (sign bit 3, then two exponent bits and one mantissa bit).

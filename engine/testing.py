@@ -94,11 +94,14 @@ PRESETS: dict[str, dict] = {
 
 
 def make_random_model(path: str | Path, preset: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-                      seed: int = 0, tokenizer_from: str | None = None, num_layers: int | None = None):
+                      seed: int = 0, tokenizer_from: str | None = None, num_layers: int | None = None,
+                      mxfp4_experts: bool = False):
     """Write a random-weight model of a real model's shape and family (`PRESETS`) to `path`, with the default
     model's tokenizer; return `(path, hf_model)`, the HF model already on `device` in `dtype`, so a
     benchmark can compare against it without loading the weights twice. `num_layers` cuts the model to its
-    first layers (a mixture of experts' shape on a machine without room for all of them).
+    first layers (a mixture of experts' shape on a machine without room for all of them). `mxfp4_experts`
+    (gpt-oss): the experts written in MXFP4 as the real checkpoint ships them, HF's copy holding the values
+    they stand for (`save_mxfp4_experts`).
 
     Weights are HF's own init (normal, std = initializer_range), built directly on `device`."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -112,15 +115,61 @@ def make_random_model(path: str | Path, preset: str, *, dtype: torch.dtype = tor
         if not 1 <= num_layers <= fields["num_hidden_layers"]:
             raise ValueError(f"num_layers {num_layers} is not between 1 and {preset}'s {fields['num_hidden_layers']}")
         fields["num_hidden_layers"] = num_layers
+    if mxfp4_experts and fields["model_type"] != "gpt_oss":
+        raise ValueError(f"mxfp4_experts: {preset} is a {fields['model_type']} model; MXFP4 experts are gpt-oss's")
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=tok.bos_token_id,
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.eval()
-    model.save_pretrained(path)
+    if mxfp4_experts:
+        save_mxfp4_experts(model, path)
+    else:
+        model.save_pretrained(path)
     tok.save_pretrained(path)
     return path, model
+
+
+MXFP4_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # gpt-oss's weights shipped in MXFP4
+
+
+@torch.no_grad()
+def save_mxfp4_experts(hf, path: str | Path) -> Path:
+    """Write HF gpt-oss model `hf` to `path` as the real checkpoint ships: each expert stack (`MXFP4_EXPERTS`,
+    held [E, in, out]) as MXFP4 `*_blocks` / `*_scales` of [E, out, in] (`quantize_mxfp4`), the config's
+    `quantization_config` saying so; `hf`'s own experts are set to the values the blocks stand for, so HF and
+    an engine reading the file run equal weights. One expert at a time (no fp32 copy of a stack)."""
+    from safetensors.torch import save_file
+
+    from agentrt.engine.moe import dequantize_mxfp4
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    sd: dict[str, torch.Tensor] = {}
+    tied = getattr(hf.config, "tie_word_embeddings", False)
+    for name, t in hf.state_dict().items():
+        if tied and name == "lm_head.weight":  # the embedding's storage (safetensors keeps one name of a tensor)
+            continue
+        if not name.endswith(MXFP4_EXPERTS):
+            sd[name] = t.detach().cpu().contiguous()
+            continue
+        blocks, scales = [], []
+        for e in range(t.shape[0]):
+            b, sc = quantize_mxfp4(t[e].transpose(0, 1))
+            t[e].copy_(dequantize_mxfp4(b, sc).transpose(0, 1))
+            blocks.append(b)
+            scales.append(sc)
+        sd[name + "_blocks"], sd[name + "_scales"] = torch.stack(blocks), torch.stack(scales)
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf.config.save_pretrained(path)
+    if getattr(hf, "generation_config", None) is not None:
+        hf.generation_config.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,15 +182,21 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     if w.shape[-1] % 32:
         raise ValueError(f"MXFP4 groups 32 values: the last dim {w.shape[-1]} is not a multiple of 32")
-    g = w.detach().float().reshape(*w.shape[:-1], -1, 32)
-    amax = g.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
-    exp = (torch.ceil(torch.log2(amax / 6.0))).clamp(-127, 127)  # 6 * 2^exp >= amax
-    scaled = g / torch.exp2(exp)
+    lead, groups = w.shape[:-1], w.shape[-1] // 32
+    flat = w.detach().reshape(-1, 32)
+    blocks = torch.empty(flat.shape[0], 16, dtype=torch.uint8)
+    scales = torch.empty(flat.shape[0], dtype=torch.uint8)
     grid = torch.tensor(_FP4_E2M1[:8])  # magnitudes; codes 8-15 the same with the sign bit
-    code = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1) + 8 * (scaled < 0).long()
-    pairs = code.view(*code.shape[:-1], 16, 2)
-    blocks = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
-    return blocks, (exp.squeeze(-1) + 127).to(torch.uint8)
+    for r in range(0, flat.shape[0], 1 << 16):  # groups at a time: no [..., 8]-wide copy of a large weight
+        g = flat[r : r + (1 << 16)].float().cpu()
+        amax = g.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
+        exp = (torch.ceil(torch.log2(amax / 6.0))).clamp(-127, 127)  # 6 * 2^exp >= amax
+        scaled = g / torch.exp2(exp)
+        code = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1) + 8 * (scaled < 0).long()
+        pairs = code.view(-1, 16, 2)
+        blocks[r : r + (1 << 16)] = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+        scales[r : r + (1 << 16)] = (exp.squeeze(-1) + 127).to(torch.uint8)
+    return blocks.view(*lead, groups, 16), scales.view(*lead, groups)
 
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -191,9 +191,10 @@ def test_fused_expert_layout_of_a_gguf_conversion(tmp_path):
 
 
 def test_gpt_oss_mxfp4_experts_load(tmp_path):
-    """gpt-oss ships its experts in MXFP4 (`*_blocks` and `*_scales`, `quant_method: mxfp4`): the loader widens
-    them. The checkpoint here holds the tiny model's experts quantized so; transformers reads the same files
-    (widened, `Mxfp4Config(dequantize=True)`) and both give the same logits."""
+    """gpt-oss ships its experts in MXFP4 (`*_blocks` and `*_scales`, `quant_method: mxfp4`): the loader keeps
+    them in their blocks on CPU (tests/engine/test_moe_packed.py), or widens them (`keep_mxfp4=False`). The
+    checkpoint here holds the tiny model's experts quantized so; transformers reads the same files (widened,
+    `Mxfp4Config(dequantize=True)`) and all give the same logits."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -217,8 +218,10 @@ def test_gpt_oss_mxfp4_experts_load(tmp_path):
 
     seqs = sequences(seed=8)
     want = hf_logits(hf, seqs)
-    model, _ = load_model(tmp_path, torch.float32, "cpu")
-    assert nmse(engine_logits(model, seqs), want) < 1e-4
+    for keep in (True, False):
+        model, _ = load_model(tmp_path, torch.float32, "cpu", keep_mxfp4=keep)
+        assert (model.layers[0].mlp.w13_quant is not None) == (keep and kernels_cpu.available())
+        assert nmse(engine_logits(model, seqs), want) < 1e-4
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,  # no hub kernels: widened
                                                   quantization_config=Mxfp4Config(dequantize=True)).eval()
     assert nmse(hf_logits(theirs, seqs), want) < 1e-4
