@@ -30,7 +30,10 @@ model's); the engine and HF then run the same weights, and a check prints how ma
 `--check-requests` requests get HF's greedy tokens (first token, and all `--check-tokens`). The mixtures
 of experts `qwen3-30b-a3b` and `gpt-oss-20b` take `--layers N` (their first N layers: 4 fit a workstation
 beside HF's copy: the engine loads tensor by tensor in its dtype, keeps the experts packed only, and HF shares
-its embedding and LM head; the page gives the run's peak RSS).
+its embedding and LM head; the page gives the run's peak RSS). gpt-oss-20b's random experts are written in MXFP4
+as the real checkpoint ships them (`--no-mxfp4`: bf16), HF's copy holding the values the blocks stand for, so
+both run equal weights; the engine keeps them packed on CPU (`--quantization none` widens them).
+`--quantization int8|int4|none|gguf` is passed to every engine row (the start-up line says what is packed).
 
 `--concurrent N` (default 8 for a mixture of experts): the workload's first N requests as N concurrent calls
 (one `generate`) against the same N calls one at a time, output tokens/s of each, prefill included.
@@ -357,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="with --random-weights: the preset's first N layers only (e.g. 4 of qwen3-30b-a3b's 48)")
     ap.add_argument("--tokenizer", default=None, help="model directory to take the tokenizer from (--random-weights)")
+    ap.add_argument("--mxfp4", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --random-weights gpt-oss-20b: its experts written in MXFP4, as the checkpoint ships "
+                         "(default: yes for gpt-oss)")
+    ap.add_argument("--quantization", default=None, choices=("none", "gguf", "int8", "int4"),
+                    help="the engine's --quantization, every engine row (default: the engine's)")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache size (default: the engine's)")
     ap.add_argument("--check-requests", type=int, default=8, help="requests compared with HF token by token")
     ap.add_argument("--check-tokens", type=int, default=32)
@@ -379,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
                  f"--num-requests ({a.num_requests}): the calls are the workload's first, all seated at once")
     if a.layers is not None and a.random_weights is None:
         ap.error(f"--layers {a.layers} cuts a --random-weights preset; give one ({', '.join(PRESETS)})")
+    gpt_oss = a.random_weights is not None and PRESETS.get(a.random_weights, {}).get("model_type") == "gpt_oss"
+    if a.mxfp4 and not gpt_oss:
+        ap.error(f"--mxfp4 writes gpt-oss's experts as its checkpoint ships them; --random-weights is "
+                 f"{a.random_weights!r}")
+    mxfp4 = gpt_oss if a.mxfp4 is None else a.mxfp4
 
     from transformers import AutoModelForCausalLM
 
@@ -396,11 +409,15 @@ def main(argv: list[str] | None = None) -> int:
         a.model = tempfile.mkdtemp(prefix=f"agentrt-{a.random_weights}-")
         atexit.register(shutil.rmtree, a.model, True)
         _, hf = make_random_model(a.model, a.random_weights, dtype=cfg.torch_dtype, device=cfg.device,
-                                  seed=a.seed, tokenizer_from=a.tokenizer, num_layers=a.layers)
+                                  seed=a.seed, tokenizer_from=a.tokenizer, num_layers=a.layers, mxfp4_experts=mxfp4)
         if a.layers is not None:
             a.random_weights = f"{a.random_weights} (first {a.layers} layers)"
+        if mxfp4:
+            a.random_weights += ", MXFP4 experts"
     kw = {"dtype": a.dtype, "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
           "num_scheduler_steps": a.num_scheduler_steps}
+    if a.quantization is not None:
+        kw["quantization"] = a.quantization
     if a.kv_cache_gb is not None:
         kw["kv_cache_bytes"] = int(a.kv_cache_gb * 2**30)
     if a.deterministic_cost:
@@ -430,9 +447,15 @@ def main(argv: list[str] | None = None) -> int:
             hf_batch_sizes[torch.float32] = batch_sizes
     hf_dtypes = list(hf_batch_sizes)
     hfs = {}
+    # an MXFP4 checkpoint: HF widens its experts (no hub kernels on this machine), the values the engine runs
+    widen = {}
+    if mxfp4:
+        from transformers import Mxfp4Config
+
+        widen["quantization_config"] = Mxfp4Config(dequantize=True)
     for d in hf_dtypes:
         model = hf if hf is not None and d == dtype else AutoModelForCausalLM.from_pretrained(
-            str(llm.core.model_path), dtype=d)
+            str(llm.core.model_path), dtype=d, **widen)
         hfs[d] = model.to(device).eval()
     hf = hfs[hf_dtypes[0]]
     pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
