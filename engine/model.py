@@ -352,9 +352,9 @@ class LlamaForCausalLM(nn.Module):
         sequence, the C++ attention's), few enough for the packed projections, a head_dim and layout the
         C++ kernels take (the cache in the model's dtype), and Llama's layer layout exactly (`ModelArgs.plain`).
         Packed GGUF weights (`quantized`) too, as bf16 on an AVX512-BF16 build (kernels/csrc/quant_bf16.h)."""
-        if not self.args.plain or (self.quantized and not self._quant_fusable()):
+        if not self.args.plain or self.args.moe is not None or (self.quantized and not self._quant_fusable()):
             return False
-        return (self.args.moe is None and max_query_len <= CPP_MAX_QUERY_ROWS and rows <= BF16_PACKED_MAX_ROWS
+        return (max_query_len <= CPP_MAX_QUERY_ROWS and rows <= BF16_PACKED_MAX_ROWS
                 and self.args.head_dim in (32, 64, 128, 256) and self.args.num_heads <= 64
                 and kv_cache.dtype == self.embed_tokens.weight.dtype and kv_cache.is_contiguous())
 

@@ -60,6 +60,7 @@ def test_mxfp4_engine_greedy_tokens_equal_widened(gpt_oss_mxfp4):
     prompts = [s[:n] for s, n in zip(sequences(seed=23) * 2, (5, 23, 17, 30))]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     got = [o.token_ids for o in packed.generate(prompts, params, progress=False)]
+    assert [len(t) for t in got] == [10] * len(prompts)
     assert got == [o.token_ids for o in widened.generate(prompts, params, progress=False)]
 
 
@@ -82,10 +83,27 @@ def qwen3_moe(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantized_moe_greedy_tokens_are_in_the_bf16_top5(qwen3_moe, scheme):
-    """Every greedy token of the quantized engine is among the bf16 engine's 5 best at its position (the bf16
-    model teacher-forced on the quantized one's output), experts quantized per expert with the rest."""
-    fmt = {"int8": "Q8_0", "int4": "Q4_1"}[scheme]
+def test_quantized_experts_compute_with_their_blocks(qwen3_moe, scheme):
+    """The mixture layer with experts quantized at load gives what the widened layer gives with the blocks'
+    decoded values as its weights (fp32: the same weights, sums in another order)."""
+    from agentrt.kernels.quant import dequantize_ref
+
+    packed, _ = load_model(qwen3_moe, torch.float32, "cpu", quantize=scheme)
+    widened, _ = load_model(qwen3_moe, torch.float32, "cpu")
+    (moe,), (ref,) = _moe_layers(packed), _moe_layers(widened)
+    with torch.no_grad():
+        for q, w in ((moe.w13_quant, ref.w13), (moe.w2_quant, ref.w2)):
+            decoded = torch.stack([dequantize_ref(q.expert(e)) for e in range(q.shape[0])])
+            assert (decoded - w.double()).abs().max() > 0  # quantization changed the weights the layer had
+            w.copy_(decoded)
+        x = torch.randn(19, 64, generator=torch.Generator().manual_seed(27))
+        assert nmse([moe(x)], [ref(x)]) < 1e-10
+
+
+def test_int8_moe_greedy_tokens_are_in_the_bf16_top5(qwen3_moe):
+    """Every greedy token of the int8 engine is among the bf16 engine's 5 best at its position (the bf16 model
+    teacher-forced on the quantized one's output), experts quantized per expert with the rest."""
+    scheme, fmt = "int8", "Q8_0"
     llm = LLM(str(qwen3_moe), quantization=scheme, dtype="bfloat16", num_blocks=64, block_size=4)
     (moe,) = _moe_layers(llm.core.model)
     assert moe.w13_quant.format_name == moe.w2_quant.format_name == fmt and moe.w13.numel() == 0
@@ -94,12 +112,13 @@ def test_quantized_moe_greedy_tokens_are_in_the_bf16_top5(qwen3_moe, scheme):
     assert dict(packed.expert_formats) == {fmt: 2}
     assert packed.expert_bytes == moe.w13_quant.nbytes + moe.w2_quant.nbytes
     # attention's 2 fused projections per layer, layer 0's dense MLP (2), the LM head, the embedding (Q8_0), experts
-    assert packed.formats[fmt] == 2 * 2 + 2 + 1 + 2 + (1 if fmt == "Q8_0" else 0)
+    assert packed.formats[fmt] == 2 * 2 + 2 + 1 + 2 + 1
     assert f"weights: {scheme} (" in llm.core.startup_line and f"{fmt} experts" in llm.core.startup_line
     widened, _ = load_model(qwen3_moe, torch.bfloat16, "cpu")
     prompts = [s[:n] for s, n in zip(sequences(seed=25) * 4, (5, 23, 9, 30, 14, 3, 19, 26))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), progress=False)
     for p, o in zip(prompts, outs):
+        assert len(o.token_ids) == 10, o.finish_reason
         tokens = p + o.token_ids
         logits = one_sequence_logits(widened, tokens, len(p), 8)
         top5 = logits[len(p) - 1 : len(tokens) - 1].topk(5, dim=-1).indices
