@@ -36,7 +36,9 @@ both run equal weights; the engine keeps them packed on CPU (`--quantization non
 `--quantization int8|int4|none|gguf` is passed to every engine row (the start-up line says what is packed).
 
 `--concurrent N` (default 8 for a mixture of experts): the workload's first N requests as N concurrent calls
-(one `generate`) against the same N calls one at a time, output tokens/s of each, prefill included.
+(one `generate`) against the same N calls one at a time, output tokens/s of each, prefill included. With their
+own output lengths (16-256) the concurrent run ends with a tail of one or two calls; `--concurrent-tokens T`
+gives every call T output tokens, so all N stay concurrent from the first step to the last.
 """
 
 from __future__ import annotations
@@ -375,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                          "each (prefill included; 0 = skip; N <= --max-num-seqs); default 8 for a mixture of experts, "
                          "else 0")
     ap.add_argument("--concurrent-repeats", type=int, default=1, help="alternated runs of each side of --concurrent")
+    ap.add_argument("--concurrent-tokens", type=int, default=None,
+                    help="output tokens of every --concurrent call (default: each request's own, 16-256)")
     ap.add_argument("--deterministic-cost", action="store_true",
                     help="only the deterministic (batch-invariant) engine against the batch-variant one (no HF)")
     ap.add_argument("--det-repeats", type=int, default=2, help="batched runs per engine with --deterministic-cost")
@@ -385,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.concurrent is not None and not 0 <= a.concurrent <= min(a.max_num_seqs, a.num_requests):
         ap.error(f"--concurrent {a.concurrent} must be between 0 and --max-num-seqs ({a.max_num_seqs}) and "
                  f"--num-requests ({a.num_requests}): the calls are the workload's first, all seated at once")
+    if a.concurrent_tokens is not None and a.concurrent_tokens < 1:
+        ap.error(f"--concurrent-tokens {a.concurrent_tokens} must be >= 1")
     if a.layers is not None and a.random_weights is None:
         ap.error(f"--layers {a.layers} cuts a --random-weights preset; give one ({', '.join(PRESETS)})")
     gpt_oss = a.random_weights is not None and PRESETS.get(a.random_weights, {}).get("model_type") == "gpt_oss"
@@ -548,7 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.concurrent is None:
         a.concurrent = min(8, a.max_num_seqs, a.num_requests) if getattr(args, "moe", None) is not None else 0
     if a.concurrent:
-        c = results["concurrency"] = concurrency(llm, reqs[: a.concurrent], max(1, a.concurrent_repeats))
+        calls = [(p, a.concurrent_tokens or o) for p, o in reqs[: a.concurrent]]
+        c = results["concurrency"] = concurrency(llm, calls, max(1, a.concurrent_repeats))
+        c["output_lengths"] = (f"{a.concurrent_tokens} output tokens each: all {len(calls)} concurrent to the end"
+                               if a.concurrent_tokens else "their own output lengths")
         crows = [[f"{c['calls']} concurrent calls (one generate)", f"{c['concurrent_s']:.1f}", c["concurrent_tok_s"],
                   c["ratio"]],
                  [f"the same {c['calls']} calls one at a time", f"{c['one_at_a_time_s']:.1f}",
@@ -557,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
         concurrency_note = (
             f"{markdown_table(['engine calls', 'wall s', 'output tok/s', 'vs one at a time'], crows)}\n\n"
             f"{c['calls']} concurrent calls / one call at a time, output tok/s: **{c['ratio']:.2f}x**{target}; the "
-            f"workload's first {c['calls']} requests ({c['output_tokens']} output tokens), prefill included on both "
+            f"workload's first {c['calls']} requests, {c['output_lengths']} ({c['output_tokens']} output tokens), "
+            "prefill included on both "
             f"sides, the median of {c['repeats']} alternated runs each\n\n")
     sampling_note = ""
     if a.sampling_steps > 0:
