@@ -29,7 +29,8 @@ _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
     "--device": (str, "cpu, cuda or cuda:N (default: cuda when there is one)"),
     "--quantization": (str, ("vLLM's flag. gguf: a GGUF model's projections stay in the file's block formats "
                              "(Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K; CPU); int8 / int4: a safetensors model's quantized "
-                             "at load, weight-only, blocks of 32 (CPU); none: widened to --dtype (the default)")),
+                             "at load, weight-only, blocks of 32, a mixture's experts included (CPU); none: widened to "
+                             "--dtype; default: widened, but a checkpoint's MXFP4 experts (gpt-oss) kept packed on CPU")),
     "--seed": (int, "seed for calls without their own (default 0)"),
     "--num-speculative-tokens": (int, "n-gram (prompt lookup) drafts per step for greedy calls (default 0: off)"),
     "--num-scheduler-steps": (int, ("greedy decode steps per scheduler call (vLLM's multi-step scheduling; tokens "
