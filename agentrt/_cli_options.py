@@ -24,6 +24,10 @@ _ENGINE_FLAGS: dict[str, tuple[type, str | None]] = {
                                          "unset)")),
     "--tensor-parallel-size": (int, "vLLM's flag; only 1: an engine runs on one device (default 1)"),
     "--num-blocks": (int, "the KV cache's size in blocks (overrides --kv-cache-bytes; default: from the bytes)"),
+    "--kv-superblock-blocks": (int, ("superblocks: a prefill's new blocks handed out as aligned, physically contiguous "
+                                     "runs of this many blocks (a power of two), a decode taking the block after its "
+                                     "last; cached blocks are never evicted earlier than LRU would (default 1: off; "
+                                     "docs/engine.md)")),
     "--max-model-len": (int, "context limit (default: the model's)"),
     "--dtype": (str, "auto, float32, bfloat16 or float16 (default: auto, the fastest on this machine)"),
     "--device": (str, "cpu, cuda or cuda:N (default: cuda when there is one)"),

@@ -14,13 +14,31 @@ Invariants (tests/engine/test_kv_retention*.py):
 - A block in use has the owner it was taken for (or None); `held` counts exactly those.
 - For each reservation, `used` == blocks tagged with it (all in use) <= `size`, and
   num_free >= Σ (size - used).
+
+Superblocks (`superblock_blocks` S > 1, a power of two): the block stays the unit of hashing, matching, ref counts
+and eviction; S blocks with ids `s*S .. s*S+S-1` (an aligned run) are the unit of allocation for long prefills, so a
+sequence's table walks physically contiguous memory. `allocate(n, after=b)` takes, in turn:
+1. the blocks right after `b` (the table's last block) while they are free: a chunked prefill or a decode growing by
+   one block continues where its table ends;
+2. when n >= 2, whole free aligned runs (the first blocks of one for a remainder under S), clean runs first, then
+   runs whose newest cached block was freed longest ago (a heap of fully free runs, O(log n) per run);
+3. the rest in the LRU free queue's order, as with S = 1.
+Cached-but-free blocks: by default a block is taken out of LRU order (1 and 2) only when it has no hash or LRU would
+evict it for this same allocation (it is among the first n of the free queue), so a superblock never drops a cached
+block earlier than S = 1 would and the prefix hit rate is not worse; `runs_evict_early` takes any free run and
+continuation block, cached or not (more contiguity, hashes dropped before their LRU turn: `bench paging` measures
+both). Run tails are not held: a run's blocks past what the allocation needs stay free for whoever takes them.
+Invariants (tests/engine/test_kv_superblocks.py): `_run_free[s]` == free blocks of run s; every fully free run has a
+heap entry `(_run_age[s], s)`, `_run_age[s]` the newest free time of its cached blocks (-1: none).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 
 
 @dataclass(slots=True)
@@ -30,6 +48,7 @@ class PrefixCacheStats:
     dedup_merges: int = 0  # full blocks merged into an identical cached block
     evictions: int = 0  # cached blocks whose hash was dropped to reuse them
     cow_copies: int = 0  # shared partial blocks copied before a write
+    run_blocks: int = 0  # blocks handed out contiguously (superblock runs, a table's next block), not in LRU order
 
 
 @dataclass(slots=True)
@@ -50,7 +69,11 @@ class Reservation:
 class BlockPool:
     """Ref-counted blocks, an O(1) LRU free queue, the hash index, owners and reservations."""
 
-    def __init__(self, num_blocks: int, stats: PrefixCacheStats):
+    def __init__(self, num_blocks: int, stats: PrefixCacheStats, superblock_blocks: int = 1,
+                 runs_evict_early: bool = False):
+        if (isinstance(superblock_blocks, bool) or not isinstance(superblock_blocks, int) or superblock_blocks < 1
+                or superblock_blocks & (superblock_blocks - 1)):
+            raise ValueError(f"superblock_blocks must be a power of two >= 1, got {superblock_blocks!r}")
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
@@ -65,6 +88,16 @@ class BlockPool:
         self._seq = 0
         self.on_evict: Callable[[int, bytes, bool], None] | None = None  # a cached block is about to be reused (tiers)
         self.exact = [False] * num_blocks  # free blocks a lossy KV tier must keep exact (set by the KV manager)
+        # superblocks (module docstring); nothing of this is kept with S = 1
+        self.superblock_blocks = superblock_blocks
+        self.runs_evict_early = runs_evict_early
+        S = superblock_blocks
+        self._num_runs = num_blocks // S if S > 1 else 0  # whole aligned runs (a trailing partial one never is)
+        self._run_free = [S] * self._num_runs  # free blocks per run
+        self._run_age = [-1] * self._num_runs  # fully free run: newest `_freed_at` of its cached blocks, -1 if none
+        self._free_runs = [(-1, s) for s in range(self._num_runs)]  # heap of (age, run), stale entries skipped
+        self._clock = 0
+        self._freed_at = [0] * num_blocks if S > 1 else []  # when each block last went free (its LRU position)
 
     @property
     def num_free(self) -> int:
@@ -121,6 +154,8 @@ class BlockPool:
         del self.free_queue[b]
         self.exact[b] = False
         self.owner[b] = owner
+        if self._num_runs and b // self.superblock_blocks < self._num_runs:
+            self._run_free[b // self.superblock_blocks] -= 1
         if owner is None:
             return
         self.held[owner] += 1
@@ -135,6 +170,10 @@ class BlockPool:
         self.free_queue[b] = None
         if self.block_hash[b] is None:
             self.free_queue.move_to_end(b, last=False)
+        if self.superblock_blocks > 1:
+            self._clock += 1
+            self._freed_at[b] = self._clock
+            self._run_freed(b // self.superblock_blocks)
         owner, self.owner[b] = self.owner[b], None
         if owner is not None:
             self.held[owner] -= 1
@@ -146,23 +185,82 @@ class BlockPool:
             r.blocks.discard(b)
             self._unused_reserved += 1
 
-    def allocate(self, n: int, owner: str | None = None) -> list[int] | None:
+    def _run_freed(self, s: int) -> None:
+        """A block of run `s` went free: when the whole run is, it enters the heap of free runs."""
+        if s >= self._num_runs:
+            return
+        self._run_free[s] += 1
+        S = self.superblock_blocks
+        if self._run_free[s] == S:
+            h, at = self.block_hash, self._freed_at
+            age = max((at[b] for b in range(s * S, s * S + S) if h[b] is not None), default=-1)
+            self._run_age[s] = age
+            heapq.heappush(self._free_runs, (age, s))
+            if len(self._free_runs) > 2 * self._num_runs + 64:  # stale entries: rebuild, amortized O(1) a push
+                self._rebuild_runs()
+
+    def _rebuild_runs(self) -> None:
+        S = self.superblock_blocks
+        self._free_runs = [(self._run_age[s], s) for s in range(self._num_runs) if self._run_free[s] == S]
+        heapq.heapify(self._free_runs)
+
+    def _evict(self, block: int) -> None:
+        """A free block is about to be reused: its hash (if any) is dropped."""
+        h = self.block_hash[block]
+        if h is not None:
+            del self.cached[h]
+            self.block_hash[block] = None
+            self.stats.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block, h, self.exact[block])
+
+    def _give(self, block: int, owner: str | None, out: list[int]) -> None:
+        self._evict(block)
+        self._take(block, owner)
+        self.ref_cnt[block] = 1
+        out.append(block)
+
+    def allocate(self, n: int, owner: str | None = None, after: int | None = None) -> list[int] | None:
+        """`n` free blocks for `owner`, or None if fewer are free. With superblocks, contiguous where it can
+        (module docstring): first the blocks right after `after` (the caller's table's last block), then whole
+        free runs when n >= 2; the rest, and everything with S = 1, in LRU order."""
         if n > len(self.free_queue):
             return None
-        out = []
-        for _ in range(n):
-            block = next(iter(self.free_queue))
-            h = self.block_hash[block]
-            if h is not None:
-                del self.cached[h]
-                self.block_hash[block] = None
-                self.stats.evictions += 1
-                if self.on_evict is not None:
-                    self.on_evict(block, h, self.exact[block])
-            self._take(block, owner)
-            self.ref_cnt[block] = 1
-            out.append(block)
+        out: list[int] = []
+        if self.superblock_blocks > 1 and (n >= 2 or (after is not None and after >= 0)):
+            self._allocate_runs(n, owner, after, out)
+        for _ in range(n - len(out)):
+            self._give(next(iter(self.free_queue)), owner, out)
         return out
+
+    def _allocate_runs(self, n: int, owner: str | None, after: int | None, out: list[int]) -> None:
+        """Steps 1 and 2 of a superblock allocation (module docstring); appends to `out` what they take."""
+        S, ref, h, at = self.superblock_blocks, self.ref_cnt, self.block_hash, self._freed_at
+        horizon = None  # None: any cached block may go; else the newest free time LRU evicts for this allocation
+        if not self.runs_evict_early:
+            horizon = -1
+            for b in islice(self.free_queue, n):  # cached free blocks sit in the queue in `_freed_at` order
+                if h[b] is not None:
+                    horizon = at[b]
+        if after is not None and after >= 0:
+            b = after + 1
+            while (len(out) < n and b < self.num_blocks and ref[b] == 0
+                   and (horizon is None or h[b] is None or at[b] <= horizon)):
+                self._give(b, owner, out)
+                b += 1
+        if n >= 2:
+            runs = self._free_runs
+            while len(out) < n and runs:
+                age, s = runs[0]
+                if self._run_free[s] != S or self._run_age[s] != age:
+                    heapq.heappop(runs)  # stale: taken from since it went free
+                    continue
+                if horizon is not None and age > horizon:
+                    break  # the oldest free run holds a block LRU keeps longer: so do the others
+                heapq.heappop(runs)
+                for b in range(s * S, s * S + min(S, n - len(out))):
+                    self._give(b, owner, out)
+        self.stats.run_blocks += len(out)
 
     def touch(self, blocks: Iterable[int], owner: str | None = None) -> None:
         for b in blocks:
@@ -186,6 +284,9 @@ class BlockPool:
             del self.cached[self.block_hash[b]]
             self.block_hash[b] = None
             self.free_queue.move_to_end(b, last=False)
+        if self._num_runs and dropped:  # every free block is clean now: so is every fully free run
+            self._run_age = [-1] * self._num_runs
+            self._rebuild_runs()
         return len(self.cached)
 
     def lookup(self, h: bytes) -> int | None:

@@ -20,6 +20,9 @@ class EngineConfig:
     # After validation the chosen dtype's name, never "auto"
     device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = $AGENTRT_DEVICE, else cuda if available
     block_size: int = 16  # tokens per KV block
+    kv_superblock_blocks: int = 1  # superblocks (engine.block_pool): blocks handed out as aligned, physically
+    # contiguous runs of this many (a power of two) for multi-block allocations, a table growing into the block after
+    # its last; the block stays the unit of hashing, matching and eviction. 1 = LRU order only (docs/engine.md)
     kv_cache_bytes: int | None = None  # KV budget; None = 1 GiB on CPU, 90% of free memory on GPU
     num_blocks: int | None = None  # exact block count (overrides kv_cache_bytes; tests)
     gpu_memory_utilization: float | None = None  # vLLM's name, in (0, 1]: the share of memory the KV cache may
@@ -77,6 +80,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size!r}")
+        v = self.kv_superblock_blocks
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"kv_superblock_blocks must be a power of two >= 1, got {v!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         if isinstance(self.recurrent_snapshots, bool) or not isinstance(self.recurrent_snapshots, int) \

@@ -112,7 +112,8 @@ class EngineCore:
         num_blocks, budget_from = (config.num_blocks, "num_blocks") if config.num_blocks else self._blocks_from_budget()
         self.tiers = self._make_tiers()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, model_key=str(self.model_path),
-                                 tiers=self.tiers, layout=self.kv_layout)
+                                 tiers=self.tiers, layout=self.kv_layout,
+                                 superblock_blocks=config.kv_superblock_blocks)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, config.device,
                                   layout=self.kv_layout)
         self._attach_recurrent_states()

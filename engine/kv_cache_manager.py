@@ -66,7 +66,8 @@ class Hits(list):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model_key: str = "",
-                 max_reserved_fraction: float = 0.5, tiers: KVTiers | None = None, layout: KVLayout | None = None):
+                 max_reserved_fraction: float = 0.5, tiers: KVTiers | None = None, layout: KVLayout | None = None,
+                 superblock_blocks: int = 1, runs_evict_early: bool = False):
         if not 0 <= max_reserved_fraction < 1:
             raise ValueError(f"max_reserved_fraction must be in [0, 1), got {max_reserved_fraction!r}")
         self.block_size = block_size
@@ -78,7 +79,8 @@ class KVCacheManager:
         self.model_key = model_key
         self.max_reserved_blocks = int(num_blocks * max_reserved_fraction)  # all reservations together
         self.stats = PrefixCacheStats()
-        self.pool = BlockPool(num_blocks, self.stats)
+        self.pool = BlockPool(num_blocks, self.stats,
+                              superblock_blocks=superblock_blocks, runs_evict_early=runs_evict_early)
         self.ownership = Ownership(self.pool, block_size, self.max_reserved_blocks)
         self.retention = self.ownership.retention
         self.owners = self.ownership.owners  # the same dict: programs started, until they end
@@ -376,8 +378,8 @@ class KVCacheManager:
             req.block_ids[write_block] = dst
             self.pool.release([src])
             req.blocks_version += 1
-        if need:
-            req.block_ids.extend(self.pool.allocate(need, owner))
+        if need:  # (a superblock pool continues the table where it ends: `after`)
+            req.block_ids.extend(self.pool.allocate(need, owner, req.block_ids[-1] if req.block_ids else None))
         return True
 
     def _allocate_groups(self, req: Request, num_new_tokens: int, hits: list[int], may_take_reserved: bool,
@@ -433,7 +435,7 @@ class KVCacheManager:
                 pool.release([src])
                 req.blocks_version += 1
             if n_blocks > len(table):
-                table.extend(pool.allocate(n_blocks - len(table), owner))
+                table.extend(pool.allocate(n_blocks - len(table), owner, table[-1] if table else None))
         return True
 
     def cache_blocks(self, req: Request) -> None:
