@@ -16,6 +16,10 @@ attention shape (9 query heads over 3 kv heads of 64, GQA 3):
    of the agent workload (agentrt.bench.workload's agent programs, each call's prompt and reply fed
    through the KV manager's block hashing, `prefix_hits`); and the KV bytes a stored token costs once
    each call's last block is rounded up to a whole block (`kv_bytes_per_token`).
+   Superblocks (S = 1, 4, 16, 64 blocks of 16, `--kv-superblock-blocks`): the agent workload replayed through the KV
+   manager on a bounded pool (`agentrt.bench.kv_replay`), under both rules for cached blocks in a run
+   (engine.block_pool): prefix hit rate, KV bytes per stored token, the share of table entries physically after the
+   entry before, and the decode kernel on the replay's block tables against contiguous and shuffled ones.
 3. Host preparation of a decode step at 64 sequences x 32k context: the block tables and slot mapping
    as the runner built them before (per request: its block ids to numpy, the slots, a padded table) against
    `engine.block_table.BlockTables` (rows kept across steps, new ids only), and the whole `ModelRunner._prepare`
@@ -48,6 +52,8 @@ MIN_TIME_S = 0.2  # each timed kernel variant runs at least this long in all
 # the agent workload of the hit-rate sweep: full-size agents (coding, ReAct: tens of thousands of tokens) and the
 # CPU benchmarks' agent mix (short ReAct loops, 4-wide step programs)
 AGENT_SETS = {"full-size agents (coding, ReAct)": ("agent", 8), "CPU agent mix (react_few, steps)": ("wait", 24)}
+SUPERBLOCKS = (1, 4, 16, 64)  # superblock sizes of the sweep, in blocks
+POOL_FRACTION = 0.5  # the superblock replay's pool: this share of the blocks the programs' last calls hold together
 
 
 # ---- timing ---------------------------------------------------------------------------------------------
@@ -267,6 +273,76 @@ def block_size_workload(sizes: Iterable[int], seed: int) -> list[dict]:
     return rows
 
 
+# ---- 2: superblocks on the agent workload ------------------------------------------------------------------
+def superblock_kernel(tables: list[list[int]], num_blocks: int, block_size: int, repeats: int, seed: int = 0
+                      ) -> list[dict]:
+    """Decode attention over `tables` (a replay's block tables, each read whole) against the same sequence lengths
+    with every sequence's blocks contiguous and with blocks drawn at random from the pool, per dtype: best ms of
+    each, the three called in turn."""
+    from agentrt import kernels
+
+    lens = [len(t) for t in tables]
+    if not lens or min(lens) < 1:
+        raise ValueError(f"need block tables of at least one block, got lengths {lens[:5]!r}")
+    batch, width, total = len(lens), max(lens), sum(lens)
+    pool = max(num_blocks, total)  # a table may name a shared block twice; the others never do
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(pool, generator=g).tolist()
+    starts = np.cumsum([0, *lens]).tolist()
+    layouts = {"replay": tables, "contiguous": [list(range(starts[i], starts[i + 1])) for i in range(batch)],
+               "shuffled": [perm[starts[i] : starts[i + 1]] for i in range(batch)]}
+    rows = []
+    for dtype in DTYPES:
+        shape = (pool, block_size, NUM_KV_HEADS, HEAD_DIM)
+        k, v = (torch.randn(*shape, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=g).to(dtype)
+        metas = {}
+        for name, rows_of in layouts.items():
+            table = torch.zeros(batch, width, dtype=torch.int32)
+            for i, t in enumerate(rows_of):
+                table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            metas[name] = kernels.build_attention_metadata(
+                torch.arange(batch + 1, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32) * block_size,
+                table, 1, width * block_size)
+        scale = HEAD_DIM ** -0.5
+        times = interleaved([lambda m=m: kernels.paged_attention(q, k, v, m, scale) for m in metas.values()], repeats)
+        best = {name: min(ts) * 1e3 for name, ts in zip(metas, times)}
+        rows.append({"dtype": str(dtype).removeprefix("torch."), **{f"{n}_ms": ms for n, ms in best.items()},
+                     "replay_over_contiguous": best["replay"] / best["contiguous"],
+                     "shuffled_over_contiguous": best["shuffled"] / best["contiguous"]})
+        del k, v, q, metas
+    return rows
+
+
+def superblock_sweep(superblocks: Iterable[int], seed: int, repeats: int, fraction: float = POOL_FRACTION,
+                     block_size: int = 16, kernel: bool = True) -> list[dict]:
+    """Per agent set, per superblock size and rule for cached blocks (engine.block_pool: LRU-bounded, the engine's;
+    and evicting early): the workload replayed through the KV manager on a pool of `fraction` of its working set
+    (agentrt.bench.kv_replay), and the decode kernel on the block tables the replay held when its pool was fullest."""
+    from agentrt.bench import kv_replay
+
+    superblocks, rows = list(superblocks), []
+    if not superblocks:
+        return rows
+    for name, programs in agent_workloads(seed).items():
+        num_blocks = kv_replay.pool_blocks(programs, block_size, fraction)
+        for early in (False, True):
+            for s in superblocks:
+                if early and s == 1:
+                    continue  # S = 1 takes nothing out of LRU order: one rule
+                st = kv_replay.replay(programs, num_blocks, block_size, s, early)
+                rows.append({
+                    "workload": name, "superblock_blocks": s, "evict_early": early, "num_blocks": num_blocks,
+                    "pool_fraction": fraction, "calls": st.calls, "prompt_tokens": st.prompt_tokens,
+                    "hit_rate": st.hit_rate, "preemptions": st.preemptions, "evictions": st.evictions,
+                    "kv_bytes_per_token": st.kv_bytes_per_token(KV_BYTES_PER_POSITION),
+                    "contiguous": st.contiguous_fraction, "blocks_per_run": st.mean_run_blocks,
+                    "snapshot_seqs": len(st.snapshot), "snapshot_blocks": sum(map(len, st.snapshot)),
+                    "kernel": superblock_kernel(st.snapshot, num_blocks, block_size, repeats) if kernel else [],
+                })
+    return rows
+
+
 # ---- 3: host preparation of a step ------------------------------------------------------------------------
 def old_tables_and_slots(reqs, num_tokens: list[int], block_size: int):
     """The runner's table / slot code before engine.block_table (per request: its block ids to numpy, the
@@ -395,7 +471,8 @@ def check_equal(num_seqs: int = 8, context: int = 300, block_size: int = 16, ste
 
 # ---- the run ----------------------------------------------------------------------------------------------
 def measure(cases: list[tuple[int, int]], sizes: list[int], sweep_case: tuple[int, int], repeats: int,
-            prep_steps: int, seed: int) -> dict:
+            prep_steps: int, seed: int, superblocks: Iterable[int] = SUPERBLOCKS, pool_fraction: float = POOL_FRACTION
+            ) -> dict:
     from agentrt.kernels import cpu
 
     check_equal()
@@ -404,6 +481,7 @@ def measure(cases: list[tuple[int, int]], sizes: list[int], sweep_case: tuple[in
         "decode": decode_paging(cases, repeats),
         "block_size_kernel": block_size_kernel(sweep_case, sizes, repeats), "sweep_case": list(sweep_case),
         "block_size_workload": block_size_workload(sizes, seed),
+        "superblocks": superblock_sweep(superblocks, seed, repeats, pool_fraction),
         "host_prep": host_prep(PREP_SEQS, PREP_CONTEXT, PREP_BLOCK, prep_steps),
         "tiers_in_place": None,  # not built (module docstring, 4)
     }
@@ -452,6 +530,7 @@ def markdown(result: dict) -> str:
                   markdown_table(["block size", "prefix hit rate", "KV bytes / stored token (bf16)", "last-block waste"],
                                  [[r["block_size"], f"{100 * r['hit_rate']:.1f}%", f"{r['kv_bytes_per_token']:,.0f}",
                                    f"{100 * r['waste']:.1f}%"] for r in rows]), ""]
+    lines += superblock_markdown(result.get("superblocks") or [])
     h = result["host_prep"]
     lines += [
         f"### Host preparation of a decode step ({h['seqs']} sequences x {h['context'] // 1024}k context, "
@@ -472,6 +551,45 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def superblock_markdown(rows: list[dict]) -> list[str]:
+    """The superblock sweep's tables, one per agent set (nothing without rows)."""
+    from agentrt.bench._common import markdown_table
+
+    if not rows:
+        return []
+    lines = ["### Superblocks: prefix hits, KV bytes, contiguity and decode time on the agent workload (block 16)", "",
+             "Each agent set replayed through the KV manager on a bounded pool (agentrt.bench.kv_replay: every program "
+             "at once, its calls in order, 512-token prefill chunks, recompute preemption), per superblock size S "
+             "(`--kv-superblock-blocks`) and rule for cached blocks in a run: *LRU-bounded* (the engine's: a block "
+             "leaves LRU order only if it has no hash or LRU would evict it for the same allocation) or *early* (any "
+             "free run, cached blocks evicted before their LRU turn). Contiguous: table entries whose block follows "
+             "the entry before's physically. Decode: the block tables the replay held when its pool was fullest, "
+             "against the same lengths on contiguous and on randomly drawn blocks.", ""]
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        rs = [r for r in rows if r["workload"] == name]
+        dtypes = list(dict.fromkeys(k["dtype"] for r in rs for k in r["kernel"]))
+        r0 = rs[0]
+        lines += [f"{name}: {r0['calls']} calls, {r0['prompt_tokens']:,} prompt tokens, a pool of {r0['num_blocks']:,} "
+                  f"blocks ({100 * r0['pool_fraction']:.0f}% of what the programs' last calls hold together); decode "
+                  f"on {r0['snapshot_seqs']} tables of {r0['snapshot_blocks']:,} blocks (S = {r0['superblock_blocks']}).", ""]
+        head = ["S", "rule", "prefix hit rate", "evictions", "preemptions", "KV bytes / stored token (bf16)",
+                "contiguous", "blocks / run"]
+        for dt in dtypes:
+            head += [f"{dt} replay ms", f"{dt} replay / contiguous", f"{dt} shuffled / contiguous"]
+        body = []
+        for r in rs:
+            k = {x["dtype"]: x for x in r["kernel"]}
+            row = [r["superblock_blocks"], "early" if r["evict_early"] else "LRU-bounded", f"{100 * r['hit_rate']:.1f}%",
+                   f"{r['evictions']:,}", r["preemptions"], f"{r['kv_bytes_per_token']:,.0f}",
+                   f"{100 * r['contiguous']:.1f}%", f"{r['blocks_per_run']:.1f}"]
+            for dt in dtypes:
+                row += [f"{k[dt]['replay_ms']:.2f}", f"**{k[dt]['replay_over_contiguous']:.3f}**",
+                        f"{k[dt]['shuffled_over_contiguous']:.3f}"] if dt in k else ["", "", ""]
+            body.append(row)
+        lines += [markdown_table(head, body), ""]
+    return lines
+
+
 def _cases(text: str) -> list[tuple[int, int]]:
     out = []
     for part in text.split(","):
@@ -487,6 +605,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="16x1024,16x4096,64x1024", help="decode cases BATCHxCONTEXT, comma-separated")
     ap.add_argument("--sweep-case", default="16x4096", help="the decode case of the block-size sweep")
     ap.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)), help="block sizes of the sweep")
+    ap.add_argument("--superblocks", default=",".join(map(str, SUPERBLOCKS)),
+                    help="superblock sizes of the sweep, in blocks (powers of two; empty: no sweep)")
+    ap.add_argument("--pool-fraction", type=float, default=POOL_FRACTION,
+                    help="the superblock replay's pool, as a share of the blocks the programs' last calls hold")
     ap.add_argument("--repeats", type=int, default=25, help="timed calls per variant")
     ap.add_argument("--prep-steps", type=int, default=300, help="decode steps timed for the host preparation")
     ap.add_argument("--seed", type=int, default=0, help="seed of the agent workload")
@@ -505,13 +627,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--block-sizes must be comma-separated integers, got {a.block_sizes!r}")
     if not sizes or min(sizes) < 1:
         ap.error(f"--block-sizes must be positive, got {a.block_sizes!r}")
+    try:
+        superblocks = [int(s) for s in a.superblocks.split(",") if s.strip()]
+    except ValueError:
+        ap.error(f"--superblocks must be comma-separated integers, got {a.superblocks!r}")
+    if any(s < 1 or s & (s - 1) for s in superblocks):
+        ap.error(f"--superblocks must be powers of two >= 1, got {a.superblocks!r}")
+    if not 0 < a.pool_fraction <= 4:
+        ap.error(f"--pool-fraction must be in (0, 4], got {a.pool_fraction}")
     if a.repeats < 1 or a.prep_steps < 1:
         ap.error(f"--repeats and --prep-steps must be >= 1, got {a.repeats} and {a.prep_steps}")
     if a.threads is not None:
         if a.threads < 1:
             ap.error(f"--threads must be >= 1, got {a.threads}")
         torch.set_num_threads(a.threads)
-    result = measure(cases, sizes, sweep, a.repeats, a.prep_steps, a.seed)
+    result = measure(cases, sizes, sweep, a.repeats, a.prep_steps, a.seed, superblocks, a.pool_fraction)
     text = markdown(result)
     print(json.dumps(result, indent=2) if a.json else text)
     if a.docs:

@@ -89,7 +89,7 @@ def test_bench_paging_smoke(capsys, monkeypatch):
     monkeypatch.setattr(bench, "MIN_TIME_S", 0.0)
     before = pages()
     argv = ["--cases", "2x64", "--sweep-case", "2x64", "--block-sizes", "16,32", "--repeats", "1",
-            "--prep-steps", "12", "--json"]
+            "--prep-steps", "12", "--superblocks", "", "--json"]  # (the superblock sweep: its own test below)
     assert bench.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     kinds = ["4 KB", "2 MB"] if bench.huge_pages_supported() else ["4 KB"]
@@ -106,8 +106,85 @@ def test_bench_paging_smoke(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--cases", "2x"], ["--cases", "0x64"], ["--block-sizes", "a"],
-                                  ["--block-sizes", "0"], ["--repeats", "0"], ["--threads", "0"]])
+                                  ["--block-sizes", "0"], ["--repeats", "0"], ["--threads", "0"],
+                                  ["--superblocks", "3"], ["--superblocks", "a"], ["--pool-fraction", "0"]])
 def test_bench_paging_refuses_bad_arguments(argv):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2
+
+
+# ---- the superblock sweep -----------------------------------------------------------------------------------
+def _small_programs(n=3, seed=2):
+    from agentrt.bench import workload
+
+    specs = workload.make_agent_workload(n, 1.0, seed=seed, mix=workload.AGENT_WAIT_MIX)
+    return [bench.program_calls(s) for s in specs]
+
+
+def test_replay_without_eviction_hits_what_prefix_hits_counts_whatever_the_superblocks():
+    from agentrt.bench import kv_replay
+    from agentrt.engine.request import Request
+    from agentrt.engine.sampling_params import SamplingParams
+
+    calls = max(_small_programs(), key=len)  # one program: its calls one after another
+    want, total = bench.prefix_hits(calls, 16, f"|{Request('x', [1], SamplingParams()).cache_key}".encode())
+    for s in (1, 4, 16):
+        st = kv_replay.replay([calls], 4096, 16, s, chunk_tokens=100)
+        assert (st.hit_tokens, st.prompt_tokens, st.calls) == (want, total, len(calls))
+        assert st.evictions == st.preemptions == 0
+        assert (st.run_blocks > 0) == (s > 1)
+    early = kv_replay.replay([calls], 4096, 16, 16, True, chunk_tokens=100)  # runs taken whatever they hold
+    assert early.hit_tokens <= want and early.prompt_tokens == total and early.evictions > 0
+
+
+def test_replay_on_a_bounded_pool_accounts_for_every_call_and_runs_make_tables_contiguous():
+    from agentrt.bench import kv_replay
+
+    programs = _small_programs(6)
+    n = kv_replay.pool_blocks(programs, 16, 0.3)
+    one, sixteen = (kv_replay.replay(programs, n, 16, s) for s in (1, 16))
+    for st in (one, sixteen):  # (the replay checks that every block is free at its end)
+        assert st.calls == sum(map(len, programs)) and st.prompt_tokens == sum(len(p) for c in programs for p, _ in c)
+        assert st.evictions > 0 and 0 < st.hit_rate < 1 and st.snapshot
+        assert st.kv_bytes_per_token(1) >= 0.9  # whole blocks: at least about a position's bytes a token
+    assert sixteen.contiguous_fraction > one.contiguous_fraction and sixteen.mean_run_blocks > one.mean_run_blocks
+
+
+def test_table_contiguity_and_pool_size_are_exact():
+    from agentrt.bench import kv_replay
+
+    st = kv_replay.ReplayStats(4, False, 64, 16)
+    kv_replay._count_table(st, [4, 5, 6, 9, 10, 2])
+    st.calls = 1
+    assert (st.table_entries, st.adjacent_entries, st.table_runs) == (5, 3, 3)
+    assert st.contiguous_fraction == 0.6 and st.mean_run_blocks == 2.0
+    programs = [[([1] * 20, [2] * 12)], [([1] * 100, [2]), ([1] * 40, [2] * 9)]]  # longest calls: 2 and 7 blocks
+    assert kv_replay.pool_blocks(programs, 16, 0.5) == 8  # the longest call alone + 1
+    assert kv_replay.pool_blocks(programs, 16, 2.0) == 18
+    with pytest.raises(ValueError, match="needs 7 blocks; the pool has 6"):
+        kv_replay.replay(programs, 6)
+    with pytest.raises(ValueError, match="chunk_tokens must be >= 1, got 0"):
+        kv_replay.replay(programs, 60, chunk_tokens=0)
+
+
+def test_superblock_sweep_rows_and_table(monkeypatch):
+    monkeypatch.setattr(bench, "MIN_TIME_S", 0.0)
+    monkeypatch.setattr(bench, "AGENT_SETS", {"small mix": ("wait", 4)})
+    rows = bench.superblock_sweep([1, 4], seed=0, repeats=1, fraction=0.4)
+    assert [(r["superblock_blocks"], r["evict_early"]) for r in rows] == [(1, False), (4, False), (4, True)]
+    for r in rows:
+        assert 0 < r["hit_rate"] < 1 and r["snapshot_blocks"] > 0 and r["num_blocks"] == rows[0]["num_blocks"]
+        assert [k["dtype"] for k in r["kernel"]] == ["float32", "bfloat16"]
+        assert all(k["replay_ms"] > 0 and k["contiguous_ms"] > 0 and k["shuffled_ms"] > 0 for k in r["kernel"])
+    text = "\n".join(bench.superblock_markdown(rows))
+    assert "### Superblocks" in text and "LRU-bounded" in text and "early" in text and "small mix" in text
+    assert bench.superblock_sweep([], seed=0, repeats=1) == [] and bench.superblock_markdown([]) == []
+
+
+def test_superblock_kernel_reads_shared_blocks_and_refuses_empty_tables(monkeypatch):
+    monkeypatch.setattr(bench, "MIN_TIME_S", 0.0)
+    rows = bench.superblock_kernel([[0, 1, 2], [0, 1, 5, 6]], 6, 16, repeats=1)  # 7 entries in a pool of 6
+    assert len(rows) == 2 and all(r["replay_over_contiguous"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="need block tables of at least one block"):
+        bench.superblock_kernel([[1], []], 6, 16, repeats=1)
