@@ -64,8 +64,8 @@ class PackedWeights:
         "experts MXFP4 kept packed, 1528 MB (+ 2860 MB widened: attention, router, embeddings, LM head, norms)"."""
         experts = "+".join(name for name, _ in self.expert_formats.most_common())
         if self.source == "experts":
-            return (f"experts {experts} kept packed, {self.expert_bytes / 1e6:.0f} MB (+ {self.widened_bytes / 1e6:.0f} "
-                    "MB widened: attention, router, embeddings, LM head, norms)")
+            return (f"experts {experts} kept packed, {self.expert_bytes / 1e6:.0f} MB "
+                    f"(+ {self.widened_bytes / 1e6:.0f} MB widened: attention, router, embeddings, LM head, norms)")
         names = "+".join(name for name, _ in self.formats.most_common())
         widened = "norms" if self.embedding_packed else "embeddings, norms"
         if self.expert_bytes:
@@ -96,14 +96,16 @@ def pack_model(model, gguf_path: Path) -> PackedWeights:
     plan: list[tuple[Linear, list[QuantWeight]]] = []
     formats: Counter = Counter()
     try:
-        targets = [(f"layers.{i}.{attr}", getattr(getattr(layer, attr.split(".")[0]), attr.split(".")[1]),
+        targets = [(f"layers.{i}.{attr}", getattr(getattr(layer, attr.split(".")[0]), attr.split(".")[1], None),
                     [f"blk.{i}.{name}.weight" for name in names])
                    for i, layer in enumerate(model.layers) for attr, names in _LAYER_PROJECTIONS.items()]
         if model.lm_head is not None:
             targets.append(("lm_head", model.lm_head, ["output.weight"]))
-        for where, lin, names in targets:
+        for where, lin, _ in targets:  # before any tensor is read
             if not isinstance(lin, Linear):
-                raise _Unpackable(f"{where} is not a plain projection (a mixture of experts: not packed yet)")
+                raise _Unpackable(f"{where} is not a plain projection (a GGUF file's experts are not kept packed "
+                                  "yet: quantization='none' widens them)")
+        for where, lin, names in targets:
             parts, row = [], 0
             for name in names:
                 if name not in tensors:

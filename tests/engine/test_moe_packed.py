@@ -135,3 +135,20 @@ def test_quantize_refuses_experts_off_the_blocks(tmp_path):
     make_hf(cfg, seed=26).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"model.layers.0.mlp: experts in Q8_0 blocks.*gate/up take 64, down 48"):
         load_model(tmp_path, torch.bfloat16, "cpu", quantize="int8")
+
+
+def test_gguf_packing_refuses_a_mixture_by_name(qwen3_moe, tmp_path):
+    """`quantization="gguf"` keeps a GGUF file's own blocks; a mixture's experts in a GGUF file are not kept yet:
+    refused naming the layer (not an AttributeError)."""
+    gguf = pytest.importorskip("gguf")
+    from agentrt.engine.gguf_weights import pack_model
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe")
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 64).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model, _ = load_model(qwen3_moe, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"layers.1.mlp.gate_up_proj is not a plain projection \(a GGUF file's "):
+        pack_model(model, tmp_path / "m.gguf")
