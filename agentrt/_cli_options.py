@@ -55,7 +55,10 @@ _KV_TIER_FLAGS: dict[str, tuple[type, str]] = {
     "--kv-disk-gib": (float, "T2's size; least recently used files are deleted beyond it (default 8)"),
 }
 _ENGINE_FLAGS.update(_KV_TIER_FLAGS)
-_SWITCHES = ("enable_prefix_caching", "enable_lora", "deterministic", "swa_full")
+_SWITCHES = ("enable_prefix_caching", "enable_lora", "deterministic", "swa_full", "kv_host_in_place")
+KV_HOST_IN_PLACE_HELP = ("a prefix hit reads T1 blocks where they lie instead of copying them into the KV cache "
+                         "(default: on where it can: CPU, exact T1, models of one full-attention layer group; "
+                         "--no-kv-host-in-place copies them)")
 DETERMINISTIC_HELP = ("batch-invariant kernels: a greedy call's tokens do not depend on the other calls, prefix-cache "
                       "hits, chunking or preemption (default: on for CPU in float32 / bfloat16 with the C++ kernels, "
                       "off on GPU; --no-deterministic turns it off; its speed per CPU kind: docs/engine.md)")
@@ -91,6 +94,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of shared prompt prefixes (default: on)")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None, help=DETERMINISTIC_HELP)
+    g.add_argument("--kv-host-in-place", action=argparse.BooleanOptionalAction, default=None, help=KV_HOST_IN_PLACE_HELP)
     g.add_argument("--swa-full", action="store_true", default=None,
                    help=("llama.cpp's flag: sliding-window layers keep every KV block instead of freeing those that "
                          "left their window (default: freed; docs/engine.md)"))
@@ -108,12 +112,13 @@ def add_kv_tier_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV tiers (docs/engine.md)")
     for flag, (type_, help_) in _KV_TIER_FLAGS.items():
         g.add_argument(flag, type=type_, default=None, help=help_)
+    g.add_argument("--kv-host-in-place", action=argparse.BooleanOptionalAction, default=None, help=KV_HOST_IN_PLACE_HELP)
 
 
 def kv_tier_options(a: argparse.Namespace) -> dict[str, Any]:
     """The KV tier fields given on the command line; ValueError naming the flag if `--kv-disk-dir` is not a
     directory this process can write (the disk tier would find that only once the model loaded)."""
-    names = [f[2:].replace("-", "_") for f in _KV_TIER_FLAGS]
+    names = [f[2:].replace("-", "_") for f in _KV_TIER_FLAGS] + ["kv_host_in_place"]
     if a.kv_disk_dir is not None:
         check_kv_disk_dir(a.kv_disk_dir)
     return {n: getattr(a, n) for n in names if getattr(a, n) is not None}

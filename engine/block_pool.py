@@ -9,6 +9,12 @@ ids: blocks the owner takes while its reservation has room are tagged as drawn f
 the unused rest (`size - used`) is subtracted from what every other owner may take
 (`available_to`). So `num_free >= unused_reserved()` always holds: a reservation can always be drawn.
 
+In-place ids (a CPU engine whose host KV tier shares the KV tensor, engine.kv_tiers): ids `num_blocks ...
+num_blocks + in_place - 1` name the host tier's slots where they lie. A block table holds one like any block
+(ref-counted by `touch` / `release`, so every path that frees a table frees it), but it never enters the free
+queue, has no owner or reservation and no hash here (the host tier indexes it); `on_hold(slot, held)` tells
+the tier when its first reference comes and its last goes.
+
 Invariants (tests/engine/test_kv_retention*.py):
 - ref_cnt[b] == block tables holding b + pins holding b; b is in the free queue iff ref_cnt[b] == 0.
 - A block in use has the owner it was taken for (or None); `held` counts exactly those.
@@ -69,25 +75,27 @@ class Reservation:
 class BlockPool:
     """Ref-counted blocks, an O(1) LRU free queue, the hash index, owners and reservations."""
 
-    def __init__(self, num_blocks: int, stats: PrefixCacheStats, superblock_blocks: int = 1,
+    def __init__(self, num_blocks: int, stats: PrefixCacheStats, in_place: int = 0, superblock_blocks: int = 1,
                  runs_evict_early: bool = False):
         if (isinstance(superblock_blocks, bool) or not isinstance(superblock_blocks, int) or superblock_blocks < 1
                 or superblock_blocks & (superblock_blocks - 1)):
             raise ValueError(f"superblock_blocks must be a power of two >= 1, got {superblock_blocks!r}")
         self.num_blocks = num_blocks
-        self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks
+        total = num_blocks + in_place  # in-place ids after the pool's own (module docstring)
+        self.ref_cnt = [0] * total
+        self.block_hash: list[bytes | None] = [None] * total
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = next victim
         self.cached: dict[bytes, int] = {}
         self.stats = stats
-        self.owner: list[str | None] = [None] * num_blocks  # program that took the block (while in use)
-        self.reserved_by: list[str | None] = [None] * num_blocks  # reservation it was drawn from (while in use)
+        self.owner: list[str | None] = [None] * total  # program that took the block (while in use)
+        self.reserved_by: list[str | None] = [None] * total  # reservation it was drawn from (while in use)
         self.held: Counter[str] = Counter()  # blocks in use per owner
         self.reservations: dict[str, Reservation] = {}
         self._unused_reserved = 0  # Σ unused over reservations, kept current
         self._seq = 0
         self.on_evict: Callable[[int, bytes, bool], None] | None = None  # a cached block is about to be reused (tiers)
-        self.exact = [False] * num_blocks  # free blocks a lossy KV tier must keep exact (set by the KV manager)
+        self.exact = [False] * total  # free blocks a lossy KV tier must keep exact (set by the KV manager)
+        self.on_hold: Callable[[int, bool], None] | None = None  # an in-place id's first ref came / last went (tiers)
         # superblocks (module docstring); nothing of this is kept with S = 1
         self.superblock_blocks = superblock_blocks
         self.runs_evict_early = runs_evict_early
@@ -151,6 +159,9 @@ class BlockPool:
     # ---- blocks --------------------------------------------------------------------------
     def _take(self, b: int, owner: str | None) -> None:
         """Block `b` leaves the free queue for `owner`'s request."""
+        if b >= self.num_blocks:  # an in-place id: the host tier's slot, held
+            self.on_hold(b - self.num_blocks, True)
+            return
         del self.free_queue[b]
         self.exact[b] = False
         self.owner[b] = owner
@@ -167,6 +178,9 @@ class BlockPool:
 
     def _put(self, b: int) -> None:
         """Block `b`'s last reference went: back to the free queue's tail, untagged."""
+        if b >= self.num_blocks:
+            self.on_hold(b - self.num_blocks, False)
+            return
         self.free_queue[b] = None
         if self.block_hash[b] is None:
             self.free_queue.move_to_end(b, last=False)

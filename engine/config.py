@@ -63,6 +63,10 @@ class EngineConfig:
     # from the KV cache, loaded back instead of recomputed; 0 = off
     kv_host_quantization: str | None = None  # "int8": T1 stores blocks as int8 with per-(layer, K/V, head) scales
     # (lossy, about twice the blocks; sequences' first blocks and recent windows kept exact); None: exact
+    kv_host_in_place: bool | None = None  # T1 blocks a prefix hit finds are read where they lie (the host tier is the
+    # tail of the KV tensor; a sequence's first block and last two are still copied into the pool) instead of copied
+    # into the pool (engine.kv_tiers). None = where it can: CPU, exact T1, one full-attention layer group; True =
+    # required (an error where it cannot); False = copied, as on GPU
     kv_disk_dir: str | None = None  # T2: a directory of content-hashed KV chunk files, shared by engines on one
     # host and across restarts; None = off
     kv_disk_gib: float | None = None  # T2's bound (least recently used files deleted beyond it); None = 8 GiB
@@ -128,6 +132,13 @@ class EngineConfig:
             raise ValueError(f"kv_host_quantization must be None or 'int8', got {self.kv_host_quantization!r}")
         if self.kv_host_quantization is not None and not self.kv_host_gib:
             raise ValueError(f"kv_host_quantization ({self.kv_host_quantization!r}) sets the host tier: give kv_host_gib too")
+        if self.kv_host_in_place is not None and not isinstance(self.kv_host_in_place, bool):
+            raise ValueError(f"kv_host_in_place must be true, false or None (where it can), got {self.kv_host_in_place!r}")
+        if self.kv_host_in_place and not self.kv_host_gib:
+            raise ValueError("kv_host_in_place reads the host tier's blocks where they lie: give kv_host_gib too")
+        if self.kv_host_in_place and self.kv_host_quantization is not None:
+            raise ValueError(f"kv_host_in_place needs an exact host tier: its int8 blocks "
+                             f"(kv_host_quantization={self.kv_host_quantization!r}) must be widened into the pool")
         if self.kv_disk_gib is not None and self.kv_disk_dir is None:
             raise ValueError(f"kv_disk_gib ({self.kv_disk_gib!r}) sizes the disk tier: give kv_disk_dir too")
         if (self.kv_host_gib or self.kv_disk_dir) and not self.enable_prefix_caching:
@@ -156,6 +167,9 @@ class EngineConfig:
         if self.deterministic is None:  # the default: on where the CPU kernels make it hold
             self.deterministic = self.device == "cpu" and self.dtype in ("float32", "bfloat16")
             self.deterministic_default = True
+        if self.kv_host_in_place and self.device != "cpu":
+            raise ValueError(f"kv_host_in_place is for a CPU engine, whose host tier is the pool's memory, not device "
+                             f"{self.device!r}: a GPU reads host-tier blocks after copying them into its pool")
         if self.deterministic and self.device != "cpu":
             raise ValueError(f"deterministic is implemented for the CPU kernels only, not on device {self.device!r}: "
                              "cuBLAS picks its GEMM kernel by the batch's row count (README, Deterministic outputs)")

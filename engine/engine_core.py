@@ -114,8 +114,13 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, model_key=str(self.model_path),
                                  tiers=self.tiers, layout=self.kv_layout,
                                  superblock_blocks=config.kv_superblock_blocks)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, config.device,
-                                  layout=self.kv_layout)
+        # in-place reads (engine.kv_tiers): T1's slots are the KV tensor's blocks after the pool's
+        in_place = self.tiers.host.num_slots if self.tiers is not None and self.tiers.in_place else 0
+        self.runner = ModelRunner(self.model, num_blocks + in_place, config.block_size, config.torch_dtype,
+                                  config.device, layout=self.kv_layout)
+        if in_place:
+            self.tiers.attach(self.runner.kv_cache, num_blocks)
+            self.tiers.probe()
         self._attach_recurrent_states()
         if config.device == "cpu":
             kernels.cpu.ops()  # build (first time, ~30 s) or load the C++ CPU kernels now, not mid-request
@@ -188,11 +193,27 @@ class EngineCore:
             return None
         shape = (self.kv_layout.page_layers, 2, c.block_size, a.num_kv_heads, a.head_dim)
         disk_gib = 8.0 if c.kv_disk_gib is None else c.kv_disk_gib
+        in_place = self._in_place_reads()
         tiers = KVTiers(shape, c.torch_dtype, block_key(str(self.model_path), c.torch_dtype, shape),
                         host_bytes=int(c.kv_host_gib * 2**30), disk_dir=c.kv_disk_dir, disk_bytes=int(disk_gib * 2**30),
-                        pin=c.device != "cpu", host_int8=c.kv_host_quantization == "int8")
-        tiers.probe()
+                        pin=c.device != "cpu", host_int8=c.kv_host_quantization == "int8", in_place=in_place)
+        if not in_place:  # else once its slots are in the KV tensor
+            tiers.probe()
         return tiers
+
+    def _in_place_reads(self) -> bool:
+        """Are T1 blocks read where they lie (engine.kv_tiers; EngineConfig.kv_host_in_place)? The config has
+        refused True on GPU and with an int8 tier; a model of several KV layer groups is refused here."""
+        c, layout = self.config, self.kv_layout
+        if not c.kv_host_gib or c.kv_host_in_place is False or c.device != "cpu" or c.kv_host_quantization:
+            return False
+        if layout.num_groups > 1 or layout.windowed:
+            if c.kv_host_in_place:
+                raise ValueError(f"kv_host_in_place: {self.model_path.name} keeps its KV in {layout.num_groups} layer "
+                                 "group(s) with windows; in-place reads of the host tier are built for one "
+                                 "full-attention group only (kv_host_in_place=False copies its blocks into the pool)")
+            return False
+        return True
 
     def close(self) -> None:
         """Write what the KV cache holds to the disk tier (a restarted engine finds it there) and stop its writer;

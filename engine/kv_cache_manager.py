@@ -33,6 +33,7 @@ __all__ = ["BlockPool", "Hits", "KVCacheManager", "OwnerKV", "PrefixCacheStats",
 
 
 EXACT_WINDOW_BLOCKS = 2  # the last full blocks of a call a lossy KV tier keeps exact (the recent window)
+HOT_BLOCKS = 2  # the last blocks of a prefix hit copied into T0 where the rest is read from T1 in place
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes) -> bytes:
@@ -79,7 +80,12 @@ class KVCacheManager:
         self.model_key = model_key
         self.max_reserved_blocks = int(num_blocks * max_reserved_fraction)  # all reservations together
         self.stats = PrefixCacheStats()
-        self.pool = BlockPool(num_blocks, self.stats,
+        # in-place reads of T1 (engine.kv_tiers): its slots are block ids num_blocks... of one pool (one group only)
+        self._in_place = tiers is not None and tiers.in_place and enable_prefix_caching
+        if self._in_place and (self.num_groups > 1 or self._windowed):
+            raise ValueError(f"in-place reads of the host KV tier need one full-attention layer group, got "
+                             f"{self.num_groups} group(s) with windows {[g.window for g in self.layout.groups]}")
+        self.pool = BlockPool(num_blocks, self.stats, in_place=tiers.host.num_slots if self._in_place else 0,
                               superblock_blocks=superblock_blocks, runs_evict_early=runs_evict_early)
         self.ownership = Ownership(self.pool, block_size, self.max_reserved_blocks)
         self.retention = self.ownership.retention
@@ -90,6 +96,8 @@ class KVCacheManager:
         self.tiers = tiers if enable_prefix_caching else None
         if self.tiers is not None:
             self.pool.on_evict = self.tiers.demote
+        if self._in_place:
+            self.pool.on_hold = self.tiers.host.hold
         # a hybrid model's recurrent states (engine.recurrent_state.RecurrentStatePool), or None: prefix hits end at
         # a block boundary with a state snapshot (`usable_prefix`), a freed request's state slot goes back
         # (`on_free`), a fork copies its parent's (`on_fork`)
@@ -148,13 +156,13 @@ class KVCacheManager:
 
     def _hit_counts(self, hits: list[int]) -> tuple[int, int]:
         """(blocks, free blocks) among a prefix hit's blocks, every group's: free ones use up free room."""
-        ref = self.pool.ref_cnt
+        ref, nb = self.pool.ref_cnt, self.pool.num_blocks
         live = free = 0
         for t in (hits, *getattr(hits, "extra", ())):
             for b in t:
                 if b >= 0:
                     live += 1
-                    free += ref[b] == 0
+                    free += ref[b] == 0 and b < nb  # (an in-place id takes no room in the pool)
         return live, free
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -306,21 +314,41 @@ class KVCacheManager:
                  may_take_pinned: bool | Callable[[str], bool] = False) -> int:
         """Extend `hits` (T0 hits of `hashes`' head) with the blocks found below T0, each loaded into a free T0
         block and registered there (a cached, unreferenced block, like any other hit: the caller takes it or the
-        LRU does); blocks of the chain still in T0 past a demoted one are taken as they are. Stops at the first
-        block found nowhere, when no block is free, or when loading would cost more than recomputing. Returns how
-        many blocks it loaded."""
+        LRU does); blocks of the chain still in T0 past a demoted one are taken as they are. With in-place reads
+        (engine.kv_tiers), a T1 block that is neither the sequence's first nor one of the last `HOT_BLOCKS` of the
+        chain found is named where it lies instead (an in-place id, unreferenced like the rest). Stops at the
+        first block found nowhere, when no block is free for a copy, or when loading would cost more than
+        recomputing. Returns how many blocks it loaded or named in place."""
         pool, tiers = self.pool, self.tiers
         loaded = 0
+        hot_from = 0  # chain index from which T1 blocks are copied, not read in place (the recent window)
+        if self._in_place and tiers.in_place_base is not None:
+            if tiers.in_place_base != pool.num_blocks:
+                raise RuntimeError(f"the host tier's slots start at block {tiers.in_place_base}, the pool's in-place "
+                                   f"ids at {pool.num_blocks}")
+            end = len(hits)
+            while end < len(hashes) and (pool.lookup(hashes[end]) is not None or tiers.has(hashes[end])):
+                end += 1
+            hot_from = end - HOT_BLOCKS
         pool.touch(hits)  # the hits must not be evicted to make room for the rest
         try:
-            for h in hashes[len(hits):]:
+            for i in range(len(hits), len(hashes)):
+                h = hashes[i]
                 b = pool.lookup(h)
                 if b is not None:
                     pool.touch([b])
                     hits.append(b)
                     continue
                 where = tiers.lookup(h)
-                if where is None or not tiers.worth_loading(where[0]):
+                if where is None:
+                    break
+                if where[0] == 1 and 0 < i < hot_from:  # read where it lies: held from now (the touch) on
+                    b = tiers.read_in_place(where[1])
+                    pool.touch([b])
+                    hits.append(b)
+                    loaded += 1
+                    continue
+                if not tiers.worth_loading(where[0]):
                     break
                 if not pool.num_free and not (may_take_pinned and self.ownership.give_way(1, owner, hits, False, may_take_pinned)):
                     break
@@ -361,7 +389,8 @@ class KVCacheManager:
         # a write into a shared block needs a private copy first
         write_block = (req.num_computed_tokens + num_hit_tokens) // bs
         cow = write_block < len(req.block_ids) and self.pool.ref_cnt[req.block_ids[write_block]] > 1
-        reclaimable = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
+        nb = self.pool.num_blocks
+        reclaimable = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0 and b < nb)
         owner = req.program_id
         short = need + cow + reclaimable - self.pool.available_to(owner)
         if short > 0 and not self.ownership.give_way(short, owner, new_computed_blocks, may_take_reserved, may_take_pinned):
@@ -450,8 +479,9 @@ class KVCacheManager:
         for g, table in enumerate(req.tables):
             for i in range(req.num_cached_blocks, min(num_full, len(table))):
                 block, h = table[i], group_hash(hashes[i], g)
-                if block < 0 or self.pool.block_hash[block] == h:
-                    continue  # left a window, a prefix hit or a shared (forked) block: already registered
+                if block < 0 or block >= self.pool.num_blocks or self.pool.block_hash[block] == h:
+                    continue  # left a window, read in place from T1, a prefix hit or a shared (forked) block:
+                    # already registered
                 existing = self.pool.lookup(h)
                 if existing is None:
                     self.pool.register(block, h)

@@ -1,5 +1,9 @@
 """T1 of the KV hierarchy (engine.kv_tiers): block slots in host memory, and what every tier shares: its
-counters (`TierStats`) and the key a stored block must match (`block_key`)."""
+counters (`TierStats`) and the key a stored block must match (`block_key`).
+
+On a CPU engine the slots can be the tail of the engine's own KV tensor (`HostTier.share`): block tables then
+name a slot where it lies (engine.kv_tiers, "in-place reads"), and a slot a table names (`in_use`) is never
+evicted or overwritten."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ class TierStats:
     write_errors: int = 0  # writes that failed (the block is skipped; no call fails)
     corrupt: int = 0  # files found truncated, corrupt or foreign (never served)
     prefetched: int = 0  # blocks read ahead for a waiting call (T2)
+    in_place: int = 0  # of `hits`, blocks a block table named where they lie instead of a copy (T1 on a CPU engine)
 
 
 def block_key(model_key: str, dtype: torch.dtype, block_shape: tuple[int, ...]) -> str:
@@ -53,6 +58,7 @@ class HostTier:
         self.num_slots = num_slots
         self.slots: OrderedDict[bytes, int] = OrderedDict()
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.block_shape = tuple(block_shape)
         self.block_bytes = int(torch.Size(block_shape).numel()) * dtype.itemsize
         self.slot_bytes = self.block_bytes
         if int8:
@@ -63,7 +69,25 @@ class HostTier:
             self.exact_of: OrderedDict[int, int] = OrderedDict()  # slot -> its full copy in exact_data (LRU)
             self.exact_free = list(range(max(1, exact_slots) - 1, -1, -1))
             self.want_exact = [False] * num_slots  # set by `put`, for the write that follows
+        self.in_use: set[int] = set()  # slots some block table names (in-place reads): never evicted, never written
         self.stats = TierStats()
+
+    def share(self, data: torch.Tensor) -> None:
+        """Hold the slots in `data` ([num_slots, *block_shape], a view of the engine's KV tensor on a CPU engine)
+        instead of a tensor of their own, so a block table can name a slot where it lies."""
+        if self.int8:
+            raise ValueError("an int8 host tier cannot share the KV tensor: its slots hold another dtype")
+        if tuple(data.shape) != (self.num_slots, *self.block_shape) or data.dtype != self.dtype:
+            raise ValueError(f"the shared slots must be {self.num_slots} blocks of {self.block_shape} in {self.dtype}, "
+                             f"got {tuple(data.shape)} in {data.dtype}")
+        self.data = data
+
+    def hold(self, slot: int, held: bool) -> None:
+        """Slot `slot` is named by a block table now (`held`) or no longer: while it is, `put` never takes it."""
+        if held:
+            self.in_use.add(slot)
+        else:
+            self.in_use.discard(slot)
 
     @staticmethod
     def int8_slots(host_bytes: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
@@ -118,8 +142,8 @@ class HostTier:
 
     def put(self, h: bytes, exact: bool = False, keep: bytes | None = None) -> int | None:
         """A slot for `h` (its own if it has one), evicting the least recently used entry other than `keep` (a block
-        being loaded) if none is free; None if that leaves nothing to evict. `exact`: an int8 tier keeps a full
-        copy too (the class docstring)."""
+        being loaded) and those a block table reads in place (`in_use`) if none is free; None if that leaves
+        nothing to evict. `exact`: an int8 tier keeps a full copy too (the class docstring)."""
         s = self.slots.get(h)
         if s is not None:
             self.slots.move_to_end(h)
@@ -127,7 +151,8 @@ class HostTier:
         if self.free:
             s = self.free.pop()
         else:
-            victim = next((v for v in self.slots if v != keep), None)
+            in_use = self.in_use
+            victim = next((v for v, vs in self.slots.items() if v != keep and vs not in in_use), None)
             if victim is None:
                 return None
             s = self.slots.pop(victim)
@@ -145,3 +170,4 @@ class HostTier:
         assert len(set(used)) == len(used), "a T1 slot holds two hashes"
         assert not set(used) & set(self.free), "a T1 slot is both free and used"
         assert len(used) + len(self.free) == self.num_slots, "a T1 slot is lost"
+        assert self.in_use <= set(used), "a T1 slot read in place holds no block"

@@ -23,6 +23,16 @@ Flow (`KVTiers`):
   from the measured cost of each (`KVTiers.worth_loading`).
 - The hierarchy is inclusive: a promoted block keeps its T1 slot and its file.
 
+In-place reads (`in_place`; a CPU engine with an exact host tier and one layer group): T1 is the same DRAM as
+the pool, so its slots are allocated as the tail of the engine's KV tensor (`attach`: slot s is block
+`in_place_base + s`) and a T1 hit is read where it lies: the request's block table names that id
+(`read_in_place`), no copy is queued, and the pool ref-counts the id like a block (engine.block_pool), so the
+slot is held (`HostTier.in_use`: never evicted, never written) until no table names it, on every path that
+frees a table. Only full, immutable prefix blocks are read this way (a request writes only past its hits, in
+blocks of its own); the hottest blocks of a hit (the sequence's first block, the sink and a program's head;
+the last blocks before the boundary, the recent window) are still copied into T0 (KVCacheManager._promote),
+where they stay cached beside the blocks the call computes. Disk hits are copied as before.
+
 Invariants (tests/engine/test_kv_tiers.py): every T1 slot is either free or holds exactly one hash; the
 disk index maps each hash to a file that lists it; the bytes of the files indexed never exceed the bound
 after a write completes.
@@ -78,9 +88,14 @@ class KVTiers:
 
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, key: str, host_bytes: int = 0,
                  disk_dir: str | None = None, disk_bytes: int = 0, pin: bool = False, *, host_int8: bool = False,
-                 host: HostTier | None = None, disk: DiskTier | None = None, prefetch: bool = True):
+                 host: HostTier | None = None, disk: DiskTier | None = None, prefetch: bool = True,
+                 in_place: bool = False):
         """Tiers of the given sizes; or, for the simulator, the tier objects themselves (`host`, `disk`: a
-        bookkeeping-only HostTier and a DiskTier stand-in) and no read-ahead thread (`prefetch` False)."""
+        bookkeeping-only HostTier and a DiskTier stand-in) and no read-ahead thread (`prefetch` False).
+        `in_place`: T1's slots are to be the tail of the engine's KV tensor (module docstring): the tier holds
+        no memory of its own until `attach`."""
+        if in_place and (host_int8 or not host_bytes or host is not None):
+            raise ValueError("in-place reads need an exact host tier of its own size (host_bytes, not int8)")
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.block_bytes = int(torch.Size(block_shape).numel()) * dtype.itemsize
@@ -88,7 +103,7 @@ class KVTiers:
             slots, exact = HostTier.int8_slots(host_bytes, self.block_shape, dtype)
             host = HostTier(slots, self.block_shape, dtype, pin, int8=True, exact_slots=exact)
         elif host is None and host_bytes:
-            host = HostTier(host_bytes // self.block_bytes, self.block_shape, dtype, pin)
+            host = HostTier(host_bytes // self.block_bytes, self.block_shape, dtype, pin, store=not in_place)
         if disk is None and disk_dir is not None:
             disk = DiskTier(disk_dir, disk_bytes, key, self.block_shape, dtype)
         self.host, self.disk = host, disk
@@ -105,7 +120,29 @@ class KVTiers:
         self.prefetch_used = 0  # of which loaded from the staging area
         self._reads: queue.Queue | None = None  # hashes to read ahead (a reader thread, started on first use)
         self.block_size = block_shape[2] if len(block_shape) > 2 else 1
+        self.in_place = in_place
+        self.in_place_base: int | None = None  # block id of T1 slot 0 in the engine's KV tensor (`attach`)
 
+    def attach(self, kv_cache: torch.Tensor, base: int) -> None:
+        """In-place reads: T1's slots are blocks `base ...` of `kv_cache` ([layers, K/V, blocks, ...])."""
+        if not self.in_place:
+            raise ValueError("attach: these tiers were not made for in-place reads")
+        n = self.host.num_slots
+        if kv_cache.shape[2] < base + n or (*kv_cache.shape[:2], *kv_cache.shape[3:]) != self.block_shape:
+            raise ValueError(f"attach: a KV tensor of {tuple(kv_cache.shape)} has no {n} blocks of {self.block_shape} "
+                             f"from block {base}")
+        self.host.share(kv_cache[:, :, base : base + n].permute(2, 0, 1, *range(3, kv_cache.dim())))
+        self.in_place_base = base
+
+    def read_in_place(self, slot: int) -> int:
+        """The block id a block table names to read T1 slot `slot` where it lies (counted as a hit)."""
+        self.host.stats.hits += 1
+        self.host.stats.in_place += 1
+        return self.in_place_base + slot
+
+    def has(self, h: bytes) -> bool:
+        """Is block `h` below T0 (no LRU refresh, no rescan: a look ahead, not a use)?"""
+        return (self.host is not None and h in self.host.slots) or (self.disk is not None and self.disk.contains(h))
     # ---- bookkeeping (the pool's calls, engine thread) ----------------------------------------
     @property
     def lossy(self) -> bool:
@@ -235,8 +272,9 @@ class KVTiers:
         if t is None:
             return None
         st = t.stats
-        if st.hits >= 8:
-            return st.load_s / st.hits
+        copied = st.hits - st.in_place  # in-place reads cost nothing to load
+        if copied >= 8:
+            return st.load_s / copied
         return self.probe_s_per_block.get(tier)
 
     def reload_s_per_token(self) -> float | None:
@@ -343,7 +381,8 @@ class KVTiers:
         if self.host is not None:
             h = self.host
             size = h.num_slots * h.slot_bytes + ((len(h.exact_free) + len(h.exact_of)) * h.block_bytes if h.int8 else 0)
-            parts.append(f"host {size / 2**30:.2f} GiB ({h.num_slots} blocks{', int8' if h.int8 else ''}{probe.get(1, '')})")
+            parts.append(f"host {size / 2**30:.2f} GiB ({h.num_slots} blocks{', int8' if h.int8 else ''}{probe.get(1, '')}"
+                         f"{', read in place' if self.in_place else ''})")
         if self.disk is not None:
             parts.append(f"disk {self.disk.max_bytes / 2**30:.2f} GiB in {self.disk.dir} "
                          f"({len(self.disk)} blocks there{probe.get(2, '')})")

@@ -43,6 +43,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -52,7 +53,7 @@ from agentrt._retention import RetentionConfig
 from agentrt.bench import _common
 from agentrt.bench import workload as wl
 from agentrt.bench.workload import AGENT_SMALL, Call, ProgramSpec
-from agentrt.engine import SamplingParams
+from agentrt.engine import RequestOutput, SamplingParams
 from agentrt.policies.autellix import TTL_SETTINGS
 
 MODES = {
@@ -81,7 +82,8 @@ def workload(n: int, rate: float, seed: int) -> list[ProgramSpec]:
     return specs
 
 
-async def _program(rt: agentrt.Runtime, spec: ProgramSpec, start: float, size: dict[str, Any]) -> dict[str, Any]:
+async def _program(rt: agentrt.Runtime, spec: ProgramSpec, start: float, size: dict[str, Any],
+                   on_call: Callable[[RequestOutput], None] | None = None) -> dict[str, Any]:
     await anyio.sleep(max(0.0, start + spec.arrival_s - time.monotonic()))
     rng = random.Random(spec.seed)
     gen = wl.agent_plan(rng, size, lambda k: wl.tokens(rng, k), _PREFIX)
@@ -94,7 +96,10 @@ async def _program(rt: agentrt.Runtime, spec: ProgramSpec, start: float, size: d
                 params = SamplingParams(max_tokens=action.max_tokens, ignore_eos=True, temperature=0.0)
                 call = rt.submit(action.prompt, params, program_id=pid)
                 async with call:
-                    value = list((await call.result()).outputs[0].token_ids)
+                    out = await call.result()
+                value = list(out.outputs[0].token_ids)
+                if on_call is not None:
+                    on_call(out)
             else:
                 rt.tool_started(info, "search")
                 await anyio.sleep(action.seconds)
@@ -108,14 +113,15 @@ async def _program(rt: agentrt.Runtime, spec: ProgramSpec, start: float, size: d
             "recomputed": kv.recomputed_prefill_tokens, "ttl_hits": kv.ttl_hits, "ttl_misses": kv.ttl_misses}
 
 
-async def run_programs(rt: agentrt.Runtime, specs: list[ProgramSpec],
-                       size: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
-    """Every program of `specs` at its arrival time on `rt`: each one's `_program` result, and the makespan."""
+async def run_programs(rt: agentrt.Runtime, specs: list[ProgramSpec], size: dict[str, Any],
+                       on_call: Callable[[RequestOutput], None] | None = None) -> tuple[list[dict[str, Any]], float]:
+    """Every program of `specs` at its arrival time on `rt`: each one's `_program` result, and the makespan;
+    `on_call` sees each call's output (its metrics: time to first token, tokens from the tiers)."""
     start = time.monotonic()
     results: list[dict[str, Any]] = []
 
     async def launch(spec: ProgramSpec) -> None:
-        results.append(await _program(rt, spec, start, size))
+        results.append(await _program(rt, spec, start, size, on_call))
 
     async with anyio.create_task_group() as tg:
         for spec in specs:

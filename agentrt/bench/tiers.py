@@ -10,7 +10,9 @@ KV cache far too small for the active programs' contexts even with pins, with to
 (`--ttl-s`, below the shortest usual tool time): a program's context is gone from T0 by its next call. Configurations, each on a fresh engine, one run:
 
 - t0: the engine's pool only (a lost context is recomputed);
-- t1: + a host tier of `--host-gib` (engine.kv_host.HostTier);
+- t1: + a host tier of `--host-gib` (engine.kv_host.HostTier); on a CPU engine its blocks are read where they
+  lie (engine.kv_tiers, in-place reads: a hit's first block and last two still copied into T0);
+- t1-copy: the same host tier with every hit copied into T0 first (`kv_host_in_place=False`, what a GPU does);
 - t1-int8: the same host tier storing int8 blocks (lossy; `--ll` measures its error);
 - t1+t2: + a small host tier (`--small-host-gib`, too small for the contexts) over a disk tier in a fresh
   directory (`--disk-dir`, default a temporary one): most loads come from disk;
@@ -27,7 +29,10 @@ its T0 is empty) and the call's latency (one output token: the prefill) against 
 Reported per configuration: recomputed prefill tokens (prompt tokens a program had computed in its
 previous call, computed again) and the share of t0's saved, prefix hit rate with the part each tier
 served, each tier's load cost per token against recomputing one (measured in the same process: a fresh
-512-token prefill alone on the engine), program latency mean and p95 and their ratio to t0's.
+512-token prefill alone on the engine), program latency mean and p95 and their ratio to t0's. And for the
+configurations with a host tier, a second table: the calls that loaded blocks from a tier (on t1, from T1),
+their time to first token (engine clock: arrival to first token; mean and median), the tokens loaded, the
+share of them read in place, and the T0 blocks the loads took (one per block copied; none read in place).
 """
 
 from __future__ import annotations
@@ -51,13 +56,13 @@ from agentrt.bench.retention import run_programs, workload
 from agentrt.engine import SamplingParams
 from agentrt.policies.autellix import TTL_SETTINGS
 
-CONFIGS = ("t0", "t1", "t1-int8", "t1+t2", "t2")
+CONFIGS = ("t0", "t1", "t1-copy", "t1-int8", "t1+t2", "t2")
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 256}  # as bench retention's
 SIZE = {**wl.REACT_SMALL, "turns": (6, 10), "tool_median_s": 0.5, "tool_sigma": 0.5, "tool_max_s": 3.0}
 
 
 def tier_options(config: str, host_gib: float, small_host_gib: float, disk_dir: str) -> dict[str, Any]:
-    return {"t0": {}, "t1": {"kv_host_gib": host_gib},
+    return {"t0": {}, "t1": {"kv_host_gib": host_gib}, "t1-copy": {"kv_host_gib": host_gib, "kv_host_in_place": False},
             "t1-int8": {"kv_host_gib": host_gib, "kv_host_quantization": "int8"},
             "t1+t2": {"kv_host_gib": small_host_gib, "kv_disk_dir": disk_dir},
             "t2": {"kv_disk_dir": disk_dir}}[config]
@@ -83,8 +88,11 @@ async def run_one(config: str, specs, model: str | None, num_blocks: int, ttl_s:
     async with agentrt.Runtime(model, policy="plas", policy_kwargs=dict(TTL_SETTINGS), retention=retention, **kw) as rt:
         recompute = await _recompute_s_per_token(rt, min(512, num_blocks // 2 * 16))
         kv0 = rt.kv_stats()
-        results, makespan = await run_programs(rt, specs, size)
+        outs = []
+        results, makespan = await run_programs(rt, specs, size, outs.append)
         kv = rt.kv_stats()
+    loaded = [o.metrics for o in outs if o.metrics is not None and o.metrics.num_tier_loaded_tokens]
+    ttfts = sorted(m.first_token_time - m.arrival_time for m in loaded if m.first_token_time is not None)
     lat = sorted(r["latency_s"] for r in results)
     queries = max(1, kv.prefix_queries_tokens - kv0.prefix_queries_tokens)
     bs = kv.block_size
@@ -93,7 +101,9 @@ async def run_one(config: str, specs, model: str | None, num_blocks: int, ttl_s:
         before = kv0.tiers.get(name)
         hits = st.hits - (before.hits if before else 0)
         load_s = st.load_s - (before.load_s if before else 0.0)
+        in_place = st.in_place - (before.in_place if before else 0)
         tiers[name] = {"hit_tokens": hits * bs, "hit_rate": hits * bs / queries, "blocks": st.blocks,
+                       "in_place_tokens": in_place * bs, "t0_blocks_for_loads": hits - in_place,
                        "demotions": st.demotions, "evictions": st.evictions, "skipped": st.skipped,
                        "corrupt": st.corrupt, "write_s": st.write_s, "load_s": load_s,
                        "load_s_per_token": load_s / (hits * bs) if hits else None}
@@ -105,7 +115,8 @@ async def run_one(config: str, specs, model: str | None, num_blocks: int, ttl_s:
         "ttl_hits": kv.ttl_hits - kv0.ttl_hits, "ttl_misses": kv.ttl_misses - kv0.ttl_misses,
         "preemptions": kv.num_preemptions - kv0.num_preemptions,
         "latency_mean_s": statistics.fmean(lat), "latency_p95_s": lat[min(len(lat) - 1, math.ceil(0.95 * len(lat)) - 1)],
-        "programs": len(results),
+        "programs": len(results), "loaded_calls_ttft_s": ttfts,
+        "loaded_tokens": sum(m.num_tier_loaded_tokens for m in loaded),
     }
 
 
@@ -123,7 +134,8 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         tiers[name] = {"hit_tokens": hit, "hit_rate": hit / queries, "load_s": load_s,
                        "load_s_per_token": load_s / hit if hit else None,
                        **{k: sum(r["tiers"][name][k] for r in runs) for k in ("demotions", "evictions", "skipped",
-                                                                            "corrupt")}}
+                                                                            "corrupt", "in_place_tokens",
+                                                                            "t0_blocks_for_loads")}}
     return {
         "config": runs[0]["config"], "options": runs[0]["options"], "seeds": len(runs), "queries": queries,
         "makespan_s": statistics.fmean(r["makespan_s"] for r in runs),
@@ -132,8 +144,26 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "prefix_hit_rate": sum(r["prefix_hit_rate"] * r["queries"] for r in runs) / queries, "tiers": tiers,
         **{k: sum(r[k] for r in runs) for k in ("ttl_hits", "ttl_misses", "preemptions", "programs")},
         "latency_mean_s": statistics.fmean(lat), "latency_p95_s": lat[min(len(lat) - 1, math.ceil(0.95 * len(lat)) - 1)],
-        "latencies": lat,
+        "latencies": lat, "loaded_calls_ttft_s": sorted(x for r in runs for x in r["loaded_calls_ttft_s"]),
+        "loaded_tokens": sum(r["loaded_tokens"] for r in runs),
     }
+
+
+def loads_table(rows: list[dict[str, Any]]) -> str:
+    """The calls that loaded from a tier, per configuration with a host tier (module docstring)."""
+    out = []
+    for r in rows:
+        host = r["tiers"].get("host")
+        if host is None:
+            continue
+        t = r["loaded_calls_ttft_s"]
+        out.append([r["config"], len(t), f"{statistics.fmean(t) * 1e3:.0f}" if t else "-",
+                    f"{statistics.median(t) * 1e3:.0f}" if t else "-", r["loaded_tokens"],
+                    f"{host['in_place_tokens'] / host['hit_tokens']:.0%}" if host["hit_tokens"] else "-",
+                    host["t0_blocks_for_loads"]])
+    return _common.markdown_table(
+        ["config", "calls loading from tiers", "their TTFT mean ms", "TTFT median ms", "tokens loaded",
+         "T1 tokens read in place", "T0 blocks taken by loads"], out)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -274,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="workload draws, pooled (configs interleaved seed by seed)")
     ap.add_argument("--num-blocks", type=int, default=160, help="KV blocks of 16 tokens in T0 (memory pressure)")
     ap.add_argument("--ttl-s", type=float, default=0.1, help="the programs' pin TTL (tools last longer)")
-    ap.add_argument("--configs", default="t0,t1,t1-int8,t1+t2,t2")
+    ap.add_argument("--configs", default="t0,t1,t1-copy,t1-int8,t1+t2,t2")
     ap.add_argument("--host-gib", type=float, default=1.0, help="T1's size in t1")
     ap.add_argument("--small-host-gib", type=float, default=0.05, help="T1's size in t1+t2")
     ap.add_argument("--disk-dir", default=None, help="T2's directory (default: a fresh temporary one per run)")
@@ -321,13 +351,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"seed {seed} {config}: done in {runs[config][-1]['makespan_s']:.0f} s", flush=True)
     rows = [pooled(runs[c]) for c in configs]
     report = {"config": vars(args), "workload": SIZE, "engine": ENGINE, "results": rows}
-    print(json.dumps(report, indent=2) if args.json else table(rows))
+    loads = loads_table(rows) if any("host" in r["tiers"] for r in rows) else ""
+    print(json.dumps(report, indent=2) if args.json else table(rows) + ("\n\n" + loads if loads else ""))
     if args.write_docs:
         body = (f"{args.programs} agents (`REACT_SMALL` shape, {SIZE['turns'][0]}-{SIZE['turns'][1]} turns, tools "
                 f"{SIZE['tool_median_s']} s median), Poisson arrivals "
                 f"at {args.rate}/s, seeds {args.seed}-{args.seed + args.seeds - 1} pooled; plas with TTL pins of {args.ttl_s} s (tools outlast them); engine "
                 f"{ENGINE}, {args.num_blocks} KV blocks of 16 tokens in T0; t1: {args.host_gib} GiB host tier; t1+t2: "
-                f"{args.small_host_gib} GiB host tier over a disk tier.\n\n" + table(rows))
+                f"{args.small_host_gib} GiB host tier over a disk tier; t1-copy: t1 with every hit copied into T0 "
+                f"(no in-place reads).\n\n" + table(rows)
+                + (f"\n\nCalls that loaded from a tier (t1 reads T1 in place, t1-copy copies it):\n\n{loads}" if loads else ""))
         _common.write_section("KV tiers (bench tiers, real engine)", body)
     return 0
 

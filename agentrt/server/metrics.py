@@ -126,6 +126,8 @@ class Metrics:
             ("skipped", "skipped", "KV blocks not written to the tier (disk full, writer backlog, write error)."),
             ("corrupt", "corrupt_files", "Truncated, corrupt or foreign files found in the tier (never served)."),
             ("prefetched", "prefetched", "KV blocks read ahead from the tier for a waiting call."),
+            ("in_place", "in_place_reads", "Of the hits, KV blocks a block table read where they lie in the tier (a "
+                                           "CPU engine's host tier) instead of a copy."),
             ("load_s", "load_seconds", "Seconds spent loading blocks from the tier."),
             ("write_s", "write_seconds", "Seconds spent writing blocks to the tier."),
         )}

@@ -99,9 +99,10 @@ def test_bench_paging_smoke(capsys, monkeypatch):
     assert [r["block_size"] for r in res["block_size_kernel"]] == [16, 32, 16, 32]
     w = res["block_size_workload"]
     assert len(w) == 2 * len(bench.AGENT_SETS) and all(0 < r["hit_rate"] < 1 and r["waste"] >= 0 for r in w)
-    assert res["host_prep"]["old_us"] > 0 and res["host_prep"]["new_us"] > 0 and res["tiers_in_place"] is None
+    assert res["host_prep"]["old_us"] > 0 and res["host_prep"]["new_us"] > 0
+    assert res["tiers_in_place"] == bench.TIERS_IN_PLACE and "--configs t1-copy,t1" in bench.TIERS_IN_PLACE["command"]
     text = bench.markdown(res)
-    assert "Largest gap" in text and "Not built" in text
+    assert "Largest gap" in text and "Measured by `agentrt bench tiers --configs t1-copy,t1" in text
     assert pages() == before
 
 

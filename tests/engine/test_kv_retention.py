@@ -41,7 +41,7 @@ def free_queue(kv: KVCacheManager) -> list[int]:
 def check(kv: KVCacheManager, reqs=()) -> None:
     """The pool's invariants (engine.block_pool), given the live requests."""
     pool: BlockPool = kv.pool
-    holders = [0] * pool.num_blocks
+    holders = [0] * len(pool.ref_cnt)  # (in-place ids of a host tier after the pool's own, engine.block_pool)
     for r in reqs:
         for b in r.block_ids:
             holders[b] += 1
