@@ -30,10 +30,13 @@ sequence's table walks physically contiguous memory. `allocate(n, after=b)` take
    runs whose newest cached block was freed longest ago (a heap of fully free runs, O(log n) per run);
 3. the rest in the LRU free queue's order, as with S = 1.
 Cached-but-free blocks: by default a block is taken out of LRU order (1 and 2) only when it has no hash or LRU would
-evict it for this same allocation (it is among the first n of the free queue), so a superblock never drops a cached
-block earlier than S = 1 would and the prefix hit rate is not worse; `runs_evict_early` takes any free run and
-continuation block, cached or not (more contiguity, hashes dropped before their LRU turn: `bench paging` measures
-both). Run tails are not held: a run's blocks past what the allocation needs stay free for whoever takes them.
+evict it for this same allocation (it is among the first n of the free queue). Clean blocks sit at the queue's head,
+so a window of n holding a cached block holds every clean one: a step takes LRU's n blocks in another order (or, with
+clean blocks only in the window, other clean ones) and drops exactly the hashes LRU would. The cache holds what it
+holds with S = 1 at every step (prefix hits are S = 1's); runs form where LRU's victims make them (a table's blocks
+are freed at once, so they sit together in the queue). `runs_evict_early` takes any free run and continuation block,
+cached or not (more contiguity, hashes dropped before their LRU turn: `bench paging` measures both). Run tails are
+not held: a run's blocks past what the allocation needs stay free for whoever takes them.
 Invariants (tests/engine/test_kv_superblocks.py): `_run_free[s]` == free blocks of run s; every fully free run has a
 heap entry `(_run_age[s], s)`, `_run_age[s]` the newest free time of its cached blocks (-1: none).
 """

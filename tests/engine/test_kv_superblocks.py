@@ -156,7 +156,9 @@ def check_runs(pool: BlockPool) -> None:
 
 
 def guard_lru(kv: KVCacheManager) -> None:
-    """Wrap the pool's allocate: the hashes it drops are among those LRU would drop for the same allocation."""
+    """Wrap the pool's allocate: the hashes it drops are exactly those LRU would drop for the same allocation (the
+    clean blocks sit at the queue's head: a window of n holding a cached block holds every clean one, so the
+    blocks a run may take are the window's)."""
     pool = kv.pool
     allocate = pool.allocate
 
@@ -164,7 +166,7 @@ def guard_lru(kv: KVCacheManager) -> None:
         lru = {pool.block_hash[b] for b in list(pool.free_queue)[:n]} - {None}
         before = set(pool.cached)
         out = allocate(n, owner, after)
-        assert before - set(pool.cached) <= lru, "a superblock evicted a cached block before LRU would"
+        assert before - set(pool.cached) == lru, "a superblock evicted other cached blocks than LRU would"
         return out
 
     pool.allocate = checked
