@@ -240,3 +240,33 @@ def test_greedy_tokens_equal_with_and_without_superblocks(tiny_model_path):
         assert llm.core.kv.stats.evictions > 0  # the pool is small enough for the allocation to meet the cache
         replies[s] = got
     assert replies[4] == replies[1] and replies[16] == replies[1]
+
+
+def test_greedy_tokens_equal_with_superblocks_on_window_groups(tmp_path):
+    """Gemma 3's layer rules (a full group and window groups freeing blocks all along) on a tiny seeded checkpoint:
+    the same greedy tokens with runs of 4 as with S = 1, every block free after."""
+    import os
+
+    from agentrt.engine import LLM
+    from agentrt.engine.loader import load_tokenizer, resolve_model
+    from tests.conftest import assert_all_blocks_free
+    from tests.engine.test_kv_layer_groups_engine import GREEDY, _tokens, gemma3_config
+    from tests.engine.test_moe_models import make_hf
+
+    make_hf(gemma3_config(), seed=5).save_pretrained(tmp_path)
+    load_tokenizer(resolve_model(os.environ.get("AGENTRT_TEST_TOKENIZER"))).save_pretrained(tmp_path)
+    replies = {}
+    for s in (1, 4):
+        llm = LLM(str(tmp_path), num_blocks=200, block_size=4, max_num_batched_tokens=32, max_num_seqs=3,
+                  kv_superblock_blocks=s)
+        assert len(llm.core.kv_layout.groups) > 1
+        convs = [_tokens(30 + 7 * i, i) for i in range(3)]
+        got = []
+        for _turn in range(3):
+            outs = llm.generate([{"prompt_token_ids": c} for c in convs], GREEDY)
+            got.append([o.token_ids for o in outs])
+            convs = [c + o.token_ids + _tokens(9, len(c)) for c, o in zip(convs, outs)]
+        assert_all_blocks_free(llm.core)
+        assert (llm.core.kv.stats.run_blocks > 0) == (s > 1)
+        replies[s] = got
+    assert replies[4] == replies[1]
