@@ -316,9 +316,9 @@ class KVCacheManager:
         block and registered there (a cached, unreferenced block, like any other hit: the caller takes it or the
         LRU does); blocks of the chain still in T0 past a demoted one are taken as they are. With in-place reads
         (engine.kv_tiers), a T1 block that is neither the sequence's first nor one of the last `HOT_BLOCKS` of the
-        chain found is named where it lies instead (an in-place id, unreferenced like the rest). Stops at the
-        first block found nowhere, when no block is free for a copy, or when loading would cost more than
-        recomputing. Returns how many blocks it loaded or named in place."""
+        chain found is named where it lies instead (an in-place id, unreferenced like the rest; counted when a
+        request takes it, `_took_in_place`). Stops at the first block found nowhere, when no block is free for a
+        copy, or when loading would cost more than recomputing. Returns how many blocks it loaded."""
         pool, tiers = self.pool, self.tiers
         loaded = 0
         hot_from = 0  # chain index from which T1 blocks are copied, not read in place (the recent window)
@@ -343,10 +343,9 @@ class KVCacheManager:
                 if where is None:
                     break
                 if where[0] == 1 and 0 < i < hot_from:  # read where it lies: held from now (the touch) on
-                    b = tiers.read_in_place(where[1])
+                    b = tiers.in_place_block(where[1])
                     pool.touch([b])
                     hits.append(b)
-                    loaded += 1
                     continue
                 if not tiers.worth_loading(where[0]):
                     break
@@ -398,6 +397,8 @@ class KVCacheManager:
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks, owner)
             req.block_ids.extend(new_computed_blocks)
+            if self._in_place:
+                self._took_in_place(req, new_computed_blocks)
         if cow:
             src = req.block_ids[write_block]
             (dst,) = self.pool.allocate(1, owner)
@@ -410,6 +411,14 @@ class KVCacheManager:
         if need:  # (a superblock pool continues the table where it ends: `after`)
             req.block_ids.extend(self.pool.allocate(need, owner, req.block_ids[-1] if req.block_ids else None))
         return True
+
+    def _took_in_place(self, req: Request, hits: list[int]) -> None:
+        """`req` took its prefix hits: those named in place count as T1 hits and loaded tokens now, once (a waiting
+        request looks its prefix up at every step; a copy is counted when made, as it is made once)."""
+        n = sum(1 for b in hits if b >= self.pool.num_blocks)
+        if n:
+            self.tiers.count_in_place(n)
+            req.num_tier_loaded_tokens += n * self.block_size
 
     def _allocate_groups(self, req: Request, num_new_tokens: int, hits: list[int], may_take_reserved: bool,
                          may_take_pinned: bool | Callable[[str], bool]) -> bool:

@@ -26,7 +26,7 @@ Flow (`KVTiers`):
 In-place reads (`in_place`; a CPU engine with an exact host tier and one layer group): T1 is the same DRAM as
 the pool, so its slots are allocated as the tail of the engine's KV tensor (`attach`: slot s is block
 `in_place_base + s`) and a T1 hit is read where it lies: the request's block table names that id
-(`read_in_place`), no copy is queued, and the pool ref-counts the id like a block (engine.block_pool), so the
+(`in_place_block`), no copy is queued, and the pool ref-counts the id like a block (engine.block_pool), so the
 slot is held (`HostTier.in_use`: never evicted, never written) until no table names it, on every path that
 frees a table. Only full, immutable prefix blocks are read this way (a request writes only past its hits, in
 blocks of its own); the hottest blocks of a hit (the sequence's first block, the sink and a program's head;
@@ -134,11 +134,14 @@ class KVTiers:
         self.host.share(kv_cache[:, :, base : base + n].permute(2, 0, 1, *range(3, kv_cache.dim())))
         self.in_place_base = base
 
-    def read_in_place(self, slot: int) -> int:
-        """The block id a block table names to read T1 slot `slot` where it lies (counted as a hit)."""
-        self.host.stats.hits += 1
-        self.host.stats.in_place += 1
+    def in_place_block(self, slot: int) -> int:
+        """The block id a block table names to read T1 slot `slot` where it lies."""
         return self.in_place_base + slot
+
+    def count_in_place(self, n: int) -> None:
+        """A request took `n` blocks read in place (at admission: a waiting request finds them at every lookup)."""
+        self.host.stats.hits += n
+        self.host.stats.in_place += n
 
     def has(self, h: bytes) -> bool:
         """Is block `h` below T0 (no LRU refresh, no rescan: a look ahead, not a use)?"""

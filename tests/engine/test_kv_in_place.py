@@ -136,14 +136,17 @@ def test_t1_hit_is_read_in_place_and_held_until_the_request_ends():
     assert loads == [(hits[0], 5), (hits[4], 1), (hits[5], 0)]  # no copy of slots 2-4
     # the first copy took Q's partial block (no hash), the next two Q's cached blocks 6 and 5 (saved to slots 6, 7)
     assert [kind for kind, _, _ in moves.ops] == ["load", "save", "load", "save", "load"]
-    assert (host.stats.hits, host.stats.in_place) == (6, 3)
-    assert p2.num_tier_loaded_tokens == 6 * BS
+    assert (host.stats.hits, host.stats.in_place, p2.num_tier_loaded_tokens) == (3, 0, 3 * BS)  # the copies
     tiers.apply(moves, kv_cache)
     for i, b in enumerate(hits):
         assert torch.equal(block(kv_cache, b), data[i]), f"block {i} (id {b})"
     assert host.in_use == set()  # found, not yet held: the table takes them at admission
+    # a waiting request looks its prefix up again at the next step: the same hits, nothing copied or counted again
+    assert kv.get_computed_blocks(p2) == (hits, num_hit) and not kv.take_tier_moves()
+    assert (host.stats.hits, host.stats.in_place, p2.num_tier_loaded_tokens) == (3, 0, 3 * BS)
 
     assert kv.allocate_slots(p2, 1, hits)
+    assert (host.stats.hits, host.stats.in_place, p2.num_tier_loaded_tokens) == (6, 3, 6 * BS)  # taken: counted
     assert p2.block_ids[:6] == hits and len(p2.block_ids) == 7 and p2.block_ids[6] < T0
     assert host.in_use == {2, 3, 4}
     assert [kv.pool.ref_cnt[T0 + s] for s in range(T1)] == [0, 0, 1, 1, 1, 0, 0, 0, 0, 0]
