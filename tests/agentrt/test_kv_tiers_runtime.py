@@ -92,16 +92,21 @@ def test_sim_tier_cost_is_bytes_over_bandwidth():
 def test_bench_tiers_pools_seeds_by_what_each_figure_is_a_rate_of():
     run = {"config": "t1", "options": {}, "makespan_s": 10.0, "recompute_s_per_token": 4e-4, "queries": 100,
            "latencies": [1.0, 2.0], "recomputed_prefill_tokens": 5, "prefix_hit_rate": 0.5, "ttl_hits": 1,
-           "ttl_misses": 2, "preemptions": 0, "programs": 2,
+           "ttl_misses": 2, "preemptions": 0, "programs": 2, "loaded_calls_ttft_s": [0.3, 0.1], "loaded_tokens": 64,
            "tiers": {"host": {"hit_tokens": 10, "load_s": 1e-3, "demotions": 3, "evictions": 0, "skipped": 0,
-                              "corrupt": 0}}}
+                              "corrupt": 0, "in_place_tokens": 4, "t0_blocks_for_loads": 2}}}
     other = {**run, "makespan_s": 20.0, "queries": 300, "latencies": [3.0, 10.0], "prefix_hit_rate": 1.0,
+             "loaded_calls_ttft_s": [0.2], "loaded_tokens": 16,
              "tiers": {"host": {**run["tiers"]["host"], "hit_tokens": 30, "load_s": 5e-3}}}
     p = bench_tiers.pooled([run, other])
     assert p["latency_mean_s"] == 4.0 and p["latency_p95_s"] == 10.0 and p["programs"] == 4
     assert p["prefix_hit_rate"] == (50 + 300) / 400 and p["makespan_s"] == 15.0
     assert p["tiers"]["host"]["hit_rate"] == 40 / 400 and p["tiers"]["host"]["load_s_per_token"] == 6e-3 / 40
     assert p["tiers"]["host"]["demotions"] == 6 and p["recomputed_prefill_tokens"] == 10
+    # in-place reads (t1 against t1-copy): the calls that loaded from a tier pooled, counts summed
+    assert p["loaded_calls_ttft_s"] == [0.1, 0.2, 0.3] and p["loaded_tokens"] == 80
+    assert (p["tiers"]["host"]["in_place_tokens"], p["tiers"]["host"]["t0_blocks_for_loads"]) == (8, 4)
+    assert bench_tiers.loads_table([p]).splitlines()[2] == "| t1 | 3 | 200 | 200 | 80 | 20% | 4 |"
 
 
 def test_an_engine_going_idle_writes_its_last_blocks_through_to_disk(tiny_model_path, tmp_path):
