@@ -388,3 +388,27 @@ def test_in_place_reads_are_a_metric():
     m.render(state(kv_tiers={"host": TierStats(blocks=5, hits=9, in_place=6)}))
     assert sample(m, "agentrt:kv_tier_in_place_reads_total", tier="host") == 6
     assert sample(m, "agentrt:kv_tier_hits_total", tier="host") == 9
+
+
+def test_engine_of_several_layer_groups_copies_host_blocks_or_refuses_in_place(tmp_path):
+    """A windowed model (tiny Gemma 3: window and full layer groups) keeps today's copies by default and refuses
+    kv_host_in_place=True with a reason."""
+    import os
+
+    from agentrt.engine.loader import load_tokenizer, resolve_model
+    from tests.engine.test_kv_layer_groups_engine import gemma3_config
+    from tests.engine.test_moe_models import make_hf
+
+    make_hf(gemma3_config(), seed=5).save_pretrained(tmp_path)
+    load_tokenizer(resolve_model(os.environ.get("AGENTRT_TEST_TOKENIZER"))).save_pretrained(tmp_path)
+    cfg = {"device": "cpu", "dtype": "float32", "num_blocks": 64, "block_size": 4, "kv_host_gib": 0.001}
+    with pytest.raises(ValueError, match=r"kv_host_in_place: .* layer group\(s\) with windows; .* full-attention group "
+                                         r"only \(kv_host_in_place=False copies"):
+        LLM(str(tmp_path), kv_host_in_place=True, **cfg)
+    llm = LLM(str(tmp_path), **cfg)
+    try:
+        assert llm.core.kv_layout.num_groups > 1 and not llm.core.tiers.in_place
+        assert "read in place" not in llm.core.startup_line
+        assert llm.core.runner.kv_cache.shape[2] == 64 and llm.core.tiers.host.data is not None
+    finally:
+        llm.close()
