@@ -62,13 +62,11 @@ def test_kv_bytes_per_token_rounds_each_sequence_up_to_whole_blocks():
         bench.kv_bytes_per_token([], 16)
 
 
-def test_huge_pages_empty_is_an_aligned_writable_tensor():
-    if not bench.huge_pages_supported():
-        pytest.skip("no transparent huge pages here")
-    t = bench.huge_pages_empty((3, 5, 7), torch.bfloat16)
-    assert t.shape == (3, 5, 7) and t.dtype == torch.bfloat16 and t.data_ptr() % bench.HUGE_PAGE == 0
-    t.copy_(torch.arange(105, dtype=torch.bfloat16).view(3, 5, 7))
-    assert t.flatten().tolist() == list(range(105))
+def test_memory_floor_times_both_orders_of_the_same_blocks(monkeypatch):
+    monkeypatch.setattr(bench, "MIN_TIME_S", 0.0)
+    q, k, v, contiguous, shuffled = bench._decode(2, 64, 16, torch.float32)
+    ts, tc = bench.memory_floor(k, v, shuffled, contiguous, 3)
+    assert len(ts) == len(tc) == 3 and min(ts) > 0 and min(tc) > 0
 
 
 def test_the_new_step_tables_equal_the_old_per_request_ones():
@@ -92,10 +90,10 @@ def test_bench_paging_smoke(capsys, monkeypatch):
             "--prep-steps", "12", "--superblocks", "", "--json"]  # (the superblock sweep: its own test below)
     assert bench.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
-    kinds = ["4 KB", "2 MB"] if bench.huge_pages_supported() else ["4 KB"]
+    kinds = ["4 KB", "2 MB"] if bench.huge_pages.supported() else ["4 KB"]
     assert [(r["pages"], r["dtype"], r["batch"], r["context"]) for r in res["decode"]] == [
         (k, d, 2, 64) for k in kinds for d in ("float32", "bfloat16")]
-    assert all(r["shuffled_ms"] > 0 and r["shuffled_over_contiguous"] > 0 for r in res["decode"])
+    assert all(r["shuffled_ms"] > 0 and r["shuffled_over_contiguous"] > 0 and r["floor_ratio"] > 0 for r in res["decode"])
     assert [r["block_size"] for r in res["block_size_kernel"]] == [16, 32, 16, 32]
     w = res["block_size_workload"]
     assert len(w) == 2 * len(bench.AGENT_SETS) and all(0 < r["hit_rate"] < 1 and r["waste"] >= 0 for r in w)
