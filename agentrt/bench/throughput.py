@@ -251,24 +251,29 @@ def engines_decode_paired(engines: dict, prompt, new: int) -> dict:
     return seconds
 
 
-def concurrency(llm, reqs, repeats: int) -> dict:
+def concurrency(llm, reqs, repeats: int, prefilled: bool = False) -> dict:
     """Output tokens/s of `reqs` as concurrent calls (one `LLM.generate`, all of them seated together) against
     the same calls one at a time (a `generate` each), same engine, prefill included on both sides (every run's
     prompts get a first token no earlier run used: no prefix-cache hits); the two alternate `repeats` times,
-    each side's median kept."""
+    each side's median kept. `prefilled`: each timed prompt was computed once before (untimed), so a timed call
+    reads its full blocks from the prefix cache and computes its last partial block and its output: the decode's
+    tokens/s, the part where the concurrent calls share each step's weights."""
     useful = sum(o for _, o in reqs)
     together: list[float] = []
     alone: list[float] = []
+    base = 1000 if prefilled else 0  # first tokens the other variant never used
     for r in range(repeats):
-        fresh = [([p[0] + 3 + 2 * r, *p[1:]], o) for p, o in reqs]
-        again = [([p[0] + 4 + 2 * r, *p[1:]], o) for p, o in reqs]
+        fresh = [([p[0] + base + 3 + 2 * r, *p[1:]], o) for p, o in reqs]
+        again = [([p[0] + base + 4 + 2 * r, *p[1:]], o) for p, o in reqs]
+        if prefilled:
+            run_engine(llm, [(p, 1) for p, _ in fresh + again])
         for side in ("together", "alone") if r % 2 == 0 else ("alone", "together"):
             if side == "together":
                 together.append(run_engine(llm, fresh))
             else:
                 alone.append(sum(run_engine(llm, [req]) for req in again))
-            print(f"concurrency repeat {r} {side}: {(together if side == 'together' else alone)[-1]:.1f} s",
-                  file=sys.stderr)
+            print(f"concurrency{' (prefilled)' if prefilled else ''} repeat {r} {side}: "
+                  f"{(together if side == 'together' else alone)[-1]:.1f} s", file=sys.stderr)
     t_together, t_alone = statistics.median(together), statistics.median(alone)
     return {"calls": len(reqs), "output_tokens": useful, "repeats": repeats, "concurrent_s": t_together,
             "one_at_a_time_s": t_alone, "concurrent_tok_s": useful / t_together, "one_at_a_time_tok_s": useful / t_alone,
@@ -556,19 +561,22 @@ def main(argv: list[str] | None = None) -> int:
     if a.concurrent:
         calls = [(p, a.concurrent_tokens or o) for p, o in reqs[: a.concurrent]]
         c = results["concurrency"] = concurrency(llm, calls, max(1, a.concurrent_repeats))
+        cd = results["concurrency_decode"] = concurrency(llm, calls, max(1, a.concurrent_repeats), prefilled=True)
         c["output_lengths"] = (f"{a.concurrent_tokens} output tokens each: all {len(calls)} concurrent to the end"
                                if a.concurrent_tokens else "their own output lengths")
-        crows = [[f"{c['calls']} concurrent calls (one generate)", f"{c['concurrent_s']:.1f}", c["concurrent_tok_s"],
-                  c["ratio"]],
-                 [f"the same {c['calls']} calls one at a time", f"{c['one_at_a_time_s']:.1f}",
-                  c["one_at_a_time_tok_s"], 1.0]]
+        crows = [[f"{x['calls']} concurrent calls (one generate), {what}", f"{x['concurrent_s']:.1f}",
+                  x["concurrent_tok_s"], x["ratio"]] for x, what in ((c, "prefill included"), (cd, "prompts prefilled"))]
+        crows += [[f"the same {c['calls']} calls one at a time, {what}", f"{x['one_at_a_time_s']:.1f}",
+                   x["one_at_a_time_tok_s"], 1.0] for x, what in ((c, "prefill included"), (cd, "prompts prefilled"))]
         target = " (target >= 4x for a mixture of experts)" if getattr(args, "moe", None) is not None else ""
         concurrency_note = (
             f"{markdown_table(['engine calls', 'wall s', 'output tok/s', 'vs one at a time'], crows)}\n\n"
-            f"{c['calls']} concurrent calls / one call at a time, output tok/s: **{c['ratio']:.2f}x**{target}; the "
-            f"workload's first {c['calls']} requests, {c['output_lengths']} ({c['output_tokens']} output tokens), "
-            "prefill included on both "
-            f"sides, the median of {c['repeats']} alternated runs each\n\n")
+            f"{c['calls']} concurrent calls / one call at a time, output tok/s: **{c['ratio']:.2f}x** prefill included, "
+            f"**{cd['ratio']:.2f}x** with the prompts prefilled (decode){target}; the "
+            f"workload's first {c['calls']} requests, {c['output_lengths']} ({c['output_tokens']} output tokens); "
+            "prefill included: every prompt new to the cache; prompts prefilled: each computed once before, untimed, so "
+            "a timed call computes its last partial block and its output; the median of "
+            f"{c['repeats']} alternated runs each\n\n")
     sampling_note = ""
     if a.sampling_steps > 0:
         from agentrt.bench import sampling

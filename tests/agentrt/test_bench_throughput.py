@@ -22,3 +22,5 @@ def test_bench_throughput_smoke(tiny_model_path, capsys):
     c = report["concurrency"]  # 2 calls of 5 tokens each, together and one at a time
     assert c["calls"] == 2 and c["output_tokens"] == 10 and c["concurrent_s"] > 0 and c["one_at_a_time_s"] > 0
     assert c["ratio"] == c["one_at_a_time_s"] / c["concurrent_s"] and "5 output tokens each" in c["output_lengths"]
+    d = report["concurrency_decode"]  # the same with every prompt prefilled first
+    assert d["calls"] == 2 and d["output_tokens"] == 10 and d["ratio"] == d["one_at_a_time_s"] / d["concurrent_s"]
