@@ -652,11 +652,13 @@ def main(argv: list[str] | None = None) -> int:
         print(summary)
     if a.docs:
         if a.random_weights is not None:
-            title = f"Throughput ({a.random_weights}, random weights, {results['device']})"
+            parts = [a.random_weights, "random weights", results["device"]]
         else:  # a model other than the default one named first
             parts = (([os.path.basename(str(a.model).rstrip("/"))] if a.model is not None else [])
                      + ([dtype_on_cpu(dtype)] if device == "cpu" else []))
-            title = f"Throughput ({', '.join(parts)})" if parts else "Throughput"
+        if a.quantization not in (None, "none"):  # its own section: a packed run does not replace the widened one
+            parts.append(f"--quantization {a.quantization}")
+        title = f"Throughput ({', '.join(parts)})" if parts else "Throughput"
         write_section(title, summary)
     return 0
 
