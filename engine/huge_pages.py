@@ -1,11 +1,13 @@
-"""CPU memory in 2 MB pages for the KV cache (Linux transparent huge pages).
+"""CPU memory in 2 MB pages (Linux transparent huge pages), for `agentrt bench paging`.
 
-A decode step reads every block of every sequence through its block table; blocks are scattered over the
-pool, so with 4 KB pages each block of a long context costs a TLB miss or several. Transparent huge pages are
-on "madvise" on most distributions: memory is backed by 2 MB pages only where a mapping asks (MADV_HUGEPAGE).
-`zeros` asks for it on the KV tensor of a CPU engine (`agentrt bench paging` measures what it is worth: decode
-attention over a shuffled table ~10-20% faster on a 2-core EPYC). Where the kernel says no (THP "never", no
-MADV_HUGEPAGE, another OS), it is torch.zeros.
+A decode step reads every block of every sequence through its block table; with 4 KB pages each block of a long
+context costs a TLB miss or several. Transparent huge pages are on "madvise" on most distributions: memory is
+backed by 2 MB pages only where a mapping asks (MADV_HUGEPAGE). The engine's own KV tensor does not ask: with
+THP's defrag also on "madvise" (the usual default), every fault of an advised mapping may compact memory
+synchronously, on the step path (the CI run that had the engine's tensor advised was ~5 minutes slower and one
+server missed its shutdown deadline; not proven to be this, so it was taken out). `agentrt bench paging` measures
+decode in both page sizes with `empty`. Where the kernel says no (THP
+"never", no MADV_HUGEPAGE, another OS), `zeros` is torch.zeros.
 """
 
 from __future__ import annotations

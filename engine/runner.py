@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from agentrt import kernels
-from agentrt.engine import huge_pages
 from agentrt.engine.block_table import BlockTables
 from agentrt.engine.kv_layout import KVLayout
 from agentrt.engine.request import Request
@@ -60,10 +59,13 @@ class ModelRunner:
         model.set_kv_layout(self.layout)
         self.block_tables = BlockTables(block_size, self.layout.num_groups)  # rows kept across steps, per group
         # kv_cache: [page layers, K/V, num_blocks, block_size, kv_heads, head_dim]; a block (page) holds one layer
-        # group's page_layers layers (engine.kv_layout), the model's every layer with one group; on CPU in 2 MB
-        # pages where the OS gives them (engine.huge_pages)
-        self.kv_cache = huge_pages.zeros(
-            (self.layout.page_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim), dtype, self.device)
+        # group's page_layers layers (engine.kv_layout), the model's every layer with one group. Not in 2 MB pages
+        # (engine.huge_pages): with THP's defrag on "madvise", an advised mapping's page faults compact memory on the
+        # step path (stalls measured here); `bench paging` measures what 2 MB pages would give
+        self.kv_cache = torch.zeros(
+            self.layout.page_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype,
+            device=self.device
+        )
 
     @staticmethod
     def bytes_per_block(args, block_size: int, dtype: torch.dtype, layout: KVLayout | None = None) -> int:

@@ -502,8 +502,8 @@ def markdown(result: dict) -> str:
         "last column is the machine's own price of the order: the same K and V blocks copied out in each table's order "
         "(no attention, `memory_floor`); where a kernel's ratio is near it, the kernel adds nothing of its own to the "
         f"order's cost and no kernel gets under it here (largest floor: {max(r['floor_ratio'] for r in d):.3f}). "
-        "The engine's KV tensor is in 2 MB pages on CPU (engine.huge_pages), and the C++ walk prefetches two blocks "
-        "ahead into L2.",
+        "The C++ walk prefetches two blocks ahead into L2; the engine's KV tensor stays in 4 KB pages (engine.huge_pages "
+        "says why).",
         "",
         f"### Block size: decode time ({result['sweep_case'][0]} x {result['sweep_case'][1]}, shuffled table)",
         "",

@@ -234,7 +234,7 @@ async def test_errors_name_the_value_and_program(tiny_model_path):
             await agentrt.chat([{"role": "user"}])
         with pytest.raises(agentrt.ProgramNotFoundError, match="'prog-none'"):
             rt.programs["prog-none"]
-        with pytest.raises(agentrt.CallFailedError, match="KV blocks"):
+        with pytest.raises(agentrt.InvalidCallError, match=r"65 KV blocks.*max_tokens=1"):  # refused before the engine
             await agentrt.generate(list(range(100, 100 + 64 * 16 + 1)), max_tokens=1)
         assert isinstance(agentrt.CallFailedError("x"), agentrt.AgentrtError)
 

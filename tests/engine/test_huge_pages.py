@@ -1,4 +1,4 @@
-"""engine.huge_pages: the CPU KV tensor in 2 MB pages where the OS gives them, zeros either way."""
+"""engine.huge_pages: tensors in 2 MB pages where the OS gives them (bench paging), zeros either way."""
 
 import pytest
 import torch
@@ -42,21 +42,3 @@ def test_large_tensor_is_2mb_aligned_and_advised():
     assert _advised(x.data_ptr())
     x.fill_(1.0)
     assert x.sum().item() == 4 << 20
-
-
-def test_engine_kv_cache_is_in_huge_pages_on_cpu():
-    from agentrt.engine.kv_layout import KVLayout
-    from agentrt.engine.runner import ModelRunner
-
-    class Model:
-        from types import SimpleNamespace
-
-        args = SimpleNamespace(num_layers=2, num_kv_heads=4, head_dim=64)
-
-        def set_kv_layout(self, layout):
-            pass
-
-    runner = ModelRunner(Model(), 1024, 16, torch.float32, "cpu", layout=KVLayout.single(2))
-    assert runner.kv_cache.shape == (2, 2, 1024, 16, 4, 64) and not runner.kv_cache.any()
-    if huge_pages.supported():
-        assert runner.kv_cache.data_ptr() % huge_pages.HUGE_PAGE == 0 and _advised(runner.kv_cache.data_ptr())
