@@ -142,17 +142,22 @@ class KVCacheManager:
         return self.ownership.owner_kv(owner)
 
     def fits_whole(self, req: Request, hits: list[int], may_take_pinned: bool | Callable[[str], bool],
-                   output_tokens: int | None = None) -> bool:
+                   output_tokens: int | None = None, headroom: int = 0) -> bool:
         """Would a waiting request's whole prompt and output (`sampling.max_tokens`, at most `output_tokens` of it
         when given) fit, with the given hit blocks, in what its owner may take now (pins that would give way
-        counted if `may_take_pinned`: all, or those of the programs it accepts)?"""
+        counted if `may_take_pinned`: all, or those of the programs it accepts), leaving `headroom` blocks of it?"""
+        pins = may_take_pinned if callable(may_take_pinned) else None
+        owner = req.program_id
+        room = self.num_allocatable(owner, hits, pins) if may_take_pinned else self.pool.available_to(owner)
+        return self.blocks_needed(req, hits, output_tokens) + headroom <= room
+
+    def blocks_needed(self, req: Request, hits: list[int], output_tokens: int | None = None) -> int:
+        """Blocks a waiting request's whole prompt and output (as in `fits_whole`) takes beyond its hit blocks
+        (a free hit block counts: it leaves the free queue)."""
         output = req.sampling.max_tokens if output_tokens is None else min(req.sampling.max_tokens, output_tokens)
         total = min(req.num_tokens + output, req.max_model_len)
-        owner = req.program_id
         live, reclaimable = self._hit_counts(hits)
-        pins = may_take_pinned if callable(may_take_pinned) else None
-        room = self.num_allocatable(owner, hits, pins) if may_take_pinned else self.pool.available_to(owner)
-        return self.blocks_for(total) - live + reclaimable <= room
+        return self.blocks_for(total) - live + reclaimable
 
     def _hit_counts(self, hits: list[int]) -> tuple[int, int]:
         """(blocks, free blocks) among a prefix hit's blocks, every group's: free ones use up free room."""

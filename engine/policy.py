@@ -34,6 +34,11 @@ class SchedulingPolicy(ABC):
     # this many tokens of max_tokens (None: all of it; a call without max_tokens would then need the whole context)
     pins_by_rank: bool = False  # with protect_pins: a waiting call of a program holding a pin may make the pins of
     # exactly the programs it `outranks` give way (instead of anyone's)
+    new_take_pins: bool = False  # with protect_pins and pins_by_rank: a call of a program holding no pin (a new
+    # program) may make the pins of the programs it `outranks` give way too (else it takes nobody's)
+    keeps_headroom: bool = False  # admission leaves room for better-ranked calls: while others run, a call the
+    # policy says `leaves_headroom` goes in only if the blocks a typical better call needs stay free after it
+    # (the scheduler fits that size from the calls it admits that do not leave headroom)
 
     def on_arrival(self, req: Request, now: float) -> None:
         """A request entered the waiting queue for the first time."""
@@ -80,6 +85,11 @@ class SchedulingPolicy(ABC):
     def outranks(self, waiting: Request, program_id: str) -> bool:
         """With `pins_by_rank`: does `waiting` rank above program `program_id`, which has no call in the
         engine and holds pinned KV (so its pin may give way to it)? Default: no program is outranked."""
+        return False
+
+    def leaves_headroom(self, req: Request) -> bool:
+        """With `keeps_headroom`: must `req` leave room in the KV cache for better-ranked calls (it ranks in the
+        policy's lowest class)? Default: no."""
         return False
 
     def displaces(self, waiting: Request, running: Request) -> bool:

@@ -22,8 +22,15 @@ policy's `pinned_key` may keep its own classes first, as agentrt's queues do; no
 binds, when seats go in the policy's order);
 `protect_pins` is admission control for a KV-bound engine: while others run, a waiting call goes in only
 if its whole prompt and output fit (at most the policy's `admit_output_tokens` of the output), and only a call of a program that holds a pin may make other
-programs' pins give way (with the policy's `pins_by_rank`, only those of the programs it `outranks`; an idle
-engine admits as usual). agentrt's PLAS takes these as arguments.
+programs' pins give way (with the policy's `pins_by_rank`, only those of the programs it `outranks`, and with its
+`new_take_pins` a call of a program holding no pin may too; an idle engine admits as usual). agentrt's PLAS takes these as arguments.
+
+Headroom (a policy that `keeps_headroom`, agentrt's PLAS): while others run, a call the policy says
+`leaves_headroom` (its lowest class: long programs) is admitted only if, after its whole prompt and output, the
+blocks a better-ranked call typically needs stay free: the 90th percentile of what the latest better-ranked calls
+needed beyond their prefix hits at admission (`HEADROOM_FIT` of them, once `HEADROOM_MIN` were seen; at most
+half the cache). A new short program then finds its blocks free instead of waiting for the long calls that hold
+them to finish (issue 47: displacing them would recompute their contexts).
 
 The running set: `max_num_seqs` seats, or fewer while the policy's `max_running` says so (a running-set
 cap: admission stops at it, and a preemptive policy's better waiting call displaces the worst running
@@ -33,6 +40,7 @@ for blocks); requests already running above a lowered cap finish as usual.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +69,10 @@ class SchedulerOutput:
         return sum(self.num_tokens)
 
 
+HEADROOM_FIT = 64  # better-ranked admissions the headroom is fitted from (the latest)
+HEADROOM_MIN = 8  # no headroom before this many were seen
+
+
 class Scheduler:
     def __init__(
         self,
@@ -78,6 +90,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._classes = False  # this step: some request is in a class other than 0
         self._seats = config.max_num_seqs  # this step: the running set's size limit (policy.max_running)
+        self._better_needs: collections.deque[int] = collections.deque(maxlen=HEADROOM_FIT)  # blocks better-ranked
+        # calls needed at admission (policy.keeps_headroom)
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -213,6 +227,7 @@ class Scheduler:
         protect_pins = self.policy.protect_pins
         in_flight: set[bytes] | None = None  # hashes of the full blocks this step computes (made on first need)
         j = 0  # waiting requests before j wait for blocks this step computes
+        headroom_blocked = False  # a call that leaves headroom waits for it this step (policy.keeps_headroom)
         while (not short_of_blocks and j < len(self.waiting) and budget > 0
                and len(self.running) < self._seats):
             req = self.waiting[j]
@@ -236,6 +251,17 @@ class Scheduler:
                     j += 1
                     continue
             n = min(req.num_tokens - num_hit, budget)
+            need = None
+            if self.policy.keeps_headroom and not idle:
+                if self.policy.leaves_headroom(req):
+                    room = self.headroom_blocks()
+                    if headroom_blocked or (room and not self.kv.fits_whole(req, hits, take_pins,
+                                                                            self.policy.admit_output_tokens, room)):
+                        headroom_blocked = True  # it waits, and so do the calls behind it that leave headroom
+                        j += 1  # (FCFS among them); a better call behind it may still go in
+                        continue
+                elif req.first_scheduled_time is None:
+                    need = self.kv.blocks_needed(req, hits, self.policy.admit_output_tokens)
             while not (fits := self.kv.allocate_slots(req, n, hits, may_take_reserved=idle, may_take_pinned=take_pins,
                                                       whole=protect_pins and not idle,
                                                       whole_output=self.policy.admit_output_tokens)):
@@ -245,6 +271,8 @@ class Scheduler:
             if not fits:
                 break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
             self.waiting.pop(j)
+            if need is not None:
+                self._better_needs.append(need)
             if req.num_preemptions:
                 req.num_recomputed_tokens += n
             elif req.first_scheduled_time is None:
@@ -264,13 +292,21 @@ class Scheduler:
         out.kv_moves = self.kv.take_tier_moves()
         return out
 
+    def headroom_blocks(self) -> int:
+        """The blocks a call that `leaves_headroom` must leave free (see the module docstring); 0 until fitted."""
+        needs = self._better_needs
+        if len(needs) < HEADROOM_MIN:
+            return 0
+        return min(sorted(needs)[(len(needs) * 9) // 10], self.kv.num_blocks // 2)
+
     def _may_take_pins(self, req: Request, idle: bool, protect_pins: bool) -> bool | Callable[[str], bool]:
         """Whose pins may give way to a waiting request: everyone's (an idle engine, or no admission control);
         under `protect_pins` nobody's unless its own program holds a pin (it resumes from a tool call), and then
-        everyone's, or with `pins_by_rank` those of the programs the policy says it outranks."""
+        everyone's, or with `pins_by_rank` those of the programs the policy says it outranks (with `new_take_pins`
+        also for a program holding no pin)."""
         if idle or not protect_pins:
             return True
-        if not self.kv.holds_pin(req.program_id):
+        if not self.kv.holds_pin(req.program_id) and not (self.policy.pins_by_rank and self.policy.new_take_pins):
             return False
         if self.policy.pins_by_rank:
             outranks = self.policy.outranks

@@ -290,7 +290,7 @@ _optional_float.__name__ = "a number or None"
 _KNOBS: dict[str, Any] = {"first_boundary": float, "boundary_calls": float, "boundary_programs": _optional_float,
                           "quantum": float, "beta": float, "num_queues": int, "order": str, "live": _flag,
                           "running_cap": _cap, "preempt": _preempt, "victim": str, "pinned_first": _flag,
-                          "protect_pins": _flag, "pins_by_rank": _flag}
+                          "protect_pins": _flag, "pins_by_rank": _flag, "new_take_pins": _flag, "headroom": _flag}
 
 
 _POLICIES = ("fcfs", "mlfq", "plas", "atlas", "plas+ttl", "atlas+ttl")
@@ -474,8 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         from agentrt.bench import programs_http
 
         measured.update(programs_http.measure_saturation(work, model, engine, args.seed))
-        print(f"measured saturation: {measured['output_tok_s']:.0f} output tok/s over {measured['measured_s']:.0f} s "
-              f"with calls waiting, {measured['tokens_per_program']:.0f} tokens a program", file=sys.stderr)
+        curve = ", ".join(f"{n}: {c['output_tok_s']:.0f} ({c['calls_waiting']:.1f} waiting)"
+                          for n, c in measured["curve"].items())
+        print(f"measured saturation: {measured['output_tok_s']:.0f} output tok/s with {measured['in_flight']} programs "
+              f"in flight (output tok/s by programs in flight: {curve}), {measured['tokens_per_program']:.0f} tokens "
+              "a program", file=sys.stderr)
         return measured["programs_per_s"]
 
     workload, engine = setup(args, saturation=measure if args.http else None)

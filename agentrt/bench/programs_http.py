@@ -214,52 +214,70 @@ def breakdown_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def measure_saturation(workload: list[ProgramSpec], model: str, engine: dict[str, Any], seed: int = 0,
-                       burst_programs: int = 160, arrive_within_s: float = 5.0, settle_s: float = 5.0,
-                       measure_s: float = 20.0, poll_s: float = 0.5) -> dict[str, Any]:
-    """This server's saturation on this workload's mix, measured: a fresh FCFS `agentrt serve` given a burst of
-    programs of the same mix (`burst_programs` drawn with the workload's `seed`, all arriving within
-    `arrive_within_s`), /metrics read every `poll_s`. Once calls have waited for `settle_s` (every seat taken, the
-    first prompts computed), its generated tokens per second over `measure_s` more seconds of waiting calls is the
-    most it computes with this mix of prefill and decode; over a program's mean planned output tokens, the arrival
-    rate it sustains. The burst is then dropped (the server stops)."""
-    drawn = make_workload(max(burst_programs, len(workload)), 1.0, seed)
-    span = max(s.arrival_s for s in drawn) or 1.0
-    burst = [ProgramSpec(s.index, s.kind, s.arrival_s * arrive_within_s / span, s.seed) for s in drawn]
+                       levels: tuple[int, ...] = (4, 8, 16, 32, 64), settle_s: float = 8.0, measure_s: float = 20.0,
+                       poll_s: float = 0.5) -> dict[str, Any]:
+    """This server's saturation on this workload's mix, measured: the most output tokens per second a fresh FCFS
+    `agentrt serve` sustains with this mix of programs, over a program's mean planned output tokens (programs/s).
+
+    Closed loop, the knee of the throughput curve: N programs of the mix (drawn with the workload's `seed`) are kept
+    in flight, a new one starting whenever one ends, for N in `levels` in turn on the same server; after `settle_s`
+    at a level, its generated tokens over `measure_s` (/metrics every `poll_s`) is that level's throughput. The
+    levels stop once one gives less than the best so far (past the knee: the KV cache thrashes and more programs
+    in flight only recompute more). A burst of every program at once, which this measured before, keeps far more
+    contexts in flight than an open arrival process near saturation ever does: on a KV-bound pool it measured the
+    thrash of the burst (0.29 programs/s on issue 47's 150-block pool, with or without a host tier, where the
+    tiered pool served 0.26/s with one call waiting on average)."""
+    if not levels or any(n < 1 for n in levels):
+        raise ValueError(f"levels must be program counts >= 1, got {levels!r}")
+    drawn = make_workload(max(len(workload), 400), 1.0, seed)
     per_program = sum(wl.planned_output_tokens(s) for s in drawn) / len(drawn)
-    samples: list[tuple[float, float]] = []  # (time, generated tokens so far) while calls waited, after settling
+    curve: dict[int, dict[str, float]] = {}
     with _server(model, engine, "fcfs", []) as (url, proc):
+
+        async def level(client: httpx.AsyncClient, n: int, counter: list[int]) -> dict[str, float]:
+            samples: list[tuple[float, float, float]] = []  # (time, generated tokens, calls waiting)
+            sink: dict[int, Any] = {}
+
+            async def worker() -> None:
+                while True:
+                    k = counter[0]
+                    counter[0] += 1
+                    s = drawn[k % len(drawn)]
+                    await _program(client, ProgramSpec(k, s.kind, 0.0, s.seed), time.monotonic(), sink, [])
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(n):
+                    tg.start_soon(worker)
+                t0 = time.monotonic()
+                while True:
+                    await anyio.sleep(poll_s)
+                    now = time.monotonic()
+                    if now - t0 < settle_s:
+                        continue
+                    text = (await client.get("/metrics")).text
+                    samples.append((now, _metric(text, "agentrt:generation_tokens_total"),
+                                    _metric(text, "agentrt:num_requests_waiting")))
+                    if samples[-1][0] - samples[0][0] >= measure_s:
+                        break
+                tg.cancel_scope.cancel()
+            seconds = samples[-1][0] - samples[0][0]
+            return {"output_tok_s": (samples[-1][1] - samples[0][1]) / seconds,
+                    "calls_waiting": _mean(s[2] for s in samples)}
 
         async def main() -> None:
             async with _client(url, proc) as client:
-                start, done, timeline = time.monotonic(), [None] * len(burst), []
-                waited_since: float | None = None
-                async with anyio.create_task_group() as tg:
-                    for spec in burst:
-                        tg.start_soon(_program, client, spec, start, done, timeline)
-                    while time.monotonic() - start < 600:
-                        await anyio.sleep(poll_s)
-                        text = (await client.get("/metrics")).text
-                        now = time.monotonic()
-                        if _metric(text, "agentrt:num_requests_waiting") == 0:
-                            if samples:
-                                break  # the backlog cleared before `measure_s`: measure what there was
-                            waited_since = None
-                            continue
-                        waited_since = now if waited_since is None else waited_since
-                        if now - waited_since >= settle_s:
-                            samples.append((now, _metric(text, "agentrt:generation_tokens_total")))
-                            if samples[-1][0] - samples[0][0] >= measure_s:
-                                break
-                    tg.cancel_scope.cancel()
+                counter = [0]
+                for n in levels:
+                    curve[n] = await level(client, n, counter)
+                    if curve[n]["output_tok_s"] < max(c["output_tok_s"] for c in curve.values()):
+                        break
 
         anyio.run(main)
-    seconds = samples[-1][0] - samples[0][0] if samples else 0.0
-    if seconds < min(5.0, measure_s / 2):  # the backlog cleared too soon to say
-        raise SystemExit(f"--load with --http: calls waited for only {seconds:.1f} s of the saturation run "
-                         f"({len(burst)} programs at once with engine {engine}): the mix cannot fill the seats")
-    tok_s = (samples[-1][1] - samples[0][1]) / seconds
-    return {"output_tok_s": tok_s, "measured_s": seconds, "burst_programs": len(burst),
-            "tokens_per_program": per_program, "programs_per_s": tok_s / per_program}
+    knee = max(curve, key=lambda n: curve[n]["output_tok_s"])
+    tok_s = curve[knee]["output_tok_s"]
+    return {"output_tok_s": tok_s, "measured_s": measure_s, "in_flight": knee, "tokens_per_program": per_program,
+            "programs_per_s": tok_s / per_program,
+            "curve": {str(n): {k: round(v, 2) for k, v in c.items()} for n, c in curve.items()}}
 
 
 def plot_timeline(report: dict[str, Any], path: str) -> None:

@@ -95,7 +95,8 @@ class MultiLevelPolicy(SchedulingPolicy):
     def __init__(self, *, num_queues: int, quantum: float, service: ServiceUnit, token_cost: float,
                  preempt: bool | str = True, pinned_first: bool = False, victim: str = "priority",
                  protect_pins: bool = False, running_cap: int | str | None = None,
-                 cap_efficiency: float = 0.9, pins_by_rank: bool = False) -> None:
+                 cap_efficiency: float = 0.9, pins_by_rank: bool = False, new_take_pins: bool = False,
+                 headroom: bool = False) -> None:
         if not isinstance(num_queues, int) or num_queues < 1:
             raise ConfigError(f"{self.name}: num_queues must be an integer >= 1, got {num_queues!r}")
         if not quantum > 0:
@@ -122,6 +123,8 @@ class MultiLevelPolicy(SchedulingPolicy):
         self.pinned_first = pinned_first  # calls of programs holding pinned KV go first (engine.scheduler)
         self.protect_pins = protect_pins  # admission keeps paused programs' pinned KV (engine.scheduler)
         self.pins_by_rank = pins_by_rank  # with protect_pins: pins give way to the calls that outrank their program
+        self.new_take_pins = new_take_pins  # with pins_by_rank: a new program's call too (engine.scheduler)
+        self.keeps_headroom = headroom and num_queues > 1  # calls of the last queue leave room for better ones
         self.victim = victim  # "newest": preempt a call of the latest-started program, whatever its queue
         self.num_queues = num_queues
         self.quanta = doubling(quantum, num_queues - 1) + [float("inf")]  # the last queue never demotes
@@ -199,6 +202,10 @@ class MultiLevelPolicy(SchedulingPolicy):
         if prog is None or st.level != level:
             return st.level < level
         return self.order_by_program and prog.start is not None and st.program_start < prog.start
+
+    def leaves_headroom(self, req: Request) -> bool:
+        """`headroom`: a call of the last queue leaves free the blocks a better call typically needs (engine.scheduler)."""
+        return self.state(req).level >= self.num_queues - 1
 
     def displaces(self, waiting: Request, running: Request) -> bool:
         """Only a call of a strictly higher queue displaces a running one: within a queue the order

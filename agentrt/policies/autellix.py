@@ -84,6 +84,14 @@ from agentrt.policies._multilevel import (
 #     agent mix below, 60 programs x 3 seeds): mean 0.88 -> 0.71x fcfs, long programs' p99 1.29 -> 0.81x. Letting a
 #     new program (no pin) take outranked pins too helped the short programs there but evicted whole agent contexts
 #     on the full-size GPU agents of TTL_SETTINGS (mean 120 -> 171 s at 0.10 programs/s): not done.
+#   headroom and new_take_pins (issue 47's third round): on the KV-bound agent mix a short program's call waited for
+#     the blocks that long programs' running calls and paused contexts held (at a step where one waited: 14 of 150
+#     blocks free, 51 pinned, simulated). With both, a long program's call leaves free what a short call needs, and
+#     a new program takes the pins of the long programs it outranks. Simulated, 150 blocks, seeds 0-2, mean / short
+#     programs vs fcfs: 30 programs at 0.267/s 0.67 / 0.50x against 0.83 / 0.64x without them; 60 programs at
+#     0.2, 0.3, 0.4/s 0.79 / 0.56x, 0.54 / 0.26x, 0.58 / 0.27x against 0.99 / 0.74x, 0.60 / 0.30x, 0.64 / 0.29x
+#     (each alone helped less: 0.69 / 0.47x and 0.87 / 0.66x at 0.267/s); with 64 seats and no KV pressure identical.
+#     Not in TTL_SETTINGS: new_take_pins evicted whole agent contexts there (pins_by_rank above).
 # On the real engine over HTTP (issue 47's agent mix, agentrt/bench/workload.py AGENT_WAIT_MIX: 73% 2-4-call ReAct,
 # 27% 8-12 steps of 4 parallel calls; 150 KV blocks, 64 seats, TTL pins on, 0.9 of the measured saturation, seeds
 # 0-2; docs/benchmarks/programs.md): mean 0.67x fcfs, long programs 0.57x (p99 0.54x), short programs 0.82x, all
@@ -125,6 +133,7 @@ ATLAS_DEFAULTS: dict[str, dict[str, float | None]] = {
 # Its queues are the four of calls' worth it was measured with: on these agents (10-40 turns, contexts of tens of
 # thousands of tokens) two queues fitted to finished programs took 130 s at 0.10 programs/s against 120 s.
 TTL_SETTINGS: dict[str, object] = {"pinned_first": True, "preempt": False, "victim": "newest", "protect_pins": True,
+                                   "new_take_pins": False, "headroom": False,
                                    "num_queues": 4, "boundary_programs": None}
 
 
@@ -159,6 +168,12 @@ class PLAS(MultiLevelPolicy):
         pins_by_rank: with protect_pins, a resuming call (its program holds a pin) may make the pins of the paused
             programs it outranks give way (a worse queue, or the same queue and a younger program), and no others;
             False: anyone's.
+        new_take_pins: with pins_by_rank, a new program's call (its program holds no pin) may also make the pins of
+            the paused programs it outranks give way (a long program's pinned context yields to a short program's
+            first call instead of keeping it waiting for blocks).
+        headroom: admission keeps room for better calls: while others run, a call of the last queue goes in only if
+            the blocks a better call typically needs (fitted by the engine's scheduler from the calls it admitted,
+            engine.scheduler) stay free after it.
         running_cap: the running set while calls wait: None (max_num_seqs), an int, or "auto" (the knee
             of the measured step cost, where `cap_efficiency` of a full batch's throughput is reached;
             see MultiLevelPolicy.max_running). Admission in program order stops there, and with
@@ -189,6 +204,8 @@ class PLAS(MultiLevelPolicy):
         running_cap: int | str | None = None,
         cap_efficiency: float = 0.9,
         pins_by_rank: bool = True,
+        new_take_pins: bool = True,
+        headroom: bool = True,
     ) -> None:
         if service not in self.defaults:
             raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
@@ -211,6 +228,8 @@ class PLAS(MultiLevelPolicy):
             running_cap=running_cap,
             cap_efficiency=cap_efficiency,
             pins_by_rank=pins_by_rank,
+            new_take_pins=new_take_pins,
+            headroom=headroom,
         )
         if isinstance(first_boundary, str) or not first_boundary > 0:
             raise ConfigError(f"{self.name}: first_boundary must be 'auto' or a number > 0, got {first_boundary!r}")

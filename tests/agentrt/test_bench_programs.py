@@ -46,19 +46,28 @@ def test_seeds_pool_and_the_breakdown_adds_up(tiny_model_path, capsys):
         bench.main(["--model", str(tiny_model_path), "--rate", "1", "--breakdown", "--http"])
 
 
-def test_measured_saturation_reads_the_server_while_calls_wait(tiny_model_path):
-    """--http --load: a burst of the mix on a fresh FCFS server, its generated tokens per second while calls
-    waited, over a program's planned tokens."""
+def test_measured_saturation_is_the_knee_of_a_closed_loop(tiny_model_path):
+    """--http --load: N programs of the mix kept in flight on a fresh FCFS server, for growing N; the best level's
+    generated tokens per second, over a program's planned tokens. The levels stop past the knee."""
     from agentrt.bench import programs_http
     from agentrt.bench import workload as wl
 
     work = wl.make_workload(8, 1.0, 0)
-    sat = programs_http.measure_saturation(work, str(tiny_model_path), dict(bench.ENGINE), burst_programs=40,
-                                           arrive_within_s=0.5, settle_s=0.5, measure_s=2.0, poll_s=0.25)
-    assert sat["measured_s"] >= 2.0 and sat["output_tok_s"] > 0
-    drawn = wl.make_workload(40, 1.0, 0)
-    assert sat["tokens_per_program"] == pytest.approx(sum(wl.planned_output_tokens(s) for s in drawn) / 40)
+    sat = programs_http.measure_saturation(work, str(tiny_model_path), dict(bench.ENGINE), levels=(1, 4, 16),
+                                           settle_s=0.5, measure_s=2.0, poll_s=0.25)
+    curve = {int(n): c for n, c in sat["curve"].items()}
+    assert list(curve)[0] == 1 and set(curve) <= {1, 4, 16}
+    best = max(c["output_tok_s"] for c in curve.values())
+    assert best > 0 and sat["output_tok_s"] == pytest.approx(best, abs=0.01)
+    assert curve[sat["in_flight"]]["output_tok_s"] == pytest.approx(best, abs=0.01)
+    ran = list(curve)
+    for i in range(1, len(ran) - 1):  # a level runs only while the ones before it kept rising
+        assert curve[ran[i]]["output_tok_s"] >= max(curve[m]["output_tok_s"] for m in ran[:i])
+    drawn = wl.make_workload(400, 1.0, 0)
+    assert sat["tokens_per_program"] == pytest.approx(sum(wl.planned_output_tokens(s) for s in drawn) / 400)
     assert sat["programs_per_s"] == pytest.approx(sat["output_tok_s"] / sat["tokens_per_program"])
+    with pytest.raises(ValueError, match="levels"):
+        programs_http.measure_saturation(work, str(tiny_model_path), dict(bench.ENGINE), levels=(0,))
 
 
 def test_planned_output_tokens_follow_the_plans():

@@ -406,3 +406,21 @@ def test_outranks_paused_programs_by_queue_then_program_age():
     by_call.on_arrival(b, 1.0)
     assert not by_call.outranks(b, "a")  # FCFS by call within a queue: no pin gives way inside it
     assert MLFQ().outranks(b, "a") is False  # ranks calls, not programs
+
+
+def test_headroom_is_left_by_the_last_queue_and_new_programs_take_outranked_pins():
+    pol = plas()
+    assert pol.keeps_headroom and pol.new_take_pins and pol.pins_by_rank  # PLAS's defaults
+    run_call(pol, call("long-0", "long"), 45, now=0.0)  # 45 units: queue 3, the last
+    run_call(pol, call("mid-0", "mid"), 25, now=0.0)  # queue 2
+    last, mid, new = call("long-1", "long"), call("mid-1", "mid"), call("new-0", "new")
+    for r in (last, mid, new):
+        pol.on_arrival(r, 1.0)
+    assert [pol.leaves_headroom(r) for r in (last, mid, new)] == [True, False, False]
+    off = plas(headroom=False, new_take_pins=False)
+    assert not off.keeps_headroom and not off.new_take_pins
+    assert not plas(num_queues=1).keeps_headroom  # one queue: nobody ranks better
+    from agentrt.policies.autellix import TTL_SETTINGS
+
+    ttl = PLAS(**TTL_SETTINGS)  # measured on full-size agents without either (autellix.py)
+    assert not ttl.keeps_headroom and not ttl.new_take_pins

@@ -164,3 +164,96 @@ def test_pins_by_rank_is_off_unless_a_policy_sets_it():
 
     assert SchedulingPolicy.pins_by_rank is False and FCFS().pins_by_rank is False
     assert FCFS().outranks(make_req("a", range(4), "a"), "b") is False
+
+
+def test_new_take_pins_lets_a_new_program_take_the_pins_it_outranks():
+    # 8 blocks of 4: p and o each pin 2, r runs on 1, 3 are free; x, a new program (no pin), needs 4 for its 13 prompt
+    # tokens. With pins_by_rank alone it takes nobody's pin and waits for r; with new_take_pins it
+    # takes one block of the pins of the program it outranks (o), never p's; ranking above nobody it waits.
+    for below, new_take, admitted_early, o_pinned in (({"o"}, False, False, 2), ({"o"}, True, True, 1),
+                                                      (set(), True, False, 2)):
+        pol = _Ranked(below)
+        pol.new_take_pins = new_take
+        s = make_scheduler(8, pol, max_num_batched_tokens=16)
+        pin_a_call(s, "p", range(8))
+        pin_a_call(s, "o", range(300, 308))
+        r = make_req("r", range(200, 203), "r", max_tokens=4)
+        s.add_request(r)
+        run_step(s)
+        assert s.kv.num_free_blocks == 3
+        x = make_req("x-0", range(400, 413), "x", arrival=2.0)
+        s.add_request(x)
+        out = run_step(s)
+        assert (x in out.reqs) == admitted_early, (below, new_take)
+        assert (s.kv.owner_kv("o").pinned, s.kv.owner_kv("p").pinned) == (o_pinned, 2), (below, new_take)
+        while s.has_work():
+            run_step(s)
+        assert x.status == RequestStatus.FINISHED_LENGTH and x.num_preemptions == 0
+        for program in ("p", "o"):
+            s.program_op(Pin(program, 0.0))
+        assert s.kv.num_free_blocks == 8
+
+
+class _Headroom(FCFS):
+    """FCFS that keeps headroom: calls of programs named long* leave room for the others."""
+
+    keeps_headroom = True
+
+    def leaves_headroom(self, req: Request) -> bool:
+        return req.program_id.startswith("long")
+
+
+def _long_call(s: Scheduler, rid: str, blocks: int) -> Request:
+    """A call of a long program whose prompt and one output token take `blocks` blocks."""
+    return make_req(rid, range(1000 + 100 * len(rid), 1000 + 100 * len(rid) + blocks * BS - 1), "long-" + rid)
+
+
+def test_headroom_keeps_the_blocks_a_better_call_needs_free_of_long_calls():
+    s = make_scheduler(64, _Headroom(), max_num_batched_tokens=256)
+    bg = make_req("bg", range(3), "bg", max_tokens=150)  # keeps the engine busy: never idle below
+    s.add_request(bg)
+    run_step(s)
+    for i in range(8):  # better calls: 8 prompt tokens and 4 output, 3 blocks each, admitted while bg runs
+        assert s.headroom_blocks() == 0  # not fitted before 8 were seen
+        short = make_req(f"s{i}", range(100 + 20 * i, 108 + 20 * i), f"s{i}", max_tokens=4)
+        s.add_request(short)
+        while not short.finished:
+            run_step(s)
+    assert s.headroom_blocks() == 3
+    free = s.kv.num_free_blocks
+    eats = _long_call(s, "a", free - 2)  # would leave 2 free (1 if bg's next token starts a block): it waits
+    s.add_request(eats)
+    out = run_step(s)
+    assert eats not in out.reqs and eats in s.waiting
+    short = make_req("s8", range(500, 508), "s8", max_tokens=4)  # a better call behind it still goes in
+    s.add_request(short)
+    out = run_step(s)
+    assert short in out.reqs and eats in s.waiting
+    while not short.finished:
+        run_step(s)
+    s.finish(eats, RequestStatus.FINISHED_ABORTED)
+    free = s.kv.num_free_blocks
+    leaves = _long_call(s, "bb", free - 4)  # leaves the headroom (3 blocks) even after bg's next block: it goes in
+    s.add_request(leaves)
+    out = run_step(s)
+    assert leaves in out.reqs
+    while s.has_work() and not leaves.finished:
+        run_step(s)
+    s.finish(bg, RequestStatus.FINISHED_ABORTED)
+    assert not s.running
+    idle = _long_call(s, "ccc", s.kv.num_free_blocks - 1)  # an idle engine keeps no headroom
+    s.add_request(idle)
+    out = run_step(s)
+    assert idle in out.reqs
+    while s.has_work():
+        run_step(s)
+    assert s.kv.num_free_blocks == 64
+
+
+def test_headroom_is_off_unless_a_policy_keeps_it():
+    from agentrt.engine.policy import SchedulingPolicy
+
+    assert SchedulingPolicy.keeps_headroom is False and SchedulingPolicy.new_take_pins is False
+    assert FCFS().leaves_headroom(make_req("a", range(4), "a")) is False
+    s = make_scheduler(32, FCFS())
+    assert s.headroom_blocks() == 0
