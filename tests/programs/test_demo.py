@@ -33,7 +33,10 @@ def test_demo_starts_a_server_and_stops_it(tiny_model_path, capfd):
 
 def test_demo_keep_leaves_the_server_and_its_page_up_until_ctrl_c(tiny_model_path):
     proc = subprocess.Popen([sys.executable, "-m", "agentrt.command", "demo", "--model", str(tiny_model_path), *SMALL,
-                             "--keep"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--keep"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            # Ctrl-C reaches it however pytest was launched (a shell's `cmd &` ignores SIGINT, and
+                            # Python keeps an ignored SIGINT ignored: the demo would never hear it)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: queue.Queue[str | None] = queue.Queue()  # None: its stderr ended (it exited)
     threading.Thread(target=lambda: [*(lines.put(ln) for ln in proc.stderr), lines.put(None)], daemon=True).start()
     try:
