@@ -444,7 +444,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             logits = self.lm_head(h)
         elif self.tied_head_quant is not None:
-            logits = quant_linear(h, self.tied_head_quant)
+            logits = quant_linear(h, self.tied_head_quant, None, self.batch_invariant)
         else:
             logits = linear(h, self.embed_tokens.weight, None, self._tied_head_pack, self.batch_invariant)
         if (cap := self.args.final_softcap) is not None:  # Gemma 2

@@ -193,5 +193,5 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
-            return quant_linear(x, self.quant, self.bias)
+            return quant_linear(x, self.quant, self.bias, self.batch_invariant)
         return linear(x, self.weight, self.bias, self.pack_cache, self.batch_invariant)

@@ -9,11 +9,21 @@ CPU kind like the bf16 path, kernels/cpu.py): for 5+ rows threads take panels of
 decode a panel to fp32 once (L2) and run every row of x over it in register tiles (a prefill decodes
 the weight once per call); for 1-4 rows 4 weight rows are decoded block by block into L1 and dotted
 with each row (one pass over the packed bytes). Both sum each output in the same order whatever the
-row count: batch-invariant by construction (the engine's deterministic mode needs no other path). An fp32 x is
-computed in fp32. A bf16 x (the engine's dtype) on an AVX512-BF16 build takes kernels/csrc/quant_bf16.h: each
-block's small integers (exact in bf16) times x by `vdpbf16ps`, the block's scales applied once per 32 weights
-(at 1 row ~1.2-1.5x the fp32 tiles' rate on 4-bit formats, ~2x on Q6_K), the same products and order for every
-row count; elsewhere it is widened to fp32 on entry. The output is rounded to bf16 once; accumulation is fp32.
+row count: batch-invariant by construction. An fp32 x is computed in fp32. A bf16 x (the engine's dtype)
+on an AVX512-BF16 build takes kernels/csrc/quant_bf16.h: each block's small integers (exact in bf16) times x
+by `vdpbf16ps`, the block's scales applied once per 32 weights (at 1 row ~1.2-1.5x the fp32 tiles' rate on
+4-bit formats, ~2x on Q6_K), the same products and order for every row count; elsewhere it is widened to fp32
+on entry. The output is rounded to bf16 once; accumulation is fp32.
+
+From `WIDEN_MIN_ROWS` bf16 rows on AVX512-BF16 (a batched decode step, a prefill) the kernel instead widens each
+panel of 32 weight rows to bf16 on the fly (each weight's fp32 decoding rounded to bf16 once: the weight the
+widened engine holds) and runs kernels.linear's bf16 tiles over it, one `vdpbf16ps` per 32 products where the
+integer path needs a dot product and an FMA: the output is `packed_linear_bf16`'s over `dequantize(w).bfloat16()`,
+bit for bit (at 32 rows of SmolLM2-135M's projections 1.6-2.2x the integer path, 0.7-0.77x the widened weight's
+rate: the decoding is the difference). That path sums differently, over bf16-rounded weights (|err| up to 2^-9 of
+sum |x w| more), so a row's output would depend on the row count: `batch_invariant=True` (the engine's
+deterministic mode, `Linear.batch_invariant`, `decode_forward`'s `invariant`) keeps the integer path for every row
+count.
 
 MXFP4 (ggml type 39: gpt-oss's experts) is one of the formats: a block of 32 is an E8M0 byte e and 32 4-bit E2M1
 codes, w = 2^(e - 128) * v, v the code's value doubled, an integer in {0, 1, 2, 3, 4, 6, 8, 12} with a sign: "small
@@ -48,6 +58,7 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     39: ("MXFP4", 32, 17),
 }
 TYPE_IDS = {name: t for t, (name, _, _) in FORMATS.items()}
+WIDEN_MIN_ROWS = 5  # bf16 rows from which AVX512-BF16 widens panels to bf16 (quant_bf16.h kQuantWidenMinRows)
 
 
 @dataclass(slots=True, frozen=True)
@@ -257,17 +268,19 @@ def quant_embedding(ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return dequantize(QuantWeight(rows, w.type_id, (rows.shape[0], w.shape[1]))).view(*ids.shape, w.shape[1])
 
 
-def quant_linear(x: torch.Tensor, w: QuantWeight | tuple[QuantWeight, ...], bias: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: QuantWeight | tuple[QuantWeight, ...], bias: torch.Tensor | None = None,
+                 batch_invariant: bool = False) -> torch.Tensor:
     """x: [..., K] fp32 or bf16, w: a packed [N, K] weight, or parts of one stacked by rows (a fused projection
-    whose pieces have different formats, e.g. q/k Q4_K and v Q6_K), bias: [N] or None -> [..., N] in x's dtype."""
+    whose pieces have different formats, e.g. q/k Q4_K and v Q6_K), bias: [N] or None -> [..., N] in x's dtype.
+    `batch_invariant` (the engine's deterministic mode): a bf16 x never takes the widened panels (module docstring),
+    so a row's output does not depend on the row count."""
     if isinstance(w, tuple):
         if len(w) == 1:
-            return quant_linear(x, w[0], bias)
+            return quant_linear(x, w[0], bias, batch_invariant)
         starts = [0]
         for p in w:
             starts.append(starts[-1] + p.shape[0])
-        return torch.cat([quant_linear(x, p, None if bias is None else bias[a:b])
+        return torch.cat([quant_linear(x, p, None if bias is None else bias[a:b], batch_invariant)
                           for p, a, b in zip(w, starts, starts[1:])], dim=-1)
     n, k = w.shape
     if x.shape[-1] != k:
@@ -279,7 +292,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight | tuple[QuantWeight, ...], bias
     if (ops := cpu.ops()) is not None:
         # bf16 x: the op's bf16 path (rounded once); any other dtype runs in fp32
         x2 = x.reshape(-1, k).contiguous() if x.dtype == torch.bfloat16 else x.reshape(-1, k).float().contiguous()
-        out = ops.quant_linear(x2, w.data, w.type_id, n, b)
+        out = ops.quant_linear(x2, w.data, w.type_id, n, b, batch_invariant)
     else:
         out = F.linear(x.reshape(-1, k).float(), dequantize_ref(w).float(), b)
     return out.to(x.dtype).view(*lead, n)

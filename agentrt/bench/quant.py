@@ -43,7 +43,7 @@ def _rss_mb() -> tuple[float, float]:
 
 
 def measure_one(mode: str, model: str | None, threads: int, kv_mib: int, prompt_len: int, max_tokens: int,
-                concurrency: int, repeats: int) -> dict:
+                concurrency: int, repeats: int, deterministic: bool | None = None) -> dict:
     """One mode in this process (called in a child by `measure`)."""
     import random
 
@@ -53,7 +53,7 @@ def measure_one(mode: str, model: str | None, threads: int, kv_mib: int, prompt_
     from agentrt.engine import LLM, SamplingParams
     from agentrt.kernels import cpu
 
-    llm = LLM(model, quantization=MODES[mode], kv_cache_bytes=kv_mib << 20, device="cpu")
+    llm = LLM(model, quantization=MODES[mode], kv_cache_bytes=kv_mib << 20, device="cpu", deterministic=deterministic)
     loaded, _ = _rss_mb()
     core = llm.core
     rng = random.Random(0)
@@ -76,7 +76,7 @@ def measure_one(mode: str, model: str | None, threads: int, kv_mib: int, prompt_
     return {"mode": mode, "weights": packed.describe() if packed is not None else f"widened to {core.config.dtype}",
             "dtype": core.config.dtype, "cpu_kind": cpu.compiled_isa() or "torch", "threads": threads,
             "rss_loaded_mb": loaded, "rss_end_mb": now, "rss_peak_mb": peak, "single_tok_s": single,
-            "batched_tok_s": batched}
+            "batched_tok_s": batched, "deterministic": core.config.deterministic}
 
 
 # Run by the peer's interpreter (no agentrt, no torch there): argv[1] is a JSON object of the run's settings; prints
@@ -170,13 +170,15 @@ def measure_llama_cpp(python: str, model: str, threads: int, prompt_len: int, ma
 
 
 def measure(model: str | None, threads: int, kv_mib: int, prompt_len: int, max_tokens: int, concurrency: int,
-            repeats: int, llama_python: str | None = None, modes: tuple[str, ...] = tuple(MODES)) -> dict:
+            repeats: int, deterministic: bool | None = None, llama_python: str | None = None,
+            modes: tuple[str, ...] = tuple(MODES)) -> dict:
     """Each of `modes`, each in a child process; the llama.cpp row where `llama_python` imports llama_cpp."""
     runs = []
     for mode in modes:
         cmd = [sys.executable, "-m", "agentrt.bench.quant", "--one", mode, "--threads", str(threads), "--kv-mib",
                str(kv_mib), "--prompt-len", str(prompt_len), "--max-tokens", str(max_tokens), "--concurrency",
-               str(concurrency), "--repeats", str(repeats)] + (["--model", model] if model else [])
+               str(concurrency), "--repeats", str(repeats)] + (["--model", model] if model else []) + (
+                   [] if deterministic is None else ["--deterministic" if deterministic else "--no-deterministic"])
         out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if out.returncode != 0:
             raise RuntimeError(f"bench quant: the {mode} run failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -189,7 +191,8 @@ def measure(model: str | None, threads: int, kv_mib: int, prompt_len: int, max_t
                                       max_tokens, concurrency, repeats))
     return {"model": model or "SmolLM2-135M-Instruct (Q4_1 GGUF)", "prompt_len": prompt_len, "max_tokens": max_tokens,
             "concurrency": concurrency, "kv_mib": kv_mib, "repeats": repeats, "runs": runs,
-            "llama_cpp_skipped": llama_skipped, "isa_env": os.environ.get("AGENTRT_CPU_ISA")}
+            "llama_cpp_skipped": llama_skipped, "isa_env": os.environ.get("AGENTRT_CPU_ISA"),
+            "deterministic": deterministic}
 
 
 def markdown(result: dict) -> str:
@@ -198,6 +201,9 @@ def markdown(result: dict) -> str:
     base = next(r for r in result["runs"] if r["mode"] == "widened")
     peer = next((r for r in result["runs"] if r["mode"] == "llama.cpp"), None)
     forced = f" `AGENTRT_CPU_ISA={result['isa_env']}`." if result.get("isa_env") else ""
+    if result.get("deterministic") is not None:
+        flag = "--deterministic" if result["deterministic"] else "--no-deterministic"
+        forced += f" Engine's deterministic mode {'on' if result['deterministic'] else 'off'} (`{flag}`)."
     headers = ["mode", "weights", "CPU kind", "threads", "RSS loaded MB", "RSS peak MB", "single tok/s", "vs widened",
                "batched tok/s", "vs widened"] + (["single vs llama.cpp", "batched vs llama.cpp"] if peer else [])
     rows = []
@@ -244,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"the agentrt modes to run, comma-separated (default: all: {','.join(MODES)}; widened is "
                          "the table's reference and always runs)")
+    ap.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine's deterministic (batch-invariant) mode in every agentrt run (default: the "
+                         "engine's default, on for CPU)")
     ap.add_argument("--one", choices=sorted(MODES), default=None, help=argparse.SUPPRESS)  # a child's mode
     ap.add_argument("--json", action="store_true", help="print JSON instead of the markdown table")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=False,
@@ -259,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--modes: unknown mode {bad[0]!r} (modes: {', '.join(MODES)})")
     if "widened" not in modes:
         modes = (*modes, "widened")
-    args = (a.model, a.threads, a.kv_mib, a.prompt_len, a.max_tokens, a.concurrency, a.repeats)
+    args = (a.model, a.threads, a.kv_mib, a.prompt_len, a.max_tokens, a.concurrency, a.repeats, a.deterministic)
     if a.one is not None:
         print(json.dumps(measure_one(a.one, *args)))
         return 0

@@ -135,9 +135,10 @@ const uint8_t* check_quant(const at::Tensor& w, int64_t type, int64_t N, int64_t
 }
 
 // A bf16 x gives a bf16 y (rounded once, after the bias): on AVX512-BF16 by the blocks' integer dot products
-// (quant_bf16.h), elsewhere widened to fp32 for the tiles above.
+// (quant_bf16.h; from kQuantWidenMinRows rows, unless `invariant`, over panels widened to bf16), elsewhere widened
+// to fp32 for the tiles above.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t N,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias, bool invariant) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
               "quant_linear: x [M, K] contiguous fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1);
@@ -154,11 +155,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, 
     at::Tensor y = at::empty({M, N}, x.options());
     if (M == 0 || N == 0) return y;
     agentrt::by_quant_type(type, [&](auto f) {
-      agentrt::quant_linear_bf16<decltype(f)>(ptr<bf16>(x), M, K, wp, b, ptr<bf16>(y), N, N);
+      agentrt::quant_linear_bf16<decltype(f)>(ptr<bf16>(x), M, K, wp, b, ptr<bf16>(y), N, N, invariant);
     });
     return y;
 #else
-    return quant_linear(x.to(at::kFloat), w, type, N, bias).to(at::kBFloat16);
+    return quant_linear(x.to(at::kFloat), w, type, N, bias, invariant).to(at::kBFloat16);
 #endif
   }
   at::Tensor y = at::empty({M, N}, x.options());
@@ -608,7 +609,8 @@ at::Tensor decode_forward(const at::Tensor& x, at::TensorList input_norms, at::T
         int64_t r0 = 0;
         for (const QuantPart& p : parts[i]) {
           agentrt::by_quant_type(p.type, [&](auto f) {
-            agentrt::quant_linear_bf16<decltype(f)>(in, T, K, p.w, bias ? bias + r0 : nullptr, out + r0, p.rows, N);
+            agentrt::quant_linear_bf16<decltype(f)>(in, T, K, p.w, bias ? bias + r0 : nullptr, out + r0, p.rows, N,
+                                                    invariant);
           });
           r0 += p.rows;
         }
@@ -835,7 +837,7 @@ std::tuple<at::Tensor, at::Tensor> decode_steps(
                                         kv_cache, pos, slots, cos_sin, qsl, seq_lens, block_tables, num_heads, intermediate,
                                         eps, scale, invariant, layer_types);
     const at::Tensor normed = rms_norm(h, final_norm, eps);
-    const at::Tensor logits = head_type ? quant_linear(normed, lm_head, head_type, vocab, std::nullopt)
+    const at::Tensor logits = head_type ? quant_linear(normed, lm_head, head_type, vocab, std::nullopt, invariant)
                               : bf      ? packed_linear_bf16(normed, lm_head, std::nullopt, vocab, invariant)
                                         : packed_linear(normed, lm_head, std::nullopt, vocab);
     const at::Tensor next = argmax_rows(logits);
@@ -878,7 +880,7 @@ AGENTRT_LIBRARY(AGENTRT_NS, m) {
   m.def("packed_linear_bf16(Tensor x, Tensor w_packed, Tensor? bias, int N, bool invariant=False) -> Tensor");
   m.def("grouped_linear(Tensor x, Tensor offsets, Tensor w_packed, Tensor? bias, int N) -> Tensor");
   m.def("grouped_quant_linear(Tensor x, Tensor offsets, Tensor w, int type, int N, Tensor? bias=None) -> Tensor");
-  m.def("quant_linear(Tensor x, Tensor w, int type, int N, Tensor? bias=None) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor w, int type, int N, Tensor? bias=None, bool invariant=False) -> Tensor");
   m.def("quant_dequantize(Tensor w, int type, int N, int K) -> Tensor");
   m.def(
       "paged_attention_small_q(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "

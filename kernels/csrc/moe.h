@@ -12,7 +12,8 @@
 // Experts kept in a GGUF block format (quant.h: Q8_0, Q4_1, MXFP4, ...): w [E, N, K / B * bytes] uint8, each
 // expert's rows as quant_linear takes them. The work items are (expert with rows, 16 weight rows), each run by
 // quant_linear's own per-panel code (quant_panel in fp32; qdot_group, 4 groups of 4 rows, for bf16 x on
-// AVX512-BF16), so a row's output is bit for bit what quant_linear gives it with that expert's weight. Elsewhere
+// AVX512-BF16), so a row's output is bit for bit what quant_linear gives it with that expert's weight in its
+// batch-invariant mode (the experts' row groups are small: no widened panels here). Elsewhere
 // a bf16 x is widened to fp32 on entry and its output rounded once, as quant_linear does.
 
 #pragma once

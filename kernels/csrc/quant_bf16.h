@@ -21,7 +21,8 @@
 // floats, L1 / L2) and every row of x runs over it, 4 rows by 4 weight rows in registers; for 1-4 rows of x a
 // 32-weight format's blocks are unpacked straight into registers and used there. An output sums its
 // 32-weight products in one lane order and k order whatever M and the tile, so a row's output does not depend on
-// the other rows of the call (the engine's deterministic mode).
+// the other rows of the call (the engine's deterministic mode, `invariant`). Outside that mode, from
+// kQuantWidenMinRows rows, panels widened to bf16 run linear.h's tiles instead (below).
 //
 // Accuracy: products exact, sums in fp32, so |err| <= ~K * eps * (sum |a u x| + sum |c| |x|): with c = m
 // (Q4_1) or -dmin * m (K-quants) of the order of the largest weight, a few times the rounding of fp32 sums
@@ -399,6 +400,95 @@ inline void qdot_group(const bf16* x, int64_t M, int64_t K, const uint8_t* w, in
   }
 }
 
+// ---------------------------------------------------------------- many rows: a panel widened to bf16 on the fly
+//
+// From kQuantWidenMinRows rows of x (outside the engine's deterministic mode) a thread decodes 32 weight rows into
+// one bf16 panel of linear.h's layout ([K / 2, 32, 2]) and runs linear.h's bf16 tiles over it (`linear_panel_bf16`:
+// one `vdpbf16ps` per 32 products, where the integer path above needs a dot product and an FMA by the scale). Each
+// weight is its fp32 decoding rounded to bf16 (nearest even): the weight the widened engine holds
+// (`dequantize(w).to(torch.bfloat16)`), so the output is packed_linear_bf16's over that weight, bit for bit. The two
+// paths sum differently (and over bf16-rounded weights here), so a row's output depends on whether M reaches the
+// threshold: the deterministic mode (`invariant`) keeps the integer path for every M.
+
+// Rows of x from which the widened panels run: every row count past the 1-4 of the register paths. Measured on a
+// 2-core AVX512-BF16 EPYC over SmolLM2-135M's shapes (Q4_1 and Q8_0; 960 x 576, 3072 x 576, 576 x 1536): at 5 rows
+// 1.05-1.2x the integer tiles, at 8 1.15-1.45x, at 32 1.6-2.2x (0.7-0.77x the bf16 tiles over a widened weight:
+// the decoding is the difference).
+constexpr int64_t kQuantWidenMinRows = 5;
+
+// 16 rows of 16 dwords (r[i]) transposed in registers: r[j] becomes column j.
+inline void transpose16x16_epi32(__m512i (&r)[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + j], lane L: rows 4i .. 4i + 3 of column 4L + j
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // a[j]: lanes of columns j and 8 + j, rows 0-7; a[8 + j] the same of rows 8-15
+    a[j] = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x88);
+    a[4 + j] = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xdd);
+    a[8 + j] = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x88);
+    a[12 + j] = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xdd);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_i32x4(a[j], a[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(a[j], a[8 + j], 0xdd);
+    r[4 + j] = _mm512_shuffle_i32x4(a[4 + j], a[12 + j], 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(a[4 + j], a[12 + j], 0xdd);
+  }
+}
+
+// Weight rows [rows] (rows <= 32, rows row_bytes apart, format F) as one bf16 panel of linear.h's layout
+// ([K / 2, 32, 2], pair kk of column n at dword kk * 32 + n), rows past `rows` zero: per block of columns, 16 rows'
+// blocks decoded to fp32 (F::dequant, L1), each 32 weights rounded to 16 bf16 pairs (`vcvtne2ps2bf16`: nearest even,
+// torch's rounding for normal numbers; it flushes fp32 subnormals, which only MXFP4 blocks of exponent byte 0 or 1
+// decode to) and the 16 x 16 pairs transposed in registers.
+template <typename F>
+inline void unpack_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, std::vector<bf16>& panel) {
+  alignas(64) float blk[16][F::kBlock];
+  panel.resize(size_t(bf16_panel_elems(K)));
+  uint32_t* out = reinterpret_cast<uint32_t*>(panel.data());
+  for (int64_t b = 0; b < K / F::kBlock; ++b) {
+    for (int64_t h = 0; h < kPanelBf16; h += 16) {
+      for (int64_t i = 0; i < 16 && h + i < rows; ++i) F::dequant(w + (h + i) * row_bytes + b * F::kBytes, blk[i]);
+      for (int64_t c = 0; c < F::kBlock; c += 32) {
+        __m512i t[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          const bool row = h + i < rows;
+          t[i] = row ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(blk[i] + c + 16), _mm512_load_ps(blk[i] + c))
+                     : _mm512_setzero_si512();
+        }
+        transpose16x16_epi32(t);
+        const int64_t kk = (b * F::kBlock + c) / 2;
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (kk + i) * kPanelBf16 + h, t[i]);
+      }
+    }
+  }
+}
+
+// quant_linear_bf16 from kQuantWidenMinRows rows outside the deterministic mode: threads take panels of 32 weight
+// rows, each widened to bf16 once and run by linear.h's tiles (AMX where packed_linear_bf16 would use it).
+template <typename F>
+inline void quant_linear_widened_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t* w, const float* bias,
+                                      bf16* y, int64_t N, int64_t ldy) {
+  const int64_t row_bytes = K / F::kBlock * F::kBytes, panels = (N + kPanelBf16 - 1) / kPanelBf16;
+  const bool use_amx = amx_linear_applies(K);
+  agentrt::stealing_for(panels, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<bf16> panel;
+    Bf16Panels s(use_amx);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanelBf16, ncols = std::min(kPanelBf16, N - n0);
+      unpack_panel_bf16<F>(w + n0 * row_bytes, row_bytes, ncols, K, panel);
+      linear_panel_bf16(x, nullptr, M, K, panel.data(), bias ? bias + n0 : nullptr, y + n0, ldy, ncols, s);
+    }
+  });
+}
+
 // x's per-32 sums where format F has offsets (c terms), else empty.
 template <typename F>
 inline std::vector<float> offset_sums_bf16(const bf16* x, int64_t M, int64_t K) {
@@ -408,10 +498,16 @@ inline std::vector<float> offset_sums_bf16(const bf16* x, int64_t M, int64_t K) 
 }
 
 // x [M, K] bf16, w [N, K / B * bytes] in format F, bias fp32 [N] or null -> y [M, N] bf16, rows ldy apart (N: a
-// whole output; more: these N columns of a wider one, e.g. a fused projection's part).
+// whole output; more: these N columns of a wider one, e.g. a fused projection's part). `invariant` (the engine's
+// deterministic mode): the integer path for every M, so a row's output does not depend on M; else from
+// kQuantWidenMinRows rows the widened panels.
 template <typename F>
 inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t* w, const float* bias, bf16* y,
-                              int64_t N, int64_t ldy) {
+                              int64_t N, int64_t ldy, bool invariant) {
+  if (!invariant && M >= kQuantWidenMinRows) {
+    quant_linear_widened_bf16<F>(x, M, K, w, bias, y, N, ldy);
+    return;
+  }
   const int64_t row_bytes = K / F::kBlock * F::kBytes;
   const std::vector<float> sx = offset_sums_bf16<F>(x, M, K);
   const int64_t groups = (N + kQdotCols - 1) / kQdotCols;

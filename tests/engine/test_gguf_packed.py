@@ -97,15 +97,23 @@ def test_bf16_logits_match_the_widened_engine_and_the_fused_step_the_module_path
 
 
 @requires_default_model
-def test_bf16_multi_step_decode_matches_step_by_step(bf16_models, monkeypatch):
+@pytest.mark.parametrize("rows", [2, 9])
+def test_bf16_multi_step_decode_matches_step_by_step(bf16_models, monkeypatch, rows):
     # decode_steps (one C++ call: packed embedding lookup, layers, the tied Q8_0 head, argmax) against the
-    # runner's step-by-step path on the same model
+    # runner's step-by-step path on the same model; 9 rows: the block kernels' widened panels (not batch-invariant)
+    # in both
     packed, _ = bf16_models
     a = packed.args
-    kv = torch.zeros(a.num_layers, 2, 9, 4, a.num_kv_heads, a.head_dim, dtype=torch.bfloat16)
-    table = torch.arange(1, 9, dtype=torch.int32).view(1, -1)
-    ids, pos, stops = torch.tensor([5, 900]), torch.tensor([0, 3]), torch.full((2, 1), -1)
-    tables = torch.cat([table, table.flip(1)])
+    if rows == 2:
+        kv = torch.zeros(a.num_layers, 2, 9, 4, a.num_kv_heads, a.head_dim, dtype=torch.bfloat16)
+        table = torch.arange(1, 9, dtype=torch.int32).view(1, -1)
+        ids, pos, stops = torch.tensor([5, 900]), torch.tensor([0, 3]), torch.full((2, 1), -1)
+        tables = torch.cat([table, table.flip(1)])
+    else:  # 3 blocks of 4 positions a row (positions 0-8 at most), rows on their own blocks
+        kv = torch.zeros(a.num_layers, 2, 1 + 3 * rows, 4, a.num_kv_heads, a.head_dim, dtype=torch.bfloat16)
+        tables = torch.arange(1, 1 + 3 * rows, dtype=torch.int32).view(rows, 3)
+        ids = torch.randint(100, 20000, (rows,), generator=torch.Generator().manual_seed(2))
+        pos, stops = torch.arange(rows) % 4, torch.full((rows, 1), -1)
     from agentrt.kernels import cpu
 
     ops, calls = cpu.ops(), []
@@ -123,6 +131,24 @@ def test_bf16_multi_step_decode_matches_step_by_step(bf16_models, monkeypatch):
     monkeypatch.setattr(type(packed), "_decode_fusable", lambda *a: False)
     looped = packed.decode_steps(ids, pos, kv.clone(), tables, stops, 6)
     assert torch.equal(fused[0], looped[0]) and torch.equal(fused[1], looped[1])
+
+
+@requires_default_model
+def test_bf16_deterministic_mode_keeps_a_row_independent_of_the_batch(bf16_models):
+    # the engine's deterministic mode reaches the block kernels: 9 rows (past WIDEN_MIN_ROWS) give each row the bits it
+    # gets alone, through a projection and the tied Q8_0 head
+    from agentrt.kernels.linear import Linear
+
+    packed, _ = bf16_models
+    lin = next(m for m in packed.modules() if isinstance(m, Linear) and m.quant is not None)
+    x = torch.randn(9, lin.in_features, generator=torch.Generator().manual_seed(3)).bfloat16()
+    h = torch.randn(9, packed.args.hidden_size, generator=torch.Generator().manual_seed(4)).bfloat16()
+    packed.set_batch_invariant(True)
+    try:
+        assert torch.equal(lin(x)[4:5], lin(x[4:5]))
+        assert torch.equal(packed.compute_logits(h)[4:5], packed.compute_logits(h[4:5]))
+    finally:
+        packed.set_batch_invariant(False)
 
 
 def test_quantization_refusals(monkeypatch):

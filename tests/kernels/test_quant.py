@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from agentrt.kernels import cpu
-from agentrt.kernels.quant import (FORMATS, TYPE_IDS, QuantWeight, dequantize_ref, quant_linear, quant_linear_ref,
-                                  quantize)
+from agentrt.kernels.linear import pack_linear_weight_bf16
+from agentrt.kernels.quant import (FORMATS, TYPE_IDS, WIDEN_MIN_ROWS, QuantWeight, dequantize, dequantize_ref,
+                                  quant_linear, quant_linear_ref, quantize)
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -81,22 +82,57 @@ def test_quant_linear_matches_reference(name, rows, cpu_kind):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("rows", [1, 3, 5, 64, 300])
-def test_quant_linear_bf16_rows_match_reference(name, rows, cpu_kind):
-    # bf16 x (the engine's dtype): on AVX512-BF16 the blocks' integers times x (quant_bf16.h), elsewhere widened;
-    # the output is the fp32 sum rounded to bf16 once
+@pytest.mark.parametrize("rows", [1, 3, 5, WIDEN_MIN_ROWS - 1, WIDEN_MIN_ROWS, WIDEN_MIN_ROWS + 1, 64, 300])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_quant_linear_bf16_rows_match_reference(name, rows, batch_invariant, cpu_kind):
+    # bf16 x (the engine's dtype): on AVX512-BF16 the blocks' integers times x (quant_bf16.h), or from WIDEN_MIN_ROWS
+    # rows panels widened to bf16 weights; elsewhere widened to fp32; the output is the fp32 sum rounded to bf16 once
     block = FORMATS[TYPE_IDS[name]][1]
     gen = torch.Generator().manual_seed(100 + rows)
     for i, (n, k) in enumerate(SHAPES[block]):
         w, _ = make_weight(name, n, k, seed=i)
         x = torch.randn(rows, k, generator=gen).bfloat16()
         bias = torch.randn(n, generator=gen) if i % 2 else None
-        got = quant_linear(x, w, bias)
+        got = quant_linear(x, w, bias, batch_invariant)
         want = quant_linear_ref(x, w, bias)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         # fp32 sums of the factored products (c terms as large as the largest weight: 8x), then one bf16 rounding (half an ulp: <= 2^-8 relative)
-        bound = 8 * k * 2**-24 * (x.double().abs() @ dequantize_ref(w).abs().T) + 2**-8 * want.abs() + 1e-6
+        sum_abs = x.double().abs() @ dequantize_ref(w).abs().T
+        bound = 8 * k * 2**-24 * sum_abs + 2**-8 * want.abs() + 1e-6
+        if widens(rows, batch_invariant, cpu_kind):  # each weight rounded to bf16: half an ulp, 2^-9 relative
+            bound += 2**-9 * sum_abs
         assert ((got.double() - want).abs() <= bound).all(), (name, rows, n, k)
+
+
+def widens(rows: int, batch_invariant: bool, kind: str) -> bool:
+    """Whether quant_linear of `rows` bf16 rows runs the panels widened to bf16 (kernels/csrc/quant_bf16.h)."""
+    return kind == "avx512_bf16" and not batch_invariant and rows >= WIDEN_MIN_ROWS
+
+
+# (n, k): partial panels of 32 weight rows (37 = 32 + 5, 130 = 4 * 32 + 2, 16), k an odd number of blocks or 2 K-blocks
+WIDEN_SHAPES = {32: [(37, 96), (16, 32), (130, 160)], 256: [(37, 256), (70, 512)]}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rows", [WIDEN_MIN_ROWS - 1, WIDEN_MIN_ROWS, 13, 64, 301])
+def test_many_rows_are_the_widened_engines_product(name, rows, cpu_kind):
+    # from WIDEN_MIN_ROWS rows (not batch-invariant, AVX512-BF16): the widened engine's numbers, bit for bit: its weight
+    # (the fp32 decoding rounded to bf16 once, as the loader widens) through its packed bf16 kernel; fewer rows (and
+    # other kinds) the blocks' own path, the batch-invariant one
+    block = FORMATS[TYPE_IDS[name]][1]
+    gen = torch.Generator().manual_seed(7 * rows)
+    ops = cpu.ops()
+    for i, (n, k) in enumerate(WIDEN_SHAPES[block]):
+        w, _ = make_weight(name, n, k, seed=10 + i)
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        bias = torch.randn(n, generator=gen) if i % 2 == 0 else None
+        got = quant_linear(x, w, bias)
+        if widens(rows, False, cpu_kind):
+            packed = pack_linear_weight_bf16(dequantize(w).bfloat16())
+            want = ops.packed_linear_bf16(x, packed, None if bias is None else bias.float(), n, False)
+        else:
+            want = quant_linear(x, w, bias, batch_invariant=True)
+        assert torch.equal(got, want), (name, rows, n, k)
 
 
 def test_quant_linear_bf16_and_leading_dims():
@@ -104,8 +140,11 @@ def test_quant_linear_bf16_and_leading_dims():
     x = torch.randn(2, 3, 64).bfloat16()
     got = quant_linear(x, w)
     assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 24)
+    assert torch.equal(got, quant_linear(x.reshape(6, 64), w).reshape(2, 3, 24))
     want = quant_linear_ref(x.reshape(6, 64), w).reshape(2, 3, 24)
-    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+    # 6 rows: on AVX512-BF16 the weights widened to bf16 (2^-9 of sum |x w|), then the output's bf16 rounding
+    sum_abs = (x.double().abs() @ dequantize_ref(w).abs().T)
+    assert ((got.double() - want).abs() <= 2**-8 * sum_abs + 2**-8 * want.abs() + 1e-6).all()
 
 
 def test_quant_weight_rejects_bad_input():
@@ -127,10 +166,12 @@ def test_rows_do_not_depend_on_the_batch(name, dtype, cpu_kind):
     block = FORMATS[TYPE_IDS[name]][1]
     w, _ = make_weight(name, 40, 2 * block)
     x = torch.randn(37, 2 * block).to(dtype)
-    batched = quant_linear(x, w)
+    batched = quant_linear(x, w, batch_invariant=True)
     for i in (0, 5, 36):
-        assert torch.equal(quant_linear(x[i : i + 1], w)[0], batched[i])
-        assert torch.equal(quant_linear(x[i : i + 3], w)[0], batched[i])
+        assert torch.equal(quant_linear(x[i : i + 1], w, batch_invariant=True)[0], batched[i])
+        assert torch.equal(quant_linear(x[i : i + 3], w, batch_invariant=True)[0], batched[i])
+    if dtype == torch.float32 or cpu_kind != "avx512_bf16":  # no widened panels: invariant whatever the flag
+        assert torch.equal(quant_linear(x, w), batched)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
