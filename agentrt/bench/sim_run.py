@@ -38,10 +38,13 @@ def capacity(workload: list[ProgramSpec], *, engine: dict[str, Any] | None = Non
 
 def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, policy_kwargs: dict[str, Any] | None = None,
              engine: dict[str, Any] | None = None, cost: StepCost | None = None,
-             retention: RetentionConfig | None = None, tiers: TierCost | None = None) -> dict[str, Any]:
+             retention: RetentionConfig | None = None, tiers: TierCost | None = None,
+             end_programs: bool = True) -> dict[str, Any]:
     """Run the workload's plans to completion; per-program latencies and engine counters (virtual seconds).
     `retention`: run agentrt's retention policy (TTL pins, reservations) over the engine's own pin code.
-    `tiers`: KV tiers below the cache (agentrt/bench/sim_tiers.py); the retention TTL then weighs their reload cost."""
+    `tiers`: KV tiers below the cache (agentrt/bench/sim_tiers.py); the retention TTL then weighs their reload cost.
+    `end_programs=False`: a program's end is never told to the engine, as with a client of the HTTP API (an OpenAI
+    SDK), whose programs just stop calling (`agentrt bench programs --http`)."""
     pol = make_policy(policy, **(policy_kwargs or {}))
     eng = SimEngine(pol, **{**DEFAULT_ENGINE, **(engine or {})}, cost=cost, tiers=tiers)
     ret = None
@@ -65,7 +68,9 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
             try:
                 action = gen.send(value)
             except StopIteration:
-                if ret is not None:
+                if not end_programs:
+                    pass
+                elif ret is not None:
                     ret.program_ended(pid)
                 else:
                     eng.program_op(EndProgram(pid))
@@ -111,10 +116,13 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
             eng.step(timers[0][0] if timers else math.inf)  # what arrives during a step is added after it
         elif timers:
             eng.now = max(eng.now, timers[0][0])
+    makespan = eng.now
+    if not end_programs:  # what the server's idle timeout does after the run: pins and state released
+        for spec in workload:
+            eng.program_op(EndProgram(f"prog-{spec.index}"))
     assert eng.kv.num_free_blocks == eng.kv.num_blocks, "simulation leaked KV blocks"
     done = [r for r in results if r is not None]
     assert len(done) == len(workload), "a program never finished"
-    makespan = eng.now
     return {
         "policy": getattr(pol, "name", str(policy)),
         "makespan_s": makespan,

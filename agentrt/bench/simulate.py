@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="sweep instead: arrival rates as fractions of the saturation rate (e.g. 0.7,0.8,0.9,1.0); "
                          "reports each policy's mean and p99 latency vs fcfs, averaged over --seeds")
     ap.add_argument("--seeds", type=int, default=3, help="workload seeds per load in a sweep (from --seed on)")
+    ap.add_argument("--like-http", action="store_true",
+                    help="as `agentrt bench programs --http` serves them: TTL pins across tool calls (the server's "
+                         "retention), and no program ever says it ended (an OpenAI client just stops calling)")
     args = ap.parse_args(argv)
     cost, cost_line = resolve_cost(args)
     workload, engine = real.setup(args, cost)  # bad arguments end here, before anything is said
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     report = real.new_report(args, engine)
     for entry in args.policies.split(","):
         name, kwargs = real.policy_spec(entry, args)
-        res = simulate(name, workload, policy_kwargs=kwargs, engine=engine, cost=cost)
+        res = simulate(name, workload, policy_kwargs=kwargs, engine=engine, cost=cost, **like_http(args))
         report["results"][entry] = real.summarize(res)
     real.add_ratios(report)
     if args.capacity:
@@ -261,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"arrival rate {args.rate:.3f} programs/s{real.load_note(report['config'])}")
     print(json.dumps(report, indent=2) if args.json else real.table(report))
     return 0
+
+
+def like_http(args: argparse.Namespace) -> dict[str, Any]:
+    """`simulate`'s arguments for --like-http (none without it)."""
+    return {"retention": RetentionConfig(), "end_programs": False} if getattr(args, "like_http", False) else {}
 
 
 def resolve_cost(args: argparse.Namespace) -> tuple[StepCost, str]:
@@ -289,11 +297,12 @@ def sweep(args: argparse.Namespace, loads: list[float], engine: dict[str, Any], 
         for seed in range(args.seed, args.seed + args.seeds):
             rate = load * capacity(wl.make_workload(args.programs, 1.0, seed), engine=engine, cost=cost)
             work = wl.make_workload(args.programs, rate, seed)
-            base = real.summarize(simulate("fcfs", work, engine=engine, cost=cost))["latency_s"]
+            base = real.summarize(simulate("fcfs", work, engine=engine, cost=cost, **like_http(args)))["latency_s"]
             rates.append(rate)
             for e in ratios:
                 name, kwargs = specs[e]
-                lat = real.summarize(simulate(name, work, policy_kwargs=kwargs, engine=engine, cost=cost))["latency_s"]
+                lat = real.summarize(simulate(name, work, policy_kwargs=kwargs, engine=engine, cost=cost,
+                                              **like_http(args)))["latency_s"]
                 ratios[e]["mean"].append(lat["mean"] / base["mean"])
                 ratios[e]["p99"].append(lat["p99"] / base["p99"])
         rows.append({"load": load, "rate": sum(rates) / len(rates), "seeds": args.seeds,

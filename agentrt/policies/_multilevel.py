@@ -21,7 +21,9 @@ and `credit_service`, which queues a program's service on other replicas the sam
 Bounded state: a program's state lives while it has calls in the engine and until the runtime ends
 it. An engine used without agentrt's runtime never ends programs, so a program with no call in the
 engine is also dropped after `idle_ttl_s` (policy clock), and at most `max_idle_programs` idle
-programs are kept (least recently active dropped first). A program that calls again after that
+programs are kept (least recently active dropped first). Such a program never says it ended, so for the fits
+that learn from finished programs (PLAS's first boundary in programs' worth) one that stays quiet well past the
+gaps programs usually come back after is presumed finished (`quiet_s`) while its state is kept. A program that calls again after that
 starts from fresh state, as if new: it may get ahead of where its history would put it, which is a
 fairness loss for one call, never a stall or a leak. Ten minutes is far above the tool gaps of agent
 programs (seconds), and 10k idle records are a few MB.
@@ -76,6 +78,7 @@ class ProgramState:
     ended: bool = False  # the runtime said the program is over: drop once `active` reaches 0
     elsewhere: float = 0.0  # service its calls received on other engines (replicas): `credit_service`
     elsewhere_critical: float = 0.0  # ATLAS: the longest critical path seen on other engines
+    presumed: bool = False  # gone quiet past its program's usual gaps: counted as finished (see `quiet_s`)
 
 
 def doubling(first: float, count: int) -> list[float]:
@@ -91,6 +94,9 @@ class MultiLevelPolicy(SchedulingPolicy):
     order_by_program: bool = False  # within a queue: older programs first (else calls by entry time)
     idle_ttl_s: float = 600.0  # state of a program with no call in the engine is dropped after this
     max_idle_programs: int = 10_000  # idle programs whose state is kept at most (least recently active go first)
+    quiet_gaps: float = 4.0  # a program idle this many times the 90th percentile of programs' gaps between calls
+    min_quiet_s: float = 1.0  # (and at least this long) is presumed finished (`quiet_s`)
+    default_quiet_s: float = 10.0  # ... until 8 gaps were seen
 
     def __init__(self, *, num_queues: int, quantum: float, service: ServiceUnit, token_cost: float,
                  preempt: bool | str = True, pinned_first: bool = False, victim: str = "priority",
@@ -135,6 +141,10 @@ class MultiLevelPolicy(SchedulingPolicy):
         self._credits: collections.deque[tuple[str, float, float]] = collections.deque()
         self._idle: collections.OrderedDict[str, float] = collections.OrderedDict()  # program key -> when its
         # last call left, oldest first: programs in `programs` with no call in the engine
+        self._quiet: collections.OrderedDict[str, float] = collections.OrderedDict()  # the idle programs not yet
+        # presumed finished, oldest first
+        self._gaps: collections.deque[float] = collections.deque(maxlen=256)  # programs' latest idle gaps
+        self._quiet_s = self.default_quiet_s
 
     # --- subclass hooks ---------------------------------------------------------------------
     @abstractmethod
@@ -228,7 +238,13 @@ class MultiLevelPolicy(SchedulingPolicy):
         prog = self.programs.get(key)
         if prog is None:
             prog = self.programs[key] = ProgramState()
-        self._idle.pop(key, None)
+        since = self._idle.pop(key, None)
+        if since is not None and self._quiet.pop(key, None) is not None:  # back before presumed finished: a gap
+            self._gaps.append(now - since)
+            if len(self._gaps) >= 8 and len(self._gaps) % 8 == 0:
+                p90 = sorted(self._gaps)[(len(self._gaps) * 9) // 10]
+                self._quiet_s = max(self.min_quiet_s, self.quiet_gaps * p90)
+        prog.presumed = False
         prog.active += 1
         if prog.start is None:
             prog.start = now
@@ -243,9 +259,11 @@ class MultiLevelPolicy(SchedulingPolicy):
             if prog is not None:
                 prog.ended = True
                 if prog.active <= 0:
-                    self.on_program_done(prog)
+                    if not prog.presumed:
+                        self.on_program_done(prog)
                     del self.programs[key]
                     self._idle.pop(key, None)
+                    self._quiet.pop(key, None)
         while self._credits:
             key, attained, critical = self._credits.popleft()
             prog = self.programs.get(key)
@@ -254,6 +272,7 @@ class MultiLevelPolicy(SchedulingPolicy):
                 self._idle[key] = now
             prog.elsewhere, prog.elsewhere_critical = attained, critical
         self._expire_idle(now)
+        self._presume_finished(now)
         for req in running:
             st = self.state(req)
             st.last_seen = now
@@ -346,11 +365,14 @@ class MultiLevelPolicy(SchedulingPolicy):
         prog.active -= 1
         if prog.active <= 0:
             if prog.ended or req.program_id is None:
-                self.on_program_done(prog)
+                if not prog.presumed:
+                    self.on_program_done(prog)
                 del self.programs[key]
             else:
                 self._idle[key] = now
                 self._idle.move_to_end(key)
+                self._quiet[key] = now
+                self._quiet.move_to_end(key)
                 self._expire_idle(now)
 
     def _expire_idle(self, now: float) -> None:
@@ -360,9 +382,31 @@ class MultiLevelPolicy(SchedulingPolicy):
             if len(self._idle) <= self.max_idle_programs and now - since < self.idle_ttl_s:
                 return
             del self._idle[key]
+            self._quiet.pop(key, None)
             prog = self.programs.get(key)
             if prog is not None and prog.active <= 0:
                 del self.programs[key]
+
+    def quiet_s(self) -> float:
+        """How long a program with no call in the engine stays quiet before it is presumed finished: `quiet_gaps`
+        times the 90th percentile of the gaps programs came back after (tool calls, a user's next turn), at least
+        `min_quiet_s`; `default_quiet_s` until 8 gaps were seen."""
+        return self._quiet_s
+
+    def _presume_finished(self, now: float) -> None:
+        """A program quiet past `quiet_s` counts as finished for the fits (`on_program_done`): a client of the HTTP
+        API (an OpenAI SDK, an agent framework) never says its program ended, and its state is kept for
+        `idle_ttl_s` in case it comes back. If it does, its service goes on from where it was, and it is counted
+        once more when it goes quiet (or ends) again."""
+        while self._quiet:
+            key, since = next(iter(self._quiet.items()))
+            if now - since < self._quiet_s:
+                return
+            del self._quiet[key]
+            prog = self.programs.get(key)
+            if prog is not None and prog.active <= 0 and not prog.ended:
+                prog.presumed = True
+                self.on_program_done(prog)
 
     # --- runtime side ---------------------------------------------------------------------
     def end_program(self, program_id: str) -> None:

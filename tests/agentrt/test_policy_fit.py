@@ -95,3 +95,34 @@ def test_pinned_calls_go_first_within_their_queue_only():
     order = sorted([pinned, fresh, peer], key=lambda r: pol.pinned_key(r, r.program_id == "old"))
     # the new program (queue 0) before the pinned one (queue 2), which goes ahead of its queue's peer
     assert [r.request_id for r in order] == ["new0", "old1", "mid0"]
+
+
+def test_programs_that_go_quiet_count_as_finished_for_the_program_fit():
+    """Over the HTTP API nobody ends a program: one quiet past 4x the 90th percentile of the gaps programs came back
+    after (at least 1 s) counts as finished for the program fit, once, and keeps its state."""
+    pol = PLAS(service="tokens")
+    assert pol.quiet_s() == 10.0  # before 8 gaps were seen
+    for i in range(8):  # 8 programs: a call, a 0.5 s gap, a call
+        serve(pol, call(f"a{i}", f"p{i}"), 10, now=0.0)
+        serve(pol, call(f"b{i}", f"p{i}"), 10, now=0.5)
+    assert pol.quiet_s() == 2.0 and pol.program_fit.median is None
+    pol.before_schedule([], [], 2.4)  # quiet 1.9 s
+    assert pol.program_fit.median is None
+    pol.before_schedule([], [], 2.6)
+    assert pol.program_fit.median == 20.0 and pol.boundaries == [30.0]
+    assert all(pol.programs[f"p{i}"].presumed for i in range(8))  # state kept
+    serve(pol, call("c0", "p0"), 10, now=3.0)  # p0 comes back: its service goes on
+    assert pol.programs["p0"].attained == 30.0 and not pol.programs["p0"].presumed
+    assert pol.quiet_s() == 2.0  # a program back after it was presumed finished is not a gap
+    counted = len(pol.program_fit.samples)
+    pol.before_schedule([], [], 4.9)
+    assert len(pol.program_fit.samples) == counted
+    pol.before_schedule([], [], 5.1)  # quiet again: counted once more, with what it has now
+    assert len(pol.program_fit.samples) == counted + 1 and pol.program_fit.samples[-1] == 30.0
+    end(pol, "p1", 6.0)
+    pol.before_schedule([], [], 6.0)
+    assert "p1" not in pol.programs and len(pol.program_fit.samples) == counted + 1  # ended after presumed: once
+    serve(pol, call("d2", "p2"), 10, now=7.0)
+    end(pol, "p2", 7.0)
+    pol.before_schedule([], [], 7.0)
+    assert len(pol.program_fit.samples) == counted + 2  # ended after coming back: counted at its end

@@ -97,3 +97,30 @@ def test_command_line_entry(capsys):
     assert cli.main(["simulate", "--programs", "6", "--rate", "1", "--policies", "fcfs,atlas"]) == 0
     assert "| atlas |" in capsys.readouterr().out
     assert cli.main(["bench", "nonsense"]) == 2
+
+
+def test_like_http_programs_never_end_and_plas_still_fits_its_boundary_to_programs():
+    """--like-http: no program says it ended (an OpenAI client just stops calling), pins as the server keeps them.
+    PLAS then learns its program boundary from programs that went quiet; without that (quiet never presumed) the
+    boundary stays in calls' worth, and a ReAct loop's third call sits in the long programs' queue."""
+    from agentrt._retention import RetentionConfig
+    from agentrt.policies import PLAS, _multilevel
+
+    work = wl.make_workload(16, 0.5, seed=2)
+    policies = []
+    res = sim.simulate("plas", work, retention=RetentionConfig(), end_programs=False)  # asserts: blocks back, all done
+    assert len(res["programs"]) == 16
+    orig = PLAS.on_program_done
+    try:
+        PLAS.on_program_done = lambda self, prog: policies.append(self) or orig(self, prog)
+        sim.simulate("plas", work, retention=RetentionConfig(), end_programs=False)
+        presumed = len(policies)
+        policies.clear()
+        _multilevel.MultiLevelPolicy.min_quiet_s = _multilevel.MultiLevelPolicy.default_quiet_s = float("inf")
+        sim.simulate("plas", work, retention=RetentionConfig(), end_programs=False)
+    finally:
+        PLAS.on_program_done = orig
+        _multilevel.MultiLevelPolicy.min_quiet_s, _multilevel.MultiLevelPolicy.default_quiet_s = 1.0, 10.0
+    assert presumed >= 8  # enough for the program fit
+    assert not policies  # never presumed finished, never ended during the run: the fit learns nothing
+    assert sim.main(["--programs", "8", "--rate", "0.5", "--policies", "fcfs,plas", "--like-http", "--json"]) == 0
