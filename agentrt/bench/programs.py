@@ -244,7 +244,48 @@ def write_docs(report: dict[str, Any], path: Path | None = None) -> Path:
 
         parts += ["", "Where the time goes (mean per program; from the server's program records and /metrics samples):",
                   "", programs_http.breakdown_table(report["results"])]
+    if "simulated" in report:
+        parts += ["", SIM_NOTE, "", simulated_table(report)]
     return _common.write_section(title, "\n".join(parts), path, name="programs")
+
+
+SIM_NOTE = ("Simulated against real (`agentrt bench simulate --like-http`: this machine's calibrated step costs, the same "
+            "workloads and rate, pins as the server keeps them, no program ever ended by its client):")
+
+
+def simulated(report: dict[str, Any], policies: list[str], workloads: list[list[ProgramSpec]],
+              engine: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """The simulator on the same workloads as a served run (agentrt/bench/simulate.py --like-http): each policy's
+    mean latency, all programs and by class, pooled over the seeds as the real run's."""
+    from agentrt._retention import RetentionConfig
+    from agentrt.bench import costs
+    from agentrt.bench.sim_run import simulate
+
+    cost, _ = costs.for_this_machine(report["config"].get("model"), quiet=True)
+    out = {}
+    for policy in policies:
+        name, kwargs = policy_spec(policy, args)
+        res = summarize(pool([simulate(name, work, policy_kwargs=kwargs, engine=engine, cost=cost,
+                                       retention=RetentionConfig(), end_programs=False) for work in workloads]))
+        out[policy] = {"mean": res["latency_s"]["mean"], "short": res["by_class"]["short"].get("mean", float("nan")),
+                       "long": res["by_class"]["long"].get("mean", float("nan"))}
+    return out
+
+
+def simulated_table(report: dict[str, Any]) -> str:
+    """Real and simulated mean latency per policy, and each one's ratio to fcfs (issue 47: within 0.1)."""
+    sim, real = report["simulated"], report["results"]
+    lines = ["| policy | real mean s | simulated mean s | real short / long s | simulated short / long s "
+             "| real vs fcfs | simulated vs fcfs | difference |", "|---|---|---|---|---|---|---|---|"]
+    for policy, s in sim.items():
+        r = real[policy]
+        rr = r["latency_s"]["mean"] / real["fcfs"]["latency_s"]["mean"] if "fcfs" in real else float("nan")
+        sr = s["mean"] / sim["fcfs"]["mean"] if "fcfs" in sim else float("nan")
+        lines.append(f"| {policy} | {r['latency_s']['mean']:.2f} | {s['mean']:.2f} | "
+                     f"{r['by_class']['short'].get('mean', float('nan')):.1f} / "
+                     f"{r['by_class']['long'].get('mean', float('nan')):.1f} | {s['short']:.1f} / {s['long']:.1f} "
+                     f"| {rr:.2f} | {sr:.2f} | {sr - rr:+.2f} |")
+    return "\n".join(lines)
 
 
 def _seeds_note(cfg: dict[str, Any]) -> str:
@@ -522,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
             report["results"][policy]["http_breakdown"] = programs_http.breakdown(
                 report["results"][policy]["programs"], LONG_KINDS)
     add_ratios(report)
+    if args.http and args.kv_host_gib is None:
+        report["simulated"] = simulated(report, policies, workloads, engine, args)
     if args.timeline:
         programs_http.plot_timeline(report, args.timeline)
     if args.json:
@@ -538,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.http and not args.json:
         print("\nWhere the time goes (mean per program; from the server's program records and /metrics samples):")
         print(programs_http.breakdown_table(report["results"]))
+        if "simulated" in report:
+            print(f"\n{SIM_NOTE}\n\n{simulated_table(report)}")
     if args.breakdown and not args.json:
         from agentrt.bench import breakdown as bd
 

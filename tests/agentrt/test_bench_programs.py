@@ -110,6 +110,10 @@ def test_bench_programs_over_http(tiny_model_path, tmp_path, capsys, monkeypatch
         assert r["by_class"]["long"]["n"] + r["by_class"]["short"]["n"] == 6 and 0 <= r["prefix_hit_rate"] <= 1
     assert report["results"]["plas+ttl:running_cap=2"]["vs_fcfs"]["makespan"] > 0
     assert plot.stat().st_size > 10_000
+    sim = report["simulated"]  # the simulator on the same workloads, as the server ran them
+    assert list(sim) == ["fcfs", "plas+ttl:running_cap=2"] and all(s["mean"] > 0 for s in sim.values())
+    rows = bench.simulated_table(report).splitlines()[2:]
+    assert len(rows) == 2 and rows[0].startswith("| fcfs |") and rows[0].endswith("| 1.00 | 1.00 | +0.00 |")
     from agentrt.bench import programs_http
 
     args = argparse.Namespace(first_boundary=None, quantum=None, beta=None)
