@@ -64,15 +64,25 @@ MIX = {"chat": 0.8, "react": 0.12, "tree": 0.08}
 
 
 def describe() -> str:
-    """One line for reports: the mix and the size of each kind."""
+    """One line for reports: the mix and the size of each of its kinds."""
     kinds = ", ".join(f"{k} {v:.0%}" for k, v in MIX.items())
-    return (
-        f"{kinds}; chat = 1 call ({CHAT['prompt'] + 32} prompt / {CHAT['max_tokens']} output tokens), "
-        f"react = {REACT['calls'][0]}-{REACT['calls'][1]} sequential calls with {REACT['tool_s'][0]}-{REACT['tool_s'][1]} s "
-        "tool gaps, "
-        f"tree = root + {TREE['depth']} rounds of {TREE['width']} parallel calls + final call, "
-        f"{REACT['max_tokens']} output tokens per ReAct / tree call"
-    )
+    sizes = {
+        "chat": f"chat = 1 call ({CHAT['prompt'] + 32} prompt / {CHAT['max_tokens']} output tokens)",
+        "react": f"react = {REACT['calls'][0]}-{REACT['calls'][1]} sequential calls with "
+                 f"{REACT['tool_s'][0]}-{REACT['tool_s'][1]} s tool gaps, {REACT['max_tokens']} output tokens a call",
+        "tree": f"tree = root + {TREE['depth']} rounds of {TREE['width']} parallel calls + final call, "
+                f"{TREE['max_tokens']} output tokens a call",
+        "react_few": f"react_few = {REACT_FEW['calls'][0]}-{REACT_FEW['calls'][1]} sequential calls over a "
+                     f"{REACT_FEW['task'] + 64}-token task, {REACT_FEW['observation'][0]}-{REACT_FEW['observation'][1]}-token "
+                     f"observations, {REACT_FEW['max_tokens']} output tokens a call",
+        "steps": f"steps = {STEPS['steps'][0]}-{STEPS['steps'][1]} steps of {STEPS['width']} parallel calls on one "
+                 f"conversation from a {STEPS['task'] + 64}-token task, {STEPS['observation'][0]}-"
+                 f"{STEPS['observation'][1]}-token observations, {STEPS['max_tokens']} output tokens a call",
+    }
+    known = [sizes[k] for k in MIX if k in sizes]
+    gaps = (f"; tool gaps log-normal, median {REACT_FEW['tool_median_s']} s" if {"react_few", "steps"} & set(MIX)
+            else "")
+    return f"{kinds}; " + "; ".join(known) + gaps if known else kinds
 
 
 @dataclass(frozen=True, slots=True)

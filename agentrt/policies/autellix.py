@@ -93,10 +93,13 @@ from agentrt.policies._multilevel import (
 #     (each alone helped less: 0.69 / 0.47x and 0.87 / 0.66x at 0.267/s); with 64 seats and no KV pressure identical.
 #     Not in TTL_SETTINGS: new_take_pins evicted whole agent contexts there (pins_by_rank above).
 # On the real engine over HTTP (issue 47's agent mix, agentrt/bench/workload.py AGENT_WAIT_MIX: 73% 2-4-call ReAct,
-# 27% 8-12 steps of 4 parallel calls; 150 KV blocks, 64 seats, TTL pins on, 0.9 of the measured saturation, seeds
-# 0-2; docs/benchmarks/programs.md): mean 0.67x fcfs, long programs 0.57x (p99 0.54x), short programs 0.82x, all
-# done 0.91x sooner; before these defaults 0.85x, 0.65x short, long p99 1.21x. With the host tier (not KV-bound
-# there) 1.06x (before 1.05x); with 64 seats and no KV pressure 0.95x (before these defaults).
+# 27% 8-12 steps of 4 parallel calls; 150 KV blocks, 64 seats, TTL pins on, 60 programs x seeds 0-2 at 0.9 of the
+# saturation measured as the knee of a closed loop; docs/benchmarks/programs.md), with headroom, new_take_pins and
+# programs presumed finished when quiet (agentrt/policies/_multilevel.py; over HTTP no client ends its programs, and
+# before that PLAS's boundary never left calls' worth): mean 0.62x fcfs, short programs 0.39x, long 0.84x (p99
+# 0.80x), all done 0.96x sooner (simulated --like-http: 0.59x). The second round's defaults measured 0.67x, short
+# 0.82x, on 30 programs. With the host tier the same pool is compute-bound at its knee: 0.98x mean, short 0.75x,
+# long 1.18x (with the headroom off over the tier: 1.15x, not kept).
 DEFAULTS: dict[str, dict[str, float | None]] = {
     "time": {"num_queues": 2, "first_boundary": 1.0, "quantum": 1.0, "beta": 32.0, "boundary_calls": 2.0,
              "boundary_programs": 1.5},
