@@ -22,8 +22,9 @@ policy's `pinned_key` may keep its own classes first, as agentrt's queues do; no
 binds, when seats go in the policy's order);
 `protect_pins` is admission control for a KV-bound engine: while others run, a waiting call goes in only
 if its whole prompt and output fit (at most the policy's `admit_output_tokens` of the output), and only a call of a program that holds a pin may make other
-programs' pins give way (with the policy's `pins_by_rank`, only those of the programs it `outranks`, and with its
-`new_take_pins` a call of a program holding no pin may too; an idle engine admits as usual). agentrt's PLAS takes these as arguments.
+programs' pins give way (with the policy's `pins_by_rank`, only those of the programs it `outranks`, and with
+its `new_take_pins` a call of a program holding no pin may too; an idle engine admits as usual). agentrt's PLAS
+takes these as arguments.
 
 Headroom (a policy that `keeps_headroom`, agentrt's PLAS): while others run, a call the policy says
 `leaves_headroom` (its lowest class: long programs) is admitted only if, after its whole prompt and output, the

@@ -21,10 +21,10 @@ and `credit_service`, which queues a program's service on other replicas the sam
 Bounded state: a program's state lives while it has calls in the engine and until the runtime ends
 it. An engine used without agentrt's runtime never ends programs, so a program with no call in the
 engine is also dropped after `idle_ttl_s` (policy clock), and at most `max_idle_programs` idle
-programs are kept (least recently active dropped first). Such a program never says it ended, so for the fits
-that learn from finished programs (PLAS's first boundary in programs' worth) one that stays quiet well past the
-gaps programs usually come back after is presumed finished (`quiet_s`) while its state is kept. A program that calls again after that
-starts from fresh state, as if new: it may get ahead of where its history would put it, which is a
+programs are kept (least recently active dropped first). Such a program never says it ended, so for the
+fits that learn from finished programs (PLAS's first boundary in programs' worth) one that stays quiet well
+past the gaps programs usually come back after is presumed finished (`quiet_s`) while its state is kept. A
+program that calls again after `idle_ttl_s` starts from fresh state, as if new: it may get ahead of where its history would put it, which is a
 fairness loss for one call, never a stall or a leak. Ten minutes is far above the tool gaps of agent
 programs (seconds), and 10k idle records are a few MB.
 """
