@@ -92,7 +92,8 @@ class Scheduler:
         self._classes = False  # this step: some request is in a class other than 0
         self._seats = config.max_num_seqs  # this step: the running set's size limit (policy.max_running)
         self._better_needs: collections.deque[int] = collections.deque(maxlen=HEADROOM_FIT)  # blocks better-ranked
-        # calls needed at admission (policy.keeps_headroom)
+        # calls needed at admission (policy.keeps_headroom), and the headroom fitted from them (refitted per admission)
+        self._headroom = 0
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -273,7 +274,7 @@ class Scheduler:
                 break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
             self.waiting.pop(j)
             if need is not None:
-                self._better_needs.append(need)
+                self._fit_headroom(need)
             if req.num_preemptions:
                 req.num_recomputed_tokens += n
             elif req.first_scheduled_time is None:
@@ -295,10 +296,13 @@ class Scheduler:
 
     def headroom_blocks(self) -> int:
         """The blocks a call that `leaves_headroom` must leave free (see the module docstring); 0 until fitted."""
+        return self._headroom
+
+    def _fit_headroom(self, need: int) -> None:
         needs = self._better_needs
-        if len(needs) < HEADROOM_MIN:
-            return 0
-        return min(sorted(needs)[(len(needs) * 9) // 10], self.kv.num_blocks // 2)
+        needs.append(need)
+        if len(needs) >= HEADROOM_MIN:
+            self._headroom = min(sorted(needs)[(len(needs) * 9) // 10], self.kv.num_blocks // 2)
 
     def _may_take_pins(self, req: Request, idle: bool, protect_pins: bool) -> bool | Callable[[str], bool]:
         """Whose pins may give way to a waiting request: everyone's (an idle engine, or no admission control);

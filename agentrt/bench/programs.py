@@ -257,16 +257,15 @@ def simulated(report: dict[str, Any], policies: list[str], workloads: list[list[
               engine: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """The simulator on the same workloads as a served run (agentrt/bench/simulate.py --like-http): each policy's
     mean latency, all programs and by class, pooled over the seeds as the real run's."""
-    from agentrt._retention import RetentionConfig
     from agentrt.bench import costs
-    from agentrt.bench.sim_run import simulate
+    from agentrt.bench.sim_run import like_http, simulate
 
     cost, _ = costs.for_this_machine(report["config"].get("model"), quiet=True)
     out = {}
     for policy in policies:
         name, kwargs = policy_spec(policy, args)
-        res = summarize(pool([simulate(name, work, policy_kwargs=kwargs, engine=engine, cost=cost,
-                                       retention=RetentionConfig(), end_programs=False) for work in workloads]))
+        res = summarize(pool([simulate(name, work, policy_kwargs=kwargs, engine=engine, cost=cost, **like_http())
+                              for work in workloads]))
         out[policy] = {"mean": res["latency_s"]["mean"], "short": res["by_class"]["short"].get("mean", float("nan")),
                        "long": res["by_class"]["long"].get("mean", float("nan"))}
     return out

@@ -36,6 +36,12 @@ def capacity(workload: list[ProgramSpec], *, engine: dict[str, Any] | None = Non
     return len(burst) / simulate("fcfs", burst, engine=engine, cost=cost)["makespan_s"]
 
 
+def like_http() -> dict[str, Any]:
+    """`simulate`'s arguments for programs served as `agentrt bench programs --http` serves them: TTL pins as the
+    server keeps them, and no program ever said to end (an OpenAI client just stops calling)."""
+    return {"retention": RetentionConfig(), "end_programs": False}
+
+
 def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, policy_kwargs: dict[str, Any] | None = None,
              engine: dict[str, Any] | None = None, cost: StepCost | None = None,
              retention: RetentionConfig | None = None, tiers: TierCost | None = None,
@@ -68,11 +74,9 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
             try:
                 action = gen.send(value)
             except StopIteration:
-                if not end_programs:
-                    pass
-                elif ret is not None:
+                if end_programs and ret is not None:
                     ret.program_ended(pid)
-                else:
+                elif end_programs:
                     eng.program_op(EndProgram(pid))
                 results[spec.index] = {"kind": spec.kind, "latency_s": eng.now - spec.arrival_s, **stats}
                 return

@@ -28,7 +28,7 @@ from typing import Any
 
 import agentrt.policies  # noqa: F401  (registers plas / atlas / mlfq)
 from agentrt._retention import RetentionConfig
-from agentrt.bench import costs, sim_tiers
+from agentrt.bench import costs, sim_run, sim_tiers
 from agentrt.bench import workload as wl
 from agentrt.bench.costs import StepCost
 from agentrt.bench.sim_run import agent_engine, capacity, simulate
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def like_http(args: argparse.Namespace) -> dict[str, Any]:
     """`simulate`'s arguments for --like-http (none without it)."""
-    return {"retention": RetentionConfig(), "end_programs": False} if getattr(args, "like_http", False) else {}
+    return sim_run.like_http() if getattr(args, "like_http", False) else {}
 
 
 def resolve_cost(args: argparse.Namespace) -> tuple[StepCost, str]:

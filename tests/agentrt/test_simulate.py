@@ -111,6 +111,7 @@ def test_like_http_programs_never_end_and_plas_still_fits_its_boundary_to_progra
     res = sim.simulate("plas", work, retention=RetentionConfig(), end_programs=False)  # asserts: blocks back, all done
     assert len(res["programs"]) == 16
     orig = PLAS.on_program_done
+    quiet = _multilevel.MultiLevelPolicy.min_quiet_s, _multilevel.MultiLevelPolicy.default_quiet_s
     try:
         PLAS.on_program_done = lambda self, prog: policies.append(self) or orig(self, prog)
         sim.simulate("plas", work, retention=RetentionConfig(), end_programs=False)
@@ -120,7 +121,7 @@ def test_like_http_programs_never_end_and_plas_still_fits_its_boundary_to_progra
         sim.simulate("plas", work, retention=RetentionConfig(), end_programs=False)
     finally:
         PLAS.on_program_done = orig
-        _multilevel.MultiLevelPolicy.min_quiet_s, _multilevel.MultiLevelPolicy.default_quiet_s = 1.0, 10.0
+        _multilevel.MultiLevelPolicy.min_quiet_s, _multilevel.MultiLevelPolicy.default_quiet_s = quiet
     assert presumed >= 8  # enough for the program fit
     assert not policies  # never presumed finished, never ended during the run: the fit learns nothing
     assert sim.main(["--programs", "8", "--rate", "0.5", "--policies", "fcfs,plas", "--like-http", "--json"]) == 0
