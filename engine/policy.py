@@ -36,6 +36,8 @@ class SchedulingPolicy(ABC):
     # exactly the programs it `outranks` give way (instead of anyone's)
     new_take_pins: bool = False  # with protect_pins and pins_by_rank: a call of a program holding no pin (a new
     # program) may make the pins of the programs it `outranks` give way too (else it takes nobody's)
+    yields_prefill: bool = False  # while calls wait for KV blocks, the prompt chunks of calls ranked below a call
+    # decoding in the step (or waiting) get only the share of the step `prefill_yield` gives them (`yields_to`)
     keeps_headroom: bool = False  # admission leaves room for better-ranked calls: while others run, a call the
     # policy says `leaves_headroom` goes in only if the blocks a typical better call needs stay free after it
     # (the scheduler fits that size from the calls it admits that do not leave headroom)
@@ -86,6 +88,18 @@ class SchedulingPolicy(ABC):
         """With `pins_by_rank`: does `waiting` rank above program `program_id`, which has no call in the
         engine and holds pinned KV (so its pin may give way to it)? Default: no program is outranked."""
         return False
+
+    def prefill_yield(self) -> int:
+        """With `yields_prefill`: the prompt tokens a step gives, all together, to the calls that yield to a better
+        one in it (`yields_to`), while calls wait for KV blocks: a better call's decode steps then do not carry a
+        worse call's whole prompt chunk, it finishes and frees its blocks sooner, and a better waiting call finds
+        the token budget."""
+        raise NotImplementedError
+
+    def yields_to(self, prefilling: Request, better: Request) -> bool:
+        """With `yields_prefill`: does `prefilling`'s prompt chunk yield to `better` (decoding in the same step, or
+        waiting)? Default: when `better` ranks above it."""
+        return self.priority(better) < self.priority(prefilling)
 
     def leaves_headroom(self, req: Request) -> bool:
         """With `keeps_headroom`: must `req` leave room in the KV cache for better-ranked calls (it ranks in the

@@ -74,6 +74,37 @@ HEADROOM_FIT = 64  # better-ranked admissions the headroom is fitted from (the l
 HEADROOM_MIN = 8  # no headroom before this many were seen
 
 
+class _PromptShare:
+    """One step's prompt share (a policy that `yields_prefill`, while calls wait for KV blocks): the prompt chunks of
+    the calls that yield to a better call of the step (`policy.yields_to`: one decoding ahead of them in the step, or
+    one of the best waiting calls) compute `policy.prefill_yield()` tokens at most, all together. Rows are placed
+    in the step's order."""
+
+    __slots__ = ("policy", "waiting", "decoders", "left")
+
+    def __init__(self, policy: SchedulingPolicy, waiting: list[Request]) -> None:
+        self.policy, self.waiting = policy, waiting[:4]  # the best waiting calls (sorted)
+        self.decoders: list[Request] = []  # decode rows placed so far
+        self.left = policy.prefill_yield()
+
+    def yields(self, req: Request, waiting: bool = False) -> bool:
+        yields_to = self.policy.yields_to
+        return any(yields_to(req, d) for d in self.decoders) or (waiting and any(yields_to(req, w) for w in self.waiting))
+
+    def cap(self, n: int) -> int:
+        """A yielding chunk's tokens (`n` before the share), taken from what is left."""
+        n = max(0, min(n, self.left))
+        self.left -= n
+        return n
+
+    def place(self, req: Request, n: int, prompt: bool) -> int:
+        """A running row's tokens this step (`n` before the share)."""
+        if not prompt:
+            self.decoders.append(req)
+            return n
+        return self.cap(n) if self.yields(req, waiting=True) else n
+
+
 class Scheduler:
     def __init__(
         self,
@@ -94,6 +125,7 @@ class Scheduler:
         self._better_needs: collections.deque[int] = collections.deque(maxlen=HEADROOM_FIT)  # blocks better-ranked
         # calls needed at admission (policy.keeps_headroom), and the headroom fitted from them (refitted per admission)
         self._headroom = 0
+        self._blocks_short = False  # the latest step: a call waited for KV blocks, or one was preempted for them
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -197,12 +229,17 @@ class Scheduler:
         out.num_steps = steps = self._multi_steps(budget)
         scheduled: set[int] = set()
         short_of_blocks = False  # after a preemption for blocks, admit nobody this step
+        share = _PromptShare(self.policy, self.waiting) if (
+            self.policy.yields_prefill and self._blocks_short and steps == 1 and self.running) else None
+        self._blocks_short = False  # (prompts that yield: while calls wait for blocks, `yields_prefill`)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             base = req.num_tokens - req.num_computed_tokens
             n = steps if steps > 1 else min(base + len(req.spec_token_ids), budget)
+            if share is not None:
+                n = share.place(req, min(n, base) if base > 1 else n, base > 1)
             del req.spec_token_ids[max(0, n - base) :]  # drafts that do not fit the budget
             if n <= 0:  # nothing to compute this step; keep its blocks and its place
                 scheduled.add(id(req))
@@ -216,7 +253,7 @@ class Scheduler:
                 victims = [r for r in self.running if id(r) not in scheduled and r is not req]
                 victim = self._pick_victim(victims) if victims else req
                 self._preempt(victim, out)
-                short_of_blocks = True
+                short_of_blocks = self._blocks_short = True
                 if victim is req:
                     break
             else:
@@ -253,6 +290,12 @@ class Scheduler:
                     j += 1
                     continue
             n = min(req.num_tokens - num_hit, budget)
+            if share is not None and n > 1 and share.yields(req):
+                n = min(n, share.left)
+                if n <= 0:  # the share of this step for prompts that yield is spent (blocks untried: still short)
+                    self._blocks_short = True
+                    j += 1
+                    continue
             need = None
             if self.policy.keeps_headroom and not idle:
                 if self.policy.leaves_headroom(req):
@@ -271,6 +314,7 @@ class Scheduler:
                     break
                 n //= 2  # alone, with a window group holding a chunk's every block: a smaller first chunk
             if not fits:
+                self._blocks_short = True
                 break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
             self.waiting.pop(j)
             if need is not None:
@@ -288,6 +332,8 @@ class Scheduler:
             out.reqs.append(req)
             out.num_tokens.append(n)
             budget -= n
+            if share is not None and n > 1 and share.yields(req):
+                share.cap(n)
             if in_flight is not None:
                 in_flight.update(self.kv.hashes_completed(req, n))
         out.block_copies = self.kv.take_pending_copies()

@@ -327,10 +327,16 @@ def _optional_float(value: str) -> float | None:
 
 
 _optional_float.__name__ = "a number or None"
+def _flag_or_int(value: str) -> bool | int:
+    return int(value) if value.strip().isdigit() and int(value) > 1 else _flag(value)
+
+
+_flag_or_int.__name__ = "a flag (1/0, true/false) or a token count > 1"
 _KNOBS: dict[str, Any] = {"first_boundary": float, "boundary_calls": float, "boundary_programs": _optional_float,
                           "quantum": float, "beta": float, "num_queues": int, "order": str, "live": _flag,
                           "running_cap": _cap, "preempt": _preempt, "victim": str, "pinned_first": _flag,
-                          "protect_pins": _flag, "pins_by_rank": _flag, "new_take_pins": _flag, "headroom": _flag}
+                          "protect_pins": _flag, "pins_by_rank": _flag, "new_take_pins": _flag, "headroom": _flag,
+                          "prefill_yield": _flag_or_int, "yield_to": str}
 
 
 _POLICIES = ("fcfs", "mlfq", "plas", "atlas", "plas+ttl", "atlas+ttl")
@@ -384,7 +390,7 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="the engine's KV cache in blocks of 16 tokens (default: the engine's): a memory-bound engine")
     ap.add_argument("--kv-host-gib", type=float, default=None,
-                    help="KV tier T1 below the cache, GiB of host memory (default: none; real runs only)")
+                    help="KV tier T1 below the cache, GiB of host memory (default: none; simulated as a CPU engine's, read in place)")
     ap.add_argument("--first-boundary", type=float, default=None, help="plas/atlas: override the default (s)")
     ap.add_argument("--quantum", type=float, default=None, help="plas/atlas/mlfq: override the default (s)")
     ap.add_argument("--beta", type=float, default=None, help="plas/atlas: override the default")

@@ -47,7 +47,7 @@ class SimEngine:
                               num_blocks=num_blocks, block_size=block_size, policy=policy)
         # the KV tiers below the cache (agentrt/bench/sim_tiers.py): the engine's tier code, loads timed by bandwidth
         self.tier_cost = tiers
-        self.tiers = make_tiers(tiers, block_size, self.cost.token_s) if tiers is not None else None
+        self.tiers = make_tiers(tiers, block_size, self.cost.token_s, num_blocks) if tiers is not None else None
         self.kv = KVCacheManager(num_blocks, block_size, True, tiers=self.tiers)
         self.pinned_block_s = 0.0  # pinned blocks integrated over virtual time
         self.scheduler = Scheduler(config, self.kv, policy, clock=lambda: self.now)

@@ -20,7 +20,7 @@ from agentrt.bench import costs
 from agentrt.bench import workload as wl
 from agentrt.bench.costs import StepCost
 from agentrt.bench.sim_engine import SimEngine
-from agentrt.bench.sim_tiers import TierCost
+from agentrt.bench.sim_tiers import TierCost, cpu_host
 from agentrt.bench.workload import Parallel, ProgramSpec, Tool
 from agentrt.engine.policy import SchedulingPolicy, make_policy
 from agentrt.engine.program_ops import EndProgram
@@ -49,10 +49,16 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
     """Run the workload's plans to completion; per-program latencies and engine counters (virtual seconds).
     `retention`: run agentrt's retention policy (TTL pins, reservations) over the engine's own pin code.
     `tiers`: KV tiers below the cache (agentrt/bench/sim_tiers.py); the retention TTL then weighs their reload cost.
+    An `engine` with `kv_host_gib` (a real engine's argument) simulates a CPU engine's host tier (`cpu_host`).
     `end_programs=False`: a program's end is never told to the engine, as with a client of the HTTP API (an OpenAI
     SDK), whose programs just stop calling (`agentrt bench programs --http`)."""
     pol = make_policy(policy, **(policy_kwargs or {}))
-    eng = SimEngine(pol, **{**DEFAULT_ENGINE, **(engine or {})}, cost=cost, tiers=tiers)
+    engine = {**DEFAULT_ENGINE, **(engine or {})}
+    if host_gib := engine.pop("kv_host_gib", 0):
+        if tiers is not None:
+            raise ValueError("simulate: give tiers or an engine's kv_host_gib, not both")
+        tiers = cpu_host(host_gib)
+    eng = SimEngine(pol, **engine, cost=cost, tiers=tiers)
     ret = None
     if retention is not None:
         reload = eng.tiers.reload_s_per_token() if eng.tiers is not None else None

@@ -10,6 +10,8 @@ wrote it; writes cost the step nothing: they are DMA / a background thread in th
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ class TierCost:
     disk_tokens: int  # T2 capacity (0: no disk tier)
     disk_gb_s: float  # T2 -> T0 read bandwidth
     source: str = ""
+    in_place: bool = False  # T1 hits are read where they lie (a CPU engine's host tier, engine.kv_tiers): no load
 
     def load_s_per_block(self, tier: int, block_size: int) -> float:
         gb_s = self.host_gb_s if tier == 1 else self.disk_gb_s
@@ -88,12 +91,38 @@ class SimDisk:
         self.stats.bytes = self.stats.blocks * self.block_bytes
 
 
-def make_tiers(cost: TierCost, block_size: int, recompute_s_per_token: float) -> KVTiers:
-    """A `KVTiers` for a simulated engine with blocks of `block_size` tokens."""
+def cpu_host(host_gib: float, model: str | None = None) -> TierCost:
+    """The host tier (read in place) of a CPU engine serving `model` (None: the default) with `host_gib` of T1: a
+    token's KV bytes from the model's config (bf16), nothing to load (in-place reads; the copies of a sequence's
+    first and last blocks are left out)."""
+    from agentrt.bench import costs
+    from agentrt.engine import loader
+
+    name, _ = costs.default_model_and_dtype(model)
+    path = loader.converted_path(loader.default_gguf_path(), loader.DEFAULT_MODEL_NAME).parent / name
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except OSError as e:
+        raise SystemExit(f"--kv-host-gib in the simulator: the model's config is not at {path} ({e}); serve or run "
+                         "the model once to convert it") from None
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
+    return TierCost(kv_bytes_per_token=per_token, host_tokens=int(host_gib * 2**30) // per_token, host_gb_s=math.inf,
+                    disk_tokens=0, disk_gb_s=math.inf, source=f"{name}'s KV, {host_gib:g} GiB read in place",
+                    in_place=True)
+
+
+def make_tiers(cost: TierCost, block_size: int, recompute_s_per_token: float, num_blocks: int = 0) -> KVTiers:
+    """A `KVTiers` for a simulated engine with `num_blocks` blocks of `block_size` tokens."""
     shape = (cost.kv_bytes_per_token * block_size // 2,)  # bf16: a block's bytes, as one dimension
-    host = HostTier(cost.host_tokens // block_size, shape, torch.bfloat16, store=False) if cost.host_tokens else None
-    disk = SimDisk(cost.disk_tokens // block_size, cost.kv_bytes_per_token * block_size) if cost.disk_tokens else None
-    tiers = KVTiers(shape, torch.bfloat16, "", host=host, disk=disk, prefetch=False)
+    if cost.in_place:
+        tiers = KVTiers(shape, torch.bfloat16, "", host_bytes=cost.host_tokens * cost.kv_bytes_per_token,
+                        prefetch=False, in_place=True)
+        tiers.in_place_base = num_blocks  # T1's slots after the pool's blocks, as `attach` places them
+    else:
+        host = HostTier(cost.host_tokens // block_size, shape, torch.bfloat16, store=False) if cost.host_tokens else None
+        disk = SimDisk(cost.disk_tokens // block_size, cost.kv_bytes_per_token * block_size) if cost.disk_tokens else None
+        tiers = KVTiers(shape, torch.bfloat16, "", host=host, disk=disk, prefetch=False)
     tiers.block_size = block_size
     tiers.recompute_s_per_token = recompute_s_per_token
     tiers.probe_s_per_block = {t: cost.load_s_per_block(t, block_size) for t in (1, 2)}

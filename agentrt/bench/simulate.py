@@ -38,7 +38,7 @@ from agentrt.policies.autellix import TTL_SETTINGS
 # PLAS as Autellix describes it (and as agentrt's defaults were before issue 47): displacement for blocks too,
 # no admission control, the reimplementation's beta 8
 AUTELLIX: dict[str, Any] = {"preempt": True, "protect_pins": False, "beta": 8.0, "num_queues": 4, "boundary_programs": None,
-                             "pins_by_rank": False, "headroom": False}
+                             "pins_by_rank": False, "headroom": False, "prefill_yield": False}
 AGENT_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {  # name -> (policy, its kwargs, TTL pins)
     "fcfs": ("fcfs", {}, False),  # vLLM-like: call-level FCFS, LRU prefix cache
     # Continuum-like: pins; program-level FCFS (a one-queue PLAS orders by program start), pinned programs first
@@ -234,9 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cost, cost_line = resolve_cost(args)
     workload, engine = real.setup(args, cost)  # bad arguments end here, before anything is said
-    if "kv_host_gib" in engine:
-        raise SystemExit("--kv-host-gib: the real engine's host tier; `agentrt simulate agents --configs "
-                         "plas+ttl+tiers` simulates tiers")
     print(cost_line, file=sys.stderr)
     if args.loads is not None:
         try:

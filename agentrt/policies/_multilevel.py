@@ -44,6 +44,7 @@ from agentrt.engine.policy import SchedulingPolicy
 from agentrt.engine.request import Request
 
 ServiceUnit = Literal["time", "tokens"]
+DEFAULT_YIELD_TOKENS = 128  # `prefill_yield` until the step cost is fitted
 _STATE_KEY = "agentrt"
 
 
@@ -102,7 +103,7 @@ class MultiLevelPolicy(SchedulingPolicy):
                  preempt: bool | str = True, pinned_first: bool = False, victim: str = "priority",
                  protect_pins: bool = False, running_cap: int | str | None = None,
                  cap_efficiency: float = 0.9, pins_by_rank: bool = False, new_take_pins: bool = False,
-                 headroom: bool = False) -> None:
+                 headroom: bool = False, prefill_yield: bool | int = False, yield_to: str = "rank") -> None:
         if not isinstance(num_queues, int) or num_queues < 1:
             raise ConfigError(f"{self.name}: num_queues must be an integer >= 1, got {num_queues!r}")
         if not quantum > 0:
@@ -119,6 +120,13 @@ class MultiLevelPolicy(SchedulingPolicy):
             raise ConfigError(f"{self.name}: running_cap must be None, 'auto' or an int >= 1, got {running_cap!r}")
         if not 0 < cap_efficiency < 1:
             raise ConfigError(f"{self.name}: cap_efficiency must be in (0, 1), got {cap_efficiency!r}")
+        if not (isinstance(prefill_yield, bool) or (isinstance(prefill_yield, int) and prefill_yield >= 1)):
+            raise ConfigError(f"{self.name}: prefill_yield must be true, false or an int >= 1, got {prefill_yield!r}")
+        self.yield_tokens = prefill_yield if num_queues > 1 else False  # see `prefill_yield`
+        self.yields_prefill = self.yield_tokens is not False
+        if yield_to not in ("rank", "queue"):
+            raise ConfigError(f"{self.name}: yield_to must be 'rank' or 'queue', got {yield_to!r}")
+        self.yield_by_queue = yield_to == "queue"
         self.running_cap = running_cap  # the running set while calls wait: see `max_running`
         # a better waiting call displaces the worst running one for a seat, never for blocks: with a cap (the capped
         # set stays in order), or with preempt="seats" (the displaced call's blocks stay cached, so it resumes with a
@@ -216,6 +224,21 @@ class MultiLevelPolicy(SchedulingPolicy):
     def leaves_headroom(self, req: Request) -> bool:
         """`headroom`: a call of the last queue leaves free the blocks a better call typically needs (engine.scheduler)."""
         return self.state(req).level >= self.num_queues - 1
+
+    def prefill_yield(self) -> int:
+        """`prefill_yield`: the prompt tokens per step of the calls that yield to a better one (engine.scheduler). An
+        int: that many. True: the smallest chunk with `cap_efficiency` of a long chunk's prompt throughput on this
+        engine's measured step cost a + c * tokens (`StepFit.chunk`), `DEFAULT_YIELD_TOKENS` until fitted."""
+        if self.yield_tokens is True:
+            return self.step_fit.chunk() or DEFAULT_YIELD_TOKENS
+        return self.yield_tokens
+
+    def yields_to(self, prefilling: Request, better: Request) -> bool:
+        """`prefill_yield`'s order: a prompt chunk yields to a call ranked above it (`yield_to="rank"`), or only to a
+        call of a better queue (`"queue"`)."""
+        if self.yield_by_queue:
+            return self.level(better) < self.level(prefilling)
+        return self.priority(better) < self.priority(prefilling)
 
     def displaces(self, waiting: Request, running: Request) -> bool:
         """Only a call of a strictly higher queue displaces a running one: within a queue the order
@@ -327,7 +350,7 @@ class MultiLevelPolicy(SchedulingPolicy):
         return self.running_cap
 
     def on_step(self, reqs: Sequence[Request], service_s: Sequence[float], num_tokens: Sequence[int], now: float) -> None:
-        if self.running_cap == "auto":
+        if self.running_cap == "auto" or self.yield_tokens is True:
             self.step_fit.add(sum(num_tokens), sum(service_s))
         tokens_mode = self.service_unit == "tokens"
         for req, secs, ntok in zip(reqs, service_s, num_tokens):
@@ -472,6 +495,16 @@ class StepFit:
             return self.coef
         c = sum((x - mx) * (y - my) for x, y in self.samples) / sxx
         return my - c * mx, c
+
+    def chunk(self) -> int | None:
+        """The smallest prompt chunk b with `efficiency` f of the throughput of an endless one: b c / (a + c b) >= f,
+        b >= f a / (c (1 - f)); None until fitted, or while the fit says nothing (as for `knee`)."""
+        if self.coef is None:
+            return None
+        a, c = self.coef
+        if c <= 0 or a < c:
+            return None
+        return math.ceil(self.efficiency * a / (c * (1 - self.efficiency)))
 
     def knee(self, max_num_seqs: int) -> int | None:
         if self.coef is None:

@@ -136,7 +136,7 @@ ATLAS_DEFAULTS: dict[str, dict[str, float | None]] = {
 # Its queues are the four of calls' worth it was measured with: on these agents (10-40 turns, contexts of tens of
 # thousands of tokens) two queues fitted to finished programs took 130 s at 0.10 programs/s against 120 s.
 TTL_SETTINGS: dict[str, object] = {"pinned_first": True, "preempt": False, "victim": "newest", "protect_pins": True,
-                                   "new_take_pins": False, "headroom": False,
+                                   "new_take_pins": False, "headroom": False, "prefill_yield": False,
                                    "num_queues": 4, "boundary_programs": None}
 
 
@@ -177,6 +177,11 @@ class PLAS(MultiLevelPolicy):
         headroom: admission keeps room for better calls: while others run, a call of the last queue goes in only if
             the blocks a better call typically needs (fitted by the engine's scheduler from the calls it admitted,
             engine.scheduler) stay free after it.
+        prefill_yield: while calls wait for KV blocks, the prompt chunks of calls ranked below a call decoding in the
+            step (or below one of the best waiting calls) compute at most this many tokens per step together (an
+            int), or (True) the smallest chunk with `cap_efficiency` of a long chunk's prompt throughput on this
+            engine's measured step cost; False: no limit.
+        yield_to: whom prompts yield to: "rank" (any better-ranked call) or "queue" (a call of a better queue).
         running_cap: the running set while calls wait: None (max_num_seqs), an int, or "auto" (the knee
             of the measured step cost, where `cap_efficiency` of a full batch's throughput is reached;
             see MultiLevelPolicy.max_running). Admission in program order stops there, and with
@@ -209,6 +214,8 @@ class PLAS(MultiLevelPolicy):
         pins_by_rank: bool = True,
         new_take_pins: bool = True,
         headroom: bool = True,
+        prefill_yield: bool | int = True,
+        yield_to: str = "rank",
     ) -> None:
         if service not in self.defaults:
             raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
@@ -233,6 +240,8 @@ class PLAS(MultiLevelPolicy):
             pins_by_rank=pins_by_rank,
             new_take_pins=new_take_pins,
             headroom=headroom,
+            prefill_yield=prefill_yield,
+            yield_to=yield_to,
         )
         if isinstance(first_boundary, str) or not first_boundary > 0:
             raise ConfigError(f"{self.name}: first_boundary must be 'auto' or a number > 0, got {first_boundary!r}")

@@ -257,3 +257,50 @@ def test_headroom_is_off_unless_a_policy_keeps_it():
     assert FCFS().leaves_headroom(make_req("a", range(4), "a")) is False
     s = make_scheduler(32, FCFS())
     assert s.headroom_blocks() == 0
+
+
+class _Yields(FCFS):
+    """FCFS whose prompts yield 8 tokens a step to older calls while calls wait for blocks."""
+
+    yields_prefill = True
+
+    def prefill_yield(self) -> int:
+        return 8
+
+
+def _yield_scenario(policy: FCFS) -> tuple[Scheduler, Request, Request, Request]:
+    """An old call decoding, a big call that waits for blocks behind it, and a prompt between them by arrival."""
+    s = make_scheduler(16, policy, max_num_batched_tokens=64)
+    old = make_req("old", range(11), "old", max_tokens=4)  # 3 blocks, decodes
+    big = make_req("big", range(100, 156), "big", arrival=0.1)  # 14 blocks: waits while old runs
+    s.add_request(old)
+    s.add_request(big)
+    out = run_step(s)
+    assert out.reqs == [old] and big in s.waiting  # a call waits for blocks now
+    mid = make_req("mid", range(200, 240), "mid", arrival=0.05)  # 40 prompt tokens, ranked after old, before big
+    s.add_request(mid)
+    return s, old, big, mid
+
+
+def test_prompts_yield_to_better_decoding_calls_while_calls_wait_for_blocks():
+    s, old, big, mid = _yield_scenario(_Yields())
+    chunks = []
+    while not old.finished:
+        out = run_step(s)
+        chunks.append(dict(zip((r.request_id for r in out.reqs), out.num_tokens)).get("mid"))
+    assert chunks == [8, 8, 8]  # while old decodes: 8 a step (admission and running alike)
+    assert big in s.waiting
+    out = run_step(s)  # old is done: nothing better decodes, and big ranks below mid: the rest in one chunk
+    assert dict(zip((r.request_id for r in out.reqs), out.num_tokens))["mid"] == 16
+    while s.has_work():
+        run_step(s)
+    assert mid.finished and big.finished and s.kv.num_free_blocks == 16
+
+
+def test_prompts_take_the_whole_budget_without_the_yield():
+    s, old, big, mid = _yield_scenario(FCFS())
+    out = run_step(s)
+    assert dict(zip((r.request_id for r in out.reqs), out.num_tokens)) == {"old": 1, "mid": 40}
+    while s.has_work():
+        run_step(s)
+    assert s.kv.num_free_blocks == 16
