@@ -95,16 +95,12 @@ def cpu_host(host_gib: float, model: str | None = None) -> TierCost:
     """The host tier (read in place) of a CPU engine serving `model` (None: the default) with `host_gib` of T1: a
     token's KV bytes from the model's config (bf16), nothing to load (in-place reads; the copies of a sequence's
     first and last blocks are left out)."""
-    from agentrt.bench import costs
     from agentrt.engine import loader
 
-    name, _ = costs.default_model_and_dtype(model)
-    path = loader.converted_path(loader.default_gguf_path(), loader.DEFAULT_MODEL_NAME).parent / name
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except OSError as e:
-        raise SystemExit(f"--kv-host-gib in the simulator: the model's config is not at {path} ({e}); serve or run "
-                         "the model once to convert it") from None
+    path = loader.resolve_model(model)  # the default GGUF is converted once (a cached directory)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    name = path.name
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
     return TierCost(kv_bytes_per_token=per_token, host_tokens=int(host_gib * 2**30) // per_token, host_gb_s=math.inf,

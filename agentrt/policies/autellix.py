@@ -92,6 +92,17 @@ from agentrt.policies._multilevel import (
 #     0.2, 0.3, 0.4/s 0.79 / 0.56x, 0.54 / 0.26x, 0.58 / 0.27x against 0.99 / 0.74x, 0.60 / 0.30x, 0.64 / 0.29x
 #     (each alone helped less: 0.69 / 0.47x and 0.87 / 0.66x at 0.267/s); with 64 seats and no KV pressure identical.
 #     Not in TTL_SETTINGS: new_take_pins evicted whole agent contexts there (pins_by_rank above).
+#   prefill_yield (issue 47's fourth round): while calls wait for blocks, a prompt chunk of a call ranked below a call
+#     decoding in the same step gets at most the smallest chunk with cap_efficiency (90%) of a long chunk's prompt
+#     throughput (~130 tokens with this CPU's step cost, 9 ms + 0.64 ms a token). Before, a short call's 24 decode
+#     steps each carried up to 1,024 tokens of others' prompts (~0.66 s a step against ~15 ms), it held its blocks
+#     that long, and a better waiting call found no token budget left. Simulated --like-http, 150 blocks, 60
+#     programs x seeds 0-2 pooled, PLAS mean vs fcfs without / with it: 0.225 programs/s 0.69 / 0.50x, 0.18/s 0.83
+#     / 0.82x, 0.30/s 0.56 / 0.58x; host tier (0.48/s) 1.01 / 1.01x; with room in the cache nothing changes (the
+#     gate). Fixed chunks of 64-256 tokens measured alike (0.48-0.51x at 0.225/s); 512 lost most of it (0.66x),
+#     yielding only to better queues (`yield_to="queue"`) too (0.67-0.69x), and yielding without the gate (whenever a
+#     better call decodes) cost 1.36x on an engine with room (1,000 blocks, 0.48/s, seed 0: new programs' prompts
+#     crawled behind every decode).
 # On the real engine over HTTP (issue 47's agent mix, agentrt/bench/workload.py AGENT_WAIT_MIX: 73% 2-4-call ReAct,
 # 27% 8-12 steps of 4 parallel calls; 150 KV blocks, 64 seats, TTL pins on, 60 programs x seeds 0-2 at 0.9 of the
 # saturation measured as the knee of a closed loop; docs/benchmarks/programs.md), with headroom, new_take_pins and

@@ -240,3 +240,31 @@ def test_a_binding_cap_seats_in_policy_order_before_pinned_programs():
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in (a, resumed, short))
     s.program_op(EndProgram("P"))  # its pin goes with it
     assert_all_blocks_free(s)
+
+
+def test_prefill_yield_is_the_chunk_with_most_of_a_long_chunks_throughput():
+    fit = StepFit(0.9)
+    assert fit.chunk() is None  # nothing measured yet
+    for b in range(1, 65):
+        fit.add(b, 0.009 + 0.0006 * b)  # a = 9 ms, c = 0.6 ms a token
+    # b c / (a + c b) >= 0.9  <=>  b >= 0.9 a / (0.1 c) = 135
+    assert fit.chunk() == 135
+    pol = plas()
+    assert pol.yields_prefill and pol.prefill_yield() == 128  # PLAS's default; before any step is measured
+    for b in range(1, 65):
+        pol.step_fit.add(b, 0.009 + 0.0006 * b)
+    assert pol.prefill_yield() == 135
+    assert plas(prefill_yield=64).prefill_yield() == 64
+    assert not plas(prefill_yield=False).yields_prefill and not plas(num_queues=1).yields_prefill
+    first, later = call("A", "a", 3, 0.0), call("B", "b", 3, 1.0)
+    for p in (pol, by_queue := plas(yield_to="queue")):
+        p.on_arrival(first, 0.0)
+        p.on_arrival(later, 1.0)
+    assert pol.yields_to(later, first) and not pol.yields_to(first, later)  # by rank: the older program's call
+    assert not by_queue.yields_to(later, first)  # by queue: both in queue 0
+    for bad in ({"prefill_yield": 0}, {"prefill_yield": "auto"}, {"yield_to": "class"}):
+        with pytest.raises(Exception, match=next(iter(bad))):
+            plas(**bad)
+    from agentrt.policies.autellix import TTL_SETTINGS, PLAS
+
+    assert not PLAS(**TTL_SETTINGS).yields_prefill  # measured on full-size agents without it

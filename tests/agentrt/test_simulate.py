@@ -125,3 +125,19 @@ def test_like_http_programs_never_end_and_plas_still_fits_its_boundary_to_progra
     assert presumed >= 8  # enough for the program fit
     assert not policies  # never presumed finished, never ended during the run: the fit learns nothing
     assert sim.main(["--programs", "8", "--rate", "0.5", "--policies", "fcfs,plas", "--like-http", "--json"]) == 0
+
+
+def test_a_cpu_host_tier_is_simulated_read_in_place():
+    """`kv_host_gib` in the engine: the CPU engine's host tier, read in place (a T1 hit costs no load and no pool
+    block), with a token's KV bytes from the default model's config."""
+    from agentrt.bench import sim_run, sim_tiers
+
+    tiers = sim_tiers.cpu_host(1.0)
+    assert tiers.in_place and tiers.kv_bytes_per_token > 0
+    assert tiers.host_tokens == 2**30 // tiers.kv_bytes_per_token and tiers.load_s_per_block(1, 16) == 0.0
+    work = wl.make_workload(24, 2.0, seed=1)
+    engine = {"num_blocks": 40, "max_num_seqs": 16}
+    plain = sim_run.simulate("fcfs", work, engine=engine)  # asserts inside: no leaked block, every program done
+    tiered = sim_run.simulate("fcfs", work, engine={**engine, "kv_host_gib": 1.0})
+    assert not plain["tier_hits"] and tiered["tier_hits"]["host"] > 0
+    assert tiered["preemptions"] <= plain["preemptions"]
