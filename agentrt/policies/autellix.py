@@ -102,7 +102,9 @@ from agentrt.policies._multilevel import (
 #     gate). Fixed chunks of 64-256 tokens measured alike (0.48-0.51x at 0.225/s); 512 lost most of it (0.66x),
 #     yielding only to better queues (`yield_to="queue"`) too (0.67-0.69x), and yielding without the gate (whenever a
 #     better call decodes) cost 1.36x on an engine with room (1,000 blocks, 0.48/s, seed 0: new programs' prompts
-#     crawled behind every decode).
+#     crawled behind every decode). On the real engine over HTTP (the same mix at 0.9 of the measured knee, 60
+#     programs x seeds 0-2, docs/benchmarks/programs.md): PLAS 0.68x fcfs with it, 0.70x without (per seed one each
+#     way, inside the seeds' swing), long programs' p99 85 against 109 s.
 # On the real engine over HTTP (issue 47's agent mix, agentrt/bench/workload.py AGENT_WAIT_MIX: 73% 2-4-call ReAct,
 # 27% 8-12 steps of 4 parallel calls; 150 KV blocks, 64 seats, TTL pins on, 60 programs x seeds 0-2 at 0.9 of the
 # saturation measured as the knee of a closed loop; docs/benchmarks/programs.md), with headroom, new_take_pins and
