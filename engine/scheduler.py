@@ -96,7 +96,9 @@ class _PromptShare:
 
     def yields(self, req: Request, waiting: bool = False) -> bool:
         yields_to = self.policy.yields_to
-        return any(yields_to(req, d) for d in self.decoders) or (waiting and any(yields_to(req, w) for w in self.waiting))
+        if any(yields_to(req, d) for d in self.decoders):
+            return True
+        return waiting and any(yields_to(req, w) for w in self.waiting)
 
     def cap(self, n: int) -> int:
         """A yielding chunk's tokens (`n` before the share), taken from what is left."""

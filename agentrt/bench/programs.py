@@ -327,6 +327,8 @@ def _optional_float(value: str) -> float | None:
 
 
 _optional_float.__name__ = "a number or None"
+
+
 def _flag_or_int(value: str) -> bool | int:
     return int(value) if value.strip().isdigit() and int(value) > 1 else _flag(value)
 
@@ -390,7 +392,8 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="the engine's KV cache in blocks of 16 tokens (default: the engine's): a memory-bound engine")
     ap.add_argument("--kv-host-gib", type=float, default=None,
-                    help="KV tier T1 below the cache, GiB of host memory (default: none; simulated as a CPU engine's, read in place)")
+                    help="KV tier T1 below the cache, GiB of host memory (default: none; the simulator models a CPU "
+                         "engine's, read in place)")
     ap.add_argument("--first-boundary", type=float, default=None, help="plas/atlas: override the default (s)")
     ap.add_argument("--quantum", type=float, default=None, help="plas/atlas/mlfq: override the default (s)")
     ap.add_argument("--beta", type=float, default=None, help="plas/atlas: override the default")

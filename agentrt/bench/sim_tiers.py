@@ -116,8 +116,11 @@ def make_tiers(cost: TierCost, block_size: int, recompute_s_per_token: float, nu
                         prefetch=False, in_place=True)
         tiers.in_place_base = num_blocks  # T1's slots after the pool's blocks, as `attach` places them
     else:
-        host = HostTier(cost.host_tokens // block_size, shape, torch.bfloat16, store=False) if cost.host_tokens else None
-        disk = SimDisk(cost.disk_tokens // block_size, cost.kv_bytes_per_token * block_size) if cost.disk_tokens else None
+        host = disk = None
+        if cost.host_tokens:
+            host = HostTier(cost.host_tokens // block_size, shape, torch.bfloat16, store=False)
+        if cost.disk_tokens:
+            disk = SimDisk(cost.disk_tokens // block_size, cost.kv_bytes_per_token * block_size)
         tiers = KVTiers(shape, torch.bfloat16, "", host=host, disk=disk, prefetch=False)
     tiers.block_size = block_size
     tiers.recompute_s_per_token = recompute_s_per_token
