@@ -60,7 +60,8 @@ class EngineConfig:
     # README). None = where it holds: on for CPU in float32 / bfloat16 with the C++ kernels (it costs ~2-3% of
     # decode there, docs/engine.md), off on GPU; True = required (an error where it cannot hold); False = off
     kv_host_gib: float = 0.0  # T1 of the KV hierarchy (engine.kv_tiers): host memory for cached blocks evicted
-    # from the KV cache, loaded back instead of recomputed; 0 = off
+    # from the KV cache, loaded back instead of recomputed (a hybrid model's state snapshots take a quarter of it
+    # and of kv_disk_gib: engine.recurrent_tiers); 0 = off
     kv_host_quantization: str | None = None  # "int8": T1 stores blocks as int8 with per-(layer, K/V, head) scales
     # (lossy, about twice the blocks; sequences' first blocks and recent windows kept exact); None: exact
     kv_host_in_place: bool | None = None  # T1 blocks a prefix hit finds are read where they lie (the host tier is the

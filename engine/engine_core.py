@@ -39,6 +39,7 @@ from agentrt.engine.outputs import Detokenizer, RequestOutput, StreamDelta
 from agentrt.engine.policy import make_policy
 from agentrt.engine.program_ops import ProgramOp
 from agentrt.engine.recurrent_state import RecurrentStatePool
+from agentrt.engine.recurrent_tiers import SNAPSHOT_SHARE, SnapshotTiers, snapshot_key
 from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.runner import ModelRunner
 from agentrt.engine.sampling_params import SamplingParams
@@ -171,9 +172,6 @@ class EngineCore:
                                               c.block_size, c.device)
         if states is None:
             return
-        logger.info("recurrent states: %.1f MiB a sequence, %d snapshots at block boundaries (%.0f MiB)",
-                    states.shape.bytes_per_state() / 2**20, states.num_snapshots,
-                    states.num_snapshots * states.shape.bytes_per_state() / 2**20)
         if self.kv_layout.num_groups > 1 or self.kv_layout.windowed:
             raise ValueError(f"{self.model_path.name} has recurrent (linear-attention) layers and attention layers "
                              f"of several KV rules ({self.kv_layout.num_groups} layer groups): prefix hits through "
@@ -184,6 +182,16 @@ class EngineCore:
                              "num_scheduler_steps=1")
         if c.enable_prefix_caching:
             states.block_hashes = self.kv.block_hashes
+        if self.tiers is not None and c.enable_prefix_caching and states.num_snapshots:
+            # evicted snapshots go below memory as KV blocks do, in their share of each tier (engine.recurrent_tiers)
+            tiers = SnapshotTiers(states.shape, snapshot_key(str(self.model_path), states.shape),
+                                  host_bytes=int(c.kv_host_gib * 2**30 * SNAPSHOT_SHARE), disk_dir=c.kv_disk_dir,
+                                  disk_bytes=int(self._disk_gib() * 2**30 * SNAPSHOT_SHARE), pin=c.device != "cpu")
+            states.tiers = tiers if tiers.host is not None or tiers.disk is not None else None
+        logger.info("recurrent states: %.1f MiB a sequence, %d snapshots at block boundaries (%.0f MiB)%s",
+                    states.shape.bytes_per_state() / 2**20, states.num_snapshots,
+                    states.num_snapshots * states.shape.bytes_per_state() / 2**20,
+                    f"; tiers: {states.tiers.describe()}" if states.tiers is not None else "")
         self.runner.states = self.kv.states = states
 
     def _make_tiers(self) -> KVTiers | None:
@@ -192,14 +200,19 @@ class EngineCore:
         if not c.kv_host_gib and c.kv_disk_dir is None:
             return None
         shape = (self.kv_layout.page_layers, 2, c.block_size, a.num_kv_heads, a.head_dim)
-        disk_gib = 8.0 if c.kv_disk_gib is None else c.kv_disk_gib
+        # a hybrid model's state snapshots take their share of each tier (engine.recurrent_tiers), the blocks the rest
+        share = 1.0 - SNAPSHOT_SHARE if a.linear is not None and c.recurrent_snapshots else 1.0
         in_place = self._in_place_reads()
         tiers = KVTiers(shape, c.torch_dtype, block_key(str(self.model_path), c.torch_dtype, shape),
-                        host_bytes=int(c.kv_host_gib * 2**30), disk_dir=c.kv_disk_dir, disk_bytes=int(disk_gib * 2**30),
-                        pin=c.device != "cpu", host_int8=c.kv_host_quantization == "int8", in_place=in_place)
+                        host_bytes=int(c.kv_host_gib * 2**30 * share), disk_dir=c.kv_disk_dir,
+                        disk_bytes=int(self._disk_gib() * 2**30 * share), pin=c.device != "cpu",
+                        host_int8=c.kv_host_quantization == "int8", in_place=in_place)
         if not in_place:  # else once its slots are in the KV tensor
             tiers.probe()
         return tiers
+
+    def _disk_gib(self) -> float:
+        return 8.0 if self.config.kv_disk_gib is None else self.config.kv_disk_gib
 
     def _in_place_reads(self) -> bool:
         """Are T1 blocks read where they lie (engine.kv_tiers; EngineConfig.kv_host_in_place)? The config has
@@ -223,6 +236,10 @@ class EngineCore:
         hashes, blocks = self.kv.cached_blocks()
         self.tiers.flush_blocks(hashes, blocks, self.runner.kv_cache)
         self.tiers.close()
+        states = self.runner.states
+        if states is not None and states.tiers is not None:  # a hybrid model's snapshots, as its blocks
+            states.flush_snapshots()
+            states.tiers.close()
 
     def _blocks_from_budget(self) -> tuple[int, str]:
         c = self.config

@@ -23,6 +23,10 @@ Flow (`KVTiers`):
   from the measured cost of each (`KVTiers.worth_loading`).
 - The hierarchy is inclusive: a promoted block keeps its T1 slot and its file.
 
+A hybrid model's recurrent-state snapshots (engine.recurrent_state) go through T1 and T2 beside its blocks, in a
+share of each tier's budget, keyed by the same chained block hash (engine.recurrent_tiers): a prefix hit below T0
+resumes where both its blocks and the snapshot at its boundary are found.
+
 In-place reads (`in_place`; a CPU engine with an exact host tier and one layer group): T1 is the same DRAM as
 the pool, so its slots are allocated as the tail of the engine's KV tensor (`attach`: slot s is block
 `in_place_base + s`) and a T1 hit is read where it lies: the request's block table names that id

@@ -13,11 +13,17 @@ boundaries kept as prefix-cache entries.
   allocated once). A step that crosses a block boundary saves one: in decode at the token completing a block,
   in prefill at the last boundary of the scheduled chunk and at every multiple of `interval` tokens (256) it
   crosses (the scan is chunked at absolute multiples of `chunk`, which divides the block size, so any boundary
-  is a chunk end). `usable_prefix` caps a prefix hit at
-  the last block whose boundary has a snapshot: a request resumes from it, exactly (fp32 copies).
+  is a chunk end). `usable_prefix` caps a prefix hit at the last block whose boundary has a snapshot: a request
+  resumes from it, exactly (fp32 copies).
+- **Tiers** (`tiers`, engine.recurrent_tiers, where the engine has KV tiers): a snapshot evicted for room is
+  demoted to host memory (T1) and the disk (T2) instead of dropped, and a boundary whose snapshot is there counts
+  for `usable_prefix` too: it is promoted back into an entry (an exact copy; from disk, CRC-checked) before the
+  request's slot is restored from it. A promotion evicts the least recently used entry but those a lookup
+  returned since the last step (`wanted`): a request admitted in the same schedule still finds its own.
 
 Accounting: `num_free_slots + len(slot_of) == num_slots`, `num_free_snapshots + len(snapshots) ==
-num_snapshots`, at every step; after all work every slot is free (`check`).
+num_snapshots`, at every step; every T1 slot free or holding one snapshot, the disk index within its files and
+bound; after all work every slot is free (`check`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from agentrt.engine.recurrent_tiers import SnapshotTiers
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,6 +98,8 @@ class RecurrentStatePool:
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # key -> entry, least recently used first
         self.free_entries = list(range(num_snapshots - 1, -1, -1))
         self.block_hashes: Callable | None = None  # the KV manager's block_hashes(req, n); None = no snapshots
+        self.tiers: SnapshotTiers | None = None  # where evicted snapshots go, and are found again (the engine's)
+        self.wanted: set[bytes] = set()  # snapshots a lookup returned since the last step: a promotion keeps them
         self.hits = self.saves = 0  # snapshot resumes and saves (stats)
 
     @classmethod
@@ -122,11 +132,14 @@ class RecurrentStatePool:
         return self.snap_conv.shape[1]
 
     def check(self) -> None:
-        """Every slot and snapshot entry is either free or held exactly once."""
+        """Every slot and snapshot entry is either free or held exactly once, in memory and in each tier below."""
         held = sorted(self.slot_of.values())
         assert sorted(self.free_slots + held) == list(range(self.num_slots)), "live slots lost or held twice"
         assert sorted(self.free_entries + list(self.snapshots.values())) == list(range(self.num_snapshots)), \
             "snapshot entries lost or held twice"
+        assert self.wanted <= self.snapshots.keys(), "a wanted snapshot is not kept"
+        if self.tiers is not None:
+            self.tiers.check()
 
     # ---- live slots ----------------------------------------------------------------------------
     def new_slot(self) -> int:
@@ -158,6 +171,8 @@ class RecurrentStatePool:
         if done:
             key = self._key(req, done)
             entry = self.snapshots.get(key) if key is not None else None
+            if entry is None and key is not None and self.tiers is not None:
+                entry = self._promote(key)
             if entry is None:
                 self.on_free(req)
                 raise RuntimeError(f"request {rid!r} resumes at token {done} but no state snapshot is kept there "
@@ -173,12 +188,45 @@ class RecurrentStatePool:
             return None
         return self.block_hashes(req, boundary // self.block_size)[-1]
 
+    def _promote(self, key: bytes) -> int | None:
+        """Copy snapshot `key` from the tiers into an entry (a free one, else the least recently used one not
+        `wanted`, demoted first) and keep it there, most recently used; None if no entry can be had or the tiers
+        cannot give it (gone, or a corrupt file)."""
+        victim = None
+        if not self.free_entries:
+            victim = next((k for k in self.snapshots if k not in self.wanted), None)
+            if victim is None:
+                return None
+        flat = self.tiers.fetch(key)
+        if flat is None:
+            return None
+        entry = self.free_entries.pop() if victim is None else self._evict(victim, keep=key)
+        conv, ssm = self.tiers.views(flat)
+        self.snap_conv[:, entry].copy_(conv)
+        self.snap_ssm[:, entry].copy_(ssm)
+        self.snapshots[key] = entry
+        return entry
+
+    def _evict(self, key: bytes, keep: bytes | None = None) -> int:
+        """Drop snapshot `key` from memory (to the tiers, if any, where it takes no room from `keep`): its entry,
+        to reuse."""
+        entry = self.snapshots.pop(key)
+        self.wanted.discard(key)
+        if self.tiers is not None:
+            self.tiers.demote(key, self.snap_conv[:, entry], self.snap_ssm[:, entry], keep)
+        return entry
+
     # ---- hooks the KV manager calls -----------------------------------------------------------
     def usable_prefix(self, hashes: list[bytes]) -> int:
         """How many of a prefix hit's blocks (their chained hashes, in order) a request may resume from: up to the
-        last one whose boundary has a state snapshot (0: none)."""
+        last one whose boundary has a state snapshot (0: none), in memory or in a tier below (promoted now)."""
+        tiers = self.tiers
+        if tiers is not None and hashes and hashes[-1] not in self.snapshots:
+            tiers.maybe_rescan()
         for n in range(len(hashes), 0, -1):
-            if hashes[n - 1] in self.snapshots:
+            h = hashes[n - 1]
+            if h in self.snapshots or (tiers is not None and tiers.has(h) and self._promote(h) is not None):
+                self.wanted.add(h)
                 return n
         return 0
 
@@ -201,9 +249,16 @@ class RecurrentStatePool:
         self.ssm[:, dst] = self.ssm[:, src]
 
     def clear_snapshots(self) -> None:
-        """Forget every snapshot (reset_prefix_cache)."""
+        """Forget every snapshot in memory (reset_prefix_cache; as for KV blocks, the tiers below keep theirs)."""
         self.free_entries.extend(self.snapshots.values())
         self.snapshots.clear()
+        self.wanted.clear()
+
+    def flush_snapshots(self, timeout_s: float = 60.0) -> None:
+        """Write the snapshots in memory to the disk tier and wait (a graceful shutdown; nothing without one)."""
+        if self.tiers is not None:
+            self.tiers.flush([(k, self.snap_conv[:, e], self.snap_ssm[:, e]) for k, e in self.snapshots.items()],
+                             timeout_s)
 
     # ---- a step ------------------------------------------------------------------------------
     def prepare(self, reqs, num_tokens: list[int]) -> RecurrentStep:
@@ -217,6 +272,7 @@ class RecurrentStatePool:
             starts.append(start)
             qsl.append(qsl[-1] + n)
             snaps.append([])
+        self.wanted.clear()  # every request of the step has its slot: what a lookup returned is needed no more
         step = RecurrentStep(self, slots, starts, qsl, snaps)
         if self.block_hashes is None or not self.num_snapshots:
             return step
@@ -249,8 +305,7 @@ class RecurrentStatePool:
         if not self.free_entries:
             if not self.snapshots:
                 return None  # every entry is being written this step
-            _, entry = self.snapshots.popitem(last=False)
-            return entry
+            return self._evict(next(iter(self.snapshots)))  # demoted now: the forward overwrites the entry
         return self.free_entries.pop()
 
     def commit(self, step: RecurrentStep) -> None:
