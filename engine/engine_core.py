@@ -112,6 +112,14 @@ class EngineCore:
         self.kv_layout = KVLayout.from_args(args, swa_full=config.swa_full)
         num_blocks, budget_from = (config.num_blocks, "num_blocks") if config.num_blocks else self._blocks_from_budget()
         self.tiers = self._make_tiers()
+        try:
+            self._build(config, num_blocks, budget_from, weights)
+        except BaseException:  # a refused configuration leaves no tier writer thread behind
+            self._close_tiers()
+            raise
+
+    def _build(self, config: EngineConfig, num_blocks: int, budget_from: str, weights: str) -> None:
+        """The rest of the engine, once its KV tiers exist (their threads stop if this raises)."""
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, model_key=str(self.model_path),
                                  tiers=self.tiers, layout=self.kv_layout,
                                  superblock_blocks=config.kv_superblock_blocks)
@@ -162,6 +170,14 @@ class EngineCore:
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None  # sees each batch before it runs
         self.num_draft_tokens = 0  # speculative drafts scheduled
         self.num_rejected_tokens = 0  # of which rejected
+
+    def _close_tiers(self) -> None:
+        """Stop the writer threads of the KV tiers and of a hybrid model's snapshot tiers, without flushing."""
+        if self.tiers is not None:
+            self.tiers.close()
+        states = getattr(getattr(self, "runner", None), "states", None)
+        if states is not None and states.tiers is not None:
+            states.tiers.close()
 
     def _attach_recurrent_states(self) -> None:
         """A hybrid model's recurrent-state pool (engine.recurrent_state), shared by the runner (slots, snapshots)

@@ -214,6 +214,11 @@ class DiskTier:
                 self.stats.load_s += time.perf_counter() - t0
         return data
 
+    def count_hit(self) -> None:
+        """A block (or state snapshot) read from here served a lookup (stats, which the writer thread updates too)."""
+        with self._lock:
+            self.stats.hits += 1
+
     # ---- writes (writer thread) ----------------------------------------------------------
     def submit(self, hashes: list[bytes], data: torch.Tensor) -> None:
         """Queue blocks (`data[i]` is block `hashes[i]`, a tensor no one writes again) for the writer; when its

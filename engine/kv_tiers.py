@@ -208,8 +208,7 @@ class KVTiers:
         if data is None:
             return False
         self._append("put", block, data)
-        with self.disk._lock:
-            self.disk.stats.hits += 1
+        self.disk.count_hit()
         return True
 
     def prefetch(self, hashes: list[bytes]) -> None:

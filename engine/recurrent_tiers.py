@@ -120,8 +120,7 @@ class SnapshotTiers:
             return None
         data = self.disk.read(h)
         if data is not None:
-            with self.disk._lock:
-                self.disk.stats.hits += 1
+            self.disk.count_hit()
         return data
 
     def flush(self, items, timeout_s: float = 60.0) -> None:

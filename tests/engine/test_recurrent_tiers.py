@@ -338,3 +338,18 @@ def test_engine_restart_resumes_the_conversation_from_disk(qwen3_5_path, tmp_pat
         assert_accounted(second.core)
     finally:
         second.close()
+
+
+def test_an_engine_refused_after_its_tiers_exist_leaves_no_writer_thread(qwen3_5_path, tmp_path):
+    """A configuration refused once the KV tiers are built (a hybrid model with drafts) stops their disk writer."""
+    import threading
+
+    def writers():
+        return [t for t in threading.enumerate() if t.name == "agentrt-kv-disk-writer" and t.is_alive()]
+
+    before = len(writers())
+    with pytest.raises(ValueError, match="num_speculative_tokens=0"):
+        make_llm(qwen3_5_path, tmp_path, ("disk",), num_speculative_tokens=2)
+    for t in writers()[before:]:
+        t.join(timeout=5)
+    assert len(writers()) == before
