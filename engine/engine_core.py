@@ -251,11 +251,10 @@ class EngineCore:
             return
         hashes, blocks = self.kv.cached_blocks()
         self.tiers.flush_blocks(hashes, blocks, self.runner.kv_cache)
-        self.tiers.close()
         states = self.runner.states
         if states is not None and states.tiers is not None:  # a hybrid model's snapshots, as its blocks
             states.flush_snapshots()
-            states.tiers.close()
+        self._close_tiers()
 
     def _blocks_from_budget(self) -> tuple[int, str]:
         c = self.config

@@ -299,7 +299,8 @@ class Scheduler:
                     j += 1
                     continue
             n = min(req.num_tokens - num_hit, budget)
-            if share is not None and n > 1 and share.yields(req):
+            yielding = share is not None and n > 1 and share.yields(req)  # its chunk takes from the step's share
+            if yielding:
                 n = min(n, share.left)
                 if n <= 0:  # the share of this step for prompts that yield is spent (blocks untried: still short)
                     self._blocks_short = True
@@ -341,7 +342,7 @@ class Scheduler:
             out.reqs.append(req)
             out.num_tokens.append(n)
             budget -= n
-            if share is not None and n > 1 and share.yields(req):
+            if yielding and n > 1:
                 share.cap(n)
             if in_flight is not None:
                 in_flight.update(self.kv.hashes_completed(req, n))
