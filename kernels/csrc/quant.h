@@ -359,6 +359,25 @@ constexpr int64_t kQuantPanelRows = 16;  // weight rows decoded per panel
 constexpr int64_t kQuantFewRows = 4;     // rows of x up to which the blockwise path runs (at 1-2 rows ~20% faster, at 3-4 even)
 constexpr int64_t kQuantTileColsFew = 4;  // weight rows decoded together by the blockwise path
 
+// The decode paths below walk 4 weight rows at a time, and 4 rows are short (an expert's row of 2880 MXFP4 weights is
+// 1530 bytes, a SmolLM2 row of 576 Q4_1 weights 360): the hardware's stream prefetch, which starts over in every
+// 4 KB page after a few misses, barely gets going before a group ends. So while it walks a group, a walk prefetches
+// the next group of rows (the bytes right after it: the 4 rows of the next group, or of the next panel or expert,
+// where prefetching is harmless if another thread or nobody reads them), slice `i` of `n` per step. `agentrt bench
+// kernels`-style timings on a 2-core Xeon with AMX (gpt-oss-20b's MXFP4 experts, 5760 x 2880, 1 row each, 19 experts
+// read from memory): 16.4 -> 10.8 ms; the same 4 experts again and again (from cache): unchanged.
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));  // an asm statement: GCC may drop __builtin_prefetch from inlined loops
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+inline void prefetch_slice(const uint8_t* next, int64_t bytes, int64_t i, int64_t n) {
+  const char* base = reinterpret_cast<const char*>(next);
+  for (int64_t o = (i * bytes / n) & ~int64_t(63), hi = (i + 1) * bytes / n; o < hi; o += 64) prefetch_line(base + o);
+}
+
 // Few rows (decode): 4 weight rows at a time, block by block: the 4 rows' blocks are decoded into an L1 buffer
 // and dotted with each row of x at once, in the same lanes and k order as quant_dot_tile (the same bits).
 template <typename F, int MR>
@@ -371,7 +390,9 @@ inline void quant_rows_blockwise(const float* x, int64_t K, const uint8_t* w, in
     for (int n = 0; n < NR; ++n) acc[m][n] = zero_acc();
   for (int n = int(nrows); n < NR; ++n)
     for (int64_t i = 0; i < F::kBlock; ++i) buf[n][i] = 0.f;
-  for (int64_t b = 0; b < K / F::kBlock; ++b) {
+  const int64_t blocks = K / F::kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_slice(w + kQuantTileColsFew * row_bytes, kQuantTileColsFew * row_bytes, b, blocks);
     for (int n = 0; n < nrows; ++n) F::dequant(w + n * row_bytes + b * F::kBytes, buf[n]);
     const float* xb = x + b * F::kBlock;
     for (int64_t i = 0; i < F::kBlock; i += kAccLanes) {

@@ -117,10 +117,22 @@ inline __m512i chunk_q5_0(const uint8_t* blk, float& a, float& c) {
   c = 0.f;
   return lookup32(_mm256_or_si256(nibbles32(blk + 6), _mm256_maskz_set1_epi8(qh, 16)), kTableOff16.v);
 }
+// MXFP4's scale is a power of two, so it goes into the table instead of an FMA per row: the exponent field of every
+// nonzero entry moved by e - 128 (entries 0 and 8 are the zeros), and the block's products added to the accumulators
+// by `vdpbf16ps` itself, a = 0 saying so (a real scale is never 0). Exact where the moved exponents stay normal
+// (the table's 1..12 times 2^(e - 128): e in [2, 252]); other blocks keep the table as it is and a = their scale.
+inline constexpr __mmask32 kMxfp4Nonzero = 0xfffffefe;
 inline __m512i chunk_mxfp4(const uint8_t* blk, float& a, float& c) {
-  a = e8m0_half(blk[0]);
+  const int e = blk[0];
   c = 0.f;
-  return lookup32(nibbles32(blk + 1), kTableMxfp4.v);
+  __m512i table = _mm512_load_si512(kTableMxfp4.v);
+  if (unsigned(e - 2) <= 250u) {
+    table = _mm512_mask_add_epi16(table, kMxfp4Nonzero, table, _mm512_set1_epi16(int16_t((e - 128) * 128)));
+    a = 0.f;
+  } else {
+    a = e8m0_half(uint8_t(e));
+  }
+  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles32(blk + 1)), table);
 }
 
 // Unpack one block: u (kBlock bf16), a (2 floats per 32 weights: the scales of its lanes 0-7 and 8-15), c (one
@@ -180,23 +192,24 @@ inline __m512i no_chunk(const uint8_t*, float&, float&) { return _mm512_setzero_
 template <typename F>
 struct Bf16Unpack;
 // kChunk32: a 32-weight format whose block `chunk` gives in registers (the decode path skips the u buffer).
-#define AGENTRT_BF16_UNPACK(Format, fn, offsets, half, chunk32, chunk_fn) \
+#define AGENTRT_BF16_UNPACK(Format, fn, offsets, half, chunk32, chunk_fn, fold) \
   template <>                                    \
   struct Bf16Unpack<Format> {                    \
     static constexpr bool kOffsets = offsets;    \
+    static constexpr bool kFold = fold;          \
     static constexpr bool kHalf = half;          \
     static constexpr bool kChunk32 = chunk32;    \
     static void unpack(const uint8_t* b, uint16_t* u, float* a, float* c) { fn(b, u, a, c); } \
     static __m512i chunk(const uint8_t* b, float& a, float& c) { return chunk_fn(b, a, c); } \
   };
-AGENTRT_BF16_UNPACK(FormatQ8_0, unpack_chunk<chunk_q8_0>, false, false, true, chunk_q8_0)
-AGENTRT_BF16_UNPACK(FormatQ4_0, unpack_chunk<chunk_q4_0>, false, false, true, chunk_q4_0)
-AGENTRT_BF16_UNPACK(FormatQ4_1, unpack_chunk<chunk_q4_1>, true, false, true, chunk_q4_1)
-AGENTRT_BF16_UNPACK(FormatQ5_0, unpack_chunk<chunk_q5_0>, false, false, true, chunk_q5_0)
-AGENTRT_BF16_UNPACK(FormatQ4_K, unpack_k4_k5<false>, true, false, false, no_chunk)
-AGENTRT_BF16_UNPACK(FormatQ5_K, unpack_k4_k5<true>, true, false, false, no_chunk)
-AGENTRT_BF16_UNPACK(FormatQ6_K, unpack_q6_k, false, true, false, no_chunk)
-AGENTRT_BF16_UNPACK(FormatMXFP4, unpack_chunk<chunk_mxfp4>, false, false, true, chunk_mxfp4)
+AGENTRT_BF16_UNPACK(FormatQ8_0, unpack_chunk<chunk_q8_0>, false, false, true, chunk_q8_0, false)
+AGENTRT_BF16_UNPACK(FormatQ4_0, unpack_chunk<chunk_q4_0>, false, false, true, chunk_q4_0, false)
+AGENTRT_BF16_UNPACK(FormatQ4_1, unpack_chunk<chunk_q4_1>, true, false, true, chunk_q4_1, false)
+AGENTRT_BF16_UNPACK(FormatQ5_0, unpack_chunk<chunk_q5_0>, false, false, true, chunk_q5_0, false)
+AGENTRT_BF16_UNPACK(FormatQ4_K, unpack_k4_k5<false>, true, false, false, no_chunk, false)
+AGENTRT_BF16_UNPACK(FormatQ5_K, unpack_k4_k5<true>, true, false, false, no_chunk, false)
+AGENTRT_BF16_UNPACK(FormatQ6_K, unpack_q6_k, false, true, false, no_chunk, false)
+AGENTRT_BF16_UNPACK(FormatMXFP4, unpack_chunk<chunk_mxfp4>, false, false, true, chunk_mxfp4, true)
 #undef AGENTRT_BF16_UNPACK
 
 constexpr int64_t kQdotCols = 4;  // weight rows of a group
@@ -228,7 +241,8 @@ inline __m512 chunk_scales(const float* a) {
 
 // acc[m][n] += a . (u_n . x_m) over chunks [ch0, ch1): x rows K apart, u rows ldu apart from chunk ch0, a rows lda
 // apart (2 floats a chunk) from ch0.
-template <int MR, bool kHalf>
+// `kFold` (MXFP4): a chunk whose scale is 0 has it in u already (chunk_mxfp4); its products go straight into acc.
+template <int MR, bool kHalf, bool kFold>
 inline void qdot_chunks(__m512 (&acc)[MR][kQdotCols], const bf16* x, int64_t K, int64_t ch0, int64_t ch1,
                         const uint16_t* u, int64_t ldu, const float* a, int64_t lda) {
   for (int64_t ch = ch0; ch < ch1; ++ch) {
@@ -236,6 +250,12 @@ inline void qdot_chunks(__m512 (&acc)[MR][kQdotCols], const bf16* x, int64_t K, 
     for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + 32 * ch);
     for (int n = 0; n < kQdotCols; ++n) {
       const __m512bh uv = (__m512bh)_mm512_loadu_si512(u + n * ldu + 32 * (ch - ch0));
+      if constexpr (kFold) {
+        if (a[n * lda + 2 * (ch - ch0)] == 0.f) {
+          for (int m = 0; m < MR; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], uv, xv[m]);
+          continue;
+        }
+      }
       const __m512 av = chunk_scales<kHalf>(a + n * lda + 2 * (ch - ch0));
       for (int m = 0; m < MR; ++m)
         acc[m][n] = _mm512_fmadd_ps(av, _mm512_dpbf16_ps(_mm512_setzero_ps(), uv, xv[m]), acc[m][n]);
@@ -245,14 +265,14 @@ inline void qdot_chunks(__m512 (&acc)[MR][kQdotCols], const bf16* x, int64_t K, 
 
 // MR rows of x (bf16, rows K apart) through an unpacked group (u [4][K] bf16, a [4][K / 16], c [4][K / 32]);
 // sx [MR][K / 32]: x's per-32 sums (kOffsets). y[m * ldy + n] for n < ncols, rounded to bf16.
-template <int MR, bool kOffsets, bool kHalf>
+template <int MR, bool kOffsets, bool kHalf, bool kFold>
 inline void qdot_tile(const bf16* x, int64_t K, const uint16_t* u, const float* a, const float* c, const float* sx,
                       const float* bias, bf16* y, int64_t ldy, int64_t ncols) {
   const int64_t chunks = K / 32;
   __m512 acc[MR][kQdotCols];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < kQdotCols; ++n) acc[m][n] = _mm512_setzero_ps();
-  qdot_chunks<MR, kHalf>(acc, x, K, 0, chunks, u, K, a, 2 * chunks);
+  qdot_chunks<MR, kHalf, kFold>(acc, x, K, 0, chunks, u, K, a, 2 * chunks);
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < ncols; ++n)
       y[m * ldy + n] = qdot_output<kOffsets>(acc[m][n], c + n * chunks, sx + m * chunks, chunks, bias, n);
@@ -277,12 +297,12 @@ inline void qdot_rows_blockwise(const bf16* x, int64_t K, const uint8_t* w, int6
   __m512 acc[MR][kQdotCols];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < kQdotCols; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / F::kBlock; ++b) {
-    for (int64_t n = 0; n < ncols; ++n)  // 4 streams: a prefetch 1 KiB ahead in each (Q8_0 49152 x 576: ~1.5x)
-      _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + b * F::kBytes) + 1024, _MM_HINT_T0);
+  const int64_t blocks = K / F::kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_slice(w + kQdotCols * row_bytes, kQdotCols * row_bytes, b, blocks);  // the next group (quant.h)
     for (int64_t n = 0; n < ncols; ++n)
       U::unpack(w + n * row_bytes + b * F::kBytes, u[n], a[n], U::kOffsets ? c + n * chunks + b * sub : cb);
-    qdot_chunks<MR, U::kHalf>(acc, x, K, b * sub, (b + 1) * sub, u[0], F::kBlock, a[0], 2 * sub);
+    qdot_chunks<MR, U::kHalf, U::kFold>(acc, x, K, b * sub, (b + 1) * sub, u[0], F::kBlock, a[0], 2 * sub);
   }
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < ncols; ++n)
@@ -303,13 +323,19 @@ inline void qdot_rows_chunks(const bf16* x, int64_t K, const uint8_t* w, int64_t
   for (int64_t ch = 0; ch < chunks; ++ch) {
     __m512bh xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + 32 * ch);
+    prefetch_slice(w + kQdotCols * row_bytes, kQdotCols * row_bytes, ch, chunks);  // the next group (quant.h)
     for (int n = 0; n < kQdotCols; ++n) {
       if (n >= ncols) break;
       const uint8_t* blk = w + n * row_bytes + ch * F::kBytes;
-      if (ch % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(blk) + 1024, _MM_HINT_T0);
       float a, cv;
       const __m512bh uv = (__m512bh)U::chunk(blk, a, cv);
       if constexpr (U::kOffsets) c[n * chunks + ch] = cv;
+      if constexpr (U::kFold) {
+        if (a == 0.f) {
+          for (int m = 0; m < MR; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], uv, xv[m]);
+          continue;
+        }
+      }
       const __m512 av = _mm512_set1_ps(a);
       for (int m = 0; m < MR; ++m)
         acc[m][n] = _mm512_fmadd_ps(av, _mm512_dpbf16_ps(_mm512_setzero_ps(), uv, xv[m]), acc[m][n]);
@@ -392,10 +418,10 @@ inline void qdot_group(const bf16* x, int64_t M, int64_t K, const uint8_t* w, in
     const float* sm = U::kOffsets ? sx + m0 * chunks : nullptr;
     bf16* ym = y + m0 * ldy;
     switch (std::min<int64_t>(kQdotRows, M - m0)) {
-      case 1: qdot_tile<1, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
-      case 2: qdot_tile<2, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
-      case 3: qdot_tile<3, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
-      default: qdot_tile<4, U::kOffsets, U::kHalf>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
+      case 1: qdot_tile<1, U::kOffsets, U::kHalf, U::kFold>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
+      case 2: qdot_tile<2, U::kOffsets, U::kHalf, U::kFold>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
+      case 3: qdot_tile<3, U::kOffsets, U::kHalf, U::kFold>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
+      default: qdot_tile<4, U::kOffsets, U::kHalf, U::kFold>(xm, K, u, a, c, sm, bias, ym, ldy, ncols); break;
     }
   }
 }

@@ -159,7 +159,7 @@ def test_quant_weight_rejects_bad_input():
         quant_linear(torch.randn(1, 32), w)
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K", "MXFP4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_do_not_depend_on_the_batch(name, dtype, cpu_kind):
     # the engine's deterministic mode: a row's output is the same bits alone, in a few rows or in many
@@ -172,6 +172,30 @@ def test_rows_do_not_depend_on_the_batch(name, dtype, cpu_kind):
         assert torch.equal(quant_linear(x[i : i + 3], w, batch_invariant=True)[0], batched[i])
     if dtype == torch.float32 or cpu_kind != "avx512_bf16":  # no widened panels: invariant whatever the flag
         assert torch.equal(quant_linear(x, w), batched)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 37])
+def test_mxfp4_scales_at_the_edges_of_the_folded_table(rows, cpu_kind):
+    # bf16 x on AVX512-BF16 puts an MXFP4 block's power-of-two scale into its lookup table where the moved exponents
+    # stay normal (exponent bytes 2..252) and scales the block's products otherwise (quant_bf16.h chunk_mxfp4): every
+    # exponent byte on both sides of those edges, mixed in one row, is exact against the reference, and a row's output
+    # does not depend on the rows beside it (the 1-4-row register path, the many-row tiles)
+    edges = [0, 1, 2, 3, 100, 127, 128, 129, 200, 250, 251, 252]
+    if cpu_kind == "avx512_bf16":  # past 252 a block's largest weights exceed fp32: the fp32 paths cannot hold them
+        edges += [253, 254, 255]
+    n, k = 23, 32 * len(edges)
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, (n, k // 32, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.array([np.roll(edges, r) for r in range(n)], dtype=np.uint8)  # each row has every edge
+    w = QuantWeight(torch.from_numpy(raw.reshape(n, -1).copy()), TYPE_IDS["MXFP4"], (n, k))
+    x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2.0**-100).bfloat16()  # no overflow at 2^127
+    got = quant_linear(x, w, batch_invariant=True)
+    want = quant_linear_ref(x, w)
+    sum_abs = x.double().abs() @ dequantize_ref(w).abs().T
+    bound = 8 * k * 2**-24 * sum_abs + 2**-8 * want.abs() + 2**-130
+    assert ((got.double() - want).abs() <= bound).all()
+    for i in {0, rows - 1}:
+        assert torch.equal(quant_linear(x[i : i + 1], w, batch_invariant=True)[0], got[i])
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
