@@ -122,16 +122,20 @@ inline __m512i chunk_q5_0(const uint8_t* blk, float& a, float& c) {
 // by `vdpbf16ps` itself, a = 0 saying so (a real scale is never 0). Exact where the moved exponents stay normal
 // (the table's 1..12 times 2^(e - 128): e in [2, 252]); other blocks keep the table as it is and a = their scale.
 inline constexpr __mmask32 kMxfp4Nonzero = 0xfffffefe;
+inline bool mxfp4_folds(int e) { return unsigned(e - 2) <= 250u; }
+// The block's 32 weights in bf16 with its scale folded in (mxfp4_folds(blk[0])).
+inline __m512i mxfp4_folded(const uint8_t* blk, __m512i table) {
+  table = _mm512_mask_add_epi16(table, kMxfp4Nonzero, table, _mm512_set1_epi16(int16_t((blk[0] - 128) * 128)));
+  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles32(blk + 1)), table);
+}
 inline __m512i chunk_mxfp4(const uint8_t* blk, float& a, float& c) {
-  const int e = blk[0];
   c = 0.f;
-  __m512i table = _mm512_load_si512(kTableMxfp4.v);
-  if (unsigned(e - 2) <= 250u) {
-    table = _mm512_mask_add_epi16(table, kMxfp4Nonzero, table, _mm512_set1_epi16(int16_t((e - 128) * 128)));
+  const __m512i table = _mm512_load_si512(kTableMxfp4.v);
+  if (mxfp4_folds(blk[0])) {
     a = 0.f;
-  } else {
-    a = e8m0_half(uint8_t(e));
+    return mxfp4_folded(blk, table);
   }
+  a = e8m0_half(blk[0]);
   return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles32(blk + 1)), table);
 }
 
@@ -426,6 +430,109 @@ inline void qdot_group(const bf16* x, int64_t M, int64_t K, const uint8_t* w, in
   }
 }
 
+#if defined(AGENTRT_AMX)
+// ---------------------------------------------------------------- MXFP4 on AMX
+//
+// With its scale folded in (chunk_mxfp4), an MXFP4 block is 32 exact bf16 weights, so the k sums of a whole panel can
+// run on AMX: A = 16 weight rows x 32 k of one chunk (unpacked to L1, 64 bytes a row), B = the same 32 k of up to 16
+// rows of x as k pairs ([16 pairs][16 rows][2], `fold_amx_rows`), C[n][row] += A . B by `tdpbf16ps`, four C tiles
+// (64 rows of x) per unpacking of the panel. The register paths above pay a `vdpbf16ps` per row of x and block; here a
+// block costs its unpacking and a store whatever the rows, which is what a mixture of experts' decode step (1-3 rows
+// an expert) and its prefill (hundreds) need. Each output sums its chunks in k order, each chunk's pairs as the
+// hardware does for every row alike, so a row's output does not depend on the others (the deterministic mode): the
+// path is taken for every M, and a panel holding a block that does not fold (exponent byte outside 2..252: weights
+// past fp32's range or subnormal) takes the register path instead, whatever M.
+
+// x's rows [M, K] bf16 as B operands: xt[(rb * K / 2 + p) * 16 + j] = the k pair p of row 16 rb + j (rows past M: 0).
+inline void fold_amx_rows(const bf16* x, int64_t M, int64_t K, uint32_t* xt) {
+  const int64_t pairs = K / 2;
+  std::fill(xt, xt + ((M + 15) / 16) * pairs * 16, 0u);
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t r = 0; r < M; ++r) {
+    uint32_t* dst = xt + (r / 16) * pairs * 16 + r % 16;
+    const uint32_t* src = x32 + r * pairs;
+    for (int64_t p = 0; p < pairs; ++p) dst[p * 16] = src[p];
+  }
+}
+inline int64_t fold_amx_rows_size(int64_t M, int64_t K) { return ((M + 15) / 16) * (K / 2) * 16; }
+
+// A thread's tiles for fold_panel_amx: C 0-3, A 4, B 5, all 16 rows x 64 bytes; released when it goes.
+struct FoldAmxTiles {
+  FoldAmxTiles() {
+    TileConfig c;
+    for (int t = 0; t < 6; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+  }
+  FoldAmxTiles(const FoldAmxTiles&) = delete;
+  FoldAmxTiles& operator=(const FoldAmxTiles&) = delete;
+  ~FoldAmxTiles() { _tile_release(); }
+};
+
+// Weight rows [nrows <= 16] (MXFP4, row_bytes apart) against the M rows of x in xt: y[m * ldy + n] for n < nrows,
+// rounded to bf16 after the bias. false, with nothing written, where a block does not fold.
+inline bool fold_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                           int64_t nrows, const float* bias, bf16* y, int64_t ldy) {
+  constexpr int64_t kBytes = FormatMXFP4::kBytes;
+  const int64_t chunks = K / 32, pairs = K / 2, blocks = (M + 15) / 16;
+  alignas(64) uint16_t a[16][32];
+  alignas(64) float c[16][16];
+  const __m512i table = _mm512_load_si512(kTableMxfp4.v);
+  for (int64_t n = nrows; n < 16; ++n) _mm512_store_si512(a[n], _mm512_setzero_si512());
+  for (int64_t rb0 = 0; rb0 < blocks; rb0 += 4) {
+    const int64_t nb = std::min<int64_t>(4, blocks - rb0);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      if (rb0 == 0) prefetch_slice(w + 16 * row_bytes, 16 * row_bytes, ch, chunks);  // the next panel (quant.h)
+      for (int64_t n = 0; n < nrows; ++n) {
+        const uint8_t* blk = w + n * row_bytes + ch * kBytes;
+        if (!mxfp4_folds(blk[0])) return false;
+        _mm512_store_si512(a[n], mxfp4_folded(blk, table));
+      }
+      _tile_loadd(4, a, 64);
+      const uint32_t* b = xt + (rb0 * pairs + 16 * ch) * 16;
+      _tile_loadd(5, b, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (nb > 1) {
+        _tile_loadd(5, b + pairs * 16, 64);
+        _tile_dpbf16ps(1, 4, 5);
+      }
+      if (nb > 2) {
+        _tile_loadd(5, b + 2 * pairs * 16, 64);
+        _tile_dpbf16ps(2, 4, 5);
+      }
+      if (nb > 3) {
+        _tile_loadd(5, b + 3 * pairs * 16, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+    for (int64_t rb = 0; rb < nb; ++rb) {
+      switch (rb) {  // tile ids are immediates
+        case 0: _tile_stored(0, c, 64); break;
+        case 1: _tile_stored(1, c, 64); break;
+        case 2: _tile_stored(2, c, 64); break;
+        default: _tile_stored(3, c, 64); break;
+      }
+      const int64_t m0 = (rb0 + rb) * 16, rows = std::min<int64_t>(16, M - m0);
+      for (int64_t j = 0; j < rows; ++j)
+        for (int64_t n = 0; n < nrows; ++n) y[(m0 + j) * ldy + n] = f32_to_bf16(c[n][j] + (bias ? bias[n] : 0.f));
+    }
+  }
+  return true;
+}
+#endif
+
+// Whether format F's bf16 rows take fold_panel_amx (MXFP4 on a CPU with AMX, the tiles granted).
+template <typename F>
+inline bool fold_amx_applies() {
+#if defined(AGENTRT_AMX)
+  if constexpr (Bf16Unpack<F>::kFold) return amx_ready();
+#endif
+  return false;
+}
+
 // ---------------------------------------------------------------- many rows: a panel widened to bf16 on the fly
 //
 // From kQuantWidenMinRows rows of x (outside the engine's deterministic mode) a thread decodes 32 weight rows into
@@ -536,6 +643,25 @@ inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t
   }
   const int64_t row_bytes = K / F::kBlock * F::kBytes;
   const std::vector<float> sx = offset_sums_bf16<F>(x, M, K);
+#if defined(AGENTRT_AMX)
+  if (fold_amx_applies<F>()) {  // panels of 16 weight rows on AMX (fold_panel_amx), the register path where one does not fold
+    std::vector<uint32_t> xt(static_cast<size_t>(fold_amx_rows_size(M, K)));
+    fold_amx_rows(x, M, K, xt.data());
+    agentrt::stealing_for((N + 15) / 16, [&](int64_t p0, int64_t p1) {
+      FoldAmxTiles tiles;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * 16, nrows = std::min<int64_t>(16, N - n0);
+        if (fold_panel_amx(xt.data(), M, K, w + n0 * row_bytes, row_bytes, nrows, bias ? bias + n0 : nullptr, y + n0, ldy))
+          continue;
+        QdotBuffers& buf = qdot_buffers(K);
+        for (int64_t g = n0; g < n0 + nrows; g += kQdotCols)
+          qdot_group<F>(x, M, K, w + g * row_bytes, row_bytes, std::min(kQdotCols, N - g), sx.data(),
+                        bias ? bias + g : nullptr, y + g, ldy, buf);
+      }
+    });
+    return;
+  }
+#endif
   const int64_t groups = (N + kQdotCols - 1) / kQdotCols;
   const int64_t per_task = M <= 4 ? 4 : 1;  // groups a task takes: decode's are short
   agentrt::stealing_for((groups + per_task - 1) / per_task, [&](int64_t t0, int64_t t1) {

@@ -1,7 +1,8 @@
 """kernels.moe.grouped_quant_linear: a mixture's experts kept in block formats (Q8_0 / Q4_1 of `--quantization
 int8|int4`, gpt-oss's MXFP4), every row bit for bit what `quant_linear` gives it with its expert's weight, on every
 CPU kind (AVX2 forced included), fp32 and bf16, over irregular groupings (experts without rows first, last and
-inside; 1-4 rows per expert (the blockwise path) and more (the tiles); N off the 4- and 16-row groups); against
+inside; 1-4 rows per expert (the blockwise path) and more (the tiles, MXFP4's AMX passes); N off the 4- and 16-row
+groups); against
 the float64 reference; without the C++ kernels; MXFP4 from the checkpoint's OCP layout decoding to the values
 transformers' layout stands for; bad input named."""
 
@@ -20,6 +21,7 @@ GROUPS = [
     ((1,), 32, 40),
     ((0, 0, 2, 4), 160, 9),
     ((0, 0, 0), 32, 16),  # no rows at all
+    ((70, 0, 2), 64, 20),  # more rows than one pass of MXFP4's AMX tiles (64)
 ]
 FORMATS = ["Q8_0", "Q4_1", "MXFP4"]
 

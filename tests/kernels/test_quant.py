@@ -174,19 +174,21 @@ def test_rows_do_not_depend_on_the_batch(name, dtype, cpu_kind):
         assert torch.equal(quant_linear(x, w), batched)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 37])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 37, 70])
 def test_mxfp4_scales_at_the_edges_of_the_folded_table(rows, cpu_kind):
     # bf16 x on AVX512-BF16 puts an MXFP4 block's power-of-two scale into its lookup table where the moved exponents
-    # stay normal (exponent bytes 2..252) and scales the block's products otherwise (quant_bf16.h chunk_mxfp4): every
-    # exponent byte on both sides of those edges, mixed in one row, is exact against the reference, and a row's output
-    # does not depend on the rows beside it (the 1-4-row register path, the many-row tiles)
+    # stay normal (exponent bytes 2..252) and scales the block's products otherwise (quant_bf16.h chunk_mxfp4); with AMX
+    # a panel of 16 weight rows whose blocks all fold runs on the tiles, any other on the registers (fold_panel_amx).
+    # Panels of both kinds in one weight, every exponent byte on both sides of the edges: exact against the reference,
+    # and a row's output does not depend on the rows beside it (1-4 rows, the many-row tiles, two AMX passes)
     edges = [0, 1, 2, 3, 100, 127, 128, 129, 200, 250, 251, 252]
     if cpu_kind == "avx512_bf16":  # past 252 a block's largest weights exceed fp32: the fp32 paths cannot hold them
         edges += [253, 254, 255]
-    n, k = 23, 32 * len(edges)
+    n, k = 40, 32 * len(edges)
     rng = np.random.default_rng(7)
     raw = rng.integers(0, 256, (n, k // 32, 17), dtype=np.uint8)
-    raw[:, :, 0] = np.array([np.roll(edges, r) for r in range(n)], dtype=np.uint8)  # each row has every edge
+    raw[:, :, 0] = rng.integers(2, 253, (n, k // 32))  # panels 0 and 2 (rows 0-15, 32-39) fold
+    raw[16:32, :, 0] = np.array([np.roll(edges, r) for r in range(16)], dtype=np.uint8)  # panel 1: every edge
     w = QuantWeight(torch.from_numpy(raw.reshape(n, -1).copy()), TYPE_IDS["MXFP4"], (n, k))
     x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2.0**-100).bfloat16()  # no overflow at 2^127
     got = quant_linear(x, w, batch_invariant=True)
