@@ -26,7 +26,7 @@ programs' pins give way (with the policy's `pins_by_rank`, only those of the pro
 its `new_take_pins` a call of a program holding no pin may too; an idle engine admits as usual). agentrt's PLAS
 takes these as arguments.
 
-Headroom (a policy that `keeps_headroom`, agentrt's PLAS): while others run, a call the policy says
+Headroom (a policy that `keeps_headroom`, agentrt's PLAS with `headroom=True`): while others run, a call the policy says
 `leaves_headroom` (its lowest class: long programs) is admitted only if, after its whole prompt and output, the
 blocks a better-ranked call typically needs stay free: the 90th percentile of what the latest better-ranked calls
 needed beyond their prefix hits at admission (`HEADROOM_FIT` of them, once `HEADROOM_MIN` were seen; at most

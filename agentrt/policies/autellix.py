@@ -113,6 +113,14 @@ from agentrt.policies._multilevel import (
 # 0.80x), all done 0.96x sooner (simulated --like-http: 0.59x). The second round's defaults measured 0.67x, short
 # 0.82x, on 30 programs. With the host tier the same pool is compute-bound at its knee: 0.98x mean, short 0.75x,
 # long 1.18x (with the headroom off over the tier: 1.15x, not kept).
+#   headroom off by default (issue 47's fifth round): on a 2-core Xeon with AMX (a step costs 13.7 ms + 0.23 ms a
+#     token, against the EPYC's 8.0 ms + 0.64 ms: width is worth more there) the same command in one run, fcfs /
+#     plas / plas:headroom=0 at 0.307 programs/s: mean 0.78x fcfs with headroom, 0.66x without (per seed 0.61 / 0.55x,
+#     1.07 / 0.81x, 1.17 / 1.02x); short programs 0.36 / 0.38x, long 1.15 / 0.91x, long p99 0.91 / 0.76x, time for all
+#     1.02 / 0.97x; 2.0 against 2.4 calls running. The blocks kept free for a short program that may arrive cost the
+#     long programs' steps their width, and a long program's call is short (24 tokens), so a short program that
+#     finds the cache full waits for one such call, not for a program. Simulated on the same costs the two are even
+#     (0.80 / 0.81x; 6 seeds 0.90 / 0.87x): the simulator misses what the width is worth here (docs/benchmarks/programs.md).
 DEFAULTS: dict[str, dict[str, float | None]] = {
     "time": {"num_queues": 2, "first_boundary": 1.0, "quantum": 1.0, "beta": 32.0, "boundary_calls": 2.0,
              "boundary_programs": 1.5},
@@ -189,7 +197,8 @@ class PLAS(MultiLevelPolicy):
             first call instead of keeping it waiting for blocks).
         headroom: admission keeps room for better calls: while others run, a call of the last queue goes in only if
             the blocks a better call typically needs (fitted by the engine's scheduler from the calls it admitted,
-            engine.scheduler) stay free after it.
+            engine.scheduler) stay free after it. Off by default (measured above: it costs the long programs' width
+            more than it saves the short ones' wait).
         prefill_yield: while calls wait for KV blocks, the prompt chunks of calls ranked below a call decoding in the
             step (or below one of the best waiting calls) compute at most this many tokens per step together (an
             int), or (True) the smallest chunk with `cap_efficiency` of a long chunk's prompt throughput on this
@@ -226,7 +235,7 @@ class PLAS(MultiLevelPolicy):
         cap_efficiency: float = 0.9,
         pins_by_rank: bool = True,
         new_take_pins: bool = True,
-        headroom: bool = True,
+        headroom: bool = False,
         prefill_yield: bool | int = True,
         yield_to: str = "rank",
     ) -> None:

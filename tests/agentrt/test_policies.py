@@ -409,8 +409,9 @@ def test_outranks_paused_programs_by_queue_then_program_age():
 
 
 def test_headroom_is_left_by_the_last_queue_and_new_programs_take_outranked_pins():
-    pol = plas()
-    assert pol.keeps_headroom and pol.new_take_pins and pol.pins_by_rank  # PLAS's defaults
+    assert not plas().keeps_headroom and plas().new_take_pins and plas().pins_by_rank  # PLAS's defaults
+    pol = plas(headroom=True)
+    assert pol.keeps_headroom
     run_call(pol, call("long-0", "long"), 45, now=0.0)  # 45 units: queue 3, the last
     run_call(pol, call("mid-0", "mid"), 25, now=0.0)  # queue 2
     last, mid, new = call("long-1", "long"), call("mid-1", "mid"), call("new-0", "new")
@@ -419,7 +420,7 @@ def test_headroom_is_left_by_the_last_queue_and_new_programs_take_outranked_pins
     assert [pol.leaves_headroom(r) for r in (last, mid, new)] == [True, False, False]
     off = plas(headroom=False, new_take_pins=False)
     assert not off.keeps_headroom and not off.new_take_pins
-    assert not plas(num_queues=1).keeps_headroom  # one queue: nobody ranks better
+    assert not plas(num_queues=1, headroom=True).keeps_headroom  # one queue: nobody ranks better
     from agentrt.policies.autellix import TTL_SETTINGS
 
     ttl = PLAS(**TTL_SETTINGS)  # measured on full-size agents without either (autellix.py)
