@@ -136,15 +136,6 @@ inline const float* block_f32(const T* block, int64_t m, int64_t KVH, int64_t kv
 constexpr int64_t kPrefetchBlocks = 2;
 constexpr int64_t kPrefetchLines = 2;
 
-// One line into L2. An asm statement: GCC (-O3) dropped the __builtin_prefetch of this loop from the inlined walks.
-inline void prefetch_l2(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
-
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t page = -int64_t(reinterpret_cast<uintptr_t>(c) & 4095); page < bytes; page += 4096) {

@@ -107,15 +107,10 @@ inline void grouped_quant_linear_bf16(const bf16* x, const int64_t* offsets, int
       FoldAmxTiles tiles;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t e = used[i / items], r0 = offsets[e], rows = offsets[e + 1] - r0;
-        const int64_t n0 = (i % items) * kQdotCols * kGroupsPerItem, nrows = std::min<int64_t>(16, N - n0);
-        if (fold_panel_amx(xt.data() + at[e], rows, K, w + (e * N + n0) * row_bytes, row_bytes, nrows,
-                           bias ? bias + e * N + n0 : nullptr, y + r0 * N + n0, N))
-          continue;
-        QdotBuffers& buf = qdot_buffers(K);
-        for (int64_t g = n0; g < n0 + nrows; g += kQdotCols)
-          qdot_group<F>(x + r0 * K, rows, K, w + (e * N + g) * row_bytes, row_bytes, std::min(kQdotCols, N - g),
-                        sx.empty() ? nullptr : sx.data() + r0 * chunks, bias ? bias + e * N + g : nullptr,
-                        y + r0 * N + g, N, buf);
+        const int64_t n0 = (i % items) * kQdotCols * kGroupsPerItem;
+        fold_or_qdot_panel<F>(xt.data() + at[e], x + r0 * K, rows, K, w + (e * N + n0) * row_bytes, row_bytes,
+                              std::min<int64_t>(16, N - n0), sx.empty() ? nullptr : sx.data() + r0 * chunks,
+                              bias ? bias + e * N + n0 : nullptr, y + r0 * N + n0, N);
       }
     });
     return;

@@ -366,16 +366,9 @@ constexpr int64_t kQuantTileColsFew = 4;  // weight rows decoded together by the
 // where prefetching is harmless if another thread or nobody reads them), slice `i` of `n` per step. `agentrt bench
 // kernels`-style timings on a 2-core Xeon with AMX (gpt-oss-20b's MXFP4 experts, 5760 x 2880, 1 row each, 19 experts
 // read from memory): 16.4 -> 10.8 ms; the same 4 experts again and again (from cache): unchanged.
-inline void prefetch_line(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*p));  // an asm statement: GCC may drop __builtin_prefetch from inlined loops
-#else
-  __builtin_prefetch(p, 0, 3);
-#endif
-}
 inline void prefetch_slice(const uint8_t* next, int64_t bytes, int64_t i, int64_t n) {
   const char* base = reinterpret_cast<const char*>(next);
-  for (int64_t o = (i * bytes / n) & ~int64_t(63), hi = (i + 1) * bytes / n; o < hi; o += 64) prefetch_line(base + o);
+  for (int64_t o = (i * bytes / n) & ~int64_t(63), hi = (i + 1) * bytes / n; o < hi; o += 64) prefetch_l1(base + o);
 }
 
 // Few rows (decode): 4 weight rows at a time, block by block: the 4 rows' blocks are decoded into an L1 buffer

@@ -130,13 +130,12 @@ inline __m512i mxfp4_folded(const uint8_t* blk, __m512i table) {
 }
 inline __m512i chunk_mxfp4(const uint8_t* blk, float& a, float& c) {
   c = 0.f;
-  const __m512i table = _mm512_load_si512(kTableMxfp4.v);
   if (mxfp4_folds(blk[0])) {
     a = 0.f;
-    return mxfp4_folded(blk, table);
+    return mxfp4_folded(blk, _mm512_load_si512(kTableMxfp4.v));
   }
   a = e8m0_half(blk[0]);
-  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles32(blk + 1)), table);
+  return lookup32(nibbles32(blk + 1), kTableMxfp4.v);
 }
 
 // Unpack one block: u (kBlock bf16), a (2 floats per 32 weights: the scales of its lanes 0-7 and 8-15), c (one
@@ -444,9 +443,10 @@ inline void qdot_group(const bf16* x, int64_t M, int64_t K, const uint8_t* w, in
 // past fp32's range or subnormal) takes the register path instead, whatever M.
 
 // x's rows [M, K] bf16 as B operands: xt[(rb * K / 2 + p) * 16 + j] = the k pair p of row 16 rb + j (rows past M: 0).
+inline int64_t fold_amx_rows_size(int64_t M, int64_t K) { return ((M + 15) / 16) * (K / 2) * 16; }
 inline void fold_amx_rows(const bf16* x, int64_t M, int64_t K, uint32_t* xt) {
   const int64_t pairs = K / 2;
-  std::fill(xt, xt + ((M + 15) / 16) * pairs * 16, 0u);
+  std::fill(xt, xt + fold_amx_rows_size(M, K), 0u);
   const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
   for (int64_t r = 0; r < M; ++r) {
     uint32_t* dst = xt + (r / 16) * pairs * 16 + r % 16;
@@ -454,7 +454,6 @@ inline void fold_amx_rows(const bf16* x, int64_t M, int64_t K, uint32_t* xt) {
     for (int64_t p = 0; p < pairs; ++p) dst[p * 16] = src[p];
   }
 }
-inline int64_t fold_amx_rows_size(int64_t M, int64_t K) { return ((M + 15) / 16) * (K / 2) * 16; }
 
 // A thread's tiles for fold_panel_amx: C 0-3, A 4, B 5, all 16 rows x 64 bytes; released when it goes.
 struct FoldAmxTiles {
@@ -521,6 +520,21 @@ inline bool fold_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const uint8
     }
   }
   return true;
+}
+#endif
+
+#if defined(AGENTRT_AMX)
+// One panel of 16 weight rows (nrows <= 16; w, bias and y start at its first row) on AMX, or where a block does not
+// fold, its 4 groups on the register path (qdot_group; sx: x's per-32 sums, as there).
+template <typename F>
+inline void fold_or_qdot_panel(const uint32_t* xt, const bf16* x, int64_t M, int64_t K, const uint8_t* w,
+                               int64_t row_bytes, int64_t nrows, const float* sx, const float* bias, bf16* y,
+                               int64_t ldy) {
+  if (fold_panel_amx(xt, M, K, w, row_bytes, nrows, bias, y, ldy)) return;
+  QdotBuffers& buf = qdot_buffers(K);
+  for (int64_t g = 0; g < nrows; g += kQdotCols)
+    qdot_group<F>(x, M, K, w + g * row_bytes, row_bytes, std::min(kQdotCols, nrows - g), sx,
+                  bias ? bias + g : nullptr, y + g, ldy, buf);
 }
 #endif
 
@@ -650,13 +664,9 @@ inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t
     agentrt::stealing_for((N + 15) / 16, [&](int64_t p0, int64_t p1) {
       FoldAmxTiles tiles;
       for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * 16, nrows = std::min<int64_t>(16, N - n0);
-        if (fold_panel_amx(xt.data(), M, K, w + n0 * row_bytes, row_bytes, nrows, bias ? bias + n0 : nullptr, y + n0, ldy))
-          continue;
-        QdotBuffers& buf = qdot_buffers(K);
-        for (int64_t g = n0; g < n0 + nrows; g += kQdotCols)
-          qdot_group<F>(x, M, K, w + g * row_bytes, row_bytes, std::min(kQdotCols, N - g), sx.data(),
-                        bias ? bias + g : nullptr, y + g, ldy, buf);
+        const int64_t n0 = p * 16;
+        fold_or_qdot_panel<F>(xt.data(), x, M, K, w + n0 * row_bytes, row_bytes, std::min<int64_t>(16, N - n0),
+                              sx.data(), bias ? bias + n0 : nullptr, y + n0, ldy);
       }
     });
     return;

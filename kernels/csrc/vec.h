@@ -25,6 +25,23 @@ typedef uint32_t v8wu __attribute__((vector_size(32), aligned(2)));  // 8 bf16 p
 
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
+// One cache line into L1 (prefetch_l1) or L2 (prefetch_l2). asm statements: GCC (-O3) dropped __builtin_prefetch
+// from the kernels' inlined loops.
+inline void prefetch_l1(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+inline void prefetch_l2(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 inline float to_f32(float x) { return x; }
 inline float to_f32(bf16 x) {
   const uint32_t u = uint32_t(x) << 16;
