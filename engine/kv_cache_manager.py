@@ -503,12 +503,15 @@ class KVCacheManager:
                         self.tiers.cached(block, h)
                 elif existing != block:
                     # merging a free cached block takes it from the free queue and gives `block` back: no
-                    # net change, unless `block` is shared (then skip: others' reservations must stay whole)
+                    # net change, unless `block` is shared (then skip: others' reservations must stay whole).
+                    # Give back first: a `block` drawn from the program's reservation returns its slot, which
+                    # `existing` then draws. Taking first finds that reservation full and leaves `existing`
+                    # untagged, and the release then reopens the slot: one unused reserved block more than free.
                     if self.pool.ref_cnt[existing] == 0 and self.pool.ref_cnt[block] > 1:
                         continue
+                    self.pool.release([block])
                     self.pool.touch([existing], req.program_id)
                     table[i] = existing
-                    self.pool.release([block])
                     self.stats.dedup_merges += 1
                     req.blocks_version += 1
         req.num_cached_blocks = num_full

@@ -108,6 +108,25 @@ def test_reservations_are_capped_in_total_and_by_what_is_free():
         Reserve("p", -1)
 
 
+def test_a_dedup_merge_moves_the_reservation_tag_to_the_cached_block():
+    kv = KVCacheManager(10, BS)
+    a = make_req("a", range(8), None)
+    admit(kv, a)
+    kv.free(a)  # blocks 0 and 1 stay cached, at the free queue's tail
+    kv.program_op(Reserve("p", 2 * BS), now=0.0)
+    kv.program_op(Reserve("q", 3 * BS), now=0.0)
+    x = make_req("x", range(100, 120), None)
+    admit(kv, x)  # every unreserved clean block: free == unused reserved == 5
+    assert x.block_ids == [2, 3, 4, 5, 6] and kv.num_free_blocks == kv.pool.unused_reserved() == 5
+    b = make_req("b", range(8), "p")  # hits block 0; its second block is computed into 7, then merged into 1
+    assert admit(kv, b) == 4
+    assert b.block_ids == [0, 1] and kv.stats.dedup_merges == 1
+    assert kv.pool.reservations["p"].blocks == {0, 1} and kv.pool.reserved_by[7] is None
+    assert kv.num_free_blocks == kv.pool.unused_reserved() == 3
+    assert kv.pool.available_to("q") == 3  # q can still draw its whole reservation
+    check(kv, [x, b])
+
+
 # ---- pins ----------------------------------------------------------------------------------
 
 
