@@ -1,14 +1,15 @@
-"""CPU memory in 2 MB pages (Linux transparent huge pages), for `agentrt bench paging`.
+"""CPU memory in 2 MB pages (Linux transparent huge pages), for `agentrt bench paging`; and the engine's KV tensor,
+untouched until used (`untouched_zeros`).
 
 A decode step reads every block of every sequence through its block table; with 4 KB pages each block of a long
 context costs a TLB miss or several. Transparent huge pages are on "madvise" on most distributions: memory is
 backed by 2 MB pages only where a mapping asks (MADV_HUGEPAGE). The engine's own KV tensor does not ask: with
 THP's defrag also on "madvise" (the usual default), every fault of an advised mapping may compact memory
 synchronously, on the step path (the CI run that had the engine's tensor advised was ~5 minutes slower and one
-server missed its shutdown deadline; not proven to be this, so it was taken out). `agentrt bench paging` measures
-decode in both page sizes with `empty`. Where the kernel says no (THP
-"never", no MADV_HUGEPAGE, another OS), `zeros` is torch.zeros.
-"""
+server missed its shutdown deadline). Measured since on a 2-core Xeon VM: a 2 MB page's first touch took ~7 ms
+(1 GiB in 1.5 s, against 0.4 s in 4 KB pages), so an engine's first step, which touches a block in each layer's K
+and V slab, stalled ~0.4 s. `agentrt bench paging` measures decode in both page sizes with `empty`. Where the
+kernel says no (THP "never", no MADV_HUGEPAGE, another OS), `zeros` is torch.zeros."""
 
 from __future__ import annotations
 
@@ -48,6 +49,18 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     if torch.device(device).type != "cpu" or not supported() or math.prod(shape) * dtype.itemsize < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device)
     return empty(shape, dtype)
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor in a private anonymous mapping of ordinary (4 KB) pages, nothing written: the pages are
+    taken at first touch, so the memory a KV pool holds grows with the blocks in use, and allocating it costs no
+    pass over it. torch.zeros writes every page: measured here (2-core Xeon VM), 1 GiB took 0.45 s at start-up, and
+    the engine's tests start hundreds of engines with the default 1 GiB pool. Not in 2 MB pages (see the module's
+    docstring): on this VM a 2 MB page's first touch took ~7 ms, so an engine's first step (a block in each of 60
+    layer slabs) would stall ~0.4 s."""
+    nbytes = max(1, math.prod(shape) * dtype.itemsize)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mm, dtype=torch.uint8)[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def anon_huge_bytes() -> int:

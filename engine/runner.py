@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from agentrt import kernels
+from agentrt.engine import huge_pages
 from agentrt.engine.block_table import BlockTables
 from agentrt.engine.kv_layout import KVLayout
 from agentrt.engine.request import Request
@@ -59,13 +60,13 @@ class ModelRunner:
         model.set_kv_layout(self.layout)
         self.block_tables = BlockTables(block_size, self.layout.num_groups)  # rows kept across steps, per group
         # kv_cache: [page layers, K/V, num_blocks, block_size, kv_heads, head_dim]; a block (page) holds one layer
-        # group's page_layers layers (engine.kv_layout), the model's every layer with one group. Not in 2 MB pages
-        # (engine.huge_pages): with THP's defrag on "madvise", an advised mapping's page faults compact memory on the
-        # step path (stalls measured here); `bench paging` measures what 2 MB pages would give
-        self.kv_cache = torch.zeros(
-            self.layout.page_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype,
-            device=self.device
-        )
+        # group's page_layers layers (engine.kv_layout), the model's every layer with one group. On CPU untouched
+        # until used (engine.huge_pages.untouched_zeros), in 4 KB pages: a 2 MB page's first touch stalls the step
+        # (with THP's defrag on "madvise" it may compact memory; ~7 ms a page measured on a VM); `bench paging`
+        # measures what 2 MB pages would give the decode walk
+        shape = (self.layout.page_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim)
+        self.kv_cache = (huge_pages.untouched_zeros(shape, dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=dtype, device=self.device))
 
     @staticmethod
     def bytes_per_block(args, block_size: int, dtype: torch.dtype, layout: KVLayout | None = None) -> int:

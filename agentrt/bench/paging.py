@@ -503,9 +503,10 @@ def markdown(result: dict) -> str:
         "(no attention, `memory_floor`); where a kernel's ratio is near it, the kernel adds nothing of its own to the "
         f"order's cost (largest floor: {max(r['floor_ratio'] for r in d):.3f}; rows over their floor by more than 0.05: "
         f"{sum(r['pair_median'] > r['floor_ratio'] + 0.05 for r in d)} of {len(d)}). "
-        "The fp32 walk prefetches the heads of the 4 KB pages of the block two ahead into L2 (kernels/csrc/attention.h "
-        "says why), the bf16 walk the rows of the next 32 positions; the engine's KV tensor stays in 4 KB pages "
-        "(engine.huge_pages says why).",
+        "The fp32 walk reads a block 4 positions at a time and prefetches the same rows of the next block meanwhile, "
+        "and the heads of the 4 KB pages of the block two ahead (kernels/csrc/attention.h says why), the bf16 walk the "
+        "rows of the next 32 positions; the engine's KV tensor stays in 4 KB pages (engine.huge_pages says why: a "
+        "2 MB page's first touch costs the step that makes it).",
         "",
         f"### Block size: decode time ({result['sweep_case'][0]} x {result['sweep_case'][1]}, shuffled table)",
         "",
