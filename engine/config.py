@@ -12,6 +12,10 @@ import torch
 from agentrt.kernels import cpu
 
 
+# quantization values that keep projections in blocks (engine.gguf_weights): the deterministic mode is off by default
+PACKED_QUANTIZATIONS = ("gguf", "int8", "int4")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # HF directory (safetensors) or .gguf file; None = default SmolLM2-135M-Instruct
@@ -57,8 +61,11 @@ class EngineConfig:
     override_generation_config: dict | None = None  # {field: value} on top of those, e.g. {"temperature": 0.5}
     deterministic: bool | None = None  # batch-invariant kernels: a greedy request's tokens do not depend on what
     # else the engine runs, how its prompt is chunked, prefix-cache hits or preemption (CPU with the C++ kernels;
-    # README). None = where it holds: on for CPU in float32 / bfloat16 with the C++ kernels (it costs ~2-3% of
-    # decode there, docs/engine.md), off on GPU; True = required (an error where it cannot hold); False = off
+    # README). None = where it holds and costs little: on for CPU in float32 / bfloat16 with the C++ kernels (0-3%
+    # of decode there, docs/engine.md), off with projections kept packed (quantization "gguf" / "int8" / "int4":
+    # their batch-invariant path is the blocks' integer one at every row count, ~1/3 of the widened panels'
+    # throughput at 32 concurrent calls, docs/benchmarks/quant.md), off on GPU; True = required (an error where it
+    # cannot hold, its cost paid where it does); False = off
     kv_host_gib: float = 0.0  # T1 of the KV hierarchy (engine.kv_tiers): host memory for cached blocks evicted
     # from the KV cache, loaded back instead of recomputed (a hybrid model's state snapshots take a quarter of it
     # and of kv_disk_gib: engine.recurrent_tiers); 0 = off
@@ -165,8 +172,9 @@ class EngineConfig:
             self.dtype_reason = f"auto: {why}"
         else:
             self.dtype_reason = f"set by {source}"
-        if self.deterministic is None:  # the default: on where the CPU kernels make it hold
-            self.deterministic = self.device == "cpu" and self.dtype in ("float32", "bfloat16")
+        if self.deterministic is None:  # the default: on where the CPU kernels make it hold cheaply
+            self.deterministic = (self.device == "cpu" and self.dtype in ("float32", "bfloat16")
+                                  and self.quantization not in PACKED_QUANTIZATIONS)
             self.deterministic_default = True
         if self.kv_host_in_place and self.device != "cpu":
             raise ValueError(f"kv_host_in_place is for a CPU engine, whose host tier is the pool's memory, not device "
@@ -178,10 +186,10 @@ class EngineConfig:
             raise ValueError(f"deterministic needs dtype float32 or bfloat16 (the C++ kernels'), got {self.dtype!r}")
         if self.quantization not in (None, "gguf", "none", "int8", "int4"):
             raise ValueError(f"quantization must be None, 'gguf', 'int8', 'int4' or 'none', got {self.quantization!r}")
-        if self.quantization in ("gguf", "int8", "int4") and self.device != "cpu":
+        if self.quantization in PACKED_QUANTIZATIONS and self.device != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on CPU only (no GPU kernel for packed blocks yet), "
                              f"not on device {self.device!r}; use quantization='none' to widen the weights")
-        if self.quantization in ("gguf", "int8", "int4") and self.enable_lora:
+        if self.quantization in PACKED_QUANTIZATIONS and self.enable_lora:
             raise ValueError(f"quantization={self.quantization!r} does not serve LoRA adapters yet: pass "
                              "enable_lora=False or quantization='none'")
 
