@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -94,7 +95,9 @@ def rss():
         now = next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
     return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 llama_cpp.llama_backend_init()
-model = llama_cpp.llama_model_load_from_file(a["model"].encode(), llama_cpp.llama_model_default_params())
+mp = llama_cpp.llama_model_default_params()
+mp.use_extra_bufts = a["extra_bufts"]
+model = llama_cpp.llama_model_load_from_file(a["model"].encode(), mp)
 vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 cp = llama_cpp.llama_context_default_params()
 cp.n_ctx, cp.n_seq_max, cp.kv_unified = C * (P + T + 8), C, True
@@ -138,7 +141,8 @@ def tok_s(n):
     return n * T / best
 single, batched = tok_s(1), tok_s(C)
 now, peak = rss()
-print(json.dumps({"mode": "llama.cpp", "weights": "llama-cpp-python " + llama_cpp.__version__ + ", mmap",
+extra = "" if a["extra_bufts"] else ", extra buffer types off (AMX, repack)"
+print(json.dumps({"mode": "llama.cpp", "weights": "llama-cpp-python " + llama_cpp.__version__ + ", mmap" + extra,
                   "dtype": "-", "cpu_kind": "llama.cpp", "threads": a["threads"], "rss_loaded_mb": loaded,
                   "rss_end_mb": now, "rss_peak_mb": peak, "single_tok_s": single, "batched_tok_s": batched}))
 """
@@ -159,11 +163,17 @@ def llama_cpp_missing(python: str | None) -> str | None:
 
 def measure_llama_cpp(python: str, model: str, threads: int, prompt_len: int, max_tokens: int, concurrency: int,
                       repeats: int) -> dict:
-    """The peer's row: `_LLAMA_CHILD` run by `python` on the same file and threads."""
+    """The peer's row: `_LLAMA_CHILD` run by `python` on the same file and threads. Where it dies of a segmentation
+    fault it runs again without llama.cpp's extra buffer types (`use_extra_bufts`: the AMX and repacked layouts), and
+    the row says so: llama-cpp-python 0.3.36's AMX buffer type crashed in its first `llama_decode` on a 2-core Xeon VM
+    with AMX (the high-level `Llama` API too), while the plain CPU buffers ran."""
     args = {"model": model, "threads": threads, "prompt_len": prompt_len, "max_tokens": max_tokens,
-            "concurrency": concurrency, "repeats": repeats}
+            "concurrency": concurrency, "repeats": repeats, "extra_bufts": True}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     out = subprocess.run([python, "-c", _LLAMA_CHILD, json.dumps(args)], capture_output=True, text=True, env=env)
+    if out.returncode == -signal.SIGSEGV:
+        args["extra_bufts"] = False
+        out = subprocess.run([python, "-c", _LLAMA_CHILD, json.dumps(args)], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"bench quant: the llama.cpp run failed: {out.stderr.strip().splitlines()[-1:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -277,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.docs:
         from agentrt.bench._common import write_section
 
-        isa = result.get("isa_env")  # a forced CPU kind's run is a section of its own
-        write_section(DOCS_SECTION if not isa else f"{DOCS_SECTION} (AGENTRT_CPU_ISA={isa})", markdown(result))
+        # another file's run, and a forced CPU kind's, is a section of its own
+        title = DOCS_SECTION if a.model is None else f"{DOCS_SECTION}: {os.path.basename(a.model)}"
+        isa = result.get("isa_env")
+        write_section(title if not isa else f"{title} (AGENTRT_CPU_ISA={isa})", markdown(result))
     return 0
 
 
