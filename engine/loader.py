@@ -269,9 +269,20 @@ def _save_dequantized(hf, out: Path) -> None:
     if hasattr(cfg, "quantization_config"):
         delattr(cfg, "quantization_config")
     cfg.save_pretrained(out)
-    sd = {k: v.detach().contiguous().clone() for k, v in hf.state_dict().items()}
+    state = hf.state_dict()
     if getattr(cfg, "tie_word_embeddings", False):
-        sd.pop("lm_head.weight", None)
+        state.pop("lm_head.weight", None)
+    # safetensors writes a storage once, so a tensor sharing one (a view of a tensor split at load, an alias) is
+    # copied; the others are written as they are: a copy of every tensor would hold the fp32 model twice (Qwen3-4B's
+    # 16 GB twice did not fit in 24 GiB)
+    sd, seen = {}, set()
+    for k, v in state.items():
+        v = v.detach().contiguous()
+        storage = v.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() != v.numel() * v.element_size():
+            v = v.clone()
+        seen.add(storage.data_ptr())
+        sd[k] = v
     save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
 
 

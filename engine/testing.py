@@ -73,6 +73,13 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     },
+    "qwen3-4b": {  # issue 50's Q4_K_M shape (agentrt.bench.random_gguf); tied, unlike Qwen3-8B and up
+        "model_type": "qwen3",
+        "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+        "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
     "qwen3-30b-a3b": {  # 128 experts of 768, top 8 (renormalized); q/k norms
         "model_type": "qwen3_moe",
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
