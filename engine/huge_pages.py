@@ -54,10 +54,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor in a private anonymous mapping of ordinary (4 KB) pages, nothing written: the pages are
     taken at first touch, so the memory a KV pool holds grows with the blocks in use, and allocating it costs no
-    pass over it. torch.zeros writes every page: measured here (2-core Xeon VM), 1 GiB took 0.45 s at start-up, and
-    the engine's tests start hundreds of engines with the default 1 GiB pool. Not in 2 MB pages (see the module's
-    docstring): on this VM a 2 MB page's first touch took ~7 ms, so an engine's first step (a block in each of 60
-    layer slabs) would stall ~0.4 s."""
+    pass over it. torch.zeros writes every page: measured here (2-core Xeon VM), 1 GiB took 0.45 s at start-up,
+    and the test suite starts many engines with the default 1 GiB pool (38 in its first 136 tests). Not in 2 MB
+    pages (the module's docstring): on this VM a 2 MB page's first touch took ~7 ms, so an engine's first step (a
+    block in each of 60 layer slabs) would stall ~0.4 s."""
     nbytes = max(1, math.prod(shape) * dtype.itemsize)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mm, dtype=torch.uint8)[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
