@@ -599,7 +599,7 @@ inline void widened_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const ui
                               int64_t nrows, const float* bias, bf16* y, int64_t ldy, uint16_t* wa) {
   constexpr int64_t kPer = F::kBlock / 32;  // chunks of a block
   const int64_t blocks = K / F::kBlock;
-  alignas(64) float f[16][F::kBlock];
+  alignas(64) float f[Bf16Block<F>::kHas ? 1 : 16][F::kBlock];  // the decoded block (formats without Bf16Block)
   amx_panel(xt, M, K, nrows, bias, y, ldy, [&](int64_t ch, bool first) -> const uint16_t* {
     uint16_t* a = wa + ch * 16 * 32;
     if (!first) return a;
@@ -608,17 +608,17 @@ inline void widened_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const ui
       for (int64_t n = 0; n < 16; ++n)
         _mm512_storeu_si512(a + n * 32, n < nrows ? Bf16Block<F>::decode(w + n * row_bytes + ch * F::kBytes)
                                                   : _mm512_setzero_si512());
-      return a;
+    } else {  // a block's 16 rows decoded to fp32 at its first chunk, rounded a chunk at a time
+      const int64_t b = ch / kPer, c = (ch % kPer) * 32;
+      if (c == 0) {
+        prefetch_slice(w + 16 * row_bytes, 16 * row_bytes, b, blocks);  // the next panel (quant.h)
+        for (int64_t n = 0; n < nrows; ++n) F::dequant(w + n * row_bytes + b * F::kBytes, f[n]);
+      }
+      for (int64_t n = 0; n < 16; ++n)
+        _mm512_storeu_si512(a + n * 32, n < nrows ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(f[n] + c + 16),
+                                                                                 _mm512_load_ps(f[n] + c))
+                                                 : _mm512_setzero_si512());
     }
-    const int64_t b = ch / kPer, c = (ch % kPer) * 32;
-    if (c == 0) {
-      prefetch_slice(w + 16 * row_bytes, 16 * row_bytes, b, blocks);  // the next panel (quant.h)
-      for (int64_t n = 0; n < nrows; ++n) F::dequant(w + n * row_bytes + b * F::kBytes, f[n]);
-    }
-    for (int64_t n = 0; n < 16; ++n)
-      _mm512_storeu_si512(a + n * 32, n < nrows ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(f[n] + c + 16),
-                                                                               _mm512_load_ps(f[n] + c))
-                                               : _mm512_setzero_si512());
     return a;
   });
 }
@@ -636,6 +636,20 @@ inline void fold_or_qdot_panel(const uint32_t* xt, const bf16* x, int64_t M, int
   for (int64_t g = 0; g < nrows; g += kQdotCols)
     qdot_group<F>(x, M, K, w + g * row_bytes, row_bytes, std::min(kQdotCols, nrows - g), sx,
                   bias ? bias + g : nullptr, y + g, ldy, buf);
+}
+#endif
+
+#if defined(AGENTRT_AMX)
+// x's rows folded into B operands once (fold_amx_rows), then the weight's panels of 16 rows over the threads, each
+// thread's tiles configured once for its share: fn(xt, first weight row, rows of the panel).
+template <typename Fn>
+inline void amx_row_panels(const bf16* x, int64_t M, int64_t K, int64_t N, Fn&& fn) {
+  std::vector<uint32_t> xt(static_cast<size_t>(fold_amx_rows_size(M, K)));
+  fold_amx_rows(x, M, K, xt.data());
+  agentrt::stealing_for((N + 15) / 16, [&](int64_t p0, int64_t p1) {
+    FoldAmxTiles tiles;
+    for (int64_t p = p0; p < p1; ++p) fn(xt.data(), p * 16, std::min<int64_t>(16, N - p * 16));
+  });
 }
 #endif
 
@@ -760,18 +774,12 @@ inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t
   if (!invariant && M >= kQuantWidenMinRows) {
 #if defined(AGENTRT_AMX)
     if (amx_linear_applies(K)) {  // panels of 16 weight rows decoded straight into A tiles (widened_panel_amx)
-      std::vector<uint32_t> xt(static_cast<size_t>(fold_amx_rows_size(M, K)));
-      fold_amx_rows(x, M, K, xt.data());
       const int64_t row_bytes = K / F::kBlock * F::kBytes;
-      agentrt::stealing_for((N + 15) / 16, [&](int64_t p0, int64_t p1) {
+      amx_row_panels(x, M, K, N, [&](const uint32_t* xt, int64_t n0, int64_t nrows) {
         thread_local std::vector<uint16_t> wa;
         wa.resize(size_t(K) * 16);
-        FoldAmxTiles tiles;
-        for (int64_t p = p0; p < p1; ++p) {
-          const int64_t n0 = p * 16;
-          widened_panel_amx<F>(xt.data(), M, K, w + n0 * row_bytes, row_bytes, std::min<int64_t>(16, N - n0),
-                               bias ? bias + n0 : nullptr, y + n0, ldy, wa.data());
-        }
+        widened_panel_amx<F>(xt, M, K, w + n0 * row_bytes, row_bytes, nrows, bias ? bias + n0 : nullptr, y + n0,
+                             ldy, wa.data());
       });
       return;
     }
@@ -783,15 +791,9 @@ inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t
   const std::vector<float> sx = offset_sums_bf16<F>(x, M, K);
 #if defined(AGENTRT_AMX)
   if (fold_amx_applies<F>()) {  // panels of 16 weight rows on AMX (fold_panel_amx), the register path where one does not fold
-    std::vector<uint32_t> xt(static_cast<size_t>(fold_amx_rows_size(M, K)));
-    fold_amx_rows(x, M, K, xt.data());
-    agentrt::stealing_for((N + 15) / 16, [&](int64_t p0, int64_t p1) {
-      FoldAmxTiles tiles;
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * 16;
-        fold_or_qdot_panel<F>(xt.data(), x, M, K, w + n0 * row_bytes, row_bytes, std::min<int64_t>(16, N - n0),
-                              sx.data(), bias ? bias + n0 : nullptr, y + n0, ldy);
-      }
+    amx_row_panels(x, M, K, N, [&](const uint32_t* xt, int64_t n0, int64_t nrows) {
+      fold_or_qdot_panel<F>(xt, x, M, K, w + n0 * row_bytes, row_bytes, nrows, sx.data(), bias ? bias + n0 : nullptr,
+                            y + n0, ldy);
     });
     return;
   }
