@@ -41,6 +41,9 @@ class SchedulingPolicy(ABC):
     keeps_headroom: bool = False  # admission leaves room for better-ranked calls: while others run, a call the
     # policy says `leaves_headroom` goes in only if the blocks a typical better call needs stay free after it
     # (the scheduler fits that size from the calls it admits that do not leave headroom)
+    backfill_s: float | None = None  # KV-bound admission: while the best waiting call that does not fit has waited
+    # less than this many seconds, calls behind it that fit go in; after that the line waits for it (None: the line
+    # always waits for its head, FCFS's head-of-line order)
 
     def on_arrival(self, req: Request, now: float) -> None:
         """A request entered the waiting queue for the first time."""

@@ -40,6 +40,13 @@ A better call's decode steps then do not carry a worse call's whole prompt chunk
 sooner, and a better waiting call finds the token budget (issue 47: simulated on the KV-bound agent mix, PLAS 0.69x
 FCFS's mean latency without it, 0.50x with it). Without pressure on the blocks nothing changes.
 
+Backfill (a policy with `backfill_s`, agentrt's PLAS and ATLAS): when the best waiting call does not fit in the KV
+cache, the calls behind it that fit go in, in order, while it has waited for less than `backfill_s` seconds since it
+arrived; after that the line waits for it (no call behind it takes the blocks that free up), so a large call is not starved
+by small ones. Without it the line always waits for its head: on the KV-bound agent mix (issue 47) a step program's
+next call that fitted beside its pinned context waited behind a new program's 36-block first call, with 33 blocks of
+150 free on average while calls waited (simulated).
+
 The running set: `max_num_seqs` seats, or fewer while the policy's `max_running` says so (a running-set
 cap: admission stops at it, and a preemptive policy's better waiting call displaces the worst running
 one there; a policy that `displaces_for_seats` without being preemptive displaces for a seat only, never
@@ -276,6 +283,7 @@ class Scheduler:
         in_flight: set[bytes] | None = None  # hashes of the full blocks this step computes (made on first need)
         j = 0  # waiting requests before j wait for blocks this step computes
         headroom_blocked = False  # a call that leaves headroom waits for it this step (policy.keeps_headroom)
+        blocked: Request | None = None  # the best waiting call that did not fit this step (policy.backfill_s)
         while (not short_of_blocks and j < len(self.waiting) and budget > 0
                and len(self.running) < self._seats):
             req = self.waiting[j]
@@ -325,7 +333,12 @@ class Scheduler:
                 n //= 2  # alone, with a window group holding a chunk's every block: a smaller first chunk
             if not fits:
                 self._blocks_short = True
-                break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
+                if blocked is None:
+                    blocked = req
+                    if not self._backfills(req, now):
+                        break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
+                j += 1  # backfill: a call behind the head may fit
+                continue
             self.waiting.pop(j)
             if need is not None:
                 self._fit_headroom(need)
@@ -349,6 +362,12 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         out.kv_moves = self.kv.take_tier_moves()
         return out
+
+    def _backfills(self, head: Request, now: float) -> bool:
+        """May calls behind `head` (the best waiting call, which does not fit) go in this step? While it has waited
+        for less than the policy's `backfill_s` (see the module docstring)."""
+        limit = self.policy.backfill_s
+        return limit is not None and now - head.arrival_time < limit
 
     def headroom_blocks(self) -> int:
         """The blocks a call that `leaves_headroom` must leave free (see the module docstring); 0 until fitted."""

@@ -338,7 +338,7 @@ _KNOBS: dict[str, Any] = {"first_boundary": float, "boundary_calls": float, "bou
                           "quantum": float, "beta": float, "num_queues": int, "order": str, "live": _flag,
                           "running_cap": _cap, "preempt": _preempt, "victim": str, "pinned_first": _flag,
                           "protect_pins": _flag, "pins_by_rank": _flag, "new_take_pins": _flag, "headroom": _flag,
-                          "prefill_yield": _flag_or_int, "yield_to": str}
+                          "prefill_yield": _flag_or_int, "yield_to": str, "backfill_s": _optional_float}
 
 
 _POLICIES = ("fcfs", "mlfq", "plas", "atlas", "plas+ttl", "atlas+ttl")

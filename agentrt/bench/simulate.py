@@ -38,7 +38,8 @@ from agentrt.policies.autellix import TTL_SETTINGS
 # PLAS as Autellix describes it (and as agentrt's defaults were before issue 47): displacement for blocks too,
 # no admission control, the reimplementation's beta 8
 AUTELLIX: dict[str, Any] = {"preempt": True, "protect_pins": False, "beta": 8.0, "num_queues": 4, "boundary_programs": None,
-                             "pins_by_rank": False, "headroom": False, "prefill_yield": False}
+                             "pins_by_rank": False, "headroom": False, "prefill_yield": False,
+                             "backfill_s": None}
 AGENT_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {  # name -> (policy, its kwargs, TTL pins)
     "fcfs": ("fcfs", {}, False),  # vLLM-like: call-level FCFS, LRU prefix cache
     # Continuum-like: pins; program-level FCFS (a one-queue PLAS orders by program start), pinned programs first

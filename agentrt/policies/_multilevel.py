@@ -103,7 +103,8 @@ class MultiLevelPolicy(SchedulingPolicy):
                  preempt: bool | str = True, pinned_first: bool = False, victim: str = "priority",
                  protect_pins: bool = False, running_cap: int | str | None = None,
                  cap_efficiency: float = 0.9, pins_by_rank: bool = False, new_take_pins: bool = False,
-                 headroom: bool = False, prefill_yield: bool | int = False, yield_to: str = "rank") -> None:
+                 headroom: bool = False, prefill_yield: bool | int = False, yield_to: str = "rank",
+                 backfill_s: float | None = None) -> None:
         if not isinstance(num_queues, int) or num_queues < 1:
             raise ConfigError(f"{self.name}: num_queues must be an integer >= 1, got {num_queues!r}")
         if not quantum > 0:
@@ -122,6 +123,9 @@ class MultiLevelPolicy(SchedulingPolicy):
             raise ConfigError(f"{self.name}: cap_efficiency must be in (0, 1), got {cap_efficiency!r}")
         if not (isinstance(prefill_yield, bool) or (isinstance(prefill_yield, int) and prefill_yield >= 1)):
             raise ConfigError(f"{self.name}: prefill_yield must be true, false or an int >= 1, got {prefill_yield!r}")
+        if backfill_s is not None and (isinstance(backfill_s, (bool, str)) or not backfill_s >= 0):
+            raise ConfigError(f"{self.name}: backfill_s must be None or a number of seconds >= 0, got {backfill_s!r}")
+        self.backfill_s = backfill_s  # engine.scheduler: calls that fit go in behind a head that does not, a while
         self.yield_tokens = prefill_yield if num_queues > 1 else False  # see `prefill_yield`
         self.yields_prefill = self.yield_tokens is not False
         if yield_to not in ("rank", "queue"):

@@ -157,7 +157,7 @@ ATLAS_DEFAULTS: dict[str, dict[str, float | None]] = {
 # Its queues are the four of calls' worth it was measured with: on these agents (10-40 turns, contexts of tens of
 # thousands of tokens) two queues fitted to finished programs took 130 s at 0.10 programs/s against 120 s.
 TTL_SETTINGS: dict[str, object] = {"pinned_first": True, "preempt": False, "victim": "newest", "protect_pins": True,
-                                   "new_take_pins": False, "headroom": False, "prefill_yield": False,
+                                   "new_take_pins": False, "headroom": False, "prefill_yield": False, "backfill_s": None,
                                    "num_queues": 4, "boundary_programs": None}
 
 
@@ -204,6 +204,9 @@ class PLAS(MultiLevelPolicy):
             int), or (True) the smallest chunk with `cap_efficiency` of a long chunk's prompt throughput on this
             engine's measured step cost; False: no limit.
         yield_to: whom prompts yield to: "rank" (any better-ranked call) or "queue" (a call of a better queue).
+        backfill_s: while the best waiting call that does not fit in the KV cache has waited less than this many
+            seconds, the calls behind it that fit go in (engine.scheduler); after that the line waits for it. None: it
+            always waits for its head.
         running_cap: the running set while calls wait: None (max_num_seqs), an int, or "auto" (the knee
             of the measured step cost, where `cap_efficiency` of a full batch's throughput is reached;
             see MultiLevelPolicy.max_running). Admission in program order stops there, and with
@@ -238,6 +241,7 @@ class PLAS(MultiLevelPolicy):
         headroom: bool = False,
         prefill_yield: bool | int = True,
         yield_to: str = "rank",
+        backfill_s: float | None = 1.0,
     ) -> None:
         if service not in self.defaults:
             raise ConfigError(f"{self.name}: service must be 'time' or 'tokens', got {service!r}")
@@ -264,6 +268,7 @@ class PLAS(MultiLevelPolicy):
             headroom=headroom,
             prefill_yield=prefill_yield,
             yield_to=yield_to,
+            backfill_s=backfill_s,
         )
         if isinstance(first_boundary, str) or not first_boundary > 0:
             raise ConfigError(f"{self.name}: first_boundary must be 'auto' or a number > 0, got {first_boundary!r}")

@@ -10,6 +10,7 @@ from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt._errors import ConfigError
 from agentrt.policies import ATLAS, MLFQ, PLAS
+from agentrt.policies.autellix import TTL_SETTINGS
 
 
 def call(rid: str, program: str | None = "p", *, prompt: int = 4, arrival: float = 0.0, thread: str | None = None) -> Request:
@@ -44,11 +45,18 @@ def test_registered_by_name():
         ({"first_boundary": 0}, "first_boundary"),
         ({"beta": 0}, "beta"),
         ({"service": "joules"}, "'joules'"),
+        ({"backfill_s": -1.0}, "backfill_s.*-1.0"),
+        ({"backfill_s": "soon"}, "backfill_s.*'soon'"),
     ],
 )
 def test_bad_config_names_the_value(kwargs, needle):
     with pytest.raises(agentrt.ConfigError, match=needle):
         PLAS(**kwargs)
+
+
+def test_plas_and_atlas_backfill_by_default_and_ttl_settings_do_not():
+    assert PLAS().backfill_s == 1.0 and ATLAS().backfill_s == 1.0 and PLAS(backfill_s=None).backfill_s is None
+    assert PLAS(**TTL_SETTINGS).backfill_s is None and MLFQ().backfill_s is None
 
 
 def test_new_call_enters_queue_of_program_service():

@@ -304,3 +304,36 @@ def test_prompts_take_the_whole_budget_without_the_yield():
     while s.has_work():
         run_step(s)
     assert s.kv.num_free_blocks == 16
+
+
+class _Backfill(FCFS):
+    """FCFS that lets calls that fit go in behind a head that does not, for its first second of waiting."""
+
+    backfill_s = 1.0
+
+
+def test_backfill_lets_a_call_that_fits_pass_a_head_that_does_not_for_backfill_s():
+    for policy, passes in ((FCFS(), False), (_Backfill(), True)):
+        now = [0.0]
+        cfg = EngineConfig(block_size=BS, num_blocks=16, device="cpu", max_num_batched_tokens=64)
+        s = Scheduler(cfg, KVCacheManager(16, BS), policy, clock=lambda: now[0])
+        old = make_req("old", range(11), "old", max_tokens=8)  # 3 blocks, then 5 as it decodes
+        s.add_request(old)
+        run_step(s)
+        big = make_req("big", range(100, 160), "big")  # 15 blocks: waits while old runs
+        small = make_req("small", range(200, 207), "small", max_tokens=2, arrival=0.1)  # 2 blocks, behind big
+        s.add_request(big)
+        s.add_request(small)
+        now[0] = 0.5  # big has waited 0.5 s
+        out = run_step(s)
+        assert big in s.waiting and (small in out.reqs) is passes
+        while not small.finished and passes:
+            run_step(s)
+        now[0] = 1.5  # big has waited past backfill_s: the line waits for it
+        late = make_req("late", range(300, 307), "late", max_tokens=2, arrival=1.4)
+        s.add_request(late)
+        out = run_step(s)
+        assert late not in out.reqs and big in s.waiting
+        while s.has_work():
+            run_step(s)
+        assert big.finished and late.finished and s.kv.num_free_blocks == 16
