@@ -121,6 +121,17 @@ from agentrt.policies._multilevel import (
 #     long programs' steps their width, and a long program's call is short (24 tokens), so a short program that
 #     finds the cache full waits for one such call, not for a program. Simulated on the same costs the two are even
 #     (0.80 / 0.81x; 6 seeds 0.90 / 0.87x): the simulator misses what the width is worth here (docs/benchmarks/programs.md).
+#   backfill_s 1 s (issue 47's sixth round): the admission line waited for its head, and on this mix the head was often
+#     a new program's first call (34-42 blocks) while 33 of the 150 blocks were free on average whenever calls waited
+#     (simulated, this CPU's costs): the calls behind it, a step program's next calls beside their pinned context or a
+#     short program's resumed call, fitted but waited. Now they go in until the head has waited backfill_s; after
+#     that the line waits for it, so small calls do not starve a large one. Simulated --like-http, 150 blocks, 60
+#     programs at 0.307/s, mean vs fcfs: seeds 0-2 0.773 -> 0.609x (short programs 4.28 -> 3.94 s, long 36.1 -> 26.7
+#     s against fcfs's 34.1: fewer blocks idle, more calls a step); seeds 0-5 0.887 -> 0.742x, long p99 82 -> 65 s.
+#     0.5-5 s measured alike (0.76-0.79x on seeds 0-5), unbounded 0.79x (long p99 79 s). FCFS keeps vLLM's line
+#     (with backfill_s 1 s it measured 1.01x its own mean; unbounded 1.46x: more calls in, more preempted). With room
+#     in the cache nothing waits for blocks and nothing changes. Over a host tier (0.585/s, compute-bound) 1.00 ->
+#     0.99x.
 DEFAULTS: dict[str, dict[str, float | None]] = {
     "time": {"num_queues": 2, "first_boundary": 1.0, "quantum": 1.0, "beta": 32.0, "boundary_calls": 2.0,
              "boundary_programs": 1.5},
