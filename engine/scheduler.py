@@ -84,6 +84,8 @@ class SchedulerOutput:
         return sum(self.num_tokens)
 
 
+BACKFILL_TRIES = 32  # calls behind the head that may fail to fit in one step before the line stops (a long line
+# would otherwise be scanned, prefix lookups and all, at every step)
 HEADROOM_FIT = 64  # better-ranked admissions the headroom is fitted from (the latest)
 HEADROOM_MIN = 8  # no headroom before this many were seen
 
@@ -284,6 +286,7 @@ class Scheduler:
         j = 0  # waiting requests before j wait for blocks this step computes
         headroom_blocked = False  # a call that leaves headroom waits for it this step (policy.keeps_headroom)
         blocked: Request | None = None  # the best waiting call that did not fit this step (policy.backfill_s)
+        misses = 0  # calls that did not fit behind it
         while (not short_of_blocks and j < len(self.waiting) and budget > 0
                and len(self.running) < self._seats):
             req = self.waiting[j]
@@ -337,6 +340,9 @@ class Scheduler:
                     blocked = req
                     if not self._backfills(req, now):
                         break  # head of line waits for blocks (FCFS fairness; the policy chose the order)
+                misses += 1
+                if misses > BACKFILL_TRIES:
+                    break
                 j += 1  # backfill: a call behind the head may fit
                 continue
             self.waiting.pop(j)
