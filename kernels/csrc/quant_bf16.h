@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "quant.h"
+#include "quant_widen.h"
 #include "team.h"
 #include "vec.h"
 
@@ -547,67 +548,45 @@ inline bool fold_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const uint8
   });
 }
 
-// A 32-weight block's fp32 decoding rounded to bf16, 32 words in registers: F::dequant's numbers then
-// `vcvtne2ps2bf16`, without the trip through memory. Each weight is one rounding of an exact product (d times a
-// small integer, plus m for Q4_1), so computing it with an FMA or not gives the same bits. kHas: F has one.
-template <typename F>
-struct Bf16Block {
-  static constexpr bool kHas = false;
-  static __m512i decode(const uint8_t*) { return _mm512_setzero_si512(); }
-};
-template <>
-struct Bf16Block<FormatQ8_0> {
-  static constexpr bool kHas = true;
-  static __m512i decode(const uint8_t* blk) {
-    const __m512 d = _mm512_set1_ps(fp16_to_f32(blk));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16b(blk + 2)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16b(blk + 18)));
-    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(d, hi), _mm512_mul_ps(d, lo));
-  }
-};
-template <>
-struct Bf16Block<FormatQ4_0> {
-  static constexpr bool kHas = true;
-  static __m512i decode(const uint8_t* blk) {
-    const __m512 d = _mm512_set1_ps(fp16_to_f32(blk)), eight = _mm512_set1_ps(8.f);
-    const __m128i q = load16b(blk + 2);
-    const __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low_nibbles(q))), eight);
-    const __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high_nibbles(q))), eight);
-    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(d, hi), _mm512_mul_ps(d, lo));
-  }
-};
-template <>
-struct Bf16Block<FormatQ4_1> {
-  static constexpr bool kHas = true;
-  static __m512i decode(const uint8_t* blk) {
-    const __m512 d = _mm512_set1_ps(fp16_to_f32(blk)), m = _mm512_set1_ps(fp16_to_f32(blk + 2));
-    const __m128i q = load16b(blk + 4);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low_nibbles(q)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high_nibbles(q)));
-    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(d, hi, m), _mm512_fmadd_ps(d, lo, m));
-  }
-};
-
 // Weight rows [nrows <= 16] of format F against the M rows of x in xt, each weight its fp32 decoding (F::dequant)
 // rounded to bf16 (`vcvtne2ps2bf16`, nearest even): the weight the widened engine holds. A is the panel's rows as they
-// lie, 32 k a tile row, so nothing is transposed; the first group of 64 rows of x decodes the panel into wa
-// ([K / 32][16][32] bf16), later groups read it there. Each output sums its chunks in k order and each chunk's pairs as
-// the hardware does, as packed_linear_bf16 on AMX does over the widened weight with the roles of A and B swapped
-// (products of two bf16 are exact in fp32): the same bits.
+// lie, 32 k a tile row, so nothing is transposed. Where M > 64 (more than one group of C tiles) the first group
+// decodes the panel into wa ([K / 32][16][32] bf16) and later groups read it there; else wa is a ring of one block's
+// chunks ([B / 32][16][32]), each decoded A used once while it is in L1. Each output sums its chunks in k order and
+// each chunk's pairs as the hardware does, as packed_linear_bf16 on AMX does over the widened weight with the roles of
+// A and B swapped (products of two bf16 are exact in fp32): the same bits.
+template <typename F>
+inline int64_t widened_amx_buffer(int64_t M, int64_t K) {
+  return (M > 64 ? K / 32 : F::kBlock / 32) * 16 * 32;
+}
 template <typename F>
 inline void widened_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                               int64_t nrows, const float* bias, bf16* y, int64_t ldy, uint16_t* wa) {
+  using KB = Bf16KBlock<F>;
   constexpr int64_t kPer = F::kBlock / 32;  // chunks of a block
+  constexpr bool kFp32 = !Bf16Block<F>::kHas && !KB::kHas;
   const int64_t blocks = K / F::kBlock;
-  alignas(64) float f[Bf16Block<F>::kHas ? 1 : 16][F::kBlock];  // the decoded block (formats without Bf16Block)
+  const bool keep = M > 64;  // later groups of rows of x read the panel again
+  alignas(64) float f[kFp32 ? 16 : 1][F::kBlock];  // the decoded block (formats without a register decoder)
   amx_panel(xt, M, K, nrows, bias, y, ldy, [&](int64_t ch, bool first) -> const uint16_t* {
-    uint16_t* a = wa + ch * 16 * 32;
+    uint16_t* a = wa + (keep ? ch : ch % kPer) * 16 * 32;
     if (!first) return a;
     if constexpr (Bf16Block<F>::kHas) {  // a block is a chunk: decoded straight into the tile's rows
       prefetch_slice(w + 16 * row_bytes, 16 * row_bytes, ch, blocks);  // the next panel (quant.h)
       for (int64_t n = 0; n < 16; ++n)
         _mm512_storeu_si512(a + n * 32, n < nrows ? Bf16Block<F>::decode(w + n * row_bytes + ch * F::kBytes)
                                                   : _mm512_setzero_si512());
+    } else if constexpr (KB::kHas) {  // a row's block decoded whole (its scales once) at the block's first chunk
+      if (ch % kPer != 0) return a;
+      const int64_t b = ch / kPer;
+      prefetch_slice(w + 16 * row_bytes, 16 * row_bytes, b, blocks);
+      for (int64_t n = 0; n < 16; ++n) {
+        if (n < nrows) {
+          KB::decode(w + n * row_bytes + b * F::kBytes, a + n * 32, 16 * 32);
+        } else {
+          for (int64_t c = 0; c < kPer; ++c) _mm512_storeu_si512(a + (c * 16 + n) * 32, _mm512_setzero_si512());
+        }
+      }
     } else {  // a block's 16 rows decoded to fp32 at its first chunk, rounded a chunk at a time
       const int64_t b = ch / kPer, c = (ch % kPer) * 32;
       if (c == 0) {
@@ -674,7 +653,13 @@ inline bool fold_amx_applies() {
 // decoded straight into A tiles instead (widened_panel_amx: no transposes), the same bits; SmolLM2's four weights
 // (Q4_1, Q8_0), 2-core Xeon: 8 rows 3.7 -> 2.6 ms, 32 rows 4.5 -> 4.0 ms, 128 about even; with the 32-weight blocks
 // decoded in registers (Bf16Block) and the outputs written 16 at a time, one layer's four weights at 32 rows 1.76x ->
-// 1.43x the widened weight's bf16 time (both in cache). At 1 row that path is 1.65x the integer one's time, so the
+// 1.43x the widened weight's bf16 time (both in cache). The K-quants' 256-weight blocks decoded whole in registers
+// too (quant_widen.h's Bf16KBlock: Q4_K / Q5_K a sub-block's 16 or 32 weights as one table, a chunk one `vpermw`),
+// into a ring of one block's chunks that stays in L1 up to 64 rows; 4096 x 2560, one thread (the 2 cores were shared,
+// so 2-thread times were noise), old -> new (bf16 over the widened weight): Q4_K 8 rows 2.15 -> 1.04 ms (1.01), 32
+// rows 2.39 -> 1.24 (1.51), 256 rows 8.09 -> 6.91 (8.30); Q6_K 3.65 -> 1.60 (1.01), 3.91 -> 1.79 (1.44), 9.72 -> 7.49
+// (7.51); Q5_K 2.60 -> 1.63, 2.85 -> 1.61, 8.13 -> 6.79. Without the ring (wa [K / 32] chunks whatever M) Q4_K at 8
+// rows 1.19 ms. At 1 row that path is 1.65x the integer one's time, so the
 // deterministic mode cannot take it for every M as MXFP4's fold does.
 
 // Rows of x from which the widened panels run: every row count past the 1-4 of the register paths. Measured on a
@@ -777,7 +762,7 @@ inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t
       const int64_t row_bytes = K / F::kBlock * F::kBytes;
       amx_row_panels(x, M, K, N, [&](const uint32_t* xt, int64_t n0, int64_t nrows) {
         thread_local std::vector<uint16_t> wa;
-        wa.resize(size_t(K) * 16);
+        wa.resize(size_t(widened_amx_buffer<F>(M, K)));
         widened_panel_amx<F>(xt, M, K, w + n0 * row_bytes, row_bytes, nrows, bias ? bias + n0 : nullptr, y + n0,
                              ldy, wa.data());
       });
