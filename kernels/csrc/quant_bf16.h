@@ -18,8 +18,8 @@
 // the bias.
 //
 // Threads take groups of 4 weight rows; a group is unpacked once (u in bf16, a and c: [4, K] bf16 plus K / 16
-// floats, L1 / L2) and every row of x runs over it, 4 rows by 4 weight rows in registers; for 1-4 rows of x a
-// 32-weight format's blocks are unpacked straight into registers and used there. An output sums its
+// floats, L1 / L2) and every row of x runs over it, 4 rows by 4 weight rows in registers; for 1-4 rows of x the
+// blocks are unpacked straight into registers and used there (qdot_rows_chunks, qdot_rows_kregs). An output sums its
 // 32-weight products in one lane order and k order whatever M and the tile, so a row's output does not depend on
 // the other rows of the call (the engine's deterministic mode, `invariant`). Outside that mode, from
 // kQuantWidenMinRows rows, panels widened to bf16 run linear.h's tiles instead (below).
@@ -282,37 +282,6 @@ inline void qdot_tile(const bf16* x, int64_t K, const uint16_t* u, const float* 
       y[m * ldy + n] = qdot_output<kOffsets>(acc[m][n], c + n * chunks, sx + m * chunks, chunks, bias, n);
 }
 
-// Few rows (decode) of the K-quants: a group's blocks are unpacked one at a time into L1 (u [4][B], a) and every row
-// dotted with them at once, the same products in the same order as qdot_tile (the same bits); c [4][K / 32] kept
-// whole. The 32-weight formats go through registers instead (qdot_rows_chunks).
-template <typename F, int MR>
-inline void qdot_rows_blockwise(const bf16* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t ncols,
-                                float* c, const float* sx, const float* bias, bf16* y, int64_t ldy) {
-  using U = Bf16Unpack<F>;
-  constexpr int64_t sub = F::kBlock / 32;
-  const int64_t chunks = K / 32;
-  alignas(64) uint16_t u[kQdotCols][F::kBlock];
-  alignas(64) float a[kQdotCols][2 * sub];
-  float cb[2 * sub];
-  for (int64_t n = ncols; n < kQdotCols; ++n) {  // past N: zero weights (their outputs are not stored)
-    std::fill(u[n], u[n] + F::kBlock, uint16_t(0));
-    std::fill(a[n], a[n] + 2 * sub, 0.f);
-  }
-  __m512 acc[MR][kQdotCols];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < kQdotCols; ++n) acc[m][n] = _mm512_setzero_ps();
-  const int64_t blocks = K / F::kBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
-    prefetch_slice(w + kQdotCols * row_bytes, kQdotCols * row_bytes, b, blocks);  // the next group (quant.h)
-    for (int64_t n = 0; n < ncols; ++n)
-      U::unpack(w + n * row_bytes + b * F::kBytes, u[n], a[n], U::kOffsets ? c + n * chunks + b * sub : cb);
-    qdot_chunks<MR, U::kHalf, U::kFold>(acc, x, K, b * sub, (b + 1) * sub, u[0], F::kBlock, a[0], 2 * sub);
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < ncols; ++n)
-      y[m * ldy + n] = qdot_output<U::kOffsets>(acc[m][n], c + n * chunks, sx + m * chunks, chunks, bias, n);
-}
-
 // Few rows of a 32-weight format: each block's u straight from the bytes into registers and dotted with every row,
 // the same products in the same order as qdot_tile (the same bits); c [4][K / 32] written for the offsets.
 template <typename F, int MR>
@@ -343,6 +312,105 @@ inline void qdot_rows_chunks(const bf16* x, int64_t K, const uint8_t* w, int64_t
       const __m512 av = _mm512_set1_ps(a);
       for (int m = 0; m < MR; ++m)
         acc[m][n] = _mm512_fmadd_ps(av, _mm512_dpbf16_ps(_mm512_setzero_ps(), uv, xv[m]), acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < ncols; ++n)
+      y[m * ldy + n] = qdot_output<U::kOffsets>(acc[m][n], c + n * chunks, sx + m * chunks, chunks, bias, n);
+}
+
+// Few rows of the K-quants straight from the bytes: a block's 8 chunks of u made in registers (each(blk, c, fn) calls
+// fn(chunk, u, a) in chunk order, a the chunk's 16 lane scales, and writes the block's 8 offsets to c), the scales
+// unpacked once a block by vector (quant_widen.h's k_scales_mins). The same u, a and c as unpack_k4_k5 / unpack_q6_k,
+// so qdot_rows_kregs computes qdot_tile's products in its order: the same bits, without a u buffer and without the
+// scalar unpacking of 16 six-bit scales a block. kHas: F has one.
+template <typename F>
+struct QdotKBlock {
+  static constexpr bool kHas = false;
+  template <typename Fn>
+  static void each(const uint8_t*, float*, Fn&&) {}
+};
+template <bool kFifthBit>
+struct QdotK45 {
+  static constexpr bool kHas = true;
+  template <typename Fn>
+  __attribute__((always_inline)) static void each(const uint8_t* blk, float* c, Fn&& fn) {
+    const __m512 sm = k_scales_mins(blk);  // d * sc_j, dmin * m_j
+    _mm256_storeu_ps(c, _mm256_xor_ps(_mm512_extractf32x8_ps(sm, 1), _mm256_set1_ps(-0.f)));
+    const Lanes a(sm);
+    const __m512i table = _mm512_load_si512(kTablePlain.v), m15 = _mm512_set1_epi16(15);
+    __m512i h = _mm512_setzero_si512();
+    if constexpr (kFifthBit) h = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)));
+    for (int p = 0; p < 4; ++p) {
+      const __m512i w =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (kFifthBit ? 48 : 16) + 32 * p)));
+      __m512i lo = _mm512_and_si512(w, m15), hi = _mm512_srli_epi16(w, 4);
+      if constexpr (kFifthBit) {  // bit j of qh[l] into bit 4 (vpermw reads bits 0-4)
+        const int j = 2 * p;
+        lo = _mm512_ternarylogic_epi32(m15, lo, j < 4 ? _mm512_slli_epi16(h, unsigned(4 - j)) : _mm512_srli_epi16(h, unsigned(j - 4)), 0xca);
+        hi = _mm512_ternarylogic_epi32(m15, hi, j + 1 < 4 ? _mm512_slli_epi16(h, unsigned(3 - j)) : _mm512_srli_epi16(h, unsigned(j - 3)), 0xca);
+      }
+      fn(2 * p, _mm512_permutexvar_epi16(lo, table), a[2 * p]);
+      fn(2 * p + 1, _mm512_permutexvar_epi16(hi, table), a[2 * p + 1]);
+    }
+  }
+};
+template <>
+struct QdotKBlock<FormatQ4_K> : QdotK45<false> {};
+template <>
+struct QdotKBlock<FormatQ5_K> : QdotK45<true> {};
+template <>
+struct QdotKBlock<FormatQ6_K> {  // no offsets (c untouched); lanes 0-7 and 8-15 of a chunk have their own scale
+  static constexpr bool kHas = true;
+  template <typename Fn>
+  __attribute__((always_inline)) static void each(const uint8_t* blk, float*, Fn&& fn) {
+    const Lanes a(_mm512_mul_ps(_mm512_set1_ps(fp16_to_f32(blk + 208)),
+                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16b(blk + 192)))));
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      for (int t = 0; t < 4; ++t) {  // weights 128h + 32t + l (quant.h's dequant_q6_k)
+        const __m256i lb = t % 2 ? l1 : l0;
+        const __m256i lo = t / 2 ? _mm256_srli_epi16(lb, 4) : lb;
+        const __m256i hi = _mm256_and_si256(
+            t < 2 ? _mm256_slli_epi16(hb, unsigned(4 - 2 * t)) : _mm256_srli_epi16(hb, unsigned(2 * t - 4)), m48);
+        const int ch = 4 * h + t;
+        fn(ch, lookup64_off32(_mm256_ternarylogic_epi32(m15, lo, hi, 0xca)),
+           _mm512_mask_mov_ps(a[2 * ch], 0xff00, a[2 * ch + 1]));
+      }
+    }
+  }
+};
+
+// Few rows of a K-quant (QdotKBlock): qdot_tile's products and order, u made in registers, a weight row's block at a
+// time. (Going round the 4 rows a pair of chunks at a time, so that no accumulator's FMA chain waits on itself, was
+// no faster: one thread, 4096 x 2560, 1 row Q4_K even, Q5_K 0.66 -> 0.82 ms, Q6_K 0.80 -> 0.84.)
+template <typename F, int MR>
+inline void qdot_rows_kregs(const bf16* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t ncols, float* c,
+                            const float* sx, const float* bias, bf16* y, int64_t ldy) {
+  using U = Bf16Unpack<F>;
+  constexpr int64_t sub = F::kBlock / 32;
+  const int64_t chunks = K / 32, blocks = K / F::kBlock;
+  float cb[sub];
+  __m512 acc[MR][kQdotCols];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < kQdotCols; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_slice(w + kQdotCols * row_bytes, kQdotCols * row_bytes, b, blocks);  // the next group (quant.h)
+    const bf16* xb = x + b * F::kBlock;
+    for (int n = 0; n < kQdotCols; ++n) {
+      if (n >= ncols) break;
+      QdotKBlock<F>::each(w + n * row_bytes + b * F::kBytes, U::kOffsets ? c + n * chunks + b * sub : cb,
+                          [&](int ch, __m512i u, __m512 a) __attribute__((always_inline)) {
+                            for (int m = 0; m < MR; ++m)
+                              acc[m][n] = _mm512_fmadd_ps(
+                                  a,
+                                  _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)u,
+                                                   (__m512bh)_mm512_loadu_si512(xb + m * K + 32 * ch)),
+                                  acc[m][n]);
+                          });
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -385,7 +453,7 @@ inline void qdot_group(const bf16* x, int64_t M, int64_t K, const uint8_t* w, in
   const int64_t chunks = K / 32, blocks = K / F::kBlock, sub = F::kBlock / 32;
   uint16_t* u = buf.u.data();
   float *a = buf.a.data(), *c = buf.c.data();
-  if constexpr (U::kChunk32) {  // ~1.3-2x the blockwise path's rate at 1-4 rows (Q4_1, MXFP4; 2 cores)
+  if constexpr (U::kChunk32) {  // ~1.3-2x the rate of unpacking blocks into an L1 buffer first at 1-4 rows (Q4_1, MXFP4; 2 cores)
     if (M <= kQdotRows) {
       switch (M) {
         case 1: qdot_rows_chunks<F, 1>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
@@ -396,14 +464,18 @@ inline void qdot_group(const bf16* x, int64_t M, int64_t K, const uint8_t* w, in
       return;
     }
   }
-  if (M <= kQdotRows) {
-    switch (M) {
-      case 1: qdot_rows_blockwise<F, 1>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
-      case 2: qdot_rows_blockwise<F, 2>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
-      case 3: qdot_rows_blockwise<F, 3>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
-      default: qdot_rows_blockwise<F, 4>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+  if constexpr (!U::kChunk32) {  // the K-quants (2 cores, one thread, 4096 x 2560: 1 row 1.5x, 4 rows 1.15x the rate of
+                                 // their blocks unpacked into an L1 buffer first)
+    static_assert(QdotKBlock<F>::kHas);
+    if (M <= kQdotRows) {
+      switch (M) {
+        case 1: qdot_rows_kregs<F, 1>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+        case 2: qdot_rows_kregs<F, 2>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+        case 3: qdot_rows_kregs<F, 3>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+        default: qdot_rows_kregs<F, 4>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+      }
+      return;
     }
-    return;
   }
   for (int64_t n = 0; n < kQdotCols; ++n) {
     if (n >= ncols) {  // past N: zero weights (their outputs are not stored)
