@@ -72,16 +72,22 @@ struct Bf16Block<FormatQ4_1> {
 };
 
 // Q4_K / Q5_K: the 8 sub-blocks' d * sc_j (lanes 0-7) and dmin * m_j (lanes 8-15), the 6-bit scales unpacked as
-// quant.h's k_scale_min does, four bytes at a time (sc 0-3 and m 0-3 are the low 6 bits of bytes 0-7; sc 4-7 and
-// m 4-7 the nibbles of bytes 8-11 under the top 2 bits of bytes 0-3 and 4-7).
+// quant.h's k_scale_min does, four bytes a lane (sc 0-3 and m 0-3 are the low 6 bits of bytes 0-7; sc 4-7 and m 4-7
+// the nibbles of bytes 8-11 under the top 2 bits of bytes 0-3 and 4-7), all in vector registers: against the same
+// done in scalar registers and moved over, 1 row of Q4_K (qdot_rows_kregs, one thread, 4096 x 2560) 0.550 -> 0.514 ms.
 inline __m512 k_scales_mins(const uint8_t* blk) {
-  uint32_t q[3];
-  std::memcpy(q, blk + 4, 12);
-  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-  const __m128i b = _mm_set_epi32(int(((q[2] >> 4) & k4) | (((q[1] >> 6) & k2) << 4)), int(q[1] & k6),
-                                  int((q[2] & k4) | (((q[0] >> 6) & k2) << 4)), int(q[0] & k6));
-  const __m512 dd = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(fp16_to_f32(blk)), _mm512_set1_ps(fp16_to_f32(blk + 2)));
-  return _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)));
+  // the scale bytes as dwords q0, q1, q2 (and 4 bytes of qs, unused); lanes: sc 0-3, sc 4-7, m 0-3, m 4-7
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+  const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(q, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
+                                   _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(q, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                   _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));  // top 2 bits of q0 / q1 to 4-5
+  // d and dmin (fp16 words 0 and 1) to lanes 0-7 and 8-15
+  int dd;
+  std::memcpy(&dd, blk, 4);
+  const __m256i h = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                             _mm256_castsi128_si256(_mm_cvtsi32_si128(dd)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(lo, hi))));
 }
 
 // Lane j of v broadcast, read back from memory: a broadcast load costs no shuffle (the compiler would otherwise pick
