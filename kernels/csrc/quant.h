@@ -366,9 +366,19 @@ constexpr int64_t kQuantTileColsFew = 4;  // weight rows decoded together by the
 // where prefetching is harmless if another thread or nobody reads them), slice `i` of `n` per step. `agentrt bench
 // kernels`-style timings on a 2-core Xeon with AMX (gpt-oss-20b's MXFP4 experts, 5760 x 2880, 1 row each, 19 experts
 // read from memory): 16.4 -> 10.8 ms; the same 4 experts again and again (from cache): unchanged.
+// kL2: into L2 only (prefetcht1), which kept the fill buffers free where a walk's own loads miss too: the K-quants'
+// 1-row register path (quant_bf16.h's qdot_rows_kregs) over Qwen3-4B's LM head shape (151936 x 2560, from memory,
+// 2 threads) in Q6_K 20.9 -> 17.0 ms, in Q4_K 14.9 -> 12.0; its other shapes and 4 rows even.
+template <bool kL2 = false>
 inline void prefetch_slice(const uint8_t* next, int64_t bytes, int64_t i, int64_t n) {
   const char* base = reinterpret_cast<const char*>(next);
-  for (int64_t o = (i * bytes / n) & ~int64_t(63), hi = (i + 1) * bytes / n; o < hi; o += 64) prefetch_l1(base + o);
+  for (int64_t o = (i * bytes / n) & ~int64_t(63), hi = (i + 1) * bytes / n; o < hi; o += 64) {
+    if constexpr (kL2) {
+      prefetch_l2(base + o);
+    } else {
+      prefetch_l1(base + o);
+    }
+  }
 }
 
 // Few rows (decode): 4 weight rows at a time, block by block: the 4 rows' blocks are decoded into an L1 buffer

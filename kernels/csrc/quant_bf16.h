@@ -398,7 +398,7 @@ inline void qdot_rows_kregs(const bf16* x, int64_t K, const uint8_t* w, int64_t 
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < kQdotCols; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    prefetch_slice(w + kQdotCols * row_bytes, kQdotCols * row_bytes, b, blocks);  // the next group (quant.h)
+    prefetch_slice<true>(w + kQdotCols * row_bytes, kQdotCols * row_bytes, b, blocks);  // the next group (quant.h)
     const bf16* xb = x + b * F::kBlock;
     for (int n = 0; n < kQdotCols; ++n) {
       if (n >= ncols) break;
