@@ -727,11 +727,10 @@ inline bool fold_amx_applies() {
 // decoded in registers (Bf16Block) and the outputs written 16 at a time, one layer's four weights at 32 rows 1.76x ->
 // 1.43x the widened weight's bf16 time (both in cache). The K-quants' 256-weight blocks decoded whole in registers
 // too (quant_widen.h's Bf16KBlock: Q4_K / Q5_K a sub-block's 16 or 32 weights as one table, a chunk one `vpermw`),
-// into a ring of one block's chunks that stays in L1 up to 64 rows; 4096 x 2560, one thread (the 2 cores were shared,
-// so 2-thread times were noise), old -> new (bf16 over the widened weight): Q4_K 8 rows 2.15 -> 1.04 ms (1.01), 32
-// rows 2.39 -> 1.24 (1.51), 256 rows 8.09 -> 6.91 (8.30); Q6_K 3.65 -> 1.60 (1.01), 3.91 -> 1.79 (1.44), 9.72 -> 7.49
-// (7.51); Q5_K 2.60 -> 1.63, 2.85 -> 1.61, 8.13 -> 6.79. Without the ring (wa [K / 32] chunks whatever M) Q4_K at 8
-// rows 1.19 ms. At 1 row that path is 1.65x the integer one's time, so the
+// into a ring of one block's chunks that stays in L1 up to 64 rows; 4096 x 2560, 2 threads, old -> new (bf16 over the
+// widened weight): Q4_K 8 rows 0.87 -> 0.40 ms (0.43), 32 rows 1.02 -> 0.51 (0.55), 256 rows 3.28 -> 2.63 (2.37); Q5_K
+// 0.97 -> 0.53, 1.09 -> 0.64, 3.37 -> 2.91; Q6_K 1.47 -> 0.58 (0.52), 1.58 -> 0.72 (0.64), 3.87 -> 3.01 (2.55).
+// Without the ring (wa [K / 32] chunks whatever M) Q4_K at 8 rows 1.19 ms against 1.04 (one thread). At 1 row that path is 1.65x the integer one's time, so the
 // deterministic mode cannot take it for every M as MXFP4's fold does.
 
 // Rows of x from which the widened panels run: every row count past the 1-4 of the register paths. Measured on a
