@@ -1,6 +1,6 @@
 // A GGUF block (quant.h) decoded in registers to the weights the widened engine holds: each weight's fp32 decoding
 // (F::dequant) rounded to bf16 by `vcvtne2ps2bf16` (nearest even), 32 bf16 words a chunk of 32 weights, the same
-// bits as F::dequant into memory and that rounding after. quant_bf16.h's widened_panels_amx writes them into AMX
+// bits as F::dequant into memory and that rounding after. quant_bf16.h's widened_panel_amx writes them into AMX
 // A tiles.
 //
 // Why the bits agree: every product in a decoding is exact in fp32, so computing it with an FMA, in another order
