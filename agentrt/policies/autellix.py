@@ -131,7 +131,10 @@ from agentrt.policies._multilevel import (
 #     0.5-5 s measured alike (0.76-0.79x on seeds 0-5), unbounded 0.79x (long p99 79 s). FCFS keeps vLLM's line
 #     (with backfill_s 1 s it measured 1.01x its own mean; unbounded 1.46x: more calls in, more preempted). With room
 #     in the cache nothing waits for blocks and nothing changes. Over a host tier (0.585/s, compute-bound) 1.00 ->
-#     0.99x.
+#     0.99x. Over HTTP (docs/benchmarks/programs.md, 0.322/s at 0.9 of the measured knee, a less contended run than
+#     the one before: FCFS 9.3 s against 16.7): PLAS 0.83x fcfs, short programs 0.58x, long 1.04x; simulated on the
+#     same workloads and refitted costs 0.67x (short programs match, 3.5 against 3.3 s; the long ones do not: 19.2
+#     against 21.2 s).
 DEFAULTS: dict[str, dict[str, float | None]] = {
     "time": {"num_queues": 2, "first_boundary": 1.0, "quantum": 1.0, "beta": 32.0, "boundary_calls": 2.0,
              "boundary_programs": 1.5},
