@@ -453,7 +453,8 @@ inline void qdot_group(const bf16* x, int64_t M, int64_t K, const uint8_t* w, in
   const int64_t chunks = K / 32, blocks = K / F::kBlock, sub = F::kBlock / 32;
   uint16_t* u = buf.u.data();
   float *a = buf.a.data(), *c = buf.c.data();
-  if constexpr (U::kChunk32) {  // ~1.3-2x the rate of unpacking blocks into an L1 buffer first at 1-4 rows (Q4_1, MXFP4; 2 cores)
+  // the 32-weight formats: ~1.3-2x the rate of unpacking blocks into an L1 buffer first at 1-4 rows (Q4_1, MXFP4; 2 cores)
+  if constexpr (U::kChunk32) {
     if (M <= kQdotRows) {
       switch (M) {
         case 1: qdot_rows_chunks<F, 1>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
@@ -730,8 +731,8 @@ inline bool fold_amx_applies() {
 // into a ring of one block's chunks that stays in L1 up to 64 rows; 4096 x 2560, 2 threads, old -> new (bf16 over the
 // widened weight): Q4_K 8 rows 0.87 -> 0.40 ms (0.43), 32 rows 1.02 -> 0.51 (0.55), 256 rows 3.28 -> 2.63 (2.37); Q5_K
 // 0.97 -> 0.53, 1.09 -> 0.64, 3.37 -> 2.91; Q6_K 1.47 -> 0.58 (0.52), 1.58 -> 0.72 (0.64), 3.87 -> 3.01 (2.55).
-// Without the ring (wa [K / 32] chunks whatever M) Q4_K at 8 rows 1.19 ms against 1.04 (one thread). At 1 row that path is 1.65x the integer one's time, so the
-// deterministic mode cannot take it for every M as MXFP4's fold does.
+// Without the ring (wa [K / 32] chunks whatever M) Q4_K at 8 rows 1.19 ms against 1.04 (one thread). At 1 row that
+// path is 1.65x the integer one's time, so the deterministic mode cannot take it for every M as MXFP4's fold does.
 
 // Rows of x from which the widened panels run: every row count past the 1-4 of the register paths. Measured on a
 // 2-core AVX512-BF16 EPYC over SmolLM2-135M's shapes (Q4_1 and Q8_0; 960 x 576, 3072 x 576, 576 x 1536): at 5 rows
