@@ -418,6 +418,20 @@ inline void qdot_rows_kregs(const bf16* x, int64_t K, const uint8_t* w, int64_t 
       y[m * ldy + n] = qdot_output<U::kOffsets>(acc[m][n], c + n * chunks, sx + m * chunks, chunks, bias, n);
 }
 
+// 1-4 rows of x, u made in registers: the 32-weight formats' blocks (qdot_rows_chunks: ~1.3-2x the rate of unpacking
+// blocks into an L1 buffer first, Q4_1 and MXFP4, 2 cores) or the K-quants' (qdot_rows_kregs: one thread, 4096 x
+// 2560, 1 row 1.5x and 4 rows 1.15x that rate).
+template <typename F, int MR>
+inline void qdot_rows(const bf16* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t ncols, float* c,
+                      const float* sx, const float* bias, bf16* y, int64_t ldy) {
+  if constexpr (Bf16Unpack<F>::kChunk32) {
+    qdot_rows_chunks<F, MR>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy);
+  } else {
+    static_assert(QdotKBlock<F>::kHas);
+    qdot_rows_kregs<F, MR>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy);
+  }
+}
+
 // Per-32 sums of x's rows [M, K] bf16 -> sx [M, K / 32] fp32 (`vdpbf16ps` by ones: one order).
 inline void chunk_sums_bf16(const bf16* x, int64_t M, int64_t K, float* sx) {
   const __m512bh ones = (__m512bh)_mm512_set1_epi16(int16_t(0x3f80));
@@ -453,30 +467,14 @@ inline void qdot_group(const bf16* x, int64_t M, int64_t K, const uint8_t* w, in
   const int64_t chunks = K / 32, blocks = K / F::kBlock, sub = F::kBlock / 32;
   uint16_t* u = buf.u.data();
   float *a = buf.a.data(), *c = buf.c.data();
-  // the 32-weight formats: ~1.3-2x the rate of unpacking blocks into an L1 buffer first at 1-4 rows (Q4_1, MXFP4; 2 cores)
-  if constexpr (U::kChunk32) {
-    if (M <= kQdotRows) {
-      switch (M) {
-        case 1: qdot_rows_chunks<F, 1>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
-        case 2: qdot_rows_chunks<F, 2>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
-        case 3: qdot_rows_chunks<F, 3>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
-        default: qdot_rows_chunks<F, 4>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
-      }
-      return;
+  if (M <= kQdotRows) {
+    switch (M) {
+      case 1: qdot_rows<F, 1>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+      case 2: qdot_rows<F, 2>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+      case 3: qdot_rows<F, 3>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
+      default: qdot_rows<F, 4>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
     }
-  }
-  if constexpr (!U::kChunk32) {  // the K-quants (2 cores, one thread, 4096 x 2560: 1 row 1.5x, 4 rows 1.15x the rate of
-                                 // their blocks unpacked into an L1 buffer first)
-    static_assert(QdotKBlock<F>::kHas);
-    if (M <= kQdotRows) {
-      switch (M) {
-        case 1: qdot_rows_kregs<F, 1>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
-        case 2: qdot_rows_kregs<F, 2>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
-        case 3: qdot_rows_kregs<F, 3>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
-        default: qdot_rows_kregs<F, 4>(x, K, w, row_bytes, ncols, c, sx, bias, y, ldy); break;
-      }
-      return;
-    }
+    return;
   }
   for (int64_t n = 0; n < kQdotCols; ++n) {
     if (n >= ncols) {  // past N: zero weights (their outputs are not stored)
