@@ -389,6 +389,19 @@ class Drain:
         return left
 
 
+def _cause_line(e: BaseException) -> str:
+    """The line of a Ray error that says what went wrong: a RayTaskError's message is the remote traceback,
+    whose first line names the actor method and whose last `SomeError: ...` line names the cause (for a
+    busy port: "RuntimeError: Failed to bind to address '127.0.0.1:8000'.")."""
+    import re
+
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception)(\(\w+\))?: \S", line)]
+    if causes:
+        return causes[-1]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
 def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str = "program",
                    ray_address: str | None = None) -> int:
     """`agentrt serve --replicas N`: a local Ray instance (or the cluster at `ray_address`) with logical
@@ -425,8 +438,7 @@ def serve_replicas(config: Any, host: str, port: int, replicas: int, router: str
             serve.run(app, name="agentrt", route_prefix="/")
             drain = Drain("agentrt")
         except Exception as e:  # Ray's own failure (a busy port, a proxy or replica that did not start): one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ValueError(f"Ray Serve did not start the app on {host}:{port} ({type(e).__name__}: {first}); "
+            raise ValueError(f"Ray Serve did not start the app on {host}:{port} ({_cause_line(e)}); "
                              "its logs are under /tmp/ray/session_latest/logs/serve") from None
         print(f"agentrt: serving {replicas} replicas of {config.model_id()} on http://{host}:{port} "
               f"(router {router}, Ray {ray.__version__})", file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import socket
 import threading
 import time
@@ -18,8 +19,31 @@ from agentrt.server import ServerConfig, create_app
 from agentrt.server.state import ServerState
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free loopback port below the kernel's ephemeral range (and above Ray's worker ports, 10002-19999).
+
+    A port the kernel handed out for `bind(0)` is free only until someone else binds it, and Ray's own
+    processes take many ephemeral ports while they start: a server told to listen on one later could find
+    it taken ("Address already in use"). Ports outside that range are handed out by no one."""
+    rng = random.Random()
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = rng.randrange(20000, max(20001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a machine whose range leaves no room: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

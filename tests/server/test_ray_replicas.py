@@ -234,3 +234,16 @@ def test_a_killed_replica_fails_only_its_calls_and_comes_back(cluster):
         _wait_until_both_run()
         r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Program-Id": "after-restart"})
         assert r.status_code == 200, r.text
+
+
+def test_a_ray_failure_is_told_by_its_cause_line():
+    """`serve --replicas`'s one-line error names what failed, not the remote method's header."""
+    from agentrt.scale.ray_app import _cause_line
+
+    remote = ("ray::ProxyActor.ready() (pid=22848, ip=127.0.0.1, actor_id=3ff9)\n"
+              '  File "http_util.py", line 786, in start_asgi_http_server\n    raise RuntimeError(\n'
+              "OSError: [Errno 98] Address already in use\n\nThe above exception was the direct cause:\n"
+              "RuntimeError: Failed to bind to address '127.0.0.1:34607'.")
+    assert _cause_line(RuntimeError(remote)) == "RuntimeError: Failed to bind to address '127.0.0.1:34607'."
+    assert _cause_line(TimeoutError("the controller did not answer")) == "TimeoutError: the controller did not answer"
+    assert _cause_line(RuntimeError("")) == "RuntimeError"
