@@ -59,6 +59,17 @@ FORMATS: dict[int, tuple[str, int, int]] = {
 }
 TYPE_IDS = {name: t for t, (name, _, _) in FORMATS.items()}
 WIDEN_MIN_ROWS = 5  # bf16 rows from which AVX512-BF16 widens panels to bf16 (quant_bf16.h kQuantWidenMinRows)
+# Fewer bf16 rows, outside the batch-invariant mode, on a CPU with AVX512-VNNI: these formats' integer dot products,
+# x as 15-bit integers per 32 weights (quant_vnni.h), where K % 64 == 0
+INTEGER_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"})
+
+
+def integer_dot(format_name: str, rows: int, k: int, batch_invariant: bool) -> bool:
+    """Whether quant_linear of `rows` bf16 rows of `k` features against a `format_name` weight takes the integer
+    dot products (the compiled kernels' kind avx512_bf16, on a CPU with AVX512-VNNI): x rounded to 15-bit integers
+    per 32 features, |x - x'| <= max|x over its 32| / 32512."""
+    return (format_name in INTEGER_DOT_FORMATS and 1 <= rows < WIDEN_MIN_ROWS and k % 64 == 0
+            and not batch_invariant and cpu.compiled_isa() == "avx512_bf16" and "avx512_vnni" in cpu.cpu_flags())
 
 
 @dataclass(slots=True, frozen=True)

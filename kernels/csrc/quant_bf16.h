@@ -22,7 +22,8 @@
 // blocks are unpacked straight into registers and used there (qdot_rows_chunks, qdot_rows_kregs). An output sums its
 // 32-weight products in one lane order and k order whatever M and the tile, so a row's output does not depend on
 // the other rows of the call (the engine's deterministic mode, `invariant`). Outside that mode, from
-// kQuantWidenMinRows rows, panels widened to bf16 run linear.h's tiles instead (below).
+// kQuantWidenMinRows rows, panels widened to bf16 run linear.h's tiles instead (below), and 1-4 rows of most formats
+// take integer dot products on x rounded to 15 bits (quant_vnni.h).
 //
 // Accuracy: products exact, sums in fp32, so |err| <= ~K * eps * (sum |a u x| + sum |c| |x|): with c = m
 // (Q4_1) or -dmin * m (K-quants) of the order of the largest weight, a few times the rounding of fp32 sums
@@ -285,7 +286,8 @@ inline void qdot_tile(const bf16* x, int64_t K, const uint16_t* u, const float* 
 // How far ahead of its group a 1-4-row walk asks for weight bytes into L2: whole groups, ~32 KB. The next group alone
 // (prefetch_slice's own distance) leaves a DRAM-bound stream short of requests in flight: Gemma 3's 262144 x 640 Q8_0
 // head, 1 row, 2 threads, 178 MB: 10.9 -> 8.0 ms (16 -> 22 GB/s; an int64 sum of the same bytes 25-30 GB/s); 4, 8 and
-// 16 groups (11-44 KB) measured alike against that sum. In cache (2048-65536 rows) the rate is unchanged.
+// 16 groups (11-44 KB) measured alike against that sum. In cache (2048-65536 rows) the rate is unchanged. Over a
+// Qwen3-4B-shape decode's 163 weights (quant_vnni.h's path, 2.5 GB), 32, 64 and 128 KB alike, 256 KB 7% slower.
 constexpr int64_t kQdotAheadBytes = 32768;
 inline int64_t qdot_ahead(int64_t row_bytes) {
   const int64_t group = kQdotCols * row_bytes;
@@ -831,6 +833,12 @@ inline std::vector<float> offset_sums_bf16(const bf16* x, int64_t M, int64_t K) 
   return sx;
 }
 
+}  // namespace agentrt
+
+#include "quant_vnni.h"
+
+namespace agentrt {
+
 // x [M, K] bf16, w [N, K / B * bytes] in format F, bias fp32 [N] or null -> y [M, N] bf16, rows ldy apart (N: a
 // whole output; more: these N columns of a wider one, e.g. a fused projection's part). `invariant` (the engine's
 // deterministic mode): the integer path for every M, so a row's output does not depend on M; else from
@@ -856,6 +864,14 @@ inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t
   }
   const int64_t row_bytes = K / F::kBlock * F::kBytes;
   const std::vector<float> sx = offset_sums_bf16<F>(x, M, K);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (vnni_applies<F>()) {
+    if (!invariant && M <= kQdotRows && K % 64 == 0) {  // decode's rows by integer dot products (quant_vnni.h)
+      quant_linear_vnni<F>(x, M, K, w, bias, y, N, ldy, sx.data());
+      return;
+    }
+  }
+#endif
 #if defined(AGENTRT_AMX)
   if (fold_amx_applies<F>()) {  // panels of 16 weight rows on AMX (fold_panel_amx), the register path where one does not fold
     amx_row_panels(x, M, K, N, [&](const uint32_t* xt, int64_t n0, int64_t nrows) {

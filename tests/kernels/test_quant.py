@@ -12,13 +12,14 @@ import torch
 from agentrt.kernels import cpu
 from agentrt.kernels.linear import pack_linear_weight_bf16
 from agentrt.kernels.quant import (FORMATS, TYPE_IDS, WIDEN_MIN_ROWS, QuantWeight, dequantize, dequantize_ref,
-                                  quant_linear, quant_linear_ref, quantize)
+                                  integer_dot, quant_linear, quant_linear_ref, quantize)
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 NAMES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
+INTEGER_FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 
 
 def make_weight(name: str, n: int, k: int, seed: int = 0) -> tuple[QuantWeight, np.ndarray]:
@@ -101,7 +102,53 @@ def test_quant_linear_bf16_rows_match_reference(name, rows, batch_invariant, cpu
         bound = 8 * k * 2**-24 * sum_abs + 2**-8 * want.abs() + 1e-6
         if widens(rows, batch_invariant, cpu_kind):  # each weight rounded to bf16: half an ulp, 2^-9 relative
             bound += 2**-9 * sum_abs
+        if cpu_kind == "avx512_bf16" and integer_dot(name, rows, k, batch_invariant):
+            bound += x_rounding(x) @ dequantize_ref(w).abs().T  # x as 15-bit integers per 32 (quant_vnni.h)
         assert ((got.double() - want).abs() <= bound).all(), (name, rows, n, k)
+
+
+def x_rounding(x: torch.Tensor) -> torch.Tensor:
+    """The integer dot products' rounding of each element of x [M, K]: half a step of its 32's scale, max / 16256."""
+    m, k = x.shape
+    return (x.double().abs().view(m, k // 32, 32).amax(-1) / 32512).repeat_interleave(32, -1)
+
+
+def x_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 as the integer dot products take it (quant_vnni.h VnniX): per 32, s = max / 16256 and
+    x_q = round(x * (16256 / max)) in fp32, ties to even; returns s * x_q in float64."""
+    m, k = x.shape
+    v = x.float().view(m, k // 32, 32)
+    mx = v.abs().amax(-1, keepdim=True)
+    inv = torch.where(mx > 0, torch.tensor(16256.0) / mx, torch.zeros_like(mx))
+    q = torch.round(v * inv).clamp(-16256, 16256)
+    return (q.double() * (mx / 16256).double()).view(m, k)
+
+
+@pytest.mark.parametrize("name", INTEGER_FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_decode_rows_take_integer_dot_products_within_x_rounding(name, rows, cpu_kind):
+    # 1-4 bf16 rows outside the invariant mode: x rounded once, to 2^-15 of its 32's largest element (an outlier
+    # coarsens only its own 32), then exact integer products; the same numbers as x rounded so through the
+    # batch-invariant path, to that path's own fp32 rounding
+    if not integer_dot(name, rows, 256, False):
+        pytest.skip("the integer dot products need the avx512_bf16 kernels on a CPU with AVX512-VNNI")
+    block = FORMATS[TYPE_IDS[name]][1]
+    gen = torch.Generator().manual_seed(rows)
+    k = 768 if block == 256 else 640
+    w, _ = make_weight(name, 70, k, seed=rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    x[0, 37] = 300.0  # a large activation: its 32 are coarser, no other
+    got = quant_linear(x, w).double()
+    want = quant_linear_ref(x, w, None)
+    W = dequantize_ref(w).abs().T
+    err = (got - want).abs()
+    assert (err <= 8 * k * 2**-24 * (x.double().abs() @ W) + 2**-8 * want.abs() + x_rounding(x) @ W + 1e-6).all()
+    # and exactly that rounding: against x rounded so (in fp32 as the kernel does, per 32), the products leave only
+    # fp32 sums and the output's bf16 rounding (x in 8 bits per 32, as llama.cpp takes it, fails this)
+    xq = x_rounded(x)
+    want_q = xq @ dequantize_ref(w).double().T
+    assert ((got - want_q).abs() <= 8 * k * 2**-24 * (xq.abs() @ W) + 2**-8 * want_q.abs() + 1e-6).all()
+    assert not torch.equal(got, quant_linear(x, w, batch_invariant=True).double())  # the integer path ran
 
 
 def widens(rows: int, batch_invariant: bool, kind: str) -> bool:
@@ -130,6 +177,8 @@ def test_many_rows_are_the_widened_engines_product(name, rows, cpu_kind):
         if widens(rows, False, cpu_kind):
             packed = pack_linear_weight_bf16(dequantize(w).bfloat16())
             want = ops.packed_linear_bf16(x, packed, None if bias is None else bias.float(), n, False)
+        elif integer_dot(name, rows, k, False):  # the integer dot products: test_decode_rows_take_integer_dot_...
+            continue
         else:
             want = quant_linear(x, w, bias, batch_invariant=True)
         assert torch.equal(got, want), (name, rows, n, k)
