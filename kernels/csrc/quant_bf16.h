@@ -530,22 +530,33 @@ inline void qdot_group(const bf16* x, int64_t M, int64_t K, const uint8_t* w, in
 
 // x's rows [M, K] bf16 as B operands: xt[(rb * K / 2 + p) * 16 + j] = the k pair p of row 16 rb + j (rows past M: 0).
 inline int64_t fold_amx_rows_size(int64_t M, int64_t K) { return ((M + 15) / 16) * (K / 2) * 16; }
-inline void fold_amx_rows(const bf16* x, int64_t M, int64_t K, uint32_t* xt) {
-  const int64_t pairs = K / 2;
-  std::fill(xt, xt + fold_amx_rows_size(M, K), 0u);
+inline void transpose16x16_epi32(__m512i (&r)[16]);  // below
+
+// Row blocks [rb0, rb1) of fold_amx_rows: 16 rows x 16 pairs at a time, transposed in registers (rows past M zero).
+inline void fold_amx_row_blocks(const bf16* x, int64_t M, int64_t K, uint32_t* xt, int64_t rb0, int64_t rb1) {
+  const int64_t pairs = K / 2;  // a multiple of 16 (K % 32 == 0)
   const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
-  for (int64_t r = 0; r < M; ++r) {
-    uint32_t* dst = xt + (r / 16) * pairs * 16 + r % 16;
-    const uint32_t* src = x32 + r * pairs;
-    for (int64_t p = 0; p < pairs; ++p) dst[p * 16] = src[p];
+  for (int64_t rb = rb0; rb < rb1; ++rb) {
+    const int64_t rows = std::min<int64_t>(16, M - rb * 16);
+    uint32_t* dst = xt + rb * pairs * 16;
+    for (int64_t p = 0; p < pairs; p += 16) {
+      __m512i t[16];
+      for (int64_t j = 0; j < 16; ++j)
+        t[j] = j < rows ? _mm512_loadu_si512(x32 + (rb * 16 + j) * pairs + p) : _mm512_setzero_si512();
+      transpose16x16_epi32(t);  // t[i]: pair p + i of the 16 rows
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (p + i) * 16, t[i]);
+    }
   }
+}
+inline void fold_amx_rows(const bf16* x, int64_t M, int64_t K, uint32_t* xt) {
+  fold_amx_row_blocks(x, M, K, xt, 0, (M + 15) / 16);
 }
 
 // A thread's tiles for fold_panel_amx: C 0-3, A 4, B 5, all 16 rows x 64 bytes; released when it goes.
 struct FoldAmxTiles {
   FoldAmxTiles() {
     TileConfig c;
-    for (int t = 0; t < 6; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
     _tile_loadconfig(&c);
   }
   FoldAmxTiles(const FoldAmxTiles&) = delete;
@@ -553,13 +564,22 @@ struct FoldAmxTiles {
   ~FoldAmxTiles() { _tile_release(); }
 };
 
-inline void transpose16x16_epi32(__m512i (&r)[16]);  // below
-
 // A panel of 16 weight rows against the M rows of x in xt on AMX: four C tiles (64 rows of x) at a time, over the
 // chunks of 32 k in order, A of chunk ch from `a_of(ch, first)` (16 rows x 64 bytes; `first`: the first group of 64
 // rows asks, where the A of later groups may be kept), or nullptr to give up: false, nothing written (a_of gives up
 // in the first group only). y[m * ldy + n] for n < nrows, rounded to bf16 after the bias (nearest even,
 // `vcvtneps2bf16`, as packed_linear_bf16 rounds), a C tile transposed in registers into rows of 16 outputs.
+// A stored C tile (c[n][j]: weight row n, row j of x's 16 from m0) -> row j's 16 outputs in one register, + bias,
+// rounded as packed_linear_bf16 rounds (nearest even); columns `cols` of y's rows m0 .. M.
+inline void amx_store_c(float (&c)[16][16], int64_t m0, int64_t M, __mmask16 cols, __m512 bv, bf16* y, int64_t ldy) {
+  __m512i t[16];
+  for (int i = 0; i < 16; ++i) t[i] = _mm512_load_si512(c[i]);
+  transpose16x16_epi32(t);
+  const int64_t rows = std::min<int64_t>(16, M - m0);
+  for (int64_t j = 0; j < rows; ++j)
+    _mm256_mask_storeu_epi16(y + (m0 + j) * ldy, cols, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps((__m512)t[j], bv)));
+}
+
 template <typename AOf>
 inline bool amx_panel(const uint32_t* xt, int64_t M, int64_t K, int64_t nrows, const float* bias, bf16* y,
                       int64_t ldy, AOf&& a_of) {
@@ -576,6 +596,8 @@ inline bool amx_panel(const uint32_t* xt, int64_t M, int64_t K, int64_t nrows, c
     for (int64_t ch = 0; ch < chunks; ++ch) {
       const uint16_t* a = a_of(ch, rb0 == 0);
       if (a == nullptr) return false;
+      asm volatile("" : : : "memory");  // a_of's stores before the tile load: the compiler does not see `tileloadd`
+                                        // read them (it sank a decoded row's store past one, Q5_0)
       _tile_loadd(4, a, 64);
       const uint32_t* b = xt + (rb0 * pairs + 16 * ch) * 16;
       _tile_loadd(5, b, 64);
@@ -600,14 +622,7 @@ inline bool amx_panel(const uint32_t* xt, int64_t M, int64_t K, int64_t nrows, c
         case 2: _tile_stored(2, c, 64); break;
         default: _tile_stored(3, c, 64); break;
       }
-      // c[n][j] -> row j's 16 outputs in one register: + bias, rounded as packed_linear_bf16 rounds (nearest even)
-      __m512i t[16];
-      for (int i = 0; i < 16; ++i) t[i] = _mm512_load_si512(c[i]);
-      transpose16x16_epi32(t);
-      const int64_t m0 = (rb0 + rb) * 16, rows = std::min<int64_t>(16, M - m0);
-      for (int64_t j = 0; j < rows; ++j)
-        _mm256_mask_storeu_epi16(y + (m0 + j) * ldy, cols,
-                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps((__m512)t[j], bv)));
+      amx_store_c(c, (rb0 + rb) * 16, M, cols, bv, y, ldy);
     }
   }
   return true;
@@ -635,26 +650,35 @@ inline bool fold_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const uint8
 
 // Weight rows [nrows <= 16] of format F against the M rows of x in xt, each weight its fp32 decoding (F::dequant)
 // rounded to bf16 (`vcvtne2ps2bf16`, nearest even): the weight the widened engine holds. A is the panel's rows as they
-// lie, 32 k a tile row, so nothing is transposed. Where M > 64 (more than one group of C tiles) the first group
-// decodes the panel into wa ([K / 32][16][32] bf16) and later groups read it there; else wa is a ring of one block's
-// chunks ([B / 32][16][32]), each decoded A used once while it is in L1. Each output sums its chunks in k order and
+// lie, 32 k a tile row, so nothing is transposed. M <= 64 (kWidenedSlab: one group of C tiles); wa is a ring of one
+// block's chunks ([B / 32][16][32]), each decoded A used once while it is in L1. Each output sums its chunks in k order and
 // each chunk's pairs as the hardware does, as packed_linear_bf16 on AMX does over the widened weight with the roles of
 // A and B swapped (products of two bf16 are exact in fp32): the same bits.
 template <typename F>
-inline int64_t widened_amx_buffer(int64_t M, int64_t K) {
-  return (M > 64 ? K / 32 : F::kBlock / 32) * 16 * 32;
+inline int64_t widened_amx_buffer() {
+  return F::kBlock / 32 * 16 * 32;
 }
+
+// Rows of x a call of widened_panel_amx takes (its four C tiles): more rows run in slabs of 64, each slab over every
+// panel (so x's slab stays in L2: 64 x 9728 bf16 is 1.2 MB) and every panel decoded again per slab into the L1 ring.
+// Keeping a panel decoded for all of M instead ([K / 32][16][32] bf16: 80-300 KB, from L2 for each tile) and reading
+// all of x per panel was slower than decoding again: Qwen3-4B shape, 2 threads, 1024 rows, the widened weight's kernel
+// in the same run: 19456 x 2560 Q4_K 97.7 -> ms (83.4), 2560 x 9728 Q6_K 48.7 -> ms (31.7); at 64 rows the
+// ring path ran 3.5 and 2.6 ms against the widened 6.0 and 4.4.
+constexpr int64_t kWidenedSlab = 64;
 template <typename F>
-inline void widened_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
-                              int64_t nrows, const float* bias, bf16* y, int64_t ldy, uint16_t* wa) {
+struct WidenedPanelDecoder {
   using KB = Bf16KBlock<F>;
-  constexpr int64_t kPer = F::kBlock / 32;  // chunks of a block
-  constexpr bool kFp32 = !Bf16Block<F>::kHas && !KB::kHas;
-  const int64_t blocks = K / F::kBlock;
-  const bool keep = M > 64;  // later groups of rows of x read the panel again
+  static constexpr int64_t kPer = F::kBlock / 32;  // chunks of a block
+  static constexpr bool kFp32 = !Bf16Block<F>::kHas && !KB::kHas;
+  const uint8_t* w;
+  int64_t row_bytes, nrows, blocks;
+  uint16_t* wa;  // a ring of one block's chunks ([B / 32][16][32])
   alignas(64) float f[kFp32 ? 16 : 1][F::kBlock];  // the decoded block (formats without a register decoder)
-  amx_panel(xt, M, K, nrows, bias, y, ldy, [&](int64_t ch, bool first) -> const uint16_t* {
-    uint16_t* a = wa + (keep ? ch : ch % kPer) * 16 * 32;
+
+  // Chunk ch's A (16 rows x 32 k bf16), decoded where `first` (M <= 64: one group of rows of x, which asks once).
+  const uint16_t* operator()(int64_t ch, bool first) {
+    uint16_t* a = wa + (ch % kPer) * 16 * 32;
     if (!first) return a;
     if constexpr (Bf16Block<F>::kHas) {  // a block is a chunk: decoded straight into the tile's rows
       prefetch_slice(w + 16 * row_bytes, 16 * row_bytes, ch, blocks);  // the next panel (quant.h)
@@ -684,7 +708,14 @@ inline void widened_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const ui
                                                  : _mm512_setzero_si512());
     }
     return a;
-  });
+  }
+};
+
+template <typename F>
+inline void widened_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                              int64_t nrows, const float* bias, bf16* y, int64_t ldy, uint16_t* wa) {
+  WidenedPanelDecoder<F> dec{w, row_bytes, nrows, K / F::kBlock, wa, {}};
+  amx_panel(xt, M, K, nrows, bias, y, ldy, [&](int64_t ch, bool first) -> const uint16_t* { return dec(ch, first); });
 }
 #endif
 
@@ -704,16 +735,19 @@ inline void fold_or_qdot_panel(const uint32_t* xt, const bf16* x, int64_t M, int
 #endif
 
 #if defined(AGENTRT_AMX)
-// x's rows folded into B operands once (fold_amx_rows), then the weight's panels of 16 rows over the threads, each
-// thread's tiles configured once for its share: fn(xt, first weight row, rows of the panel).
+// x's rows folded into B operands once (fold_amx_rows), then the weight's panels of `height` rows over the threads,
+// each thread's tiles configured once for its share: fn(xt, first weight row, rows of the panel).
 template <typename Fn>
-inline void amx_row_panels(const bf16* x, int64_t M, int64_t K, int64_t N, Fn&& fn) {
-  std::vector<uint32_t> xt(static_cast<size_t>(fold_amx_rows_size(M, K)));
-  fold_amx_rows(x, M, K, xt.data());
-  agentrt::stealing_for((N + 15) / 16, [&](int64_t p0, int64_t p1) {
+inline void amx_row_panels(const bf16* x, int64_t M, int64_t K, int64_t N, Fn&& fn, int64_t height = 16) {
+  thread_local std::vector<uint32_t> xt;  // every element written by the fold; kept, so its pages are not new
+  xt.resize(static_cast<size_t>(fold_amx_rows_size(M, K)));
+  uint32_t* xp = xt.data();
+  agentrt::stealing_for((M + 15) / 16, [&](int64_t b0, int64_t b1) { fold_amx_row_blocks(x, M, K, xp, b0, b1); });
+  agentrt::stealing_for((N + height - 1) / height, [&](int64_t p0, int64_t p1) {
     FoldAmxTiles tiles;
-    for (int64_t p = p0; p < p1; ++p) fn(xt.data(), p * 16, std::min<int64_t>(16, N - p * 16));
+    for (int64_t p = p0; p < p1; ++p) fn(xp, p * height, std::min<int64_t>(height, N - p * height));
   });
+  if (xt.size() > (size_t(16) << 20)) std::vector<uint32_t>().swap(xt);  // past 64 MB: not kept for the next call
 }
 #endif
 
@@ -850,12 +884,15 @@ inline void quant_linear_bf16(const bf16* x, int64_t M, int64_t K, const uint8_t
 #if defined(AGENTRT_AMX)
     if (amx_linear_applies(K)) {  // panels of 16 weight rows decoded straight into A tiles (widened_panel_amx)
       const int64_t row_bytes = K / F::kBlock * F::kBytes;
-      amx_row_panels(x, M, K, N, [&](const uint32_t* xt, int64_t n0, int64_t nrows) {
-        thread_local std::vector<uint16_t> wa;
-        wa.resize(size_t(widened_amx_buffer<F>(M, K)));
-        widened_panel_amx<F>(xt, M, K, w + n0 * row_bytes, row_bytes, nrows, bias ? bias + n0 : nullptr, y + n0,
-                             ldy, wa.data());
-      });
+      for (int64_t m0 = 0; m0 < M; m0 += kWidenedSlab) {  // kWidenedSlab rows of x at a time (its comment)
+        const int64_t ms = std::min(kWidenedSlab, M - m0);
+        amx_row_panels(x + m0 * K, ms, K, N, [&](const uint32_t* xt, int64_t n0, int64_t nrows) {
+          thread_local std::vector<uint16_t> wa;
+          wa.resize(size_t(widened_amx_buffer<F>()));
+          widened_panel_amx<F>(xt, ms, K, w + n0 * row_bytes, row_bytes, nrows, bias ? bias + n0 : nullptr,
+                               y + m0 * ldy + n0, ldy, wa.data());
+        });
+      }
       return;
     }
 #endif
