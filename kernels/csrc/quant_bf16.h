@@ -662,9 +662,11 @@ inline int64_t widened_amx_buffer() {
 // Rows of x a call of widened_panel_amx takes (its four C tiles): more rows run in slabs of 64, each slab over every
 // panel (so x's slab stays in L2: 64 x 9728 bf16 is 1.2 MB) and every panel decoded again per slab into the L1 ring.
 // Keeping a panel decoded for all of M instead ([K / 32][16][32] bf16: 80-300 KB, from L2 for each tile) and reading
-// all of x per panel was slower than decoding again: Qwen3-4B shape, 2 threads, 1024 rows, the widened weight's kernel
-// in the same run: 19456 x 2560 Q4_K 97.7 -> ms (83.4), 2560 x 9728 Q6_K 48.7 -> ms (31.7); at 64 rows the
-// ring path ran 3.5 and 2.6 ms against the widened 6.0 and 4.4.
+// all of x per panel was no faster, and slower where K is long: Qwen3-4B shape, 2 threads, 1024 rows (the widened
+// weight's kernel in the same run): 19456 x 2560 Q4_K 97.7 -> 98.4 ms (83-85), 2560 x 9728 Q6_K 48.7 -> 36.2 ms
+// (32); 32 weight rows a panel with two A and two B tiles a chunk, x read half as often, measured 85-99 and 43-49 ms.
+// With x folded in parallel (below), `bench quant`'s 32 concurrent calls on that file went from 0.86x to 1.11x the
+// widened engine (the prompts' prefill is half that run's time).
 constexpr int64_t kWidenedSlab = 64;
 template <typename F>
 struct WidenedPanelDecoder {
