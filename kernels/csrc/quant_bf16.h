@@ -651,9 +651,9 @@ inline bool fold_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const uint8
 // Weight rows [nrows <= 16] of format F against the M rows of x in xt, each weight its fp32 decoding (F::dequant)
 // rounded to bf16 (`vcvtne2ps2bf16`, nearest even): the weight the widened engine holds. A is the panel's rows as they
 // lie, 32 k a tile row, so nothing is transposed. M <= 64 (kWidenedSlab: one group of C tiles); wa is a ring of one
-// block's chunks ([B / 32][16][32]), each decoded A used once while it is in L1. Each output sums its chunks in k order and
-// each chunk's pairs as the hardware does, as packed_linear_bf16 on AMX does over the widened weight with the roles of
-// A and B swapped (products of two bf16 are exact in fp32): the same bits.
+// block's chunks ([B / 32][16][32]), each decoded A used once while it is in L1. Each output sums its chunks in k
+// order and each chunk's pairs as the hardware does, as packed_linear_bf16 on AMX does over the widened weight with
+// the roles of A and B swapped (products of two bf16 are exact in fp32): the same bits.
 template <typename F>
 inline int64_t widened_amx_buffer() {
   return F::kBlock / 32 * 16 * 32;
