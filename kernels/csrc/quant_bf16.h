@@ -741,15 +741,18 @@ inline void fold_or_qdot_panel(const uint32_t* xt, const bf16* x, int64_t M, int
 // each thread's tiles configured once for its share: fn(xt, first weight row, rows of the panel).
 template <typename Fn>
 inline void amx_row_panels(const bf16* x, int64_t M, int64_t K, int64_t N, Fn&& fn, int64_t height = 16) {
-  thread_local std::vector<uint32_t> xt;  // every element written by the fold; kept, so its pages are not new
-  xt.resize(static_cast<size_t>(fold_amx_rows_size(M, K)));
-  uint32_t* xp = xt.data();
+  // every element written by the fold, its row blocks shared out: inside decode_forward's team every thread runs this
+  // code (SPMD) and folds only its share, so the buffer is the team's (shared_buffer); outside one, this thread's,
+  // kept so that its pages are not new each call
+  thread_local std::vector<char> local;
+  const size_t bytes = static_cast<size_t>(fold_amx_rows_size(M, K)) * sizeof(uint32_t);
+  uint32_t* xp = reinterpret_cast<uint32_t*>(agentrt::shared_buffer(local, bytes));
   agentrt::stealing_for((M + 15) / 16, [&](int64_t b0, int64_t b1) { fold_amx_row_blocks(x, M, K, xp, b0, b1); });
   agentrt::stealing_for((N + height - 1) / height, [&](int64_t p0, int64_t p1) {
     FoldAmxTiles tiles;
     for (int64_t p = p0; p < p1; ++p) fn(xp, p * height, std::min<int64_t>(height, N - p * height));
   });
-  if (xt.size() > (size_t(16) << 20)) std::vector<uint32_t>().swap(xt);  // past 64 MB: not kept for the next call
+  if (local.size() > (size_t(64) << 20)) std::vector<char>().swap(local);  // past 64 MB: not kept for the next call
 }
 #endif
 

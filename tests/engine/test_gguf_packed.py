@@ -241,3 +241,27 @@ def test_gemma3_q4_k_m_greedy_matches_hf(gemma3_gguf):
     ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                       max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
     assert got == ref[: len(got)] and len(got) == 16
+
+
+@requires_default_model
+def test_the_served_engine_packed_matches_widened_greedy_and_logprobs():
+    """The engine as served (bf16, the CPU default where it has AVX512-BF16; not the deterministic mode): a step of
+    a few rows runs the C++ forward with its threads as one team, every projection from the packed blocks (1-4 rows
+    by integer dot products, 5-64 over AMX panels; each thread folds a share of x into tile operands, which all of
+    them read). Greedy tokens and their logprobs against the widened engine: a 13-token prompt alone (its prefill is
+    such a step), then four prompts (one of 100 tokens) decoding together."""
+    prompts = [[1, 504, 3458, 282, 4649, 314, 3570, 30, 378, 3458, 282, 4649, 314],
+               [1, *torch.randint(300, 20000, (99,), generator=torch.Generator().manual_seed(3)).tolist()],
+               [1, 504, 3458, 282, 4649, 314], [1, 378, 3458, 282, 4649, 314, 3570]]
+    sp = SamplingParams(max_tokens=8, temperature=0, logprobs=True)
+    got = {}
+    for quantization in ("gguf", "none"):
+        llm = LLM(str(gguf_source(None)), quantization=quantization, num_blocks=64, device="cpu", dtype="bfloat16")
+        assert quantization == "none" or not llm.core.config.deterministic
+        got[quantization] = [o.outputs[0] for o in llm.generate(prompts[:1], sp, progress=False)]
+        got[quantization] += [o.outputs[0] for o in llm.generate(prompts, sp, progress=False)]
+        llm.close()
+    for packed, widened in zip(got["gguf"], got["none"]):
+        n = next((i for i, (a, b) in enumerate(zip(packed.token_ids, widened.token_ids)) if a != b), 8)
+        assert n >= 3, (packed.token_ids, widened.token_ids)  # a near-tie may part them later, never at once
+        assert max(abs(a - b) for a, b in zip(packed.logprobs[:n], widened.logprobs[:n])) <= 0.15
