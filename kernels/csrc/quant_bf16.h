@@ -665,7 +665,7 @@ inline int64_t widened_amx_buffer() {
 // all of x per panel was no faster, and slower where K is long: Qwen3-4B shape, 2 threads, 1024 rows (the widened
 // weight's kernel in the same run): 19456 x 2560 Q4_K 97.7 -> 98.4 ms (83-85), 2560 x 9728 Q6_K 48.7 -> 36.2 ms
 // (32); 32 weight rows a panel with two A and two B tiles a chunk, x read half as often, measured 85-99 and 43-49 ms.
-// With x folded in parallel (below), `bench quant`'s 32 concurrent calls on that file went from 0.86x to 1.11x the
+// With x folded in parallel (below), `bench quant`'s 32 concurrent calls on that file went from 0.86x to 0.99x the
 // widened engine (the prompts' prefill is half that run's time).
 constexpr int64_t kWidenedSlab = 64;
 template <typename F>
