@@ -556,7 +556,7 @@ inline void fold_amx_rows(const bf16* x, int64_t M, int64_t K, uint32_t* xt) {
 struct FoldAmxTiles {
   FoldAmxTiles() {
     TileConfig c;
-    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    for (int t = 0; t < 6; ++t) c.colsb[t] = 64, c.rows[t] = 16;
     _tile_loadconfig(&c);
   }
   FoldAmxTiles(const FoldAmxTiles&) = delete;
@@ -569,17 +569,6 @@ struct FoldAmxTiles {
 // rows asks, where the A of later groups may be kept), or nullptr to give up: false, nothing written (a_of gives up
 // in the first group only). y[m * ldy + n] for n < nrows, rounded to bf16 after the bias (nearest even,
 // `vcvtneps2bf16`, as packed_linear_bf16 rounds), a C tile transposed in registers into rows of 16 outputs.
-// A stored C tile (c[n][j]: weight row n, row j of x's 16 from m0) -> row j's 16 outputs in one register, + bias,
-// rounded as packed_linear_bf16 rounds (nearest even); columns `cols` of y's rows m0 .. M.
-inline void amx_store_c(float (&c)[16][16], int64_t m0, int64_t M, __mmask16 cols, __m512 bv, bf16* y, int64_t ldy) {
-  __m512i t[16];
-  for (int i = 0; i < 16; ++i) t[i] = _mm512_load_si512(c[i]);
-  transpose16x16_epi32(t);
-  const int64_t rows = std::min<int64_t>(16, M - m0);
-  for (int64_t j = 0; j < rows; ++j)
-    _mm256_mask_storeu_epi16(y + (m0 + j) * ldy, cols, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps((__m512)t[j], bv)));
-}
-
 template <typename AOf>
 inline bool amx_panel(const uint32_t* xt, int64_t M, int64_t K, int64_t nrows, const float* bias, bf16* y,
                       int64_t ldy, AOf&& a_of) {
@@ -622,7 +611,14 @@ inline bool amx_panel(const uint32_t* xt, int64_t M, int64_t K, int64_t nrows, c
         case 2: _tile_stored(2, c, 64); break;
         default: _tile_stored(3, c, 64); break;
       }
-      amx_store_c(c, (rb0 + rb) * 16, M, cols, bv, y, ldy);
+      // c[n][j] -> row j's 16 outputs in one register: + bias, rounded as packed_linear_bf16 rounds (nearest even)
+      __m512i t[16];
+      for (int i = 0; i < 16; ++i) t[i] = _mm512_load_si512(c[i]);
+      transpose16x16_epi32(t);
+      const int64_t m0 = (rb0 + rb) * 16, rows = std::min<int64_t>(16, M - m0);
+      for (int64_t j = 0; j < rows; ++j)
+        _mm256_mask_storeu_epi16(y + (m0 + j) * ldy, cols,
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps((__m512)t[j], bv)));
     }
   }
   return true;
@@ -737,10 +733,10 @@ inline void fold_or_qdot_panel(const uint32_t* xt, const bf16* x, int64_t M, int
 #endif
 
 #if defined(AGENTRT_AMX)
-// x's rows folded into B operands once (fold_amx_rows), then the weight's panels of `height` rows over the threads,
-// each thread's tiles configured once for its share: fn(xt, first weight row, rows of the panel).
+// x's rows folded into B operands once (fold_amx_rows), then the weight's panels of 16 rows over the threads, each
+// thread's tiles configured once for its share: fn(xt, first weight row, rows of the panel).
 template <typename Fn>
-inline void amx_row_panels(const bf16* x, int64_t M, int64_t K, int64_t N, Fn&& fn, int64_t height = 16) {
+inline void amx_row_panels(const bf16* x, int64_t M, int64_t K, int64_t N, Fn&& fn) {
   // every element written by the fold, its row blocks shared out: inside decode_forward's team every thread runs this
   // code (SPMD) and folds only its share, so the buffer is the team's (shared_buffer); outside one, this thread's,
   // kept so that its pages are not new each call
@@ -748,9 +744,9 @@ inline void amx_row_panels(const bf16* x, int64_t M, int64_t K, int64_t N, Fn&& 
   const size_t bytes = static_cast<size_t>(fold_amx_rows_size(M, K)) * sizeof(uint32_t);
   uint32_t* xp = reinterpret_cast<uint32_t*>(agentrt::shared_buffer(local, bytes));
   agentrt::stealing_for((M + 15) / 16, [&](int64_t b0, int64_t b1) { fold_amx_row_blocks(x, M, K, xp, b0, b1); });
-  agentrt::stealing_for((N + height - 1) / height, [&](int64_t p0, int64_t p1) {
+  agentrt::stealing_for((N + 15) / 16, [&](int64_t p0, int64_t p1) {
     FoldAmxTiles tiles;
-    for (int64_t p = p0; p < p1; ++p) fn(xp, p * height, std::min<int64_t>(height, N - p * height));
+    for (int64_t p = p0; p < p1; ++p) fn(xp, p * 16, std::min<int64_t>(16, N - p * 16));
   });
   if (local.size() > (size_t(64) << 20)) std::vector<char>().swap(local);  // past 64 MB: not kept for the next call
 }
