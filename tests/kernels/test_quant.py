@@ -128,8 +128,7 @@ def x_rounded(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_decode_rows_take_integer_dot_products_within_x_rounding(name, rows, cpu_kind):
     # 1-4 bf16 rows outside the invariant mode: x rounded once, to 2^-15 of its 32's largest element (an outlier
-    # coarsens only its own 32), then exact integer products; the same numbers as x rounded so through the
-    # batch-invariant path, to that path's own fp32 rounding
+    # coarsens only its own 32), then exact integer products summed in fp32
     if not integer_dot(name, rows, 256, False):
         pytest.skip("the integer dot products need the avx512_bf16 kernels on a CPU with AVX512-VNNI")
     block = FORMATS[TYPE_IDS[name]][1]
