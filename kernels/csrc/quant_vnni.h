@@ -99,7 +99,7 @@ constexpr int quant_vnni_offset() {
 
 // One 64-weight step for MR rows of x: acc[m] += (r as fp32) * ws * x's lane scales. u: the 64 weight bytes; xi: the
 // step's index in x's bytes (a multiple of 64).
-template <int MR, bool kOffset, bool kLaneScales>
+template <int MR, bool kOffset>
 __attribute__((always_inline)) inline void vnni_step(__m512 (&acc)[MR], __m512i u, __m512 ws, const VnniX& X,
                                                      int64_t K, int64_t xi) {
   for (int m = 0; m < MR; ++m) {
@@ -108,15 +108,14 @@ __attribute__((always_inline)) inline void vnni_step(__m512 (&acc)[MR], __m512i 
     __m512i r = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, hv), 7);
     if constexpr (kOffset) r = _mm512_sub_epi32(r, _mm512_loadu_si512(X.o.data() + at / 4));
     r = _mm512_dpbusd_epi32(r, u, lv);
-    const __m512 scale = kLaneScales ? _mm512_mul_ps(ws, _mm512_loadu_ps(X.s.data() + at / 4)) : ws;
-    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), scale, acc[m]);
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_mul_ps(ws, _mm512_loadu_ps(X.s.data() + at / 4)), acc[m]);
   }
 }
 
 // The upper 32 bytes of q shifted down 4 bits (their high nibbles into the low ones; the lower 32 bytes as they are):
 // `vpmultishiftqb` where the CPU has it, which runs beside the dot products (they and `vpsrlvw` share a port).
 inline __m512i high_half_nibbles_down(__m512i q) {
-#if defined(__AVX512VBMI__) && !defined(NOMS)
+#if defined(__AVX512VBMI__)
   const __m512i lo = _mm512_set1_epi64(0x3830282018100800LL), hi = _mm512_set1_epi64(0x3c342c241c140c04LL);
   return _mm512_multishift_epi64_epi8(_mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1), q);
 #else
@@ -144,7 +143,7 @@ struct VnniBlock<FormatQ4_K, MR> {
       const __m512i u = _mm512_and_si512(high_half_nibbles_down(q), m15);
       const __m512 ws = _mm512_permutexvar_ps(
           _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1), sm);
-      vnni_step<MR, false, true>(acc, u, ws, X, K, k0 + 64 * p);
+      vnni_step<MR, false>(acc, u, ws, X, K, k0 + 64 * p);
     }
   }
 };
@@ -169,12 +168,10 @@ struct VnniBlock<FormatQ6_K, MR> {
       // bits 4-5 from the second operand where `top` has them (0xd8: c ? b : a), bits 6-7 zero from the first
       const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(ql, m15), _mm512_slli_epi16(qh, 4), top, 0xd8);
       const __m512i hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15), qh, top, 0xd8);
-      const __m512i base = _mm512_set1_epi32(8 * h);
-      vnni_step<MR, true, true>(acc, lo, _mm512_permutexvar_ps(_mm512_add_epi32(base, quarter), dsc), X, K,
-                                 k0 + 128 * h);
-      vnni_step<MR, true, true>(
-          acc, hi, _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(4)), quarter), dsc),
-          X, K, k0 + 128 * h + 64);
+      const __m512i lanes_lo = _mm512_add_epi32(_mm512_set1_epi32(8 * h), quarter);  // sub-blocks 8h .. 8h + 3
+      const __m512i lanes_hi = _mm512_add_epi32(_mm512_set1_epi32(8 * h + 4), quarter);
+      vnni_step<MR, true>(acc, lo, _mm512_permutexvar_ps(lanes_lo, dsc), X, K, k0 + 128 * h);
+      vnni_step<MR, true>(acc, hi, _mm512_permutexvar_ps(lanes_hi, dsc), X, K, k0 + 128 * h + 64);
     }
   }
 };
@@ -191,7 +188,7 @@ struct VnniBlock<FormatQ8_0, MR> {
     const __m512i u = _mm512_xor_si512(q, _mm512_set1_epi8(int8_t(0x80)));
     const __m512 ws =
         _mm512_mask_mov_ps(_mm512_set1_ps(fp16_to_f32(blk)), 0xff00, _mm512_set1_ps(fp16_to_f32(blk + 34)));
-    vnni_step<MR, true, true>(acc, u, ws, X, K, k0);
+    vnni_step<MR, true>(acc, u, ws, X, K, k0);
   }
 };
 
@@ -220,7 +217,7 @@ struct VnniNibbles {
       c[1] = fp16_to_f32(b1 + 2);
     }
     const __m512 ws = _mm512_mask_mov_ps(_mm512_set1_ps(fp16_to_f32(blk)), 0xff00, _mm512_set1_ps(fp16_to_f32(b1)));
-    vnni_step<MR, quant_vnni_offset<F>() != 0, true>(acc, u, ws, X, K, k0);
+    vnni_step<MR, quant_vnni_offset<F>() != 0>(acc, u, ws, X, K, k0);
   }
 };
 template <int MR>
