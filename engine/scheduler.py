@@ -43,9 +43,9 @@ FCFS's mean latency without it, 0.50x with it). Without pressure on the blocks n
 Backfill (a policy with `backfill_s`, agentrt's PLAS and ATLAS): when the best waiting call does not fit in the KV
 cache, the calls behind it that fit go in, in order, while it has waited for less than `backfill_s` seconds since it
 arrived; after that the line waits for it (no call behind it takes the blocks that free up), so a large call is not
-starved by small ones. Without it the line always waits for its head: on the KV-bound agent mix (issue 47) a step program's
-next call that fitted beside its pinned context waited behind a new program's 36-block first call, with 33 blocks of
-150 free on average while calls waited (simulated).
+starved by small ones. Without it the line always waits for its head: on the KV-bound agent mix (issue 47) a step
+program's next call that fitted beside its pinned context waited behind a new program's 36-block first call, with 33
+blocks of 150 free on average while calls waited (simulated).
 
 The running set: `max_num_seqs` seats, or fewer while the policy's `max_running` says so (a running-set
 cap: admission stops at it, and a preemptive policy's better waiting call displaces the worst running

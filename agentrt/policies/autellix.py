@@ -128,11 +128,11 @@ from agentrt.policies._multilevel import (
 #     that the line waits for it, so small calls do not starve a large one. Simulated --like-http, 150 blocks, 60
 #     programs at 0.307/s, mean vs fcfs: seeds 0-2 0.773 -> 0.609x (short programs 4.28 -> 3.94 s, long 36.1 -> 26.7
 #     s against fcfs's 34.1: fewer blocks idle, more calls a step); seeds 0-5 0.887 -> 0.742x, long p99 82 -> 65 s.
-#     0.5 and 2 s measured alike (0.79 / 0.76x on seeds 0-5, 1 s 0.74x), unbounded 0.79x (long p99 79 s). FCFS keeps vLLM's line
-#     (with backfill_s 1 s it measured 1.01x its own mean; unbounded 1.46x: more calls in, more preempted). With room
-#     in the cache nothing waits for blocks and nothing changes. Over a host tier (0.585/s, compute-bound) 1.00 ->
-#     0.99x. Over HTTP (docs/benchmarks/programs.md, 0.322/s at 0.9 of the measured knee, a less contended run than
-#     the one before: FCFS 9.3 s against 16.7): PLAS 0.83x fcfs, short programs 0.58x, long 1.04x; simulated on the
+#     0.5 and 2 s measured alike (0.79 / 0.76x on seeds 0-5, 1 s 0.74x), unbounded 0.79x (long p99 79 s). FCFS keeps
+#     vLLM's line (with backfill_s 1 s it measured 1.01x its own mean; unbounded 1.46x: more calls in, more preempted).
+#     With room in the cache nothing waits for blocks and nothing changes. Over a host tier (0.585/s, compute-bound)
+#     1.00 -> 0.99x. Over HTTP (docs/benchmarks/programs.md, 0.322/s at 0.9 of the measured knee, a less contended run
+#     than the one before: FCFS 9.3 s against 16.7): PLAS 0.83x fcfs, short programs 0.58x, long 1.04x; simulated on the
 #     same workloads and refitted costs 0.67x (short programs match, 3.5 against 3.3 s; the long ones do not: 19.2
 #     against 21.2 s).
 DEFAULTS: dict[str, dict[str, float | None]] = {

@@ -665,17 +665,14 @@ inline int64_t widened_amx_buffer() {
 // widened engine (the prompts' prefill is half that run's time).
 constexpr int64_t kWidenedSlab = 64;
 template <typename F>
-struct WidenedPanelDecoder {
+inline void widened_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                              int64_t nrows, const float* bias, bf16* y, int64_t ldy, uint16_t* wa) {
   using KB = Bf16KBlock<F>;
-  static constexpr int64_t kPer = F::kBlock / 32;  // chunks of a block
-  static constexpr bool kFp32 = !Bf16Block<F>::kHas && !KB::kHas;
-  const uint8_t* w;
-  int64_t row_bytes, nrows, blocks;
-  uint16_t* wa;  // a ring of one block's chunks ([B / 32][16][32])
+  constexpr int64_t kPer = F::kBlock / 32;  // chunks of a block
+  constexpr bool kFp32 = !Bf16Block<F>::kHas && !KB::kHas;
+  const int64_t blocks = K / F::kBlock;
   alignas(64) float f[kFp32 ? 16 : 1][F::kBlock];  // the decoded block (formats without a register decoder)
-
-  // Chunk ch's A (16 rows x 32 k bf16), decoded where `first` (M <= 64: one group of rows of x, which asks once).
-  const uint16_t* operator()(int64_t ch, bool first) {
+  amx_panel(xt, M, K, nrows, bias, y, ldy, [&](int64_t ch, bool first) -> const uint16_t* {
     uint16_t* a = wa + (ch % kPer) * 16 * 32;
     if (!first) return a;
     if constexpr (Bf16Block<F>::kHas) {  // a block is a chunk: decoded straight into the tile's rows
@@ -706,14 +703,7 @@ struct WidenedPanelDecoder {
                                                  : _mm512_setzero_si512());
     }
     return a;
-  }
-};
-
-template <typename F>
-inline void widened_panel_amx(const uint32_t* xt, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
-                              int64_t nrows, const float* bias, bf16* y, int64_t ldy, uint16_t* wa) {
-  WidenedPanelDecoder<F> dec{w, row_bytes, nrows, K / F::kBlock, wa, {}};
-  amx_panel(xt, M, K, nrows, bias, y, ldy, [&](int64_t ch, bool first) -> const uint16_t* { return dec(ch, first); });
+  });
 }
 #endif
 

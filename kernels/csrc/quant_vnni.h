@@ -227,12 +227,6 @@ struct VnniBlock<FormatQ4_1, MR> : VnniNibbles<FormatQ4_1, MR, 4, false, true> {
 template <int MR>
 struct VnniBlock<FormatQ5_0, MR> : VnniNibbles<FormatQ5_0, MR, 6, true, false> {};
 
-// Formats whose weights carry an offset c per 32 (Q4_K's -dmin * m_j, Q4_1's m): summed by qdot_output.
-template <typename F>
-constexpr bool vnni_offsets() {
-  return std::is_same_v<F, FormatQ4_K> || std::is_same_v<F, FormatQ4_1>;
-}
-
 // The weights a VnniBlock step covers (F's block, or Q8_0's pair of blocks).
 template <typename F>
 constexpr int64_t vnni_span() {
@@ -249,7 +243,7 @@ template <typename F, int MR>
 inline void vnni_rows(const VnniX& X, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t ncols, float* c,
                       const float* sx, const float* bias, bf16* y, int64_t ldy) {
   constexpr int64_t span = vnni_span<F>(), step_bytes = span / F::kBlock * F::kBytes;
-  constexpr bool kOffsets = vnni_offsets<F>();
+  constexpr bool kOffsets = Bf16Unpack<F>::kOffsets;  // Q4_K's -dmin * m_j, Q4_1's m: summed by qdot_output
   const int64_t chunks = K / 32, steps = K / span;
   __m512 acc[kQdotCols][MR];
   for (int n = 0; n < kQdotCols; ++n)

@@ -11,15 +11,14 @@ import torch
 
 from agentrt.kernels import cpu
 from agentrt.kernels.linear import pack_linear_weight_bf16
-from agentrt.kernels.quant import (FORMATS, TYPE_IDS, WIDEN_MIN_ROWS, QuantWeight, dequantize, dequantize_ref,
-                                  integer_dot, quant_linear, quant_linear_ref, quantize)
+from agentrt.kernels.quant import (FORMATS, INTEGER_DOT_FORMATS, TYPE_IDS, WIDEN_MIN_ROWS, QuantWeight, dequantize,
+                                  dequantize_ref, integer_dot, quant_linear, quant_linear_ref, quantize)
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 NAMES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
-INTEGER_FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 
 
 def make_weight(name: str, n: int, k: int, seed: int = 0) -> tuple[QuantWeight, np.ndarray]:
@@ -124,7 +123,7 @@ def x_rounded(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (mx / 16256).double()).view(m, k)
 
 
-@pytest.mark.parametrize("name", INTEGER_FORMATS)
+@pytest.mark.parametrize("name", sorted(INTEGER_DOT_FORMATS))
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_decode_rows_take_integer_dot_products_within_x_rounding(name, rows, cpu_kind):
     # 1-4 bf16 rows outside the invariant mode: x rounded once, to 2^-15 of its 32's largest element (an outlier
