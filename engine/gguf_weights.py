@@ -2,9 +2,10 @@
 safetensors checkpoint's quantized to such blocks at load (`quantization="int8" | "int4"`, `quantize_model`).
 
 The model still loads from the converted safetensors copy (engine/loader.py: config, tokenizer, norms,
-embeddings), then `pack_model` swaps every decoder projection (q/k/v, o, gate/up, down) and an untied
-LM head for the GGUF file's own blocks, read from the header (`engine.gguf_header.gguf_tensors`) and plain file reads (no dequantization, no mapping),
-so each `Linear` runs `kernels.quant.quant_linear` on the file's bytes and its widened weight is dropped.
+embeddings); as it loads, `GGUFPacker` swaps every decoder projection (q/k/v, o, gate/up, down) and an untied
+LM head for the GGUF file's own blocks, layer by layer, read from the header (`engine.gguf_header.gguf_tensors`)
+and plain file reads (no dequantization, no mapping), so each `Linear` runs `kernels.quant.quant_linear` on the
+file's bytes and its widened weight is dropped before the next layer loads.
 
 Rows: the model fuses q/k/v and gate/up (row concatenation) and keeps q and k rows in the adjacent-pair
 rope layout (`model.interleave_rope_rows`); llama.cpp's converter stores a Llama's q and k rows permuted
@@ -21,7 +22,7 @@ biases (small, fp32 in the file). A tied model's LM head (SmolLM2's) runs on the
 A mixture of experts' experts are put in blocks as they load (engine.moe, `SparseMoE.expert_blocks`): a
 checkpoint's MXFP4 kept (the default on CPU, `experts_packed` describes it), or Q8_0 / Q4_1 under
 `--quantization int8 | int4`, whose `quantize_model` then packs the rest (the router stays widened: E outputs,
-and the routing decides which weights run). A GGUF file's experts are not kept packed yet (`pack_model` refuses).
+and the routing decides which weights run). A GGUF file's experts are not kept packed yet (`GGUFPacker` refuses).
 """
 
 from __future__ import annotations
@@ -86,59 +87,92 @@ class _Unpackable(Exception):
     """Why the model stays widened (its message is the start-up line's reason)."""
 
 
-def pack_model(model, gguf_path: Path) -> PackedWeights:
-    """Swap `model`'s projections (just loaded from the converted fp32 copy of `gguf_path`, in any dtype) for the
-    file's packed blocks; raises ValueError with the reason when it cannot, the model untouched."""
-    from agentrt.engine.gguf_header import gguf_tensors
-    from agentrt.engine.model import interleave_rope_rows
+class GGUFPacker:
+    """Swaps a model's projections for a GGUF file's blocks as the model loads (`loaded`, the callback of
+    `LlamaForCausalLM.load_hf_state_dict`): layer i's projections are matched and swapped once they are in, so no
+    layer's widened weights outlive its turn (a Qwen3-4B-shape Q4_K_M file: the load peaked at 8.8 GB with the
+    whole bf16 model loaded before packing, 3.6 GB now). What the header tells (a projection that is not plain, a
+    missing tensor, a format the kernels do not take) is checked before any weight loads: ValueError, the model
+    untouched. Rows that decode to no candidate order raise ValueError midway, some layers already packed: load
+    the model again widened (load_model does)."""
 
-    tensors = gguf_tensors(gguf_path)
-    plan: list[tuple[Linear, list[QuantWeight]]] = []
-    formats: Counter = Counter()
-    try:
-        targets = [(f"layers.{i}.{attr}", getattr(getattr(layer, attr.split(".")[0]), attr.split(".")[1], None),
-                    [f"blk.{i}.{name}.weight" for name in names])
-                   for i, layer in enumerate(model.layers) for attr, names in _LAYER_PROJECTIONS.items()]
-        if model.lm_head is not None:
-            targets.append(("lm_head", model.lm_head, ["output.weight"]))
-        for where, lin, _ in targets:  # before any tensor is read
+    def __init__(self, model, gguf_path: Path):
+        from agentrt.engine.gguf_header import gguf_tensors
+
+        self.model, self.path = model, gguf_path
+        self.tensors = gguf_tensors(gguf_path)
+        self.formats: Counter = Counter()
+        self.nbytes = 0
+        self.embed: QuantWeight | None = None
+        targets = [[(f"layers.{i}.{attr}", getattr(getattr(layer, attr.split(".")[0]), attr.split(".")[1], None),
+                     [f"blk.{i}.{name}.weight" for name in names]) for attr, names in _LAYER_PROJECTIONS.items()]
+                   for i, layer in enumerate(model.layers)]
+        head = [("lm_head", model.lm_head, ["output.weight"])] if model.lm_head is not None else []
+        self.targets = {-1: head, **dict(enumerate(targets))}  # by the `loaded` call that swaps them
+        every = [t for ts in self.targets.values() for t in ts]
+        for where, lin, _ in every:
             if not isinstance(lin, Linear):
-                raise _Unpackable(f"{where} is not a plain projection (a GGUF file's experts are not kept packed "
-                                  "yet: quantization='none' widens them)")
-        for where, lin, names in targets:
-            parts, row = [], 0
+                raise ValueError(f"{where} is not a plain projection (a GGUF file's experts are not kept packed "
+                                 "yet: quantization='none' widens them)")
+        for where, _, names in every:
             for name in names:
-                if name not in tensors:
-                    raise _Unpackable(f"the GGUF file has no tensor {name!r} for {where}")
-                type_id, dims, offset = tensors[name]
+                if name not in self.tensors:
+                    raise ValueError(f"the GGUF file has no tensor {name!r} for {where}")
+                type_id, dims, _ = self.tensors[name]
                 if type_id not in FORMATS or len(dims) != 2:
-                    raise _Unpackable(f"{name} has ggml type {type_id}, a format the packed kernels do not take "
-                                      f"(they take {', '.join(f[0] for f in FORMATS.values())})")
-                k, n = dims
-                data = _read_rows(gguf_path, name, type_id, (n, k), offset)
-                want = lin.weight[row : row + n]
-                parts.append(_matching_rows(data, type_id, (n, k), want, name, model, interleave_rope_rows))
-                formats[FORMATS[type_id][0]] += 1
-                row += n
-            if row != lin.weight.shape[0]:
-                raise _Unpackable(f"{where} has {lin.weight.shape[0]} rows, its GGUF tensors {row}")
-            plan.append((lin, _merge_same_format(parts)))
-    except _Unpackable as e:
-        raise ValueError(str(e)) from None
-    embed = _embedding(model, gguf_path, tensors.get("token_embd.weight"))
-    if embed is not None:
-        formats[embed.format_name] += 1
-        model.embed_quant = embed
-        model.embed_tokens.weight = torch.nn.Parameter(torch.empty(0, dtype=model.embed_tokens.weight.dtype),
-                                                       requires_grad=False)
-    model.tied_head_quant = (embed,) if embed is not None and model.lm_head is None else None
-    nbytes = 0 if embed is None else embed.nbytes
-    for lin, parts in plan:
-        lin.quant = tuple(parts)
-        lin.weight = torch.nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
-        nbytes += sum(p.nbytes for p in parts)
-    model.quantized = True
-    return PackedWeights(formats, nbytes, embedding_packed=embed is not None)
+                    raise ValueError(f"{name} has ggml type {type_id}, a format the packed kernels do not take "
+                                     f"(they take {', '.join(f[0] for f in FORMATS.values())})")
+
+    def loaded(self, i: int) -> None:
+        """Layer i's weights are in (-1: the embedding, final norm and LM head): swap its projections."""
+        from agentrt.engine.model import interleave_rope_rows
+
+        if i == -1:
+            self._embedding()
+        for where, lin, names in self.targets.pop(i):
+            parts, row = [], 0
+            try:
+                for name in names:
+                    type_id, (k, n), offset = self.tensors[name]
+                    data = _read_rows(self.path, name, type_id, (n, k), offset)
+                    parts.append(_matching_rows(data, type_id, (n, k), lin.weight[row : row + n], name, self.model,
+                                                interleave_rope_rows))
+                    self.formats[FORMATS[type_id][0]] += 1
+                    row += n
+                if row != lin.weight.shape[0]:
+                    raise _Unpackable(f"{where} has {lin.weight.shape[0]} rows, its GGUF tensors {row}")
+            except _Unpackable as e:
+                raise ValueError(str(e)) from None
+            lin.quant = tuple(_merge_same_format(parts))
+            lin.weight = torch.nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
+            self.nbytes += sum(p.nbytes for p in lin.quant)
+
+    def _embedding(self) -> None:
+        model = self.model
+        embed = _embedding(model, self.path, self.tensors.get("token_embd.weight"))
+        if embed is not None:
+            self.formats[embed.format_name] += 1
+            self.nbytes += embed.nbytes
+            model.embed_quant = embed
+            model.embed_tokens.weight = torch.nn.Parameter(torch.empty(0, dtype=model.embed_tokens.weight.dtype),
+                                                           requires_grad=False)
+        model.tied_head_quant = (embed,) if embed is not None and model.lm_head is None else None
+        self.embed = embed
+
+    def finish(self) -> PackedWeights:
+        """What was kept packed, once every layer was `loaded`."""
+        if self.targets:
+            raise ValueError(f"GGUFPacker.finish: layers {sorted(self.targets)} were never loaded")
+        self.model.quantized = True
+        return PackedWeights(self.formats, self.nbytes, embedding_packed=self.embed is not None)
+
+
+def pack_model(model, gguf_path: Path) -> PackedWeights:
+    """`GGUFPacker` over a model already loaded (from the converted fp32 copy of `gguf_path`, in any dtype)."""
+    packer = GGUFPacker(model, gguf_path)
+    for i in [-1, *range(len(model.layers))]:
+        packer.loaded(i)
+    return packer.finish()
 
 
 # --quantization -> the block format of the projections (the token embedding, and a tied LM head on it, take Q8_0)

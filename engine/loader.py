@@ -338,18 +338,33 @@ def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | 
     if not files:
         raise ValueError(f"no safetensors weights in {str(path)!r}")
     with _status(f"loading {path.name} onto {device}"):
-        # each tensor read when the model takes it: no second copy of the checkpoint beside the model
-        sd: dict[str, torch.Tensor] = _LazyStateDict(files)
-        model.load_hf_state_dict(sd)
-        del sd
         model.packed_weights, model.widen_reason = None, None
+        packer = None
         if packed_from is not None:
-            from agentrt.engine.gguf_weights import pack_model
+            from agentrt.engine.gguf_weights import GGUFPacker
 
             try:
-                model.packed_weights = pack_model(model, packed_from)
-            except ValueError as e:
+                packer = GGUFPacker(model, packed_from)
+            except ValueError as e:  # what the header tells: nothing loaded yet
                 model.widen_reason = str(e)
+        # each tensor read when the model takes it: no second copy of the checkpoint beside the model; a GGUF
+        # file's blocks swapped in layer by layer as they load (the parameters' storage is untouched, so not
+        # resident, until a layer's turn)
+        sd: dict[str, torch.Tensor] = _LazyStateDict(files)
+        try:
+            model.load_hf_state_dict(sd, loaded=packer.loaded if packer is not None else None)
+        except ValueError as e:
+            if packer is None:
+                raise
+            # rows that decode to no known order, found midway: the model again, widened
+            del model, sd, packer
+            _release_freed_memory()
+            model, hf_config = load_model(path, dtype, device, quantize=quantize, keep_mxfp4=keep_mxfp4)
+            model.widen_reason = str(e)
+            return model, hf_config
+        del sd
+        if packer is not None:
+            model.packed_weights = packer.finish()
         elif quantize is not None:
             from agentrt.engine.gguf_weights import quantize_model
 

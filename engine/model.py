@@ -20,6 +20,7 @@ In bf16 they round where HF's bf16 model rounds (kernels/csrc/elementwise.h).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -521,10 +522,13 @@ class LlamaForCausalLM(nn.Module):
         return tokens, counts
 
     @torch.no_grad()
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor], loaded: Callable[[int], None] | None = None) -> None:
         """Load HF Llama-layout weight names (Llama, Qwen, Mistral, Gemma, SmolLM3; Phi-3's fused qkv_proj and
-        gate_up_proj; Gemma 3's multimodal checkpoints' language model), fusing q/k/v and gate/up."""
+        gate_up_proj; Gemma 3's multimodal checkpoints' language model), fusing q/k/v and gate/up. `loaded(-1)` is
+        called once the embedding, final norm and LM head are in, `loaded(i)` once layer i's weights are (the
+        GGUF packer swaps them for blocks there, so no layer's widened projections outlive its turn)."""
         a = self.args
+        loaded = loaded or (lambda i: None)
 
         def take(name):
             try:
@@ -550,6 +554,7 @@ class LlamaForCausalLM(nn.Module):
         sd.pop("lm_head.weight", None)
         if self.score is not None:
             self.score.weight.copy_(take("score.weight"))
+        loaded(-1)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -585,13 +590,14 @@ class LlamaForCausalLM(nn.Module):
                                                                   att.head_dim, att.rotary_dim))
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.load_hf(sd, p)
-                continue
-            if p + "mlp.gate_up_proj.weight" in sd:  # Phi-3: gate and up in one projection, gate rows first
-                layer.mlp.gate_up_proj.weight.copy_(take(p + "mlp.gate_up_proj.weight"))
             else:
-                layer.mlp.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                               take(p + "mlp.up_proj.weight")]))
-            layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+                if p + "mlp.gate_up_proj.weight" in sd:  # Phi-3: gate and up in one projection, gate rows first
+                    layer.mlp.gate_up_proj.weight.copy_(take(p + "mlp.gate_up_proj.weight"))
+                else:
+                    layer.mlp.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                                   take(p + "mlp.up_proj.weight")]))
+                layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+            loaded(i)
         leftover = [k for k in sd if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"checkpoint has weights this model does not use: {leftover[:5]}")

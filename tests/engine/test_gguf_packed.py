@@ -45,6 +45,61 @@ def test_projections_hold_the_files_blocks(models):
 
 
 @requires_default_model
+def test_each_layer_is_packed_before_the_next_one_loads(monkeypatch):
+    """The file's blocks go in as the model loads: when layer i's weights are in, every earlier layer already holds
+    blocks and no widened projection (a 4B Q4_K_M file peaked at 8.8 GB with the whole widened model loaded first,
+    3.6 GB this way)."""
+    from agentrt.engine import gguf_weights, loader
+    from agentrt.kernels.linear import Linear
+
+    read, seen = [], []  # checkpoint tensors in the order read; per packer call: (layer, tensors read by then, ...)
+    getitem, loaded = loader._LazyStateDict.__getitem__, gguf_weights.GGUFPacker.loaded
+
+    def reading(self, name):
+        read.append(name)
+        return getitem(self, name)
+
+    def packing(self, i):
+        earlier = [m for layer in self.model.layers[: max(i, 0)] for m in layer.modules() if isinstance(m, Linear)]
+        seen.append((i, len(read), sum(m.weight.numel() > 0 or m.quant is None for m in earlier)))
+        loaded(self, i)
+
+    monkeypatch.setattr(loader._LazyStateDict, "__getitem__", reading)
+    monkeypatch.setattr(gguf_weights.GGUFPacker, "loaded", packing)
+    model, _ = load_model(resolve_model(None), torch.float32, "cpu", packed_from=gguf_source(None))
+    layers = model.args.num_layers
+    assert [i for i, _, _ in seen] == [-1, *range(layers)]
+    for i, n_read, widened in seen:
+        assert widened == 0  # every earlier layer holds blocks only
+        later = [name for name in read[:n_read] if name.startswith("model.layers.")
+                 and int(name.split(".")[2]) > i]
+        assert later == []  # and no later layer's tensor was read yet
+    assert model.packed_weights.formats == Counter({"Q4_1": 7 * layers, "Q8_0": 1})
+
+
+@requires_default_model
+def test_rows_that_match_no_order_midway_leave_the_model_widened(monkeypatch, models):
+    """A layer whose blocks decode to none of the known row orders, found after earlier layers were packed: the
+    model is loaded again widened, with the reason, and computes as the widened one."""
+    from agentrt.engine import gguf_weights
+
+    matching = gguf_weights._matching_rows
+
+    def fails_in_layer_5(data, type_id, shape, want, name, *rest):
+        if name.startswith("blk.5."):
+            raise gguf_weights._Unpackable(f"the rows of {name} do not decode to the converted weights")
+        return matching(data, type_id, shape, want, name, *rest)
+
+    monkeypatch.setattr(gguf_weights, "_matching_rows", fails_in_layer_5)
+    model, _ = load_model(resolve_model(None), torch.float32, "cpu", packed_from=gguf_source(None))
+    assert model.packed_weights is None and model.widen_reason.startswith("the rows of blk.5.attn_q.weight")
+    assert all(layer.self_attn.qkv_proj.quant is None for layer in model.layers)
+    widened = models[1]
+    tokens = torch.randint(100, 20000, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert torch.equal(engine_logits(model, tokens, 8, 4), engine_logits(widened, tokens, 8, 4))
+
+
+@requires_default_model
 def test_logits_match_the_widened_engine(models):
     packed, widened, _ = models
     tokens = torch.randint(100, 20000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
