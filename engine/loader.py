@@ -239,15 +239,14 @@ def _convert_gguf(gguf: Path, name: str) -> Path:
         _carry_chat_template(gguf, out)
         return out
     check_gguf_supported(gguf)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
     try:
         with _status(f"converting {gguf.name} to safetensors in {out.parent} (first time only)", off_tty=True):
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            _save_dequantized(hf, tmp)
+            _write_checkpoint(gguf, tmp)
             tok.save_pretrained(tmp)
             _carry_chat_template(gguf, tmp)
         try:
@@ -258,6 +257,18 @@ def _convert_gguf(gguf: Path, name: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _write_checkpoint(gguf: Path, out: Path) -> None:
+    """Config and fp32 safetensors of `gguf` into `out`: a tensor at a time (engine.gguf_convert), or, where the
+    architecture's tensors are gathered across the file (mixtures of experts), through transformers' whole model."""
+    from agentrt.engine.gguf_convert import write_dequantized
+
+    if not write_dequantized(gguf, out):
+        from transformers import AutoModelForCausalLM
+
+        _save_dequantized(AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32),
+                          out)
 
 
 def _save_dequantized(hf, out: Path) -> None:

@@ -104,7 +104,7 @@ def test_converted_model_cache_is_keyed_by_content(tmp_path, monkeypatch):
     done = loader.converted_path(a, "copy")  # a converted copy is found from any path, without converting
     done.mkdir(parents=True)
     (done / "config.json").write_text("{}")
-    monkeypatch.setattr(loader, "_save_dequantized", lambda *a: pytest.fail("converted again"))
+    monkeypatch.setattr(loader, "_write_checkpoint", lambda *a: pytest.fail("converted again"))
     assert loader.resolve_model(tmp_path / "copy.gguf") == done
 
 
