@@ -28,13 +28,13 @@ and the routing decides which weights run). A GGUF file's experts are not kept p
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from agentrt.engine.moe import SparseMoE
-from agentrt.kernels.linear import Linear
+from agentrt.kernels.linear import Linear, on_huge_pages
 from agentrt.kernels.quant import FORMATS, QuantWeight, dequantize, quantize
 
 # fused projection of a decoder layer -> the GGUF tensors whose rows it concatenates
@@ -129,6 +129,7 @@ class GGUFPacker:
 
         if i == -1:
             self._embedding()
+        swapped = []
         for where, lin, names in self.targets.pop(i):
             parts, row = [], 0
             try:
@@ -146,11 +147,21 @@ class GGUFPacker:
             lin.quant = tuple(_merge_same_format(parts))
             lin.weight = torch.nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
             self.nbytes += sum(p.nbytes for p in lin.quant)
+            swapped.append(lin)
+        # the layer's blocks in 2 MB pages (one mapping a layer): a decode step streams them all, and in 4 KB pages
+        # every page is a TLB walk and a stop for the hardware prefetcher. Qwen3-4B-shape Q4_K_M, one stream on a
+        # 2-core Xeon VM, processes in turn: 5.6-5.8 -> 6.0-6.4 tok/s (4.9-5.0 -> 5.5-5.7 in A/B rounds within
+        # one process); where huge pages cannot be had the copies are plain pages
+        homed = iter(on_huge_pages([p.data for lin in swapped for p in lin.quant]))
+        for lin in swapped:
+            lin.quant = tuple(replace(p, data=next(homed)) for p in lin.quant)
 
     def _embedding(self) -> None:
         model = self.model
         embed = _embedding(model, self.path, self.tensors.get("token_embd.weight"))
         if embed is not None:
+            if model.lm_head is None:  # a tied head streams it (as the projections, below)
+                embed = replace(embed, data=on_huge_pages([embed.data])[0])
             self.formats[embed.format_name] += 1
             self.nbytes += embed.nbytes
             model.embed_quant = embed

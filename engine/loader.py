@@ -362,8 +362,13 @@ def load_model(path: Path, dtype: torch.dtype, device: str, packed_from: Path | 
         # file's blocks swapped in layer by layer as they load (the parameters' storage is untouched, so not
         # resident, until a layer's turn)
         sd: dict[str, torch.Tensor] = _LazyStateDict(files)
+
+        def packed(i: int) -> None:  # and the heap pages its reads and copies freed handed back before the next one
+            packer.loaded(i)
+            _release_freed_memory()
+
         try:
-            model.load_hf_state_dict(sd, loaded=packer.loaded if packer is not None else None)
+            model.load_hf_state_dict(sd, loaded=packed if packer is not None else None)
         except ValueError as e:
             if packer is None:
                 raise

@@ -10,6 +10,7 @@ from agentrt.engine.loader import gguf_source, load_model, resolve_model
 from agentrt.kernels.quant import quant_embedding
 from tests.conftest import requires_default_model
 from tests.engine.test_dense_architectures import engine_logits
+from tests.kernels.test_kernels_linear import _vm_flags
 
 
 def _nmse(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -40,6 +41,10 @@ def test_projections_hold_the_files_blocks(models):
     assert packed.packed_weights.describe().startswith("gguf Q4_1+Q8_0 kept packed, 96 MB")
     # the token embedding is looked up from its Q8_0 blocks: no widened copy
     assert packed.embed_tokens.weight.numel() == 0 and packed.embed_quant.format_name == "Q8_0"
+    # every block a decode step streams lies in a mapping advised for 2 MB pages (the tied head's included)
+    streamed = [p for m in packed.modules() if getattr(m, "quant", None) for p in m.quant] + [*packed.tied_head_quant]
+    flags = [_vm_flags(p.data.data_ptr()) for p in streamed]
+    assert all(f is None or "hg" in f for f in flags), flags
     ids = torch.tensor([0, 7, 49151, 7])
     assert torch.equal(quant_embedding(ids, packed.embed_quant), widened.embed_tokens(ids))
 
