@@ -91,7 +91,7 @@ class GGUFPacker:
     """Swaps a model's projections for a GGUF file's blocks as the model loads (`loaded`, the callback of
     `LlamaForCausalLM.load_hf_state_dict`): layer i's projections are matched and swapped once they are in, so no
     layer's widened weights outlive its turn (a Qwen3-4B-shape Q4_K_M file: the load peaked at 8.8 GB with the
-    whole bf16 model loaded before packing, 3.6 GB now). What the header tells (a projection that is not plain, a
+    whole bf16 model loaded before packing, 3.4 GB now). What the header tells (a projection that is not plain, a
     missing tensor, a format the kernels do not take) is checked before any weight loads: ValueError, the model
     untouched. Rows that decode to no candidate order raise ValueError midway, some layers already packed: load
     the model again widened (load_model does)."""
