@@ -151,6 +151,20 @@ def build_directory(kind_name: str) -> Path:
     return Path(cpp_extension.get_default_build_root()) / folder / name
 
 
+def _sources_in(build_dir: Path) -> Path:
+    """The C++ sources copied into `build_dir` (a file only where its bytes differ, so its time stays), and the
+    main file there. Built from there, the build's commands name no path of this copy of the package: a wheel
+    installed elsewhere, whose sources hash the same, finds the library built and loads it, where a build from
+    its own path would make ninja rebuild it (~70 s), and the next process from the other path again."""
+    src = build_dir / "src"
+    src.mkdir(exist_ok=True)
+    for path in (p for p in _CSRC.iterdir() if p.is_file()):
+        data, there = path.read_bytes(), src / path.name
+        if not there.exists() or there.read_bytes() != data:
+            there.write_bytes(data)
+    return src / _SOURCE.name
+
+
 def _build(kind_name: str):
     if os.environ.get(ENV_VAR, "1") == "0":
         return None
@@ -167,7 +181,8 @@ def _build(kind_name: str):
         with open(build_dir / "agentrt.flock", "a") as held:
             fcntl.flock(held, fcntl.LOCK_EX)  # released by the OS when this process dies
             (build_dir / "lock").unlink(missing_ok=True)  # torch's baton, left by a build that was killed
-            cpp_extension.load(name=build_dir.name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+            source = _sources_in(build_dir)
+            cpp_extension.load(name=build_dir.name, sources=[str(source)], build_directory=str(build_dir),
                                extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
                                verbose=False)
     except Exception as e:  # no compiler or ninja, or a build error: keep the torch paths

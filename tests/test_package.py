@@ -93,7 +93,12 @@ def test_no_folder_outside_its_import_name():
 def test_installed_copy_generates_beside_hf_kernels(installed, tmp_path, tiny_model_path):
     """The wheel installed into its own directory (not the source tree) loads a model and generates,
     with Hugging Face's `kernels` importable as `kernels` in the same process."""
+    from agentrt.kernels import cpu
+
     target = installed
+    lib = cpu.build_directory(cpu.kind())
+    built = lib / f"{lib.name}.so" if cpu.ops() else None
+    before = built.stat().st_mtime_ns if built else None
     code = (
         "import kernels, agentrt, agentrt.engine as e\n"
         f"assert agentrt.__file__.startswith({str(target)!r}), agentrt.__file__\n"
@@ -107,6 +112,8 @@ def test_installed_copy_generates_beside_hf_kernels(installed, tmp_path, tiny_mo
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "5"
+    if built:  # the copy found the library this checkout built (same sources) instead of building it again
+        assert built.stat().st_mtime_ns == before
 
 
 def bare_venv(root: Path, *, hf_kernels: bool) -> Path:
