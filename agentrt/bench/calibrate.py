@@ -6,8 +6,9 @@ batches, fit `agentrt.bench.costs.StepCost`, store the fit for this model, dtype
 
 The design covers what the benchmarks schedule: prefill of one prompt of 16-1024 tokens (chunked at the
 engine's token budget, so chunks of many sizes over growing context), decode of 1-32 rows at contexts
-of 32-1024 tokens, and mixed steps (rows decoding while a prompt of 64-512 tokens arrives and prefills
-beside them). Every step of the real `EngineCore.step()` is timed (scheduling, input preparation,
+of 32-1024 tokens, mixed steps (rows decoding while a prompt of 64-512 tokens arrives and prefills
+beside them) and decode of 4-16 rows over one prefix of 240 or 1008 tokens (parallel calls of a program: the
+shared context's price). Every step of the real `EngineCore.step()` is timed (scheduling, input preparation,
 forward, sampling, output handling); steps with the same inputs across repeats keep their median time.
 The fit is a non-negative least-squares fit of relative error (each step weighs the same, whether it
 took 10 ms or 1 s); its error is reported per step and per scenario (a scenario's total time, which
@@ -40,6 +41,7 @@ VOCAB = (1000, 40000)
 class Scenario:
     name: str
     requests: tuple[tuple[int, int, int], ...]  # (prompt tokens, output tokens, the step it arrives at)
+    shared: int = 0  # the prompts' first `shared` tokens are one prefix (parallel calls of one program)
 
 
 def design(max_rows: int = 32) -> list[Scenario]:
@@ -51,28 +53,33 @@ def design(max_rows: int = 32) -> list[Scenario]:
     for rows in (2, 8):
         for n in (64, 256, 512):
             out.append(Scenario(f"{rows} decoding + prefill {n}", ((128, 24, 0),) * rows + ((n, 2, 4),)))
+    for ctx in (256, 1024):  # rows decoding over one prefix: the shared context's price
+        for rows in (4, 8, 16):
+            if rows <= max_rows:
+                out.append(Scenario(f"decode {rows} x {ctx} sharing {ctx - 16}", ((ctx, 10, 0),) * rows, ctx - 16))
     return out
 
 
 def time_steps(core: Any, scenarios: list[Scenario], repeats: int, seed: int = 0,
                log: Any = None) -> list[tuple[str, tuple[int, ...], float]]:
     """(scenario, features, seconds) for every step of every scenario, `repeats` times over (fresh random
-    prompts each time, so the prefix cache never hits)."""
+    prompts each time, so the prefix cache never hits, but for a scenario's rows over its `shared` prefix)."""
     from agentrt.engine.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     seen: list[tuple[int, ...]] = []
-    core.on_schedule = lambda out: seen.append(step_features(out))
+    core.on_schedule = lambda out: seen.append(step_features(out, core.config.block_size))
     records = []
     try:
         for rep, sc in itertools.product(range(repeats), scenarios):
             pending = sorted(sc.requests, key=lambda r: r[2])
+            prefix = [rng.randrange(*VOCAB) for _ in range(sc.shared)]
             reqs, step = [], 0
             t_scenario = time.perf_counter()
             while pending or core.has_work():
                 while pending and pending[0][2] <= step:
                     n, out_tokens, _ = pending.pop(0)
-                    prompt = [rng.randrange(*VOCAB) for _ in range(n)]
+                    prompt = prefix[:n] + [rng.randrange(*VOCAB) for _ in range(n - len(prefix[:n]))]
                     reqs.append(core.add_request(prompt, SamplingParams(max_tokens=out_tokens, ignore_eos=True,
                                                                         temperature=0.0)))
                 seen.clear()
@@ -122,6 +129,8 @@ def fit(records: list[tuple[str, tuple[int, ...], float]]) -> tuple[StepCost, di
     scale[scale == 0] = 1.0
     coef = nnls(x / scale / t[:, None], np.ones(len(t))) / scale
     cost = StepCost(*coef.tolist())
+    if not x[:, FEATURES.index("shared_context")].any():  # no row shared a block: its price is not known
+        cost = dataclasses.replace(cost, shared_context_s=None)
     pred = x @ coef
     rel = np.abs(pred - t) / t
     per_scenario: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -199,7 +208,9 @@ def describe(f: Fit) -> str:
         f"fit {f.key} on {f.cpu}, {f.steps} timed steps ({e['distinct_steps']} distinct):",
         f"  step_s = {c.base_s * 1e3:.2f} ms + {c.token_s * 1e6:.1f} us/token + {c.decode_row_s * 1e6:.1f} us/decode row"
         f" + {c.context_s * 1e9:.1f} ns/context token + {c.prefill_attn_s * 1e9:.1f} ns/prefill pair"
-        f" + {c.sample_s * 1e6:.1f} us/sampled row"
+        f" + {c.sample_s * 1e6:.1f} us/sampled row + "
+        + (f"{c.shared_context_s * 1e9:.1f} ns/shared context token" if c.shared_context_s is not None
+           else "shared context as context")
         + (f" (base includes {e['loop_overhead_s'] * 1e3:.2f} ms/step of serving overhead)" if "loop_overhead_s" in e
            else ""),
         f"  error per step: median {e['median_rel']:.1%}, p90 {e['p90_rel']:.1%}, max {e['max_rel']:.1%}; "

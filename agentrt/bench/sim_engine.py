@@ -83,7 +83,7 @@ class SimEngine:
         out = self.scheduler.schedule()
         if out.failed:
             raise RuntimeError(f"simulated request failed: {out.failed[0].error}")
-        dt = self.cost(out)
+        dt = self.cost(out, self.kv.block_size)
         if self.tiers is not None:
             dt += apply_moves(self.tiers, out.kv_moves, self.tier_cost)
         self.pinned_block_s += self.kv.num_pinned_blocks * dt
@@ -136,7 +136,7 @@ class SimEngine:
             reqs = list(sch.running)
             ones = [1] * len(reqs)
             out = SchedulerOutput(reqs=reqs, num_tokens=ones, block_copies=[])
-            dt = self.cost(out)
+            dt = self.cost(out, self.kv.block_size)
             self.now += dt
             self.busy_s += dt
             self.num_steps += 1

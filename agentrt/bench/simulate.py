@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="agentrt bench simulate", description=__doc__.split("\n\n")[0])
     real.add_common_args(ap)
-    ap.add_argument("--cost", default=None, metavar="BASE,TOKEN,DECODE_ROW,CONTEXT[,PREFILL_ATTN[,SAMPLE]]",
+    ap.add_argument("--cost", default=None, metavar="BASE,TOKEN,DECODE_ROW,CONTEXT[,PREFILL_ATTN[,SAMPLE[,SHARED_CONTEXT]]]",
                     help="step-cost model in seconds (default: this machine's calibrated fit, see --calibrate)")
     ap.add_argument("--cost-model", default=None, choices=list(costs.NAMED),
                     help="a named step-cost model instead of this machine's fit (agentrt/bench/costs.py states their sources)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -16,7 +17,8 @@ from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.scheduler import SchedulerOutput
 
-TRUE = StepCost(base_s=0.012, token_s=4e-4, decode_row_s=9e-4, context_s=2e-6, prefill_attn_s=1e-7, sample_s=1.5e-3)
+TRUE = StepCost(base_s=0.012, token_s=4e-4, decode_row_s=9e-4, context_s=2e-6, prefill_attn_s=1e-7, sample_s=1.5e-3,
+                shared_context_s=8e-7)
 
 
 def _synthetic(noise: float, seed: int = 0) -> list[tuple[str, tuple[int, ...], float]]:
@@ -24,16 +26,19 @@ def _synthetic(noise: float, seed: int = 0) -> list[tuple[str, tuple[int, ...], 
     rng = random.Random(seed)
     records = []
     for i in range(300):
-        kind = i % 3
+        kind = i % 4
         if kind == 0:  # a prefill chunk, alone
             n, done = rng.choice([16, 64, 128, 256, 512]), rng.choice([0, 0, 256, 512])
-            x = (1, n, 0, done + n, n * done + n * (n + 1) // 2, rng.random() < 0.5)
+            x = (1, n, 0, done + n, n * done + n * (n + 1) // 2, rng.random() < 0.5, 0)
         elif kind == 1:  # decode rows
             rows, ctx = rng.choice([1, 2, 4, 8, 16, 32]), rng.choice([32, 256, 1024])
-            x = (1, rows, rows, rows * ctx, 0, rows)
-        else:  # decode rows + a chunk
+            x = (1, rows, rows, rows * ctx, 0, rows, 0)
+        elif kind == 2:  # decode rows + a chunk
             rows, n = rng.choice([2, 8]), rng.choice([64, 256])
-            x = (1, rows + n, rows, rows * 130 + n, n * (n + 1) // 2, rows + 1)
+            x = (1, rows + n, rows, rows * 130 + n, n * (n + 1) // 2, rows + 1, 0)
+        else:  # decode rows over one prefix: the first reads it, the others share it
+            rows, ctx = rng.choice([4, 8, 16]), rng.choice([256, 1024])
+            x = (1, rows, rows, ctx + rows * 16, 0, rows, (rows - 1) * ctx)
         t = sum(c * v for c, v in zip(TRUE.coefficients(), x)) * (1 + rng.uniform(-noise, noise))
         records.append((f"s{i % 7}", tuple(int(v) for v in x), t))
     return records
@@ -68,11 +73,36 @@ def test_step_features_match_the_cost_model():
     decode = Request("b", [1] * 10, SamplingParams())
     decode.num_computed_tokens = 9
     out = SchedulerOutput([prefill, chunk, decode], [100, 100, 1], [])
-    base, tokens, rows, context, attn, sampled = step_features(out)
-    assert (base, tokens, rows, sampled) == (1, 201, 1, 2)
+    base, tokens, rows, context, attn, sampled, shared = step_features(out)
+    assert (base, tokens, rows, sampled, shared) == (1, 201, 1, 2, 0)  # no block tables: nothing shared
     assert context == 100 + 200 + 10
     assert attn == 100 * 101 // 2 + (100 * 100 + 100 * 101 // 2)
     assert TRUE(out) == pytest.approx(sum(c * x for c, x in zip(TRUE.coefficients(), step_features(out))))
+
+
+def test_rows_over_one_prefix_count_its_blocks_once_as_context_and_after_as_shared():
+    rows = []  # three calls decoding the 41st token over 40 tokens in blocks of 16 (the third block partly)
+    for i, table in enumerate(([0, 1, 2], [0, 1, 12], [0, 1, 2])):  # the second call's third block is its own
+        r = Request(f"r{i}", [1] * 41, SamplingParams())
+        r.num_computed_tokens, r.block_ids = 40, table
+        rows.append(r)
+    out = SchedulerOutput(rows, [1, 1, 1], [])
+    *_, context, _, _, shared = step_features(out, block_size=16)
+    # row 0 reads blocks 0-2 first (41 tokens); row 1 shares 0-1 (32) and reads its own 12 (9); row 2 shares all
+    assert (context, shared) == (41 + 9, 32 + 41)
+    assert context + shared == 3 * 41  # what every row attends over, as before the split
+    cheaper = TRUE(out, 16)
+    assert cheaper == pytest.approx(TRUE.base_s + 3 * TRUE.token_s + 3 * TRUE.decode_row_s + 50 * TRUE.context_s
+                                    + 73 * TRUE.shared_context_s + 3 * TRUE.sample_s)
+    # a fit made before the shared context had its own price prices it as context
+    old = dataclasses.replace(TRUE, shared_context_s=None)
+    assert old.coefficients()[-1] == TRUE.context_s and old(out, 16) > cheaper
+
+
+def test_a_fit_without_shared_rows_leaves_the_shared_price_unknown():
+    records = [r for r in _synthetic(noise=0.0) if r[1][-1] == 0]
+    cost, _ = calibrate.fit(records)
+    assert cost.shared_context_s is None and cost.coefficients()[-1] == cost.context_s
 
 
 def test_stored_fit_is_found_again_by_its_key(tmp_path):
@@ -115,7 +145,8 @@ def test_named_gpu_models_state_their_sources():
 def test_cost_arguments_are_checked():
     assert StepCost.parse("0.01,0.001,0,0") == StepCost(0.01, 0.001, 0, 0, 0, 0)
     assert StepCost.parse("1,2,3,4,5,6").sample_s == 6
-    for bad in ("1,2,3", "1,2,3,-4", "a,b,c,d", "1,2,3,4,5,6,7"):
+    assert StepCost.parse("1,2,3,4,5,6,7").shared_context_s == 7
+    for bad in ("1,2,3", "1,2,3,-4", "a,b,c,d", "1,2,3,4,5,6,7,8"):
         with pytest.raises(SystemExit, match="--cost must be"):
             StepCost.parse(bad)
 

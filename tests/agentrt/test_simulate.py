@@ -71,7 +71,7 @@ def test_cli_reports_ratios_and_capacity(capsys):
     assert list(report["results"]) == ["fcfs", "plas:order=call"]
     assert report["results"]["plas:order=call"]["vs_fcfs"]["latency_s.mean"] > 0
     assert report["capacity_programs_per_s"] > 0
-    with pytest.raises(SystemExit, match="--cost must be 4 to 6 numbers"):
+    with pytest.raises(SystemExit, match="--cost must be 4 to 7 numbers"):
         sim.main(["--cost", "1,2"])
     with pytest.raises(SystemExit, match="got '1,2,3,-4'"):
         sim.main(["--cost", "1,2,3,-4"])
