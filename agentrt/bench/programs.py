@@ -246,6 +246,8 @@ def write_docs(report: dict[str, Any], path: Path | None = None) -> Path:
                   "", programs_http.breakdown_table(report["results"])]
     if "simulated" in report:
         parts += ["", SIM_NOTE, "", simulated_table(report)]
+        if "step_costs" in report["config"]:
+            parts += ["", f"The simulator's {report['config']['step_costs']}."]
     return _common.write_section(title, "\n".join(parts), path, name="programs")
 
 
@@ -260,7 +262,8 @@ def simulated(report: dict[str, Any], policies: list[str], workloads: list[list[
     from agentrt.bench import costs
     from agentrt.bench.sim_run import like_http, simulate
 
-    cost, _ = costs.for_this_machine(report["config"].get("model"), quiet=True)
+    cost, line = costs.for_this_machine(report["config"].get("model"), quiet=True)
+    report["config"]["step_costs"] = line
     out = {}
     for policy in policies:
         name, kwargs = policy_spec(policy, args)
@@ -513,9 +516,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=1,
                     help="workloads of seeds --seed .. --seed + N - 1 at the same arrival rate, every policy on each; "
                          "statistics over all their programs pooled, makespan averaged")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="--http: fit this machine's step costs anew right after the served runs (and store the fit), "
+                         "so the simulator beside them prices steps as the machine ran them that hour")
     args = ap.parse_args(argv)
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be >= 1, got {args.seeds!r}")
+    if args.calibrate and not args.http:
+        raise SystemExit("--calibrate goes with --http (the simulated side-by-side of a served run)")
     model = str(resolve_model(args.model))  # a path that is not a model fails first, in one line
     measured: dict[str, Any] = {}
 
@@ -572,6 +580,12 @@ def main(argv: list[str] | None = None) -> int:
                 report["results"][policy]["programs"], LONG_KINDS)
     add_ratios(report)
     if args.http and args.kv_host_gib is None:
+        if args.calibrate:
+            from agentrt.bench import calibrate, costs
+
+            fit, _ = calibrate.calibrate(args.model)
+            costs.store(fit)
+            print(calibrate.describe(fit), file=sys.stderr)
         report["simulated"] = simulated(report, policies, workloads, engine, args)
     if args.timeline:
         programs_http.plot_timeline(report, args.timeline)

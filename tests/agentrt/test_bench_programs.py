@@ -44,6 +44,8 @@ def test_seeds_pool_and_the_breakdown_adds_up(tiny_model_path, capsys):
         assert parts == pytest.approx(short["latency"], rel=0.05) and short["own"] > 0 and short["steps"] >= 1
     with pytest.raises(SystemExit, match="--breakdown runs in-process"):
         bench.main(["--model", str(tiny_model_path), "--rate", "1", "--breakdown", "--http"])
+    with pytest.raises(SystemExit, match="--calibrate goes with --http"):
+        bench.main(["--model", str(tiny_model_path), "--rate", "1", "--calibrate"])
 
 
 def test_measured_saturation_is_the_knee_of_a_closed_loop(tiny_model_path):
@@ -112,6 +114,7 @@ def test_bench_programs_over_http(tiny_model_path, tmp_path, capsys, monkeypatch
     assert plot.stat().st_size > 10_000
     sim = report["simulated"]  # the simulator on the same workloads, as the server ran them
     assert list(sim) == ["fcfs", "plas+ttl:running_cap=2"] and all(s["mean"] > 0 for s in sim.values())
+    assert report["config"]["step_costs"].startswith("step costs: ")  # which fit priced the simulated steps
     rows = bench.simulated_table(report).splitlines()[2:]
     assert len(rows) == 2 and rows[0].startswith("| fcfs |") and rows[0].endswith("| 1.00 | 1.00 | +0.00 |")
     from agentrt.bench import programs_http
