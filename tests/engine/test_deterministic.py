@@ -34,6 +34,7 @@ def result(out) -> tuple[list[int], list[float]]:
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def llm(request, default_model_path):
     engine = LLM(str(default_model_path), dtype=request.param, deterministic=True, seed=0)
+    engine.greedy_alone = {}  # text -> its greedy result alone (see `reference`)
     yield engine
     assert_all_blocks_free(engine.core)
 
@@ -46,8 +47,17 @@ def alone(llm, text=TARGET, params=None):
     return result(llm.generate([text], params or greedy())[0])
 
 
+def reference(llm, text=TARGET):
+    """`alone(llm, text)` with greedy params, computed once per engine: the tests compare against it (the same
+    engine and prompt gave the same bits each time they recomputed it; that a request alone repeats is itself
+    checked by test_prefix_cache_hit_equals_miss, whose first `alone` is a miss like this one)."""
+    if text not in llm.greedy_alone:
+        llm.greedy_alone[text] = alone(llm, text)
+    return llm.greedy_alone[text]
+
+
 def test_alone_equals_in_a_batch_of_32_mixed_requests(llm):
-    want = alone(llm)
+    want = reference(llm)
     rng = random.Random(1)
     mixed = [prompt(rng, rng.randint(3, 150)) for _ in range(31)]  # (300 words and 60 tokens took 100 s in float32)
     params = [SamplingParams(temperature=rng.choice([0, 0.7, 1.0]), max_tokens=rng.randint(1, TOKENS + 6), seed=i)
@@ -62,6 +72,7 @@ def test_alone_equals_in_a_batch_of_32_mixed_requests(llm):
 
 def test_prefix_cache_hit_equals_miss(llm):
     want = alone(llm)
+    assert want == reference(llm)  # alone, again: the same bits
     assert result(llm.generate([TARGET], greedy())[0]) == want  # the whole prompt but its last token cached
     assert llm.kv_stats().prefix_hit_tokens > 0
     # a longer prompt whose head another request cached: the head's blocks hit, its tail is computed
@@ -76,7 +87,7 @@ def test_prefix_cache_hit_equals_miss(llm):
 def test_chunked_prefill_equals_unchunked(llm, chunk):
     text = TARGET + " " + prompt(random.Random(9), 150)  # ~330 tokens
     config = llm.core.config
-    want = alone(llm, text)  # max_num_batched_tokens 1024: one chunk
+    want = reference(llm, text)  # max_num_batched_tokens 1024: one chunk (computed for the first chunk size only)
     saved = config.max_num_batched_tokens
     config.max_num_batched_tokens = chunk
     try:
@@ -95,13 +106,17 @@ def test_seeded_sampling_repeats_alone_and_in_a_batch(llm):
     assert result(outs[-1]) == first
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_preempted_and_recomputed_equals_uninterrupted(default_model_path, dtype):
+def test_preempted_and_recomputed_equals_uninterrupted(llm, default_model_path):
+    """The 6 requests uninterrupted (in one batch of the module's roomy engine: no preemption; that a batch gives
+    each request its bits alone is test_alone_equals_in_a_batch_of_32_mixed_requests') against the same 6 in an
+    engine too small to hold them, which preempts and recomputes."""
+    dtype = llm.core.config.dtype
     rng = random.Random(3)
     texts = [prompt(rng, rng.randint(60, 120)) for _ in range(6)]
-    roomy = LLM(str(default_model_path), dtype=dtype, deterministic=True)
-    want = [result(roomy.generate([t], greedy())[0]) for t in texts]
-    del roomy
+    llm.core.reset_prefix_cache()
+    preemptions = llm.kv_stats().num_preemptions
+    want = [result(o) for o in llm.generate(texts, greedy())]
+    assert llm.kv_stats().num_preemptions == preemptions  # uninterrupted
     # 6 requests of ~100-160 tokens need ~60 blocks of 16 at the end; 36 make some wait and be preempted
     tight = LLM(str(default_model_path), dtype=dtype, deterministic=True, num_blocks=36, enable_prefix_caching=False)
     got = [result(o) for o in tight.generate(texts, greedy())]
