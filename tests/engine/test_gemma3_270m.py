@@ -22,7 +22,15 @@ def gemma3():
     path = resolve_model(gguf)
     from transformers import AutoTokenizer
 
-    return path, AutoTokenizer.from_pretrained(path)
+    from agentrt.engine import engine_core
+
+    tok, load = AutoTokenizer.from_pretrained(path), engine_core.load_tokenizer
+    with pytest.MonkeyPatch.context() as m:
+        # every engine of this module (5, the server's included) loads the tokenizer from the same files, which
+        # transformers parses in ~6 s each time (a 262k vocabulary's tokenizer.json read three times over): the one
+        # loaded here is handed to them all, the same object `load_tokenizer(path)` returns (nothing mutates it)
+        m.setattr(engine_core, "load_tokenizer", lambda p: tok if str(p) == str(path) else load(p))
+        yield path, tok
 
 
 @pytest.fixture(scope="module")
