@@ -2,8 +2,11 @@
 holds, bit for bit, in shards the loader reads. (Gemma 3's conversion, with its own tensor processor, is checked
 end to end by tests/engine/test_gguf_packed.py's greedy parity with transformers on the real file.)"""
 
+import functools
 import json
+import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -12,6 +15,16 @@ from agentrt.engine.loader import gguf_source, load_hf_config, load_model, resol
 from agentrt.engine.model_args import ModelArgs
 from tests.conftest import requires_default_model
 from tests.engine.test_dense_architectures import engine_logits
+
+
+@pytest.fixture(autouse=True)
+def name_map_built_once(monkeypatch):
+    """transformers' `get_gguf_hf_weights_map` (write_dequantized's and its own GGUF load's) builds gguf's
+    `TensorNameMap` anew for each of the ~400 modules it recurses into, ~20 ms each, the same map each time: built
+    once per (architecture, layers) here (a read-only lookup table; the same names come out)."""
+    import gguf
+
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
 
 
 def _written(out):
@@ -50,11 +63,14 @@ def test_the_default_file_streams_to_transformers_tensors_in_shards(tmp_path):
     assert set(index["weight_map"].values()) == {f.name for f in files}
     _assert_same_as_transformers(gguf, tmp_path)
     # the shards load as one checkpoint: the engine computes as on the default model's converted copy
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp_path)
+    # (its tokenizer: the files the loader's converted copy holds, which it wrote from the same GGUF file with
+    # `AutoTokenizer.from_pretrained(gguf_file=...).save_pretrained`; converting the file's vocabulary again took ~5 s)
+    converted = resolve_model(None)
+    for f in converted.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, tmp_path / f.name)
     model, _ = load_model(tmp_path, torch.float32, "cpu")
-    ref, _ = load_model(resolve_model(None), torch.float32, "cpu")
+    ref, _ = load_model(converted, torch.float32, "cpu")
     from transformers import AutoModelForCausalLM  # and transformers reads the shards by their index
 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
