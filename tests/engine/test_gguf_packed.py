@@ -18,6 +18,14 @@ def _nmse(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
+def gguf_reader():
+    """The `gguf` package's reader of the default file (it parses every metadata value: ~3 s), once for the module."""
+    import gguf as gguf_pkg
+
+    return gguf_pkg.GGUFReader(str(gguf_source(None)))
+
+
+@pytest.fixture(scope="module")
 def models():
     path, gguf = resolve_model(None), gguf_source(None)
     packed, _ = load_model(path, torch.float32, "cpu", packed_from=gguf)
@@ -26,9 +34,7 @@ def models():
 
 
 @requires_default_model
-def test_projections_hold_the_files_blocks(models):
-    import gguf as gguf_pkg
-
+def test_projections_hold_the_files_blocks(models, gguf_reader):
     packed, widened, path = models
     layers = packed.args.num_layers
     # q, k, v, o, gate, up, down per layer, and the tied LM head on the token embedding's Q8_0 blocks
@@ -36,7 +42,7 @@ def test_projections_hold_the_files_blocks(models):
     qkv = packed.layers[0].self_attn.qkv_proj
     assert qkv.weight.numel() == 0 and [p.format_name for p in qkv.quant] == ["Q4_1"]  # widened copy dropped
     assert widened.packed_weights is None and widened.layers[0].self_attn.qkv_proj.quant is None
-    quantized = [t for t in gguf_pkg.GGUFReader(str(path)).tensors if t.tensor_type.name in ("Q4_1", "Q8_0")]
+    quantized = [t for t in gguf_reader.tensors if t.tensor_type.name in ("Q4_1", "Q8_0")]
     assert packed.packed_weights.nbytes == sum(int(t.n_bytes) for t in quantized)  # the file's bytes, no more
     assert packed.packed_weights.describe().startswith("gguf Q4_1+Q8_0 kept packed, 96 MB")
     # the token embedding is looked up from its Q8_0 blocks: no widened copy
@@ -249,14 +255,12 @@ def test_cli_flag_reaches_the_engine_config():
 
 
 @requires_default_model
-def test_header_reader_agrees_with_the_gguf_package():
-    import gguf as gguf_pkg
-
+def test_header_reader_agrees_with_the_gguf_package(gguf_reader):
     from agentrt.engine.gguf_header import gguf_tensors
 
     path = gguf_source(None)
     ours = gguf_tensors(path)
-    theirs = gguf_pkg.GGUFReader(str(path)).tensors
+    theirs = gguf_reader.tensors
     assert len(ours) == len(theirs) == 272
     for t in theirs:
         assert ours[t.name] == (int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset)), t.name
@@ -289,13 +293,13 @@ def test_gemma3_q4_k_m_logits_match_the_widened_engine(gemma3_gguf):
 
 @pytest.mark.slow
 def test_gemma3_q4_k_m_greedy_matches_hf(gemma3_gguf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = resolve_model(gemma3_gguf)
-    tok = AutoTokenizer.from_pretrained(path)
-    prompt = tok("The three things an agent runtime schedules are")["input_ids"]
     llm = LLM(str(gemma3_gguf), quantization="gguf", dtype="float32", num_blocks=64)
     assert "kept packed" in llm.core.startup_line
+    # the engine's tokenizer: AutoTokenizer.from_pretrained(path) too (a second load of the 262k vocabulary took ~6 s)
+    prompt = llm.tokenizer("The three things an agent runtime schedules are")["input_ids"]
     got = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].token_ids
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
