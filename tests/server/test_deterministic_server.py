@@ -21,8 +21,14 @@ MESSAGES = [{"role": "system", "content": "You are a friendly assistant."},
 @pytest.fixture(scope="module")
 def srv(default_model_path):
     config = tiny_config(default_model_path, served_model_name="smol",
-                         engine={"num_blocks": 512, "max_num_seqs": 32, "deterministic": True})
+                         engine={"num_blocks": 512, "max_num_seqs": 32, "deterministic": True,
+                                 # the user's default, as the docstring says (tests/conftest.py's AGENTRT_DTYPE=float32
+                                 # made it fp32, whose deterministic mode is tests/engine/test_deterministic.py's too)
+                                 "dtype": "auto"})
     with live_server(config) as s:
+        from agentrt.engine.config import auto_dtype
+
+        assert s.state.runtime.engine.core.config.dtype == auto_dtype("cpu")[0]
         yield s
         s.wait_idle()
         assert_all_blocks_free(s.state.runtime.engine.core)
