@@ -49,26 +49,33 @@ def assert_all_blocks_free(core) -> None:
     assert not core.scheduler.running and not core.scheduler.waiting
 
 
-@pytest.fixture(scope="session")
-def cpu_kinds_built():
-    """Every C++ CPU kind this machine supports, built before the first test that forces one: each kind's build is
-    one compiler process on one core (~40 s), and built on first use they came one after another; here each builds
-    in its own process at once, then loads in this one from the cache (ninja finds it up to date). The same
-    libraries as a build on first use: the same sources, flags and cache folder (kernels/cpu.py)."""
+def pytest_sessionstart(session):
+    """Every C++ CPU kind this machine supports, built before the first test: a kind's build is one compiler process
+    on one core (~40-120 s here), and built on first use they came one after another (the native kind while tests
+    were collected, the forced ones in test_bf16); here each missing one builds in its own process at once, before
+    any test runs (no timed test shares the machine with a compiler), and later processes load them from the cache.
+    The same libraries as a build on first use: the same sources, flags and cache folder (kernels/cpu.py)."""
     import subprocess
     import sys
 
     from agentrt.kernels import cpu
 
+    if os.environ.get(cpu.ENV_VAR, "1") == "0":
+        return
+    todo = [k for k in cpu.supported_kinds() if not (cpu.build_directory(k) / f"{cpu.build_directory(k).name}.so").is_file()]
+    script = "import sys; from agentrt.kernels import cpu; sys.exit(cpu.ops(sys.argv[1]) is None)"
+    for p in [subprocess.Popen([sys.executable, "-c", script, k]) for k in todo]:
+        p.wait()
+
+
+@pytest.fixture(scope="session")
+def cpu_kinds_built():
+    """Every C++ CPU kind this machine supports, loaded (built at the session's start, `pytest_sessionstart`)."""
+    from agentrt.kernels import cpu
+
     if not cpu.available():
         return ()
     kinds = cpu.supported_kinds()
-    todo = [k for k in kinds if k not in cpu._state["ops"]
-            and not (cpu.build_directory(k) / f"{cpu.build_directory(k).name}.so").is_file()]
-    script = "import sys; from agentrt.kernels import cpu; sys.exit(cpu.ops(sys.argv[1]) is None)"
-    procs = [subprocess.Popen([sys.executable, "-c", script, k]) for k in todo]
-    for p in procs:
-        p.wait()
     for k in kinds:
-        cpu.ops(k)  # loads the library built above; builds it here if a build above failed
+        cpu.ops(k)  # loads the library built at the start; builds it here if that build failed
     return kinds
