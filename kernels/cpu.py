@@ -24,8 +24,10 @@ kind it supports unless one is forced (`AGENTRT_CPU_ISA=avx2`, or `use_kind("avx
 so each path this CPU supports can be run and tested on it. The best kind is compiled with
 `-march=native`, a lower one with `-march=native` minus the instructions it must not use. Each kind
 is its own library and op namespace (several load side by side), cached in torch's extension cache
-(~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR) under a name holding the kind, a hash of the
-CPU's flags and a hash of the sources: the first build takes ~30-60 s, later processes load it.
+(~/.cache/torch_extensions) under a name holding the kind, a hash of the CPU's flags and a hash of the
+sources and the header folders they build against (one venv's): the first build takes ~30-120 s, later
+processes load it. The build compiles a copy of the sources kept in its folder, so a copy of the package
+installed elsewhere finds the library built.
 Builds and loads of one library take an OS file lock, which dies with its process: a build killed
 half-way (Ctrl-C, a restarted machine) leaves torch's own `lock` file behind, which would make every
 later process wait for it forever, so the holder of our lock removes it.
@@ -134,9 +136,17 @@ def _cpu_tag() -> str:
 
 @functools.cache
 def _source_tag() -> str:
+    """A hash of the sources and of the header folders they build against (torch's and Python's, which a build's
+    commands name): another venv's build has its own folder, instead of each venv's first process rebuilding the
+    library the other built (~1-2 min a kind)."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
     digest = hashlib.sha1()
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
+    digest.update("\n".join([*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]).encode())
     return digest.hexdigest()[:8]
 
 

@@ -174,13 +174,17 @@ def test_calibration_times_the_real_engine(tmp_path):
 
     core = EngineCore(max_num_seqs=4, max_num_batched_tokens=128, num_blocks=256, device="cpu")
     scenarios = [calibrate.Scenario("prefill 100", ((100, 2, 0),)), calibrate.Scenario("decode 2 x 16", ((16, 6, 0),) * 2),
-                 calibrate.Scenario("1 decoding + prefill 40", ((16, 8, 0), (40, 2, 2)))]
+                 calibrate.Scenario("1 decoding + prefill 40", ((16, 8, 0), (40, 2, 2))),
+                 calibrate.Scenario("decode 2 x 40 sharing 32", ((40, 4, 0),) * 2, 32)]
     records = calibrate.time_steps(core, scenarios, repeats=2)
     assert core.on_schedule is None and core.kv.num_free_blocks == core.kv.num_blocks
     assert {name for name, _, _ in records} == {s.name for s in scenarios}
     assert all(t > 0 for _, _, t in records)
     prefill = [x for name, x, _ in records if name == "prefill 100"]
     assert prefill[0][1] == 100 and prefill[0][2] == 0  # 100 tokens, no decode row
+    # the second row reads the first one's two prefix blocks (the engine's own block tables): shared context
+    assert max(x[-1] for name, x, _ in records if name.endswith("sharing 32")) >= 32
+    assert all(x[-1] == 0 for name, x, _ in records if not name.endswith("sharing 32"))
     cost, err = calibrate.fit(records)
     assert cost(SchedulerOutput([Request("r", [1] * 8, SamplingParams())], [8], [])) > 0
     assert err["distinct_steps"] >= 4
