@@ -161,6 +161,12 @@ def build_directory(kind_name: str) -> Path:
     return Path(cpp_extension.get_default_build_root()) / folder / name
 
 
+def library_path(kind_name: str) -> Path:
+    """The built library of `kind_name` in its build folder (there once built)."""
+    build_dir = build_directory(kind_name)
+    return build_dir / f"{build_dir.name}.so"
+
+
 def _sources_in(build_dir: Path) -> Path:
     """The C++ sources copied into `build_dir` (a file only where its bytes differ, so its time stays), and the
     main file there. Built from there, the build's commands name no path of this copy of the package: a wheel

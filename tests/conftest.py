@@ -62,20 +62,8 @@ def pytest_sessionstart(session):
 
     if os.environ.get(cpu.ENV_VAR, "1") == "0":
         return
-    todo = [k for k in cpu.supported_kinds() if not (cpu.build_directory(k) / f"{cpu.build_directory(k).name}.so").is_file()]
+    todo = [k for k in cpu.supported_kinds() if not cpu.library_path(k).is_file()]
     script = "import sys; from agentrt.kernels import cpu; sys.exit(cpu.ops(sys.argv[1]) is None)"
     for p in [subprocess.Popen([sys.executable, "-c", script, k]) for k in todo]:
         p.wait()
 
-
-@pytest.fixture(scope="session")
-def cpu_kinds_built():
-    """Every C++ CPU kind this machine supports, loaded (built at the session's start, `pytest_sessionstart`)."""
-    from agentrt.kernels import cpu
-
-    if not cpu.available():
-        return ()
-    kinds = cpu.supported_kinds()
-    for k in kinds:
-        cpu.ops(k)  # loads the library built at the start; builds it here if that build failed
-    return kinds

@@ -96,8 +96,7 @@ def test_installed_copy_generates_beside_hf_kernels(installed, tmp_path, tiny_mo
     from agentrt.kernels import cpu
 
     target = installed
-    lib = cpu.build_directory(cpu.kind())
-    built = lib / f"{lib.name}.so" if cpu.ops() else None
+    built = cpu.library_path(cpu.kind()) if cpu.ops() else None
     before = built.stat().st_mtime_ns if built else None
     code = (
         "import kernels, agentrt, agentrt.engine as e\n"

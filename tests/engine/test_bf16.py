@@ -124,7 +124,7 @@ KINDS = ["avx512_bf16", "avx512", "avx2"]
 
 @needs_cpp
 @pytest.mark.parametrize("kind", KINDS)
-def test_bf16_engine_matches_hf_bf16_on_each_cpu_kind(cpu_kinds_built, head64_model, head64_hf, kind):
+def test_bf16_engine_matches_hf_bf16_on_each_cpu_kind(head64_model, head64_hf, kind):
     """Prefill chunks, decode from the bf16 cache, fused norms and RoPE, on each CPU kind this machine runs."""
     if kind not in cpu.supported_kinds():
         pytest.skip(f"this CPU does not support the {kind} kernels")
@@ -142,7 +142,7 @@ def test_bf16_engine_matches_hf_bf16_on_each_cpu_kind(cpu_kinds_built, head64_mo
 
 @needs_cpp
 @pytest.mark.parametrize("kind", KINDS)
-def test_fp32_engine_matches_hf_fp32_on_each_cpu_kind(cpu_kinds_built, head64_model, head64_hf, kind):
+def test_fp32_engine_matches_hf_fp32_on_each_cpu_kind(head64_model, head64_hf, kind):
     if kind not in cpu.supported_kinds():
         pytest.skip(f"this CPU does not support the {kind} kernels")
     hf32, _ = head64_hf

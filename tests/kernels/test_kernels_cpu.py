@@ -64,7 +64,7 @@ def test_a_killed_build_does_not_stall_the_next_process(cpu_kind):
     # torch's build baton (`lock`) outlives a build killed half-way (Ctrl-C, a restarted machine); torch alone
     # would wait on it forever, in every later process, even with the library already built
     build_dir = cpu.build_directory(cpu_kind)
-    assert (build_dir / f"{build_dir.name}.so").exists()
+    assert cpu.library_path(cpu_kind).exists()
     (build_dir / "lock").touch()
     code = f"from agentrt.kernels import cpu; print(cpu.available({cpu_kind!r}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
