@@ -28,7 +28,7 @@ def srv(default_model_path):
     with live_server(config) as s:
         from agentrt.engine.config import auto_dtype
 
-        assert s.state.runtime.engine.core.config.dtype == auto_dtype("cpu")[0]
+        assert s.state.runtime.engine.config.dtype == auto_dtype("cpu")[0]
         yield s
         s.wait_idle()
         assert_all_blocks_free(s.state.runtime.engine.core)
