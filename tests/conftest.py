@@ -11,7 +11,9 @@ import importlib.util  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (pytest -n N) each worker gets its share of the cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 if not torch.cuda.is_available():
     # The engine's CPU default is "auto" (bf16 on CPUs with AVX512-BF16 or AMX); tests compare against
     # fp32 references, so they run fp32 unless they ask for bf16 (tests/engine/test_bf16*.py).
@@ -41,6 +43,29 @@ def default_model_path():
     return resolve_model(None)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`pytest -n auto` (the README's test command): one worker a core, at most 4 (each worker holds its own
+    engines and models)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test's node id unique. pytest-xdist schedules tests by node id, so tests that share one run once:
+    schemathesis's `schema.parametrize()` (tests/server/test_schema_fuzz.py) makes an item per API operation,
+    each named for its operation (`test_...[POST /v1/chat/completions]`) but all with the function's node id.
+    Those take their names; any other duplicate is an error rather than a test silently left out."""
+    seen: set[str] = set()
+    for item in items:
+        if item.nodeid in seen or item.name not in item.nodeid:
+            if hasattr(item, "_id"):  # pytest >= 9: a structured node id
+                item._id = item.parent.id.child(item.name)
+            else:
+                item._nodeid = f"{item.parent.nodeid}::{item.name}"
+        if item.nodeid in seen:
+            raise pytest.UsageError(f"two tests share the node id {item.nodeid!r}: pytest-xdist would run one")
+        seen.add(item.nodeid)
+
+
 def assert_all_blocks_free(core) -> None:
     """Every KV block is back in the free queue and nothing holds a reference."""
     kv = core.kv
@@ -49,6 +74,7 @@ def assert_all_blocks_free(core) -> None:
     assert not core.scheduler.running and not core.scheduler.waiting
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
     """Every C++ CPU kind this machine supports, built before the first test: a kind's build is one compiler process
     on one core (~40-120 s here), and built on first use they came one after another (the native kind while tests
@@ -60,7 +86,7 @@ def pytest_sessionstart(session):
 
     from agentrt.kernels import cpu
 
-    if os.environ.get(cpu.ENV_VAR, "1") == "0":
+    if os.environ.get(cpu.ENV_VAR, "1") == "0" or "PYTEST_XDIST_WORKER" in os.environ:
         return
     todo = [k for k in cpu.supported_kinds() if not cpu.library_path(k).is_file()]
     script = "import sys; from agentrt.kernels import cpu; sys.exit(cpu.ops(sys.argv[1]) is None)"
