@@ -248,6 +248,8 @@ def write_docs(report: dict[str, Any], path: Path | None = None) -> Path:
         parts += ["", SIM_NOTE, "", simulated_table(report)]
         if "step_costs" in report["config"]:
             parts += ["", f"The simulator's {report['config']['step_costs']}."]
+        if "simulated_knee" in report:
+            parts += ["", knee_line(report)]
     return _common.write_section(title, "\n".join(parts), path, name="programs")
 
 
@@ -260,7 +262,7 @@ def simulated(report: dict[str, Any], policies: list[str], workloads: list[list[
     """The simulator on the same workloads as a served run (agentrt/bench/simulate.py --like-http): each policy's
     mean latency, all programs and by class, pooled over the seeds as the real run's."""
     from agentrt.bench import costs
-    from agentrt.bench.sim_run import like_http, simulate
+    from agentrt.bench.sim_run import like_http, served_knee, simulate
 
     cost, line = costs.for_this_machine(report["config"].get("model"), quiet=True)
     report["config"]["step_costs"] = line
@@ -271,7 +273,21 @@ def simulated(report: dict[str, Any], policies: list[str], workloads: list[list[
                               for work in workloads]))
         out[policy] = {"mean": res["latency_s"]["mean"], "short": res["by_class"]["short"].get("mean", float("nan")),
                        "long": res["by_class"]["long"].get("mean", float("nan"))}
+    if sat := report["config"].get("saturation"):  # the server's knee, measured: the simulator's, measured alike
+        drawn = make_workload(max(len(workloads[0]), 400), 1.0, report["config"]["seed"])
+        report["simulated_knee"] = served_knee(drawn, engine=engine, cost=cost,
+                                               levels=tuple(sorted(int(n) for n in sat["curve"])), **like_http())
     return out
+
+
+def knee_line(report: dict[str, Any]) -> str:
+    """The served and the simulated saturation side by side, each measured as `--load` measures it (issue 47 item 4:
+    where the simulator's contention departs from the server's)."""
+    sat, sim = report["config"]["saturation"], report["simulated_knee"]
+    served = ", ".join(f"{int(n)}: {c['output_tok_s']:.0f}" for n, c in sorted(sat["curve"].items(), key=lambda x: int(x[0])))
+    simulated = ", ".join(f"{n}: {v:.0f}" for n, v in sim["curve"].items())
+    return (f"Saturation, output tokens a second by programs in flight (a closed loop of the mix, as `--load` measures "
+            f"it; FCFS): served {served}; simulated {simulated}.")
 
 
 def simulated_table(report: dict[str, Any]) -> str:
@@ -605,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
         print(programs_http.breakdown_table(report["results"]))
         if "simulated" in report:
             print(f"\n{SIM_NOTE}\n\n{simulated_table(report)}")
+            if "simulated_knee" in report:
+                print(f"\n{knee_line(report)}")
     if args.breakdown and not args.json:
         from agentrt.bench import breakdown as bd
 

@@ -36,6 +36,29 @@ def capacity(workload: list[ProgramSpec], *, engine: dict[str, Any] | None = Non
     return len(burst) / simulate("fcfs", burst, engine=engine, cost=cost)["makespan_s"]
 
 
+def served_knee(workload: list[ProgramSpec], *, engine: dict[str, Any] | None = None, cost: StepCost | None = None,
+                levels: tuple[int, ...] = (4, 8, 16, 32, 64), settle: float = 0.25, **kwargs: Any) -> dict[str, Any]:
+    """The simulator's saturation measured as `agentrt bench programs --http` measures the server's
+    (agentrt/bench/programs_http.py `measure_saturation`): the workload's programs kept N in flight (a closed loop),
+    for N in `levels` until one gives less output than the best so far; each level's output tokens a second over
+    its steady spell, from the time the first `settle` of its programs have ended to the last program's start
+    (after which fewer than N are in flight). Returns {"curve": {N: tok/s}, "in_flight": best N, "output_tok_s"}.
+    `kwargs` go to `simulate` (`like_http()`)."""
+    curve: dict[int, float] = {}
+    for n in levels:
+        done = simulate("fcfs", workload, engine=engine, cost=cost, in_flight=n, **kwargs)["programs"]
+        t1 = max(p["start_s"] for p in done)
+        t0 = sorted(p["end_s"] for p in done)[int(settle * len(done))]
+        spell = [p for p in done if t0 < p["end_s"] <= t1]
+        if t1 <= t0 or len(spell) < 2 * n:
+            raise ValueError(f"served_knee: {len(workload)} programs leave no steady spell at {n} in flight")
+        curve[n] = sum(p["output_tokens"] for p in spell) / (t1 - t0)
+        if curve[n] < max(curve.values()):
+            break
+    best = max(curve, key=curve.__getitem__)
+    return {"curve": curve, "in_flight": best, "output_tok_s": curve[best]}
+
+
 def like_http() -> dict[str, Any]:
     """`simulate`'s arguments for programs served as `agentrt bench programs --http` serves them: TTL pins as the
     server keeps them, and no program ever said to end (an OpenAI client just stops calling)."""
@@ -45,13 +68,17 @@ def like_http() -> dict[str, Any]:
 def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, policy_kwargs: dict[str, Any] | None = None,
              engine: dict[str, Any] | None = None, cost: StepCost | None = None,
              retention: RetentionConfig | None = None, tiers: TierCost | None = None,
-             end_programs: bool = True) -> dict[str, Any]:
+             end_programs: bool = True, in_flight: int | None = None) -> dict[str, Any]:
     """Run the workload's plans to completion; per-program latencies and engine counters (virtual seconds).
     `retention`: run agentrt's retention policy (TTL pins, reservations) over the engine's own pin code.
     `tiers`: KV tiers below the cache (agentrt/bench/sim_tiers.py); the retention TTL then weighs their reload cost.
     An `engine` with `kv_host_gib` (a real engine's argument) simulates a CPU engine's host tier (`cpu_host`).
     `end_programs=False`: a program's end is never told to the engine, as with a client of the HTTP API (an OpenAI
-    SDK), whose programs just stop calling (`agentrt bench programs --http`)."""
+    SDK), whose programs just stop calling (`agentrt bench programs --http`).
+    `in_flight=N`: a closed loop instead of the arrival times: N programs start at once and each that ends starts the
+    next of the workload, in order (`served_knee`); each program's start is then its `start_s` in the results."""
+    if in_flight is not None and in_flight < 1:
+        raise ValueError(f"in_flight must be a program count >= 1, got {in_flight!r}")
     pol = make_policy(policy, **(policy_kwargs or {}))
     engine = {**DEFAULT_ENGINE, **(engine or {})}
     if host_gib := engine.pop("kv_host_gib", 0):
@@ -66,12 +93,13 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
     timers: list[tuple[float, int, Callable[[], None]]] = []
     seq = itertools.count()
     results: list[dict[str, Any] | None] = [None] * len(workload)
+    pending = iter(workload[in_flight:] if in_flight is not None else ())
 
     def at(t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(timers, (t, next(seq), fn))
 
     def start(spec: ProgramSpec) -> None:
-        pid, gen = f"prog-{spec.index}", wl.plan(spec)
+        pid, gen, started = f"prog-{spec.index}", wl.plan(spec), eng.now
         stats = {"calls": 0, "output_tokens": 0, "queue_s": 0.0, "run_s": 0.0, "preemptions": 0, "recomputed_tokens": 0}
         if ret is not None:
             ret.program_started(pid, None)
@@ -84,7 +112,11 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
                     ret.program_ended(pid)
                 elif end_programs:
                     eng.program_op(EndProgram(pid))
-                results[spec.index] = {"kind": spec.kind, "latency_s": eng.now - spec.arrival_s, **stats}
+                arrived = started if in_flight is not None else spec.arrival_s
+                results[spec.index] = {"kind": spec.kind, "start_s": started, "end_s": eng.now,
+                                       "latency_s": eng.now - arrived, **stats}
+                if (nxt := next(pending, None)) is not None:
+                    start(nxt)
                 return
             if isinstance(action, Tool):
                 if ret is not None:
@@ -117,8 +149,8 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
 
         advance(None)
 
-    for spec in workload:
-        at(spec.arrival_s, lambda spec=spec: start(spec))
+    for spec in workload if in_flight is None else workload[:in_flight]:
+        at(spec.arrival_s if in_flight is None else 0.0, lambda spec=spec: start(spec))
     while timers or eng.has_work():
         while timers and timers[0][0] <= eng.now:
             heapq.heappop(timers)[2]()

@@ -141,3 +141,33 @@ def test_a_cpu_host_tier_is_simulated_read_in_place():
     tiered = sim_run.simulate("fcfs", work, engine={**engine, "kv_host_gib": 1.0})
     assert not plain["tier_hits"] and tiered["tier_hits"]["host"] > 0
     assert tiered["preemptions"] <= plain["preemptions"]
+
+
+def test_a_closed_loop_keeps_n_programs_in_flight_and_its_knee_is_measured_as_the_servers():
+    """`in_flight=N`: N programs start at once and each that ends starts the next, whatever the arrival times say;
+    `served_knee` measures output tokens a second per N as `bench programs --load` measures a server's."""
+    from agentrt.bench import programs as bench
+    from agentrt.bench import sim_run
+
+    work = wl.make_workload(30, 2.0, seed=3)
+    engine = {"num_blocks": 60, "max_num_seqs": 8}
+    res = sim_run.simulate("fcfs", work, engine=engine, in_flight=3)  # asserts inside: no leaked block, all done
+    progs = res["programs"]
+    assert sorted(p["start_s"] for p in progs)[:3] == [0.0, 0.0, 0.0]
+    for p in progs:  # at any program's start, at most 3 are in flight (itself included)
+        assert sum(q["start_s"] <= p["start_s"] < q["end_s"] for q in progs) <= 3
+        assert p["latency_s"] == pytest.approx(p["end_s"] - p["start_s"])
+    later = sorted(p["start_s"] for p in progs)[3:]  # every later start is some program's end
+    assert all(any(s == q["end_s"] for q in progs) for s in later)
+    with pytest.raises(ValueError, match="in_flight must be a program count >= 1, got 0"):
+        sim_run.simulate("fcfs", work, engine=engine, in_flight=0)
+
+    knee = sim_run.served_knee(wl.make_workload(120, 1.0, seed=0), engine=engine, levels=(1, 4, 16))
+    curve = knee["curve"]
+    assert list(curve)[:2] == [1, 4] and all(v > 0 for v in curve.values())
+    assert knee["output_tok_s"] == max(curve.values()) and curve[knee["in_flight"]] == knee["output_tok_s"]
+    if len(curve) == 2:  # stopped early: only past the knee
+        assert curve[4] < curve[1]
+    report = {"config": {"saturation": {"curve": {4: {"output_tok_s": 88.4}, 8: {"output_tok_s": 103.2}}}},
+              "simulated_knee": {"curve": {4: 95.9, 8: 92.0}}}
+    assert bench.knee_line(report).endswith("FCFS): served 4: 88, 8: 103; simulated 4: 96, 8: 92.")
