@@ -64,10 +64,13 @@ class SimEngine:
     def program_op(self, op: ProgramOp) -> None:
         self.scheduler.program_op(op)
 
-    def add(self, call: Call, program_id: str, thread_id: str, on_done: Callable[[Request], None]) -> None:
+    def add(self, call: Call, program_id: str, thread_id: str, on_done: Callable[[Request], None],
+            arrival: float | None = None) -> None:
+        """A call submitted at `arrival` (default: now); one that arrived during the last step (`arrival` before
+        now) reaches the scheduler only now, as a real engine's does, and has waited since its arrival."""
         rid = f"sim-{next(self._ids)}"
         req = Request(rid, list(call.prompt), SamplingParams(max_tokens=call.max_tokens, ignore_eos=True),
-                      program_id=program_id, thread_id=thread_id, arrival_time=self.now)
+                      program_id=program_id, thread_id=thread_id, arrival_time=self.now if arrival is None else arrival)
         self._done[rid] = on_done
         self.scheduler.add_request(req)
 

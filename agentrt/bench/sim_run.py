@@ -95,6 +95,14 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
     results: list[dict[str, Any] | None] = [None] * len(workload)
     pending = iter(workload[in_flight:] if in_flight is not None else ())
 
+    # A timer that fell due during a step (an arrival, a tool's return) runs after that step, as a real engine
+    # schedules a call that arrives mid-step only at its next step; but the call was submitted when the timer fell
+    # due: its request's arrival time and the gap retention learns (the tool's time) are that time, not the step's end.
+    due: list[float | None] = [None]
+
+    def submitted() -> float:
+        return eng.now if due[0] is None else due[0]
+
     def at(t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(timers, (t, next(seq), fn))
 
@@ -143,9 +151,9 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
                     advance(outs if isinstance(action, Parallel) else outs[0])
 
             if ret is not None:
-                ret.call_submitted(pid, eng.now)
+                ret.call_submitted(pid, submitted())
             for i, call in enumerate(calls):
-                eng.add(call, pid, f"{pid}.t{i}", lambda req, i=i: done(i, req))
+                eng.add(call, pid, f"{pid}.t{i}", lambda req, i=i: done(i, req), arrival=submitted())
 
         advance(None)
 
@@ -153,7 +161,9 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
         at(spec.arrival_s if in_flight is None else 0.0, lambda spec=spec: start(spec))
     while timers or eng.has_work():
         while timers and timers[0][0] <= eng.now:
-            heapq.heappop(timers)[2]()
+            due[0], _, fn = heapq.heappop(timers)
+            fn()
+            due[0] = None
         if eng.has_work():
             eng.step(timers[0][0] if timers else math.inf)  # what arrives during a step is added after it
         elif timers:
