@@ -98,16 +98,16 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
     # A timer that fell due during a step (an arrival, a tool's return) runs after that step, as a real engine
     # schedules a call that arrives mid-step only at its next step; but the call was submitted when the timer fell
     # due: its request's arrival time and the gap retention learns (the tool's time) are that time, not the step's end.
-    due: list[float | None] = [None]
+    due: float | None = None
 
     def submitted() -> float:
-        return eng.now if due[0] is None else due[0]
+        return eng.now if due is None else due
 
     def at(t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(timers, (t, next(seq), fn))
 
     def start(spec: ProgramSpec) -> None:
-        pid, gen, started = f"prog-{spec.index}", wl.plan(spec), eng.now
+        pid, gen, started = f"prog-{spec.index}", wl.plan(spec), submitted()
         stats = {"calls": 0, "output_tokens": 0, "queue_s": 0.0, "run_s": 0.0, "preemptions": 0, "recomputed_tokens": 0}
         if ret is not None:
             ret.program_started(pid, None)
@@ -157,13 +157,17 @@ def simulate(policy: str | SchedulingPolicy, workload: list[ProgramSpec], *, pol
 
         advance(None)
 
-    for spec in workload if in_flight is None else workload[:in_flight]:
-        at(spec.arrival_s if in_flight is None else 0.0, lambda spec=spec: start(spec))
+    if in_flight is None:
+        for spec in workload:
+            at(spec.arrival_s, lambda spec=spec: start(spec))
+    else:
+        for spec in workload[:in_flight]:
+            at(0.0, lambda spec=spec: start(spec))
     while timers or eng.has_work():
         while timers and timers[0][0] <= eng.now:
-            due[0], _, fn = heapq.heappop(timers)
+            due, _, fn = heapq.heappop(timers)
             fn()
-            due[0] = None
+            due = None
         if eng.has_work():
             eng.step(timers[0][0] if timers else math.inf)  # what arrives during a step is added after it
         elif timers:
